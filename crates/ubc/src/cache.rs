@@ -1,0 +1,645 @@
+//! The cache: one memory budget for every object, one replacement policy, one page daemon.
+//!
+//! Budget. `resident` counts pages that are valid or reserved for a fill in progress;
+//! a fill reserves before it allocates, so memory never exceeds the budget (the memfds may
+//! hold less: a hole page counts resident before anything touches it). When a reservation
+//! does not fit, the reserving thread reclaims (direct reclaim), as `uvm_pagealloc` falls back
+//! to the page daemon's work when free pages run out.
+//!
+//! Page daemon (NetBSD `uvm_pdaemon.c`, Linux `kswapd`). A background thread keeps free space
+//! between a low and a high watermark, so foreground fills rarely have to reclaim themselves.
+//! Reclaim asks the policy for victims; a victim the policy wants but which is dirty is
+//! written back (clustered) and taken on the next round.
+
+use crate::error::{Error, Result};
+use crate::evict::{EvictAttempt, EvictionPolicy, PageKey, PageProbe, PolicyKind};
+use crate::file::{Access, File};
+use crate::object::Object;
+use crate::page::state::{BUSY, DIRTY, VALID, WRITEBACK};
+use crate::pager::{FilePager, Identity, Pager};
+use crate::stats::{CacheStats, Stats};
+use crate::window::Windows;
+use parking_lot::{Condvar, Mutex, RwLock};
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How a cache is set up. Build with [`Cache::builder`].
+#[derive(Debug, Clone)]
+pub struct CacheBuilder {
+    budget: u64,
+    page_size: usize,
+    window_size: usize,
+    max_windows: Option<usize>,
+    policy: PolicyKind,
+    max_fill: usize,
+    max_put: usize,
+    daemon: bool,
+    low_watermark: Option<u64>,
+    high_watermark: Option<u64>,
+    reserve_timeout: Duration,
+}
+
+impl Default for CacheBuilder {
+    fn default() -> Self {
+        CacheBuilder {
+            budget: 256 << 20,
+            page_size: 4096,
+            window_size: 2 << 20,
+            max_windows: None,
+            policy: PolicyKind::default(),
+            max_fill: 256 << 10,
+            max_put: 1 << 20,
+            daemon: true,
+            low_watermark: None,
+            high_watermark: None,
+            reserve_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl CacheBuilder {
+    /// Memory budget in bytes for all cached pages (default 256 MiB).
+    pub fn budget(mut self, bytes: u64) -> Self {
+        self.budget = bytes;
+        self
+    }
+    /// Page size: a power of two, at least the system page size (default 4 KiB).
+    pub fn page_size(mut self, bytes: usize) -> Self {
+        self.page_size = bytes;
+        self
+    }
+    /// Bytes mapped by one window: a power of two, a multiple of the page size (default 2 MiB).
+    pub fn window_size(mut self, bytes: usize) -> Self {
+        self.window_size = bytes;
+        self
+    }
+    /// Most window mappings alive at once (default: enough for twice the budget, 64..=4096).
+    pub fn max_windows(mut self, n: usize) -> Self {
+        self.max_windows = Some(n);
+        self
+    }
+    /// Replacement policy (default: [`PolicyKind::default`]).
+    pub fn policy(mut self, policy: PolicyKind) -> Self {
+        self.policy = policy;
+        self
+    }
+    /// Largest cluster read by one `get_pages` call on a miss (default 256 KiB).
+    pub fn max_fill(mut self, bytes: usize) -> Self {
+        self.max_fill = bytes;
+        self
+    }
+    /// Largest cluster written by one `put_pages` call (default 1 MiB).
+    pub fn max_put(mut self, bytes: usize) -> Self {
+        self.max_put = bytes;
+        self
+    }
+    /// Run the background page daemon (default true). Without it, all reclaim is direct.
+    pub fn daemon(mut self, on: bool) -> Self {
+        self.daemon = on;
+        self
+    }
+    /// Free bytes below which the page daemon wakes, and up to which it frees
+    /// (defaults: 1/64 and 1/32 of the budget, at least 8 and 16 pages).
+    pub fn watermarks(mut self, low: u64, high: u64) -> Self {
+        self.low_watermark = Some(low);
+        self.high_watermark = Some(high);
+        self
+    }
+    /// How long a fill may wait for pinned pages to be released before it fails with
+    /// [`Error::BudgetExceeded`] (default 10 s).
+    pub fn reserve_timeout(mut self, t: Duration) -> Self {
+        self.reserve_timeout = t;
+        self
+    }
+
+    /// Check the settings and start the cache (and its page daemon).
+    pub fn build(self) -> Result<Cache> {
+        let sys_page = rustix::param::page_size();
+        let bad = |m: String| Err(Error::InvalidArgument(m));
+        if !self.page_size.is_power_of_two() || self.page_size < sys_page {
+            return bad(format!("page size {} must be a power of two >= {sys_page}", self.page_size));
+        }
+        if !self.window_size.is_power_of_two() || self.window_size < self.page_size {
+            return bad(format!("window size {} must be a power of two >= the page size", self.window_size));
+        }
+        let budget_pages = self.budget / self.page_size as u64;
+        if budget_pages < 2 {
+            return bad(format!("budget {} B is smaller than two pages of {} B", self.budget, self.page_size));
+        }
+        let page_shift = self.page_size.trailing_zeros();
+        let chunk_shift = (self.window_size / self.page_size).trailing_zeros();
+        let pages = |b: usize| ((b / self.page_size).max(1)) as u64;
+        let max_windows = self
+            .max_windows
+            .unwrap_or_else(|| ((2 * self.budget / self.window_size as u64) as usize).clamp(64, 4096));
+        let low = self.low_watermark.map_or((budget_pages / 64).max(8), |b| b / self.page_size as u64);
+        let high = self.high_watermark.map_or((budget_pages / 32).max(16), |b| b / self.page_size as u64);
+        let core = Arc::new(CacheCore {
+            page_shift,
+            page_size: self.page_size,
+            chunk_shift,
+            budget_pages,
+            // A fill never takes more than a quarter of the budget, so one request cannot
+            // starve everyone else of memory.
+            max_fill_pages: pages(self.max_fill).min(1 << chunk_shift).min((budget_pages / 4).max(1)),
+            max_put_pages: pages(self.max_put).min(1 << chunk_shift),
+            low_free: low.min(budget_pages / 2),
+            high_free: high.max(low).min(budget_pages / 2),
+            reserve_timeout: self.reserve_timeout,
+            resident: AtomicU64::new(0),
+            dirty: AtomicU64::new(0),
+            policy_name: self.policy.to_string(),
+            policy: Mutex::new(self.policy.build(budget_pages as usize)),
+            registry: RwLock::new(Registry::default()),
+            windows: Windows::new(self.window_size, max_windows),
+            daemon: DaemonCtl::default(),
+            retired: Mutex::new(Stats::default()),
+            next_id: AtomicU64::new(1),
+            daemon_runs: AtomicU64::new(0),
+            daemon_evictions: AtomicU64::new(0),
+        });
+        if self.daemon {
+            let c = core.clone();
+            let t = std::thread::Builder::new()
+                .name("ubc-pagedaemon".into())
+                .spawn(move || c.daemon_loop())
+                .map_err(|e| Error::os("spawn page daemon", e))?;
+            *core.daemon.thread.lock() = Some(t);
+        }
+        Ok(Cache { handle: Arc::new(Handle { core }) })
+    }
+}
+
+#[derive(Default)]
+pub(crate) struct Registry {
+    pub(crate) by_id: HashMap<u64, Arc<Object>>,
+    by_identity: HashMap<Identity, u64>,
+}
+
+#[derive(Default)]
+struct DaemonCtl {
+    state: Mutex<DaemonState>,
+    cv: Condvar,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    kicked: AtomicBool,
+}
+
+#[derive(Default)]
+struct DaemonState {
+    kick: bool,
+    shutdown: bool,
+}
+
+pub(crate) struct CacheCore {
+    pub(crate) page_shift: u32,
+    pub(crate) page_size: usize,
+    /// log2 of pages per chunk (= per window).
+    pub(crate) chunk_shift: u32,
+    pub(crate) budget_pages: u64,
+    pub(crate) max_fill_pages: u64,
+    pub(crate) max_put_pages: u64,
+    low_free: u64,
+    high_free: u64,
+    reserve_timeout: Duration,
+    /// Pages valid or reserved, over all objects.
+    pub(crate) resident: AtomicU64,
+    /// Dirty pages over all objects.
+    pub(crate) dirty: AtomicU64,
+    pub(crate) policy: Mutex<Box<dyn EvictionPolicy>>,
+    policy_name: String,
+    pub(crate) registry: RwLock<Registry>,
+    pub(crate) windows: Windows,
+    daemon: DaemonCtl,
+    retired: Mutex<Stats>,
+    next_id: AtomicU64,
+    daemon_runs: AtomicU64,
+    daemon_evictions: AtomicU64,
+}
+
+/// Pages reclaimed per policy-lock hold.
+const RECLAIM_BATCH: u64 = 64;
+/// Dirty victims collected for writeback per reclaim round.
+const MAX_DIRTY_VICTIMS: usize = 1024;
+
+impl CacheCore {
+    /// Reserve budget for `n` pages about to be filled, reclaiming if needed.
+    /// Fails with `BudgetExceeded` only if nothing can be freed for `reserve_timeout`
+    /// (every page pinned), or with the writeback error that kept dirty pages from leaving.
+    pub(crate) fn reserve(&self, n: u64) -> Result<()> {
+        if n > self.budget_pages {
+            return Err(self.budget_exceeded(n));
+        }
+        let mut deadline: Option<Instant> = None;
+        let mut spins = 0u32;
+        loop {
+            let cur = self.resident.load(SeqCst);
+            if cur + n <= self.budget_pages {
+                if self.resident.compare_exchange_weak(cur, cur + n, SeqCst, SeqCst).is_ok() {
+                    if self.budget_pages - (cur + n) < self.low_free {
+                        self.kick_daemon();
+                    }
+                    return Ok(());
+                }
+                continue;
+            }
+            self.kick_daemon();
+            let want = (cur + n - self.budget_pages).max(RECLAIM_BATCH.min(self.budget_pages / 8).max(1));
+            match self.reclaim(want) {
+                Ok(freed) if freed > 0 => {
+                    deadline = None;
+                    continue;
+                }
+                Ok(_) => {}
+                Err(e) => return Err(e),
+            }
+            // Nothing evictable right now (pinned, busy or in writeback): wait for holders.
+            let d = *deadline.get_or_insert_with(|| Instant::now() + self.reserve_timeout);
+            if Instant::now() > d {
+                return Err(self.budget_exceeded(n));
+            }
+            spins += 1;
+            if spins < 16 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        }
+    }
+
+    fn budget_exceeded(&self, n: u64) -> Error {
+        Error::BudgetExceeded { needed: n << self.page_shift, budget: self.budget_pages << self.page_shift }
+    }
+
+    pub(crate) fn unreserve(&self, n: u64) {
+        let old = self.resident.fetch_sub(n, SeqCst);
+        debug_assert!(old >= n);
+    }
+
+    fn kick_daemon(&self) {
+        if !self.daemon.kicked.swap(true, Relaxed) {
+            let mut st = self.daemon.state.lock();
+            st.kick = true;
+            self.daemon.cv.notify_one();
+        }
+    }
+
+    /// Free up to `want` pages: the policy picks victims, dirty ones are written back and
+    /// picked again. Returns pages freed; an error only if nothing was freed because
+    /// writeback failed.
+    pub(crate) fn reclaim(&self, want: u64) -> Result<u64> {
+        let mut freed = 0;
+        let mut last_err = None;
+        for _round in 0..4 {
+            let mut probe = Prober { core: self, objects: HashMap::new(), dirty: Vec::new() };
+            let mut victims = Vec::new();
+            {
+                let mut pol = self.policy.lock();
+                while (victims.len() as u64) < want - freed {
+                    match pol.select_victim(&mut probe) {
+                        Some(k) => victims.push(k),
+                        None => break,
+                    }
+                }
+            }
+            freed += victims.len() as u64;
+            probe.release(victims);
+            if freed >= want || probe.dirty.is_empty() {
+                break;
+            }
+            if let Err(e) = probe.clean() {
+                last_err = Some(e);
+            }
+        }
+        match last_err {
+            Some(e) if freed == 0 => Err(e),
+            _ => Ok(freed),
+        }
+    }
+
+    fn daemon_loop(self: Arc<Self>) {
+        loop {
+            {
+                let mut st = self.daemon.state.lock();
+                if !st.kick && !st.shutdown {
+                    self.daemon.cv.wait_for(&mut st, Duration::from_millis(250));
+                }
+                if st.shutdown {
+                    return;
+                }
+                st.kick = false;
+                self.daemon.kicked.store(false, Relaxed);
+            }
+            let free = self.budget_pages.saturating_sub(self.resident.load(SeqCst));
+            if free < self.low_free {
+                self.daemon_runs.fetch_add(1, Relaxed);
+                if let Ok(n) = self.reclaim(self.high_free - free) {
+                    self.daemon_evictions.fetch_add(n, Relaxed);
+                }
+            }
+        }
+    }
+
+    pub(crate) fn retire_stats(&self, s: Stats) {
+        self.retired.lock().add(&s);
+    }
+
+    pub(crate) fn object(&self, id: u64) -> Option<Arc<Object>> {
+        self.registry.read().by_id.get(&id).cloned()
+    }
+
+    /// Forget an object nobody has open and that holds no pages.
+    pub(crate) fn maybe_forget(&self, obj: &Object) {
+        if obj.handles.load(SeqCst) != 0 || obj.resident_pages() != 0 {
+            return;
+        }
+        let mut reg = self.registry.write();
+        // Re-check under the lock: `open` takes handles under it.
+        if obj.handles.load(SeqCst) == 0 && obj.resident_pages() == 0 {
+            if let Some(o) = reg.by_id.remove(&obj.id) {
+                if let Some(ident) = &o.identity {
+                    if reg.by_identity.get(ident) == Some(&obj.id) {
+                        reg.by_identity.remove(ident);
+                    }
+                }
+                drop(reg);
+                drop(o); // may run Object::drop, which takes other locks
+            }
+        }
+    }
+
+    fn stats(&self) -> CacheStats {
+        let mut totals = *self.retired.lock();
+        let mut allocated = 0;
+        let objects: Vec<Arc<Object>> = self.registry.read().by_id.values().cloned().collect();
+        for o in &objects {
+            totals.add(&o.stats());
+            allocated += o.allocated_bytes();
+        }
+        // Resident counts reservations in flight too; report what is valid.
+        let w = self.windows.stats();
+        CacheStats {
+            totals,
+            budget_bytes: self.budget_pages << self.page_shift,
+            allocated_bytes: allocated,
+            page_size: self.page_size,
+            objects: objects.len(),
+            windows: w.live,
+            window_maps: w.maps,
+            window_retires: w.retires,
+            daemon_runs: self.daemon_runs.load(Relaxed),
+            daemon_evictions: self.daemon_evictions.load(Relaxed),
+            policy: leak_name(&self.policy_name),
+        }
+    }
+
+    /// Write back every dirty page of every object; the first error is returned.
+    fn sync_all(&self) -> Result<()> {
+        let objects: Vec<Arc<Object>> = self.registry.read().by_id.values().cloned().collect();
+        let mut first = Ok(());
+        for o in objects {
+            if let Err(e) = o.sync() {
+                if first.is_ok() {
+                    first = Err(e);
+                }
+            }
+        }
+        first
+    }
+
+    /// Last handle gone: stop the daemon, write back what we can, drop every object.
+    fn shutdown(&self) {
+        {
+            let mut st = self.daemon.state.lock();
+            st.shutdown = true;
+            self.daemon.cv.notify_all();
+        }
+        if let Some(t) = self.daemon.thread.lock().take() {
+            let _ = t.join();
+        }
+        // Best effort: errors here have no caller left to receive them; `sync` before
+        // dropping the last handle is how to learn about them.
+        let _ = self.sync_all();
+        let objects: Vec<Arc<Object>> = {
+            let mut reg = self.registry.write();
+            reg.by_identity.clear();
+            reg.by_id.drain().map(|(_, o)| o).collect()
+        };
+        drop(objects);
+    }
+}
+
+/// Policy names are a few static strings; keep `CacheStats` `Copy`-friendly.
+fn leak_name(name: &str) -> &'static str {
+    match name {
+        "s3fifo" => "s3fifo",
+        "sieve" => "sieve",
+        "clock" => "clock",
+        _ => "custom",
+    }
+}
+
+/// The cache's side of the policy's [`PageProbe`]: page states looked up by key.
+struct Prober<'a> {
+    core: &'a CacheCore,
+    objects: HashMap<u64, Option<Arc<Object>>>,
+    /// Dirty pages the policy wanted to evict: written back before the next round.
+    dirty: Vec<PageKey>,
+}
+
+impl Prober<'_> {
+    fn object(&mut self, id: u64) -> Option<Arc<Object>> {
+        let core = self.core;
+        self.objects.entry(id).or_insert_with(|| core.object(id)).clone()
+    }
+
+    /// Free taken victims, grouped by object.
+    fn release(&mut self, mut victims: Vec<PageKey>) {
+        victims.sort_unstable();
+        for group in victims.chunk_by(|a, b| a.object == b.object) {
+            let Some(obj) = self.object(group[0].object) else { continue };
+            let pages: Vec<u64> = group.iter().map(|k| k.index).collect();
+            obj.release_evicted(&pages);
+            self.core.maybe_forget(&obj);
+        }
+    }
+
+    /// Write back the dirty pages the policy wanted, clustered.
+    fn clean(&mut self) -> Result<()> {
+        let mut dirty = std::mem::take(&mut self.dirty);
+        dirty.sort_unstable();
+        let mut first = Ok(());
+        let max = self.core.max_put_pages;
+        for group in dirty.chunk_by(|a, b| a.object == b.object) {
+            let Some(obj) = self.object(group[0].object) else { continue };
+            let mut done_to = 0;
+            for k in group {
+                if k.index < done_to {
+                    continue;
+                }
+                if let Err(e) = obj.writeback(k.index, k.index + max, false) {
+                    if first.is_ok() {
+                        first = Err(e);
+                    }
+                }
+                done_to = k.index + max;
+            }
+        }
+        first
+    }
+}
+
+impl PageProbe for Prober<'_> {
+    fn take_accesses(&mut self, key: PageKey) -> Option<u8> {
+        let obj = self.object(key.object)?;
+        let st = obj.page_state(key.index)?;
+        if st.load() & (VALID | BUSY) == 0 {
+            return None;
+        }
+        Some(st.take_accesses())
+    }
+
+    fn try_evict(&mut self, key: PageKey) -> EvictAttempt {
+        let Some(obj) = self.object(key.object) else { return EvictAttempt::Gone };
+        let Some(st) = obj.page_state(key.index) else { return EvictAttempt::Gone };
+        if st.try_lock_for_evict() {
+            return EvictAttempt::Taken;
+        }
+        let s = st.load();
+        if s & (VALID | BUSY) == 0 {
+            return EvictAttempt::Gone;
+        }
+        if s & DIRTY != 0 && s & WRITEBACK == 0 && self.dirty.len() < MAX_DIRTY_VICTIMS {
+            self.dirty.push(key);
+        }
+        EvictAttempt::Unavailable
+    }
+}
+
+/// Shuts the core down when the last user handle (a `Cache` or a `File`) goes away.
+struct Handle {
+    core: Arc<CacheCore>,
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        self.core.shutdown();
+    }
+}
+
+/// A unified buffer cache: one budget of memory holding pages of any number of files,
+/// shared by `read_at`/`write_at`, windows and (later) mappings.
+///
+/// Cheap to clone (all clones are the same cache). Files keep the cache alive; when the
+/// last `Cache` and `File` handle are dropped, dirty pages are written back (best effort:
+/// call [`File::sync`] or [`Cache::sync_all`] to see errors) and memory is released.
+#[derive(Clone)]
+pub struct Cache {
+    handle: Arc<Handle>,
+}
+
+impl Cache {
+    /// A cache with a budget of `budget_bytes` and default settings.
+    pub fn new(budget_bytes: u64) -> Result<Cache> {
+        Cache::builder().budget(budget_bytes).build()
+    }
+
+    /// Settings for a new cache.
+    pub fn builder() -> CacheBuilder {
+        CacheBuilder::default()
+    }
+
+    pub(crate) fn core(&self) -> &Arc<CacheCore> {
+        &self.handle.core
+    }
+
+    /// Open a file served by `pager`. Two pagers with the same [`Identity`] share one cached
+    /// object (one copy of each page). The handle is writable if `access` asks for it; a
+    /// read-only pager makes that an error.
+    pub fn open(&self, pager: Arc<dyn Pager>, access: Access) -> Result<File> {
+        if access == Access::ReadWrite && !pager.is_writable() {
+            return Err(Error::ReadOnly);
+        }
+        let core = self.core();
+        let identity = pager.identity();
+        let obj = {
+            let mut reg = core.registry.write();
+            let existing = identity.as_ref().and_then(|i| reg.by_identity.get(i).copied());
+            match existing.and_then(|id| reg.by_id.get(&id).cloned()) {
+                Some(o) => {
+                    o.upgrade_pager(pager);
+                    o.handles.fetch_add(1, SeqCst);
+                    o
+                }
+                None => {
+                    let id = core.next_id.fetch_add(1, Relaxed);
+                    let o = Arc::new(Object::new(id, core.clone(), pager)?);
+                    o.handles.fetch_add(1, SeqCst);
+                    reg.by_id.insert(id, o.clone());
+                    if let Some(i) = identity {
+                        reg.by_identity.insert(i, id);
+                    }
+                    o
+                }
+            }
+        };
+        Ok(File::new(obj, self.clone(), access == Access::ReadWrite))
+    }
+
+    /// Open an existing host file through a [`FilePager`].
+    pub fn open_path(&self, path: impl AsRef<Path>, access: Access) -> Result<File> {
+        let path = path.as_ref();
+        let pager = FilePager::open(path, access == Access::ReadWrite).map_err(|e| open_err(path, e))?;
+        self.open(Arc::new(pager), access)
+    }
+
+    /// Open a host file read-write, creating it if needed.
+    pub fn create_path(&self, path: impl AsRef<Path>) -> Result<File> {
+        let path = path.as_ref();
+        let pager = FilePager::create(path).map_err(|e| open_err(path, e))?;
+        self.open(Arc::new(pager), Access::ReadWrite)
+    }
+
+    /// Statistics for the whole cache.
+    pub fn stats(&self) -> CacheStats {
+        self.core().stats()
+    }
+
+    /// Write back every dirty page of every cached file and sync their pagers.
+    pub fn sync_all(&self) -> Result<()> {
+        self.core().sync_all()
+    }
+
+    /// Write back and evict everything that is not in use; returns bytes freed.
+    /// (For tests and benchmarks that need a cold cache.)
+    pub fn evict_all(&self) -> Result<u64> {
+        let core = self.core();
+        core.sync_all()?;
+        let mut freed = 0;
+        loop {
+            let n = core.reclaim(core.budget_pages)?;
+            freed += n;
+            if n == 0 {
+                break;
+            }
+        }
+        Ok(freed << core.page_shift)
+    }
+
+    /// The page size in bytes.
+    pub fn page_size(&self) -> usize {
+        self.core().page_size
+    }
+
+    /// The budget in bytes.
+    pub fn budget(&self) -> u64 {
+        self.core().budget_pages << self.core().page_shift
+    }
+}
+
+fn open_err(path: &Path, e: std::io::Error) -> Error {
+    Error::Open { path: path.to_path_buf(), source: e }
+}

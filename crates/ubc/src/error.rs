@@ -1,0 +1,106 @@
+//! Typed errors. Every failure a caller can act on has its own variant; I/O errors from a
+//! pager keep the operation and offset they happened at.
+
+use std::io;
+
+/// What went wrong in a ubc operation.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The pager (backing store) failed while reading, writing, resizing or syncing.
+    #[error("{op} at offset {offset} of {object}: {source}")]
+    Io {
+        op: PagerOp,
+        offset: u64,
+        object: String,
+        #[source]
+        source: io::Error,
+    },
+    /// Opening a host file failed.
+    #[error("open {path}: {source}")]
+    Open {
+        path: std::path::PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// `offset + len` is past the largest file offset ubc supports (2^63 - 1).
+    #[error("offset {offset} + length {len} is past the largest supported file offset (2^63 - 1)")]
+    OffsetOverflow { offset: u64, len: u64 },
+    /// The file handle was closed with [`File::close`](crate::File::close).
+    #[error("file handle is closed")]
+    Closed,
+    /// A write, resize or writable window on a file opened read-only.
+    #[error("file is read-only")]
+    ReadOnly,
+    /// The request needs more pages pinned at once than the budget holds.
+    #[error("request needs {needed} bytes resident at once but the cache budget is {budget} bytes")]
+    BudgetExceeded { needed: u64, budget: u64 },
+    /// A bad argument or configuration value.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The host refused a resource ubc needs (memfd, mapping); carries the call that failed.
+    #[error("{call}: {source}")]
+    Os {
+        call: &'static str,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// The pager call an [`Error::Io`] came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PagerOp {
+    GetPages,
+    PutPages,
+    Len,
+    SetLen,
+    Sync,
+}
+
+impl std::fmt::Display for PagerOp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PagerOp::GetPages => "reading pages",
+            PagerOp::PutPages => "writing back pages",
+            PagerOp::Len => "getting length",
+            PagerOp::SetLen => "setting length",
+            PagerOp::Sync => "syncing",
+        })
+    }
+}
+
+impl Error {
+    /// The OS error number behind this error, if there is one (EIO, ENOSPC, ...).
+    pub fn raw_os_error(&self) -> Option<i32> {
+        match self {
+            Error::Io { source, .. } | Error::Os { source, .. } | Error::Open { source, .. } => source.raw_os_error(),
+            Error::OffsetOverflow { .. } => Some(libc::EFBIG),
+            Error::Closed => Some(libc::EBADF),
+            Error::ReadOnly => Some(libc::EBADF),
+            Error::BudgetExceeded { .. } => Some(libc::ENOMEM),
+            Error::InvalidArgument(_) => Some(libc::EINVAL),
+        }
+    }
+
+    pub(crate) fn os(call: &'static str, e: impl Into<io::Error>) -> Error {
+        Error::Os { call, source: e.into() }
+    }
+}
+
+impl From<Error> for io::Error {
+    fn from(e: Error) -> io::Error {
+        let kind = match &e {
+            Error::Io { source, .. } | Error::Os { source, .. } | Error::Open { source, .. } => source.kind(),
+            Error::OffsetOverflow { .. } => io::ErrorKind::FileTooLarge,
+            Error::Closed => io::ErrorKind::Other,
+            Error::ReadOnly => io::ErrorKind::PermissionDenied,
+            Error::BudgetExceeded { .. } => io::ErrorKind::OutOfMemory,
+            Error::InvalidArgument(_) => io::ErrorKind::InvalidInput,
+        };
+        // Keep ubc's context in the message; callers that need the errno can downcast
+        // (`io_err.get_ref().and_then(|e| e.downcast_ref::<ubc::Error>())`).
+        io::Error::new(kind, e)
+    }
+}
+
+/// Result type of ubc operations.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

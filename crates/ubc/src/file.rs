@@ -1,0 +1,317 @@
+//! Files: handles on cached objects. Positional `read_at`/`write_at` (thread-safe), the
+//! `std::io` adapters, and windows — guards lending cached pages for zero-copy access
+//! (UBC's `ubc_alloc`/`ubc_release`; "page loanout").
+
+use crate::cache::Cache;
+use crate::error::{Error, Result};
+use crate::object::{checked_end, Object};
+use crate::page::table::Chunk;
+use crate::stats::Stats;
+use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::sync::atomic::{AtomicBool, Ordering::*};
+use std::sync::Arc;
+
+/// Whether a handle may modify the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    ReadOnly,
+    ReadWrite,
+}
+
+/// An open file in the cache.
+///
+/// Positional calls (`read_at`, `write_at`, `window`, …) take `&self` and may be used from
+/// many threads at once. The `Read`/`Write`/`Seek` adapters use the handle's own position;
+/// [`File::try_clone`] gives another handle (with its own position) on the same file.
+pub struct File {
+    obj: Arc<Object>,
+    cache: Cache,
+    writable: bool,
+    closed: AtomicBool,
+    pos: u64,
+}
+
+impl File {
+    pub(crate) fn new(obj: Arc<Object>, cache: Cache, writable: bool) -> File {
+        File { obj, cache, writable, closed: AtomicBool::new(false), pos: 0 }
+    }
+
+    #[inline]
+    fn live(&self) -> Result<&Object> {
+        if self.closed.load(Relaxed) {
+            return Err(Error::Closed);
+        }
+        Ok(&self.obj)
+    }
+
+    fn live_writable(&self) -> Result<&Object> {
+        let o = self.live()?;
+        if !self.writable {
+            return Err(Error::ReadOnly);
+        }
+        Ok(o)
+    }
+
+    /// Read up to `buf.len()` bytes at `offset`; fewer only at the end of the file.
+    /// Holes read as zeros.
+    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        self.live()?.read(buf, offset)
+    }
+
+    /// Read exactly `buf.len()` bytes at `offset`, or fail with `UnexpectedEof`.
+    pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        let n = self.read_at(buf, offset)?;
+        if n < buf.len() {
+            return Err(Error::Io {
+                op: crate::error::PagerOp::GetPages,
+                offset: offset + n as u64,
+                object: self.obj.describe().to_string(),
+                source: io::ErrorKind::UnexpectedEof.into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Write all of `buf` at `offset`, extending the file if it ends before. Returns
+    /// `buf.len()`, or fewer bytes if an error stopped it after some were written.
+    pub fn write_at(&self, buf: &[u8], offset: u64) -> Result<usize> {
+        self.live_writable()?.write(buf, offset)
+    }
+
+    /// Length of the file in bytes.
+    pub fn len(&self) -> Result<u64> {
+        Ok(self.live()?.len())
+    }
+
+    /// True if the file is empty.
+    pub fn is_empty(&self) -> Result<bool> {
+        Ok(self.len()? == 0)
+    }
+
+    /// Truncate or extend. Cached pages past the new end are dropped and the tail of the
+    /// last page is zeroed, so a later extension reads zeros. Waits for anyone holding a
+    /// window on the dropped pages — do not truncate under your own window.
+    pub fn set_len(&self, len: u64) -> Result<()> {
+        self.live_writable()?.set_len(len)
+    }
+
+    /// Write every dirty page to the pager, then make it durable (the pager's sync). On error
+    /// the pages stay dirty (a later `sync` retries) and the error is returned.
+    pub fn sync(&self) -> Result<()> {
+        self.live()?.sync()
+    }
+
+    /// Close the handle: later calls on it fail with [`Error::Closed`]. Like `close(2)`,
+    /// it does not sync; cached data stays in the cache for other handles and later opens.
+    pub fn close(&self) -> Result<()> {
+        if self.closed.swap(true, SeqCst) {
+            return Err(Error::Closed);
+        }
+        self.release_handle();
+        Ok(())
+    }
+
+    fn release_handle(&self) {
+        if self.obj.handles.fetch_sub(1, SeqCst) == 1 {
+            self.obj.core.maybe_forget(&self.obj);
+        }
+    }
+
+    /// Another handle on the same file, with its own position.
+    pub fn try_clone(&self) -> Result<File> {
+        let o = self.live()?;
+        o.handles.fetch_add(1, SeqCst);
+        Ok(File::new(self.obj.clone(), self.cache.clone(), self.writable))
+    }
+
+    /// Statistics of this file's cached object (shared by all its handles).
+    pub fn stats(&self) -> Stats {
+        self.obj.stats()
+    }
+
+    /// The cache this file lives in.
+    pub fn cache(&self) -> &Cache {
+        &self.cache
+    }
+
+    /// The chunk holding `offset` and the end of the window-able range from `offset`:
+    /// clipped to the chunk (a window is one mapping) and to `limit`.
+    fn window_span(&self, obj: &Object, offset: u64, len: usize, limit: u64) -> (u64, u64) {
+        let chunk_bytes = (self.obj.core.page_size as u64) << self.obj.core.chunk_shift;
+        let chunk_end = (offset / chunk_bytes + 1) * chunk_bytes;
+        let _ = obj;
+        let end = offset.saturating_add(len as u64).min(chunk_end).min(limit);
+        (offset / chunk_bytes, end)
+    }
+
+    /// Lend the cached bytes at `offset` for reading, without copying (`ubc_alloc`).
+    /// The window may be shorter than `len`: it ends at the end of the file and at a window
+    /// boundary (`window_size`), like `ubc_alloc` shrinking its length; call again for the
+    /// rest. Pages stay pinned in the cache until the guard is dropped.
+    pub fn window(&self, offset: u64, len: usize) -> Result<Window<'_>> {
+        let obj = self.live()?;
+        checked_end(offset, len)?;
+        let (ci, end) = self.window_span(obj, offset, len, obj.len());
+        if end <= offset {
+            return Ok(Window { obj, chunk: None, ptr: std::ptr::null(), len: 0, first: 0, last: 0 });
+        }
+        let chunk = obj.table.get_or_create(ci);
+        let ps = obj.core.page_shift;
+        let (first, last) = (offset >> ps, (end - 1) >> ps);
+        let win = obj.pin_range(chunk, first, last)?;
+        let chunk_off = ci * ((obj.core.page_size as u64) << obj.core.chunk_shift);
+        // SAFETY: pointer into the chunk's window, within the pinned pages.
+        let ptr = unsafe { win.add((offset - chunk_off) as usize) };
+        Ok(Window { obj, chunk: Some(chunk), ptr, len: (end - offset) as usize, first, last })
+    }
+
+    /// Lend the cached bytes at `offset` for writing in place. Like [`File::window`], the
+    /// window may be shorter than `len` (window boundary), but it extends the file: after
+    /// the guard is dropped the file is at least `offset + window.len()` long. Existing
+    /// data is read in first, so the window shows the file's current bytes. Pages are
+    /// marked dirty when the guard is dropped.
+    ///
+    /// While the guard lives, other writers of these pages wait, readers may see the bytes
+    /// as they are being written, and `set_len` on this file waits.
+    pub fn window_mut(&self, offset: u64, len: usize) -> Result<WindowMut<'_>> {
+        let obj = self.live_writable()?;
+        checked_end(offset, len)?;
+        let (ci, end) = self.window_span(obj, offset, len, u64::MAX);
+        if end <= offset {
+            return Ok(WindowMut { obj, chunk: None, ptr: std::ptr::null_mut(), len: 0, offset, size: None });
+        }
+        let size = obj.size_lock.read();
+        let chunk = obj.table.get_or_create(ci);
+        let win = obj.lock_range_for_write(chunk, offset, end)?;
+        let chunk_off = ci * ((obj.core.page_size as u64) << obj.core.chunk_shift);
+        // SAFETY: pointer into the chunk's window, within the pages we hold.
+        let ptr = unsafe { win.add((offset - chunk_off) as usize) };
+        Ok(WindowMut { obj, chunk: Some(chunk), ptr, len: (end - offset) as usize, offset, size: Some(size) })
+    }
+}
+
+impl Drop for File {
+    fn drop(&mut self) {
+        if !self.closed.swap(true, SeqCst) {
+            self.release_handle();
+        }
+    }
+}
+
+impl std::fmt::Debug for File {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("File").field("object", &self.obj.describe()).field("writable", &self.writable).finish()
+    }
+}
+
+/// A read-only loan of cached bytes (see [`File::window`]). Derefs to `&[u8]`.
+pub struct Window<'a> {
+    obj: &'a Object,
+    chunk: Option<&'a Chunk>,
+    ptr: *const u8,
+    len: usize,
+    first: u64,
+    last: u64,
+}
+
+impl std::ops::Deref for Window<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: the pages are pinned valid for the guard's lifetime; writers may change
+        // bytes concurrently (like a shared mapping), which is why this is a raw loan.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Window<'_> {
+    fn drop(&mut self) {
+        if let Some(c) = self.chunk {
+            self.obj.unpin_range(c, self.first, self.last);
+        }
+    }
+}
+
+/// A writable loan of cached bytes (see [`File::window_mut`]). Derefs to `&mut [u8]`.
+pub struct WindowMut<'a> {
+    obj: &'a Object,
+    chunk: Option<&'a Chunk>,
+    ptr: *mut u8,
+    len: usize,
+    offset: u64,
+    size: Option<parking_lot::RwLockReadGuard<'a, ()>>,
+}
+
+impl std::ops::Deref for WindowMut<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: we hold the pages for writing.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl std::ops::DerefMut for WindowMut<'_> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: we hold the pages for writing; no other writer exists.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for WindowMut<'_> {
+    fn drop(&mut self) {
+        if let Some(c) = self.chunk {
+            self.obj.unlock_range_written(c, self.offset, self.offset + self.len as u64);
+        }
+        self.size.take();
+    }
+}
+
+impl Read for File {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.read_at(buf, self.pos)?;
+        self.pos += n as u64;
+        Ok(n)
+    }
+}
+
+impl Write for File {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = self.write_at(buf, self.pos)?;
+        self.pos += n as u64;
+        Ok(n)
+    }
+
+    /// Data written is in the cache (visible to every reader) once `write` returns; `flush`
+    /// has nothing to do. Use [`File::sync`] for durability.
+    fn flush(&mut self) -> io::Result<()> {
+        self.live()?;
+        Ok(())
+    }
+}
+
+impl Seek for File {
+    fn seek(&mut self, pos: SeekFrom) -> io::Result<u64> {
+        let base = match pos {
+            SeekFrom::Start(o) => {
+                self.pos = o;
+                return Ok(o);
+            }
+            SeekFrom::End(d) => (self.len()? as i128, d),
+            SeekFrom::Current(d) => (self.pos as i128, d),
+        };
+        let new = base.0 + base.1 as i128;
+        if new < 0 || new > i64::MAX as i128 {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "seek to a negative or overflowing position"));
+        }
+        self.pos = new as u64;
+        Ok(self.pos)
+    }
+}

@@ -1,0 +1,40 @@
+//! ubc — a user-space unified buffer cache.
+//!
+//! File data from any backing store ([`Pager`]) is cached once, in one pool of pages under
+//! one memory budget ([`Cache`]), and that copy serves `read_at`/`write_at`, zero-copy
+//! [`Window`]s and (later) memory mappings. See `docs/design.md` for the architecture and the
+//! sources each mechanism comes from (NetBSD UBC, Mach external pagers, Linux `mm/`).
+//!
+//! ```no_run
+//! use ubc::{Cache, Access};
+//! let cache = Cache::new(64 << 20)?;                 // 64 MiB for every file
+//! let f = cache.create_path("/tmp/example.dat")?;
+//! f.write_at(b"hello, unified cache", 0)?;
+//! let mut buf = [0u8; 5];
+//! f.read_at(&mut buf, 0)?;
+//! assert_eq!(&buf, b"hello");
+//! f.sync()?;                                          // durable on the host file
+//! println!("{}", cache.stats());
+//! # Ok::<(), ubc::Error>(())
+//! ```
+
+mod cache;
+mod error;
+mod file;
+mod memfd;
+mod object;
+mod page;
+pub mod pager;
+mod stats;
+mod window;
+
+/// Page replacement policies (the `ubc-evict` crate).
+pub mod evict {
+    pub use ubc_evict::*;
+}
+
+pub use cache::{Cache, CacheBuilder};
+pub use error::{Error, PagerOp, Result};
+pub use file::{Access, File, Window, WindowMut};
+pub use pager::{Fill, Identity, Pager};
+pub use stats::{CacheStats, Stats};

@@ -1,0 +1,778 @@
+//! Objects: one cached file (NetBSD's `uvm_object` / vnode). An object owns its page table,
+//! the memfd holding its pages and its pager, and implements the data paths every front
+//! end uses: fill, read, write, truncate, writeback and the release of evicted pages.
+//!
+//! Locking, from outside in:
+//! * `size_lock` — shared by writers, exclusive for `set_len` (like `i_rwsem` for truncate);
+//!   readers never take it.
+//! * page state words (see `page/state.rs`) — per page, lock-free CAS transitions. Threads
+//!   that hold several pages took them in ascending order.
+//! * the cache's policy mutex — only on fills, truncation and reclaim, never on hits.
+
+use crate::cache::CacheCore;
+use crate::error::{Error, PagerOp, Result};
+use crate::evict::{Admission, PageKey};
+use crate::memfd::Memfd;
+use crate::page::state::{self, Pin, WriteLock, BUSY, DIRTY, VALID, WRITEBACK};
+use crate::page::table::{Chunk, PageTable};
+use crate::pager::{Fill, Identity, Pager};
+use crate::stats::{bump, Counters, Stats};
+use parking_lot::{Mutex, RwLock};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::*};
+use std::sync::{Arc, OnceLock};
+
+/// Largest file offset + 1 that ubc supports (offsets are `i64` in POSIX).
+pub(crate) const MAX_END: u64 = i64::MAX as u64;
+
+/// `offset + len`, or an `OffsetOverflow` error past 2^63 - 1.
+pub(crate) fn checked_end(offset: u64, len: usize) -> Result<u64> {
+    match offset.checked_add(len as u64) {
+        Some(end) if end <= MAX_END => Ok(end),
+        _ => Err(Error::OffsetOverflow { offset, len: len as u64 }),
+    }
+}
+
+pub(crate) struct Object {
+    pub(crate) id: u64,
+    pub(crate) core: Arc<CacheCore>,
+    pager: RwLock<Arc<dyn Pager>>,
+    pub(crate) table: PageTable,
+    memfd: OnceLock<Memfd>,
+    memfd_init: Mutex<()>,
+    /// Logical length: the cache's, authoritative while the object lives.
+    len: AtomicU64,
+    pub(crate) size_lock: RwLock<()>,
+    /// Open `File` handles.
+    pub(crate) handles: AtomicUsize,
+    /// Valid pages of this object.
+    resident: AtomicU64,
+    /// Pages with the DIRTY bit.
+    dirty: AtomicU64,
+    pub(crate) counters: Counters,
+    pub(crate) identity: Option<Identity>,
+    name: String,
+}
+
+/// A page a writer holds between copying into it and publishing it (lock coupling).
+enum Held<'a> {
+    /// A resident page in WRITING state.
+    Writing(&'a state::PageState),
+    /// A freshly filled page still BUSY: (chunk, page index).
+    Filled(&'a Chunk, u64),
+}
+
+impl Object {
+    pub(crate) fn new(id: u64, core: Arc<CacheCore>, pager: Arc<dyn Pager>) -> Result<Object> {
+        let len = pager.len().map_err(|e| Error::Io { op: PagerOp::Len, offset: 0, object: pager.describe(), source: e })?;
+        Ok(Object {
+            id,
+            table: PageTable::new(1 << core.chunk_shift),
+            identity: pager.identity(),
+            name: pager.describe(),
+            pager: RwLock::new(pager),
+            core,
+            memfd: OnceLock::new(),
+            memfd_init: Mutex::new(()),
+            len: AtomicU64::new(len),
+            size_lock: RwLock::new(()),
+            handles: AtomicUsize::new(0),
+            resident: AtomicU64::new(0),
+            dirty: AtomicU64::new(0),
+            counters: Counters::default(),
+        })
+    }
+
+    pub(crate) fn pager(&self) -> Arc<dyn Pager> {
+        self.pager.read().clone()
+    }
+
+    /// Replace a read-only pager by a writable one for the same data (a later writable open).
+    pub(crate) fn upgrade_pager(&self, pager: Arc<dyn Pager>) {
+        let mut p = self.pager.write();
+        if !p.is_writable() && pager.is_writable() {
+            *p = pager;
+        }
+    }
+
+    pub(crate) fn is_writable(&self) -> bool {
+        self.pager.read().is_writable()
+    }
+
+    pub(crate) fn describe(&self) -> &str {
+        &self.name
+    }
+
+    #[inline]
+    pub(crate) fn len(&self) -> u64 {
+        self.len.load(SeqCst)
+    }
+
+    pub(crate) fn resident_pages(&self) -> u64 {
+        self.resident.load(Relaxed)
+    }
+
+    pub(crate) fn dirty_pages(&self) -> u64 {
+        self.dirty.load(Relaxed)
+    }
+
+    pub(crate) fn allocated_bytes(&self) -> u64 {
+        self.memfd.get().map_or(0, |m| m.allocated_bytes())
+    }
+
+    pub(crate) fn stats(&self) -> Stats {
+        let mut s = self.counters.snapshot();
+        s.resident_bytes = self.resident_pages() << self.core.page_shift;
+        s.dirty_bytes = self.dirty_pages() << self.core.page_shift;
+        s
+    }
+
+    fn memfd(&self) -> Result<&Memfd> {
+        if let Some(m) = self.memfd.get() {
+            return Ok(m);
+        }
+        let _g = self.memfd_init.lock();
+        if let Some(m) = self.memfd.get() {
+            return Ok(m);
+        }
+        let m = Memfd::create(&self.id.to_string())?;
+        Ok(self.memfd.get_or_init(|| m))
+    }
+
+    fn io_err(&self, op: PagerOp, offset: u64, source: std::io::Error) -> Error {
+        Error::Io { op, offset, object: self.name.clone(), source }
+    }
+
+    #[inline]
+    fn ps(&self) -> u32 {
+        self.core.page_shift
+    }
+
+    /// Chunk index and slot of a page.
+    #[inline]
+    fn locate(&self, page: u64) -> (u64, usize) {
+        let cs = self.core.chunk_shift;
+        (page >> cs, (page & ((1 << cs) - 1)) as usize)
+    }
+
+    /// Byte offset of the start of `chunk` in the file (and the memfd).
+    #[inline]
+    fn chunk_offset(&self, chunk: &Chunk) -> u64 {
+        chunk.index << (self.core.chunk_shift + self.ps())
+    }
+
+    fn key(&self, page: u64) -> PageKey {
+        PageKey { object: self.id, index: page }
+    }
+
+    // ---------------------------------------------------------------- fill
+
+    /// Fill pages `first..=last` of `chunk` (a cluster) from the pager; they come back
+    /// valid, and pinned if `pin`. Returns how many pages were filled starting at `first`
+    /// (fewer than asked if a later page was not empty), or 0 if `first` itself was taken
+    /// by someone else (the caller retries its pin, which waits for that filler).
+    fn fill_run(&self, chunk: &Chunk, first: u64, last: u64, pin: bool, admission: Admission) -> Result<u64> {
+        let base = chunk.index << self.core.chunk_shift;
+        let s0 = (first - base) as usize;
+        if !chunk.pages[s0].try_lock_empty() {
+            return Ok(0);
+        }
+        let mut n = 1u64;
+        let max = self.core.max_fill_pages;
+        while first + n <= last && n < max && chunk.pages[s0 + n as usize].try_lock_empty() {
+            n += 1;
+        }
+        let locked = &chunk.pages[s0..s0 + n as usize];
+        if let Err(e) = self.core.reserve(n) {
+            locked.iter().for_each(|p| p.release_empty());
+            return Err(e);
+        }
+        if let Err(e) = self.fill_locked(chunk, first, n) {
+            self.core.unreserve(n);
+            locked.iter().for_each(|p| p.release_empty());
+            return Err(e);
+        }
+        self.publish_filled(chunk, first, n, false, pin, admission);
+        bump(&self.counters.mine().misses, n);
+        Ok(n)
+    }
+
+    /// Read pages `first..first+n` of `chunk` from the pager into the cache.
+    /// => caller holds those pages BUSY and has reserved budget for them.
+    fn fill_locked(&self, chunk: &Chunk, first: u64, n: u64) -> Result<()> {
+        let offset = first << self.ps();
+        if offset >= self.len() {
+            // Entirely past the end of the file: a hole, zero-filled by the memfd.
+            return Ok(());
+        }
+        let memfd = self.memfd()?;
+        let win = self.core.windows.address(chunk, memfd)?;
+        let bytes = (n << self.ps()) as usize;
+        // SAFETY: the window maps the whole chunk; the caller holds these pages BUSY, so no
+        // one else reads or writes these bytes, and the window cannot be retired.
+        let buf = unsafe {
+            std::slice::from_raw_parts_mut(win.add((offset - self.chunk_offset(chunk)) as usize), bytes)
+        };
+        let sh = self.counters.mine();
+        bump(&sh.get_calls, 1);
+        match self.pager().get_pages(offset, buf) {
+            Ok(Fill::Data) => {
+                bump(&sh.read_bytes, bytes as u64);
+                Ok(())
+            }
+            Ok(Fill::Hole) => Ok(()),
+            Err(e) => {
+                // The pager may have written part of the buffer: free whatever it allocated.
+                let _ = memfd.punch(offset, bytes as u64);
+                Err(self.io_err(PagerOp::GetPages, offset, e))
+            }
+        }
+    }
+
+    /// Make filled BUSY pages valid and hand them to the replacement policy.
+    fn publish_filled(&self, chunk: &Chunk, first: u64, n: u64, dirty: bool, pin: bool, admission: Admission) {
+        let base = chunk.index << self.core.chunk_shift;
+        // Insert into the policy before the pages become visible as valid: a page must
+        // never be valid (evictable) without the policy knowing it.
+        {
+            let mut pol = self.core.policy.lock();
+            for p in first..first + n {
+                pol.insert(self.key(p), admission);
+            }
+        }
+        for p in first..first + n {
+            chunk.pages[(p - base) as usize].finish_fill(dirty, pin, admission == Admission::ReadAhead, false);
+        }
+        self.resident.fetch_add(n, Relaxed);
+        if dirty {
+            self.dirty.fetch_add(n, Relaxed);
+            self.core.dirty.fetch_add(n, Relaxed);
+        }
+    }
+
+    // ---------------------------------------------------------------- read
+
+    /// Pin a run of valid pages `first..=last` of `chunk`, filling the first one if needed.
+    /// Returns the number pinned (at least 1).
+    fn pin_run(&self, chunk: &Chunk, first: u64, last: u64) -> Result<u64> {
+        let base = chunk.index << self.core.chunk_shift;
+        let mut n = 0;
+        loop {
+            let p = first + n;
+            if p > last {
+                break;
+            }
+            match chunk.pages[(p - base) as usize].pin() {
+                Pin::Pinned { .. } => n += 1,
+                Pin::Invalid if n > 0 => break,
+                Pin::Invalid => {
+                    let got = self.fill_run(chunk, p, last, true, Admission::Demand)?;
+                    if got > 0 {
+                        return Ok(got);
+                    }
+                    // Someone else is filling it; pin() will wait for them.
+                }
+            }
+        }
+        bump(&self.counters.mine().hits, n);
+        Ok(n)
+    }
+
+    fn unpin_run(&self, chunk: &Chunk, first: u64, n: u64) {
+        let base = chunk.index << self.core.chunk_shift;
+        for p in first..first + n {
+            chunk.pages[(p - base) as usize].unpin();
+        }
+    }
+
+    /// `read_at`: copy `buf.len()` bytes at `offset` (fewer at end of file).
+    pub(crate) fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        checked_end(offset, buf.len())?;
+        let mut end = offset.saturating_add(buf.len() as u64).min(self.len());
+        let ps = self.ps();
+        let mut pos = offset;
+        while pos < end {
+            let page = pos >> ps;
+            let (ci, _) = self.locate(page);
+            let chunk = self.table.get_or_create(ci);
+            let chunk_last = ((ci + 1) << self.core.chunk_shift) - 1;
+            let last = ((end - 1) >> ps).min(chunk_last);
+            let n = self.pin_run(chunk, page, last)?;
+            // A truncation may have raced with us; pinned pages are stable, but do not
+            // return bytes past the current end.
+            end = end.min(self.len());
+            let to = end.min((page + n) << ps);
+            if pos < to {
+                let r = self.memfd().and_then(|m| self.core.windows.address(chunk, m));
+                match r {
+                    Ok(win) => {
+                        // SAFETY: pages page..page+n are pinned (valid, cannot be evicted or
+                        // retired); the window maps the whole chunk.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                win.add((pos - self.chunk_offset(chunk)) as usize),
+                                buf.as_mut_ptr().add((pos - offset) as usize),
+                                (to - pos) as usize,
+                            );
+                        }
+                    }
+                    Err(e) => {
+                        self.unpin_run(chunk, page, n);
+                        return Err(e);
+                    }
+                }
+            }
+            self.unpin_run(chunk, page, n);
+            pos = to.max(pos);
+            if pos >= end {
+                break;
+            }
+        }
+        Ok((pos.max(offset) - offset) as usize)
+    }
+
+    /// Pin every page of `offset..offset+len` (one chunk) for a read window. Returns the
+    /// window address of the chunk. => range within one chunk and within the file.
+    pub(crate) fn pin_range(&self, chunk: &Chunk, first: u64, last: u64) -> Result<*mut u8> {
+        let mut p = first;
+        while p <= last {
+            match self.pin_run(chunk, p, last) {
+                Ok(n) => p += n,
+                Err(e) => {
+                    self.unpin_run(chunk, first, p - first);
+                    return Err(e);
+                }
+            }
+        }
+        match self.memfd().and_then(|m| self.core.windows.address(chunk, m)) {
+            Ok(w) => Ok(w),
+            Err(e) => {
+                self.unpin_run(chunk, first, last + 1 - first);
+                Err(e)
+            }
+        }
+    }
+
+    pub(crate) fn unpin_range(&self, chunk: &Chunk, first: u64, last: u64) {
+        self.unpin_run(chunk, first, last + 1 - first);
+    }
+
+    // ---------------------------------------------------------------- write
+
+    /// Take page `page` for writing bytes `from..to` of the file (within that page): a
+    /// resident page becomes WRITING; an empty one is filled first unless the write covers
+    /// it or it lies past the end of the file. => caller holds `size_lock` shared.
+    fn lock_page_for_write<'a>(&self, chunk: &'a Chunk, page: u64, from: u64, to: u64) -> Result<Held<'a>> {
+        let (_, slot) = self.locate(page);
+        let st = &chunk.pages[slot];
+        match st.begin_write() {
+            WriteLock::Resident => {
+                bump(&self.counters.mine().hits, 1);
+                Ok(Held::Writing(st))
+            }
+            WriteLock::Empty => {
+                bump(&self.counters.mine().misses, 1);
+                if let Err(e) = self.core.reserve(1) {
+                    st.release_empty();
+                    return Err(e);
+                }
+                let page_off = page << self.ps();
+                let covers = from == page_off && to == page_off + (1 << self.ps());
+                if !covers && page_off < self.len() {
+                    if let Err(e) = self.fill_locked(chunk, page, 1) {
+                        self.core.unreserve(1);
+                        st.release_empty();
+                        return Err(e);
+                    }
+                }
+                Ok(Held::Filled(chunk, page))
+            }
+        }
+    }
+
+    /// Publish a page a writer held: it is now valid and dirty.
+    fn release_written(&self, h: Held<'_>) {
+        match h {
+            Held::Writing(st) => {
+                if st.end_write() {
+                    self.dirty.fetch_add(1, Relaxed);
+                    self.core.dirty.fetch_add(1, Relaxed);
+                }
+            }
+            Held::Filled(chunk, page) => self.publish_filled(chunk, page, 1, true, false, Admission::Demand),
+        }
+    }
+
+    /// `write_at`: copy `buf` into the file at `offset`, extending it if needed.
+    /// Writers take pages in ascending order with lock coupling (the next page is taken
+    /// before the previous is released), so overlapping writes are applied in one order
+    /// on every page they share.
+    pub(crate) fn write(&self, buf: &[u8], offset: u64) -> Result<usize> {
+        let end = checked_end(offset, buf.len())?;
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        let _size = self.size_lock.read();
+        let ps = self.ps();
+        let mut held: Option<Held<'_>> = None;
+        let mut pos = offset;
+        let mut result = Ok(());
+        while pos < end {
+            let page = pos >> ps;
+            let to = end.min((page + 1) << ps);
+            let (ci, _) = self.locate(page);
+            let chunk = self.table.get_or_create(ci);
+            let h = match self.lock_page_for_write(chunk, page, pos, to) {
+                Ok(h) => h,
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            };
+            if let Some(prev) = held.take() {
+                self.release_written(prev);
+            }
+            match self.memfd().and_then(|m| self.core.windows.address(chunk, m)) {
+                Ok(win) => {
+                    // SAFETY: we hold the page (WRITING or BUSY): no other writer, no
+                    // eviction, no window retirement; the window maps the whole chunk.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            buf.as_ptr().add((pos - offset) as usize),
+                            win.add((pos - self.chunk_offset(chunk)) as usize),
+                            (to - pos) as usize,
+                        );
+                    }
+                }
+                Err(e) => {
+                    // Nothing was copied into this page; publishing it unchanged is harmless.
+                    held = Some(h);
+                    result = Err(e);
+                    break;
+                }
+            }
+            // Extend the file before the page is published (released): once published it
+            // may be written back and evicted, and writeback clips at the length.
+            self.len.fetch_max(to, SeqCst);
+            held = Some(h);
+            pos = to;
+        }
+        if let Some(h) = held.take() {
+            self.release_written(h);
+        }
+        match result {
+            Ok(()) => Ok(buf.len()),
+            Err(_) if pos > offset => Ok((pos - offset) as usize),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Take every page of `first..=last` (one chunk) for writing, filling partial ones, for
+    /// a writable window over bytes `from..to`. Returns the chunk's window address.
+    /// => caller holds `size_lock` shared until `unlock_range_written`.
+    pub(crate) fn lock_range_for_write(&self, chunk: &Chunk, from: u64, to: u64) -> Result<*mut u8> {
+        let ps = self.ps();
+        let (first, last) = (from >> ps, (to - 1) >> ps);
+        let mut helds = Vec::with_capacity((last + 1 - first) as usize);
+        for page in first..=last {
+            let a = from.max(page << ps);
+            let b = to.min((page + 1) << ps);
+            match self.lock_page_for_write(chunk, page, a, b) {
+                Ok(h) => helds.push(h),
+                Err(e) => {
+                    helds.into_iter().for_each(|h| self.release_written(h));
+                    return Err(e);
+                }
+            }
+        }
+        match self.memfd().and_then(|m| self.core.windows.address(chunk, m)) {
+            Ok(w) => Ok(w),
+            Err(e) => {
+                helds.into_iter().for_each(|h| self.release_written(h));
+                Err(e)
+            }
+        }
+    }
+
+    /// Publish the pages of a writable window and extend the file to `to`.
+    pub(crate) fn unlock_range_written(&self, chunk: &Chunk, from: u64, to: u64) {
+        let ps = self.ps();
+        self.len.fetch_max(to, SeqCst);
+        for page in from >> ps..=(to - 1) >> ps {
+            let (_, slot) = self.locate(page);
+            let st = &chunk.pages[slot];
+            if st.load() & VALID != 0 {
+                self.release_written(Held::Writing(st));
+            } else {
+                self.release_written(Held::Filled(chunk, page));
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- truncate
+
+    /// `set_len`: truncate (dropping cached pages past the end and zeroing the tail of the
+    /// last page) or extend; then tell the pager.
+    pub(crate) fn set_len(&self, new: u64) -> Result<()> {
+        if new > MAX_END {
+            return Err(Error::OffsetOverflow { offset: new, len: 0 });
+        }
+        let _size = self.size_lock.write();
+        let old = self.len();
+        let ps = self.ps();
+        if new < old {
+            // Order matters: publish the new length first (writebacks that start from now on
+            // clip to it), then drop pages (waiting for writebacks in flight), then truncate
+            // the pager, so no writeback can re-extend the stored file.
+            self.len.store(new, SeqCst);
+            self.drop_pages(new.div_ceil(1 << ps), u64::MAX)?;
+            if new % (1 << ps) != 0 {
+                self.zero_tail(new)?;
+            }
+        } else {
+            self.len.store(new, SeqCst);
+        }
+        if new != old {
+            let pager = self.pager();
+            pager.set_len(new).map_err(|e| self.io_err(PagerOp::SetLen, new, e))?;
+        }
+        Ok(())
+    }
+
+    /// Zero the bytes of the last page past `new_len` if it is cached. => size_lock held.
+    fn zero_tail(&self, new_len: u64) -> Result<()> {
+        let ps = self.ps();
+        let page = new_len >> ps;
+        let (ci, slot) = self.locate(page);
+        let Some(chunk) = self.table.get(ci) else { return Ok(()) };
+        let st = &chunk.pages[slot];
+        if st.load() & VALID == 0 {
+            return Ok(());
+        }
+        match st.begin_write() {
+            WriteLock::Resident => {
+                let r = self.memfd().and_then(|m| self.core.windows.address(chunk, m));
+                if let Ok(win) = r {
+                    let from = (new_len - self.chunk_offset(chunk)) as usize;
+                    let to = (((page + 1) << ps) - self.chunk_offset(chunk)) as usize;
+                    // SAFETY: page held WRITING; window maps the chunk.
+                    unsafe { std::ptr::write_bytes(win.add(from), 0, to - from) };
+                }
+                self.release_written(Held::Writing(st));
+                r.map(|_| ())
+            }
+            // Evicted meanwhile: nothing cached to zero.
+            WriteLock::Empty => {
+                st.release_empty();
+                Ok(())
+            }
+        }
+    }
+
+    /// Drop every cached page with index in `from..to`, dirty or not (truncation,
+    /// invalidation, teardown). Waits for pins, writers and writebacks on those pages.
+    pub(crate) fn drop_pages(&self, from: u64, to: u64) -> Result<()> {
+        let cs = self.core.chunk_shift;
+        let ps = self.ps();
+        let mut err = Ok(());
+        self.table.for_each(from >> cs, (to >> cs).saturating_add(1), |chunk| {
+            let base = chunk.index << cs;
+            let lo = from.max(base);
+            let hi = to.min(base + (1 << cs));
+            if lo >= hi {
+                return;
+            }
+            let mut dropped = Vec::new();
+            for p in lo..hi {
+                let st = &chunk.pages[(p - base) as usize];
+                if st.load() & (VALID | BUSY) == 0 {
+                    continue;
+                }
+                let prior = st.lock_for_drop();
+                if prior & VALID == 0 {
+                    st.release_empty(); // was empty by the time we got it
+                    continue;
+                }
+                if st.clear_dirty_locked() {
+                    self.dirty.fetch_sub(1, Relaxed);
+                    self.core.dirty.fetch_sub(1, Relaxed);
+                }
+                dropped.push(p);
+            }
+            if dropped.is_empty() {
+                return;
+            }
+            {
+                let mut pol = self.core.policy.lock();
+                for &p in &dropped {
+                    pol.remove(self.key(p));
+                }
+            }
+            if let Some(m) = self.memfd.get() {
+                for (a, b) in runs(&dropped) {
+                    if let Err(e) = m.punch(a << ps, (b - a) << ps) {
+                        err = Err(e);
+                    }
+                }
+            }
+            for &p in &dropped {
+                chunk.pages[(p - base) as usize].release_empty();
+            }
+            let n = dropped.len() as u64;
+            self.resident.fetch_sub(n, Relaxed);
+            self.core.unreserve(n);
+        });
+        err
+    }
+
+    // ---------------------------------------------------------------- writeback
+
+    /// Write back dirty pages with index in `from..to`, clustered into contiguous runs of at
+    /// most `max_put_pages`. With `wait`, also waits for pages being written or written back
+    /// by others (and retries those whose writeback failed); without, skips busy pages.
+    /// Failed runs stay dirty; the first error is returned after trying every run.
+    pub(crate) fn writeback(&self, from: u64, to: u64, wait: bool) -> Result<()> {
+        if self.dirty_pages() == 0 && !wait {
+            return Ok(());
+        }
+        let cs = self.core.chunk_shift;
+        let mut first_err: Option<Error> = None;
+        self.table.for_each(from >> cs, (to >> cs).saturating_add(1), |chunk| {
+            let base = chunk.index << cs;
+            let lo = from.max(base);
+            let hi = to.min(base + (1 << cs));
+            let mut p = lo;
+            while p < hi {
+                let st = &chunk.pages[(p - base) as usize];
+                let s = st.load();
+                if s & (DIRTY | WRITEBACK) == 0 || !st.begin_writeback(wait) {
+                    p += 1;
+                    continue;
+                }
+                let mut n = 1;
+                while p + n < hi
+                    && n < self.core.max_put_pages
+                    && chunk.pages[(p + n - base) as usize].begin_writeback(false)
+                {
+                    n += 1;
+                }
+                if let Err(e) = self.write_run(chunk, p, n) {
+                    first_err.get_or_insert(e);
+                }
+                p += n;
+            }
+        });
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Write pages `first..first+n` (WRITEBACK, taken by the caller) to the pager.
+    fn write_run(&self, chunk: &Chunk, first: u64, n: u64) -> Result<()> {
+        let ps = self.ps();
+        let base = chunk.index << self.core.chunk_shift;
+        self.dirty.fetch_sub(n, Relaxed);
+        self.core.dirty.fetch_sub(n, Relaxed);
+        let offset = first << ps;
+        // Clip at the end of the file: the store must not grow past the length we know.
+        let bytes = ((n << ps).min(self.len().saturating_sub(offset))) as usize;
+        let sh = self.counters.mine();
+        let r = if bytes == 0 {
+            Ok(())
+        } else {
+            self.memfd().and_then(|m| self.core.windows.address(chunk, m)).and_then(|win| {
+                // SAFETY: pages held WRITEBACK (stable: no writer, no eviction, no retirement).
+                let data = unsafe {
+                    std::slice::from_raw_parts(win.add((offset - self.chunk_offset(chunk)) as usize), bytes)
+                };
+                bump(&sh.put_calls, 1);
+                self.pager().put_pages(offset, data).map_err(|e| self.io_err(PagerOp::PutPages, offset, e))
+            })
+        };
+        let ok = r.is_ok();
+        for p in first..first + n {
+            chunk.pages[(p - base) as usize].end_writeback(ok);
+        }
+        if ok {
+            bump(&sh.written_bytes, bytes as u64);
+            bump(&sh.writebacks, n);
+        } else {
+            self.dirty.fetch_add(n, Relaxed);
+            self.core.dirty.fetch_add(n, Relaxed);
+            bump(&sh.writeback_errors, 1);
+        }
+        r
+    }
+
+    /// `sync`: every dirty page reaches the pager, the stored length matches, then the
+    /// pager's own sync. On error the pages stay dirty and the error is returned.
+    pub(crate) fn sync(&self) -> Result<()> {
+        self.writeback(0, u64::MAX, true)?;
+        let pager = self.pager();
+        let len = self.len();
+        let stored = pager.len().map_err(|e| self.io_err(PagerOp::Len, 0, e))?;
+        if stored != len && pager.is_writable() {
+            let _size = self.size_lock.read();
+            pager.set_len(self.len()).map_err(|e| self.io_err(PagerOp::SetLen, len, e))?;
+        }
+        pager.sync().map_err(|e| self.io_err(PagerOp::Sync, 0, e))
+    }
+
+    // ---------------------------------------------------------------- eviction
+
+    /// The state word of a cached page, if its chunk exists.
+    pub(crate) fn page_state(&self, page: u64) -> Option<&state::PageState> {
+        let (ci, slot) = self.locate(page);
+        self.table.get(ci).map(|c| &c.pages[slot])
+    }
+
+    /// Free pages the replacement policy took for eviction (each held VALID|BUSY, already
+    /// forgotten by the policy). `pages` sorted ascending.
+    pub(crate) fn release_evicted(&self, pages: &[u64]) {
+        let ps = self.ps();
+        if let Some(m) = self.memfd.get() {
+            for (a, b) in runs(pages) {
+                // A failed punch would leave memory allocated that we no longer account; it
+                // cannot fail for a valid range of a memfd, so there is nothing to undo.
+                let _ = m.punch(a << ps, (b - a) << ps);
+            }
+        }
+        for &p in pages {
+            if let Some(st) = self.page_state(p) {
+                st.release_empty();
+            }
+        }
+        let n = pages.len() as u64;
+        self.resident.fetch_sub(n, Relaxed);
+        self.core.unreserve(n);
+        bump(&self.counters.mine().evictions, n);
+    }
+}
+
+impl Drop for Object {
+    fn drop(&mut self) {
+        // Teardown: the registry no longer lists us and no File exists, so no page is held.
+        let resident = self.resident.load(Relaxed);
+        if resident > 0 {
+            let _ = self.drop_pages(0, u64::MAX);
+        }
+        let table = &self.table;
+        self.core.windows.release_all(|f| table.for_each(0, u64::MAX, |c| f(c)));
+        self.core.retire_stats(self.counters.snapshot());
+    }
+}
+
+/// Contiguous runs `[a, b)` of a sorted list of page indexes.
+fn runs(pages: &[u64]) -> impl Iterator<Item = (u64, u64)> + '_ {
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        if i >= pages.len() {
+            return None;
+        }
+        let a = pages[i];
+        let mut b = a + 1;
+        i += 1;
+        while i < pages.len() && pages[i] == b {
+            b += 1;
+            i += 1;
+        }
+        Some((a, b))
+    })
+}

@@ -1,0 +1,397 @@
+//! The page state word: the single authority on one cached page.
+//!
+//! Every cached page has one `AtomicU32`. All transitions are compare-and-swap on that word,
+//! so the hit path takes no lock: a reader pins a valid page with one CAS and unpins it with
+//! one atomic subtract. Threads that must wait (a page being filled, or under writeback
+//! while they want to write) sleep on the word itself with a futex.
+//!
+//! ```text
+//!  bits 0-1  ACCESS     accesses since the replacement policy last looked (saturates at 3)
+//!  bit  2    VALID      contents are the file's data and may be read through a window
+//!  bit  3    DIRTY      contents differ from the pager's copy
+//!  bit  4    BUSY       exclusively owned: being filled, evicted or truncated; unreadable
+//!  bit  5    WRITEBACK  contents are being written to the pager; readable, not writable
+//!  bit  6    WRITING    a writer is copying into it; excludes writers, writeback, eviction
+//!  bit  7    WAITERS    someone sleeps on this word; whoever changes it must wake them
+//!  bit  8    RA_MARK    reaching this page triggers the next read-ahead (Linux PG_readahead)
+//!  bit  9    SPECULATIVE filled by read-ahead and not used yet
+//!  bits 16-31 PINS      short- and long-term readers (windows, copies in progress)
+//! ```
+//!
+//! Life of a page (all other combinations are unreachable):
+//!
+//! ```text
+//!  empty ──try_lock_empty──► BUSY ──finish_fill──► VALID ──lock_for_evict──► BUSY ──release_empty──► empty
+//!                             │                    │  ▲
+//!                             └──abort_fill──►empty │  └─ end_write (DIRTY) / end_writeback
+//!                                                   └─ begin_write (WRITING) / begin_writeback (WRITEBACK)
+//! ```
+//!
+//! Memory ordering: every transition is SeqCst. The window reclaimer relies on it (a
+//! Dekker-style handshake between "pin the page, then read the window address" and "retire
+//! the window address, then check for pins"; see `window.rs`).
+
+use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+
+pub(crate) const ACCESS_MASK: u32 = 0b11;
+pub(crate) const VALID: u32 = 1 << 2;
+pub(crate) const DIRTY: u32 = 1 << 3;
+pub(crate) const BUSY: u32 = 1 << 4;
+pub(crate) const WRITEBACK: u32 = 1 << 5;
+pub(crate) const WRITING: u32 = 1 << 6;
+pub(crate) const WAITERS: u32 = 1 << 7;
+pub(crate) const RA_MARK: u32 = 1 << 8;
+pub(crate) const SPECULATIVE: u32 = 1 << 9;
+const PIN_SHIFT: u32 = 16;
+const PIN_ONE: u32 = 1 << PIN_SHIFT;
+const PIN_MAX: u32 = 0xffff;
+
+/// What a reader found when it tried to pin a page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Pin {
+    /// Pinned; `ra_mark` if the page carried the read-ahead trigger (now cleared),
+    /// `first_use` if it was a speculative (read-ahead) page used for the first time.
+    Pinned { ra_mark: bool, first_use: bool },
+    /// Not valid: the caller must fill it (or wait for whoever is filling it).
+    Invalid,
+}
+
+/// How a writer got a page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WriteLock {
+    /// The page is valid and now WRITING: copy into it, then `end_write`.
+    Resident,
+    /// The page was empty and is now BUSY: fill (or fully overwrite) it, then `finish_fill`.
+    Empty,
+}
+
+/// One page's state word.
+#[repr(transparent)]
+#[derive(Default)]
+pub(crate) struct PageState(AtomicU32);
+
+#[inline]
+pub(crate) fn pins(s: u32) -> u32 {
+    s >> PIN_SHIFT
+}
+
+impl PageState {
+    #[inline]
+    pub(crate) fn load(&self) -> u32 {
+        self.0.load(SeqCst)
+    }
+
+    /// True if the page holds no data and nobody owns it.
+    #[inline]
+    pub(crate) fn is_empty(&self) -> bool {
+        self.load() & (VALID | BUSY) == 0
+    }
+
+    /// Sleep until `done(state)` holds. Sets WAITERS so the next transition wakes us.
+    pub(crate) fn wait_until(&self, done: impl Fn(u32) -> bool) -> u32 {
+        loop {
+            let s = self.load();
+            if done(s) {
+                return s;
+            }
+            if s & WAITERS == 0
+                && self.0.compare_exchange(s, s | WAITERS, SeqCst, SeqCst).is_err()
+            {
+                continue;
+            }
+            atomic_wait::wait(&self.0, s | WAITERS);
+        }
+    }
+
+    /// Wake sleepers if the transition from `old` had any.
+    #[inline]
+    fn wake_if(&self, old: u32) {
+        if old & WAITERS != 0 {
+            self.0.fetch_and(!WAITERS, SeqCst);
+            atomic_wait::wake_all(&self.0);
+        }
+    }
+
+    /// The cache-hit path: pin a valid page for reading and count the access.
+    /// Waits while the page is BUSY (being filled or evicted).
+    #[inline]
+    pub(crate) fn pin(&self) -> Pin {
+        let mut s = self.0.load(SeqCst);
+        loop {
+            if s & BUSY != 0 || pins(s) == PIN_MAX {
+                s = self.wait_until(|s| s & BUSY == 0 && pins(s) < PIN_MAX);
+                continue;
+            }
+            if s & VALID == 0 {
+                return Pin::Invalid;
+            }
+            let first_use = s & SPECULATIVE != 0;
+            // A speculative page's first use is not a re-reference: it does not count as an
+            // access, so a sequential scan through read-ahead pages does not look "hot".
+            let access = if first_use { s & ACCESS_MASK } else { ((s & ACCESS_MASK) + 1).min(3) };
+            let new = ((s & !(ACCESS_MASK | RA_MARK | SPECULATIVE)) | access) + PIN_ONE;
+            match self.0.compare_exchange_weak(s, new, SeqCst, SeqCst) {
+                Ok(_) => return Pin::Pinned { ra_mark: s & RA_MARK != 0, first_use },
+                Err(cur) => s = cur,
+            }
+        }
+    }
+
+    /// Add a pin to a page the caller already holds pinned or BUSY.
+    #[inline]
+    pub(crate) fn add_pin(&self) {
+        let old = self.0.fetch_add(PIN_ONE, SeqCst);
+        debug_assert!(pins(old) < PIN_MAX);
+    }
+
+    /// Drop one pin. => caller holds a pin.
+    #[inline]
+    pub(crate) fn unpin(&self) {
+        let old = self.0.fetch_sub(PIN_ONE, SeqCst);
+        debug_assert!(pins(old) > 0);
+        self.wake_if(old);
+    }
+
+    /// Take an empty page for filling (BUSY). False if someone else has it or it is valid.
+    #[inline]
+    pub(crate) fn try_lock_empty(&self) -> bool {
+        let s = self.0.load(SeqCst);
+        s & (VALID | BUSY) == 0
+            && pins(s) == 0
+            && self.0.compare_exchange(s, (s & WAITERS) | BUSY, SeqCst, SeqCst).is_ok()
+    }
+
+    /// Publish a filled page: BUSY → VALID (+`dirty`, +`pinned`, read-ahead flags).
+    /// => caller holds the page BUSY.
+    pub(crate) fn finish_fill(&self, dirty: bool, pinned: bool, speculative: bool, ra_mark: bool) {
+        let mut new = VALID;
+        if dirty {
+            new |= DIRTY;
+        }
+        if pinned {
+            new += PIN_ONE;
+        }
+        if speculative {
+            new |= SPECULATIVE;
+        }
+        if ra_mark {
+            new |= RA_MARK;
+        }
+        let old = self.0.swap(new, SeqCst);
+        debug_assert!(old & BUSY != 0 && old & VALID == 0, "finish_fill on {old:#x}");
+        self.wake_if(old);
+    }
+
+    /// Give up a BUSY page: it becomes empty again (failed fill, eviction, truncation).
+    /// => caller holds the page BUSY.
+    pub(crate) fn release_empty(&self) {
+        let old = self.0.swap(0, SeqCst);
+        debug_assert!(old & BUSY != 0, "release_empty on {old:#x}");
+        self.wake_if(old);
+    }
+
+    /// Take a valid, clean, unpinned, idle page for eviction (VALID|BUSY).
+    pub(crate) fn try_lock_for_evict(&self) -> bool {
+        let s = self.0.load(SeqCst);
+        s & VALID != 0
+            && s & (DIRTY | BUSY | WRITEBACK | WRITING) == 0
+            && pins(s) == 0
+            && self.0.compare_exchange(s, s | BUSY, SeqCst, SeqCst).is_ok()
+    }
+
+    /// Read and clear the access counter (for the replacement policy).
+    pub(crate) fn take_accesses(&self) -> u8 {
+        let old = self.0.fetch_and(!ACCESS_MASK, SeqCst);
+        (old & ACCESS_MASK) as u8
+    }
+
+    /// A writer takes the page: a valid page becomes WRITING, an empty one BUSY. Waits while
+    /// someone else fills, evicts, writes or writes back the page (stable pages: a page under
+    /// writeback is not modified, so the pager sees one consistent version).
+    pub(crate) fn begin_write(&self) -> WriteLock {
+        loop {
+            let s = self.wait_until(|s| s & (BUSY | WRITING | WRITEBACK) == 0);
+            if s & VALID != 0 {
+                if self.0.compare_exchange(s, s | WRITING, SeqCst, SeqCst).is_ok() {
+                    return WriteLock::Resident;
+                }
+            } else if pins(s) == 0
+                && self.0.compare_exchange(s, (s & WAITERS) | BUSY, SeqCst, SeqCst).is_ok()
+            {
+                return WriteLock::Empty;
+            }
+        }
+    }
+
+    /// End a write begun with `WriteLock::Resident`: the page is DIRTY. Returns true if it
+    /// was clean before (the caller counts a newly dirty page). => caller holds WRITING.
+    pub(crate) fn end_write(&self) -> bool {
+        let mut s = self.0.load(SeqCst);
+        loop {
+            debug_assert!(s & WRITING != 0);
+            let new = (s & !(WRITING | WAITERS | SPECULATIVE | RA_MARK)) | DIRTY;
+            match self.0.compare_exchange_weak(s, new, SeqCst, SeqCst) {
+                Ok(_) => {
+                    if s & WAITERS != 0 {
+                        atomic_wait::wake_all(&self.0);
+                    }
+                    return s & DIRTY == 0;
+                }
+                Err(cur) => s = cur,
+            }
+        }
+    }
+
+    /// Start writing back a dirty page: DIRTY → WRITEBACK. With `wait`, sleeps while a writer
+    /// or another writeback holds it; without, gives up. False if the page is not dirty.
+    pub(crate) fn begin_writeback(&self, wait: bool) -> bool {
+        loop {
+            let s = self.0.load(SeqCst);
+            if s & VALID == 0 || s & DIRTY == 0 && s & WRITEBACK == 0 {
+                return false;
+            }
+            if s & (BUSY | WRITING | WRITEBACK) != 0 {
+                if !wait {
+                    return false;
+                }
+                self.wait_until(|s| s & (BUSY | WRITING | WRITEBACK) == 0);
+                continue;
+            }
+            if self.0.compare_exchange(s, (s & !DIRTY) | WRITEBACK, SeqCst, SeqCst).is_ok() {
+                return true;
+            }
+        }
+    }
+
+    /// Finish a writeback. On failure the page is dirty again (nothing is dropped).
+    /// => caller started the writeback.
+    pub(crate) fn end_writeback(&self, ok: bool) {
+        let mut s = self.0.load(SeqCst);
+        loop {
+            debug_assert!(s & WRITEBACK != 0);
+            let mut new = s & !(WRITEBACK | WAITERS);
+            if !ok {
+                new |= DIRTY;
+            }
+            match self.0.compare_exchange_weak(s, new, SeqCst, SeqCst) {
+                Ok(_) => {
+                    if s & WAITERS != 0 {
+                        atomic_wait::wake_all(&self.0);
+                    }
+                    return;
+                }
+                Err(cur) => s = cur,
+            }
+        }
+    }
+
+    /// Take a page for truncation or invalidation, whatever its state: waits until nobody
+    /// pins, fills, writes or writes it back, then makes it BUSY. Returns the prior state.
+    pub(crate) fn lock_for_drop(&self) -> u32 {
+        loop {
+            let s = self.wait_until(|s| s & (BUSY | WRITING | WRITEBACK) == 0 && pins(s) == 0);
+            if self.0.compare_exchange(s, (s & WAITERS) | BUSY, SeqCst, SeqCst).is_ok() {
+                return s;
+            }
+        }
+    }
+
+    /// Clear the DIRTY bit of a page the caller holds BUSY (its data was dropped or is
+    /// being dropped). Returns whether it was dirty.
+    pub(crate) fn clear_dirty_locked(&self) -> bool {
+        self.0.fetch_and(!DIRTY, SeqCst) & DIRTY != 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::sync::atomic::AtomicUsize;
+
+    #[test]
+    fn fill_pin_evict_cycle() {
+        let p = PageState::default();
+        assert_eq!(p.pin(), Pin::Invalid);
+        assert!(p.try_lock_empty());
+        assert!(!p.try_lock_empty(), "BUSY page cannot be taken twice");
+        p.finish_fill(false, false, true, true);
+        assert_eq!(p.pin(), Pin::Pinned { ra_mark: true, first_use: true });
+        assert_eq!(p.take_accesses(), 0, "first use of a read-ahead page is not a re-reference");
+        assert!(!p.try_lock_for_evict(), "pinned page is not evictable");
+        p.unpin();
+        assert_eq!(p.pin(), Pin::Pinned { ra_mark: false, first_use: false });
+        p.unpin();
+        assert_eq!(p.take_accesses(), 1);
+        assert!(p.try_lock_for_evict());
+        p.release_empty();
+        assert!(p.is_empty());
+    }
+
+    #[test]
+    fn dirty_pages_are_not_evictable_and_failed_writeback_redirties() {
+        let p = PageState::default();
+        assert!(p.try_lock_empty());
+        p.finish_fill(true, false, false, false);
+        assert!(!p.try_lock_for_evict());
+        assert!(p.begin_writeback(false));
+        assert!(!p.try_lock_for_evict(), "page under writeback is not evictable");
+        p.end_writeback(false);
+        assert_ne!(p.load() & DIRTY, 0, "failed writeback keeps the page dirty");
+        assert!(p.begin_writeback(false));
+        p.end_writeback(true);
+        assert_eq!(p.load() & (DIRTY | WRITEBACK), 0);
+        assert!(p.try_lock_for_evict());
+    }
+
+    #[test]
+    fn writer_waits_for_writeback_then_redirties() {
+        let p = Arc::new(PageState::default());
+        assert!(p.try_lock_empty());
+        p.finish_fill(true, false, false, false);
+        assert!(p.begin_writeback(false));
+        let p2 = p.clone();
+        let t = std::thread::spawn(move || {
+            assert_eq!(p2.begin_write(), WriteLock::Resident);
+            assert!(p2.end_write(), "page was clean after writeback, now dirty again");
+        });
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert_eq!(p.load() & WRITING, 0, "writer must not enter during writeback");
+        p.end_writeback(true);
+        t.join().unwrap();
+        assert_ne!(p.load() & DIRTY, 0);
+    }
+
+    #[test]
+    fn concurrent_misses_one_filler() {
+        // Many threads race for one empty page: exactly one fills, all read the valid page.
+        for _ in 0..50 {
+            let p = Arc::new(PageState::default());
+            let fills = Arc::new(AtomicUsize::new(0));
+            let threads: Vec<_> = (0..8)
+                .map(|_| {
+                    let (p, fills) = (p.clone(), fills.clone());
+                    std::thread::spawn(move || loop {
+                        match p.pin() {
+                            Pin::Pinned { .. } => {
+                                p.unpin();
+                                return;
+                            }
+                            Pin::Invalid => {
+                                if p.try_lock_empty() {
+                                    fills.fetch_add(1, SeqCst);
+                                    std::thread::yield_now();
+                                    p.finish_fill(false, false, false, false);
+                                }
+                            }
+                        }
+                    })
+                })
+                .collect();
+            for t in threads {
+                t.join().unwrap();
+            }
+            assert_eq!(fills.load(SeqCst), 1);
+        }
+    }
+}

@@ -1,0 +1,101 @@
+//! The memory pager: Mach's default pager for anonymous memory. Data that was never
+//! written is a hole and reads as zeros without I/O; written data is kept in memory.
+
+use super::{Fill, Pager};
+use parking_lot::RwLock;
+use std::collections::BTreeMap;
+use std::io;
+
+const BLOCK: u64 = 4096;
+
+/// An anonymous, zero-filled store held in process memory.
+#[derive(Debug, Default)]
+pub struct MemPager {
+    inner: RwLock<MemStore>,
+}
+
+#[derive(Debug, Default)]
+struct MemStore {
+    len: u64,
+    /// Written blocks, keyed by block index (offset / BLOCK). Absent blocks are holes.
+    blocks: BTreeMap<u64, Box<[u8; BLOCK as usize]>>,
+}
+
+impl MemPager {
+    /// An empty store of length 0.
+    pub fn new() -> MemPager {
+        MemPager::default()
+    }
+
+    /// Bytes of memory holding written blocks (holes cost nothing).
+    pub fn stored_bytes(&self) -> u64 {
+        self.inner.read().blocks.len() as u64 * BLOCK
+    }
+}
+
+impl Pager for MemPager {
+    fn get_pages(&self, offset: u64, buf: &mut [u8]) -> io::Result<Fill> {
+        let store = self.inner.read();
+        let end = offset.saturating_add(buf.len() as u64);
+        let first = offset / BLOCK;
+        let last = end.div_ceil(BLOCK);
+        if store.blocks.range(first..last).next().is_none() {
+            return Ok(Fill::Hole);
+        }
+        buf.fill(0);
+        for (&b, data) in store.blocks.range(first..last) {
+            let bstart = b * BLOCK;
+            let from = bstart.max(offset);
+            let to = (bstart + BLOCK).min(end);
+            let src = &data[(from - bstart) as usize..(to - bstart) as usize];
+            buf[(from - offset) as usize..(to - offset) as usize].copy_from_slice(src);
+        }
+        Ok(Fill::Data)
+    }
+
+    fn put_pages(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        let mut store = self.inner.write();
+        let end = offset
+            .checked_add(data.len() as u64)
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::EFBIG))?;
+        let mut pos = offset;
+        while pos < end {
+            let b = pos / BLOCK;
+            let bstart = b * BLOCK;
+            let to = (bstart + BLOCK).min(end);
+            let block = store.blocks.entry(b).or_insert_with(|| Box::new([0; BLOCK as usize]));
+            block[(pos - bstart) as usize..(to - bstart) as usize]
+                .copy_from_slice(&data[(pos - offset) as usize..(to - offset) as usize]);
+            pos = to;
+        }
+        store.len = store.len.max(end);
+        Ok(())
+    }
+
+    fn len(&self) -> io::Result<u64> {
+        Ok(self.inner.read().len)
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        let mut store = self.inner.write();
+        if len < store.len {
+            let keep = len.div_ceil(BLOCK);
+            let _dropped = store.blocks.split_off(&keep);
+            if len % BLOCK != 0 {
+                if let Some(block) = store.blocks.get_mut(&(len / BLOCK)) {
+                    block[(len % BLOCK) as usize..].fill(0);
+                }
+            }
+        }
+        store.len = len;
+        Ok(())
+    }
+
+    fn sync(&self) -> io::Result<()> {
+        Ok(())
+    }
+
+    fn describe(&self) -> String {
+        "memory".to_string()
+    }
+}

@@ -1,0 +1,77 @@
+//! Pagers move ranges of pages between the cache and a backing store.
+//!
+//! This is UBC's `VOP_GETPAGES` / `VOP_PUTPAGES` pair and Mach's external pager protocol
+//! (`pager_data_request` answered with data or `pager_data_unavailable`, and
+//! `pager_data_write`). The cache decides *what* to move and *when* (misses, clustering,
+//! write-behind, eviction); a pager only knows *how* to reach its store.
+//!
+//! The trait is object safe and has no ubc-internal types in it, so layers and object
+//! stores outside this crate implement it directly.
+
+mod file;
+mod mem;
+
+pub use file::FilePager;
+pub use mem::MemPager;
+
+use std::io;
+
+/// What [`Pager::get_pages`] put into the buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fill {
+    /// The buffer holds the data (bytes past the end of the store are zero).
+    Data,
+    /// Mach's `pager_data_unavailable`: the whole range is a hole. The buffer was not
+    /// touched; the cache zero-fills it without copying.
+    Hole,
+}
+
+/// A stable identity for the stored data, so that two opens of the same backing file
+/// share one cache object (one copy of each page).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Identity {
+    /// A host file: device and inode number.
+    HostFile { dev: u64, ino: u64 },
+    /// Any other store: a name unique within its kind.
+    Named { kind: &'static str, name: String },
+}
+
+/// A backing store for one file's pages.
+///
+/// Offsets are byte offsets in the file. The cache calls `get_pages` and `put_pages` with
+/// page-aligned offsets and whole pages, except that `put_pages` is clipped at the file's
+/// length (so a store never grows past the length the cache knows). Calls may come from
+/// several threads at once, for different ranges; implementations must be thread-safe.
+/// Errors are returned as they are: the cache adds context and decides what to retry.
+pub trait Pager: Send + Sync + 'static {
+    /// `VOP_GETPAGES`: fill `buf` with the bytes at `offset..offset+buf.len()`.
+    /// Bytes past the end of the store read as zero. May answer [`Fill::Hole`] without
+    /// touching `buf` when the whole range holds no data.
+    fn get_pages(&self, offset: u64, buf: &mut [u8]) -> io::Result<Fill>;
+
+    /// `VOP_PUTPAGES`: store `data` at `offset` (a cluster of contiguous dirty pages).
+    /// Extends the store if it ends before `offset + data.len()`.
+    fn put_pages(&self, offset: u64, data: &[u8]) -> io::Result<()>;
+
+    /// Current length of the stored file in bytes.
+    fn len(&self) -> io::Result<u64>;
+
+    /// Truncate or extend the stored file to `len` bytes (extension reads as zeros).
+    fn set_len(&self, len: u64) -> io::Result<()>;
+
+    /// Make everything stored so far durable (fsync for a host file).
+    fn sync(&self) -> io::Result<()>;
+
+    /// Identity of the stored data, if two pagers can reach the same data.
+    fn identity(&self) -> Option<Identity> {
+        None
+    }
+
+    /// Whether `put_pages` and `set_len` may be called.
+    fn is_writable(&self) -> bool {
+        true
+    }
+
+    /// A short human description for error messages ("file /data/a", "memory").
+    fn describe(&self) -> String;
+}

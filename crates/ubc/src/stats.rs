@@ -1,0 +1,160 @@
+//! Statistics: plain structs any front end can print, and the sharded counters behind them.
+//!
+//! Counters are bumped on the hit path, so they must not become a shared cache line that
+//! every reading thread writes: each object keeps `SHARDS` cache-line-sized shards and a
+//! thread always uses the same one.
+
+use crossbeam_utils::CachePadded;
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+
+/// Counts for one object or, summed, for the whole cache.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Pages found valid in the cache by reads and writes.
+    pub hits: u64,
+    /// Pages that had to be filled on demand (from the pager or zero-filled).
+    pub misses: u64,
+    /// Bytes read from pagers (holes cost nothing and are not counted).
+    pub read_bytes: u64,
+    /// Bytes written to pagers.
+    pub written_bytes: u64,
+    /// `get_pages` calls.
+    pub get_calls: u64,
+    /// `put_pages` calls (one per clustered writeback).
+    pub put_calls: u64,
+    /// Pages evicted (freed to make room).
+    pub evictions: u64,
+    /// Pages written back (cleaned).
+    pub writebacks: u64,
+    /// Writebacks that failed (the pages stayed dirty).
+    pub writeback_errors: u64,
+    /// Bytes currently resident in the cache.
+    pub resident_bytes: u64,
+    /// Bytes currently dirty.
+    pub dirty_bytes: u64,
+}
+
+impl Stats {
+    /// Fraction of page accesses served from the cache.
+    pub fn hit_ratio(&self) -> f64 {
+        let total = self.hits + self.misses;
+        if total == 0 { 0.0 } else { self.hits as f64 / total as f64 }
+    }
+
+    pub(crate) fn add(&mut self, o: &Stats) {
+        self.hits += o.hits;
+        self.misses += o.misses;
+        self.read_bytes += o.read_bytes;
+        self.written_bytes += o.written_bytes;
+        self.get_calls += o.get_calls;
+        self.put_calls += o.put_calls;
+        self.evictions += o.evictions;
+        self.writebacks += o.writebacks;
+        self.writeback_errors += o.writeback_errors;
+        self.resident_bytes += o.resident_bytes;
+        self.dirty_bytes += o.dirty_bytes;
+    }
+}
+
+/// Whole-cache statistics.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CacheStats {
+    /// Sums over all objects, live and gone.
+    pub totals: Stats,
+    /// The memory budget in bytes.
+    pub budget_bytes: u64,
+    /// Bytes of memory the cache's memfds actually hold, from the kernel (`fstat`).
+    /// At most `totals.resident_bytes`: pages that are holes are counted resident but may
+    /// not be allocated yet.
+    pub allocated_bytes: u64,
+    pub page_size: usize,
+    /// Objects (files) the cache knows, open or cached.
+    pub objects: usize,
+    /// Window mappings alive now, and made/retired so far.
+    pub windows: usize,
+    pub window_maps: u64,
+    pub window_retires: u64,
+    /// Times the page daemon ran, and pages it freed.
+    pub daemon_runs: u64,
+    pub daemon_evictions: u64,
+    /// The replacement policy in use.
+    pub policy: &'static str,
+}
+
+impl std::fmt::Display for CacheStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let t = &self.totals;
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        writeln!(f, "budget        {:>10.1} MiB   page size {} B   policy {}", mib(self.budget_bytes), self.page_size, self.policy)?;
+        writeln!(f, "resident      {:>10.1} MiB   (allocated {:.1} MiB)   dirty {:.1} MiB", mib(t.resident_bytes), mib(self.allocated_bytes), mib(t.dirty_bytes))?;
+        writeln!(f, "hits          {:>10}       misses {}   hit ratio {:.1}%", t.hits, t.misses, 100.0 * t.hit_ratio())?;
+        writeln!(f, "pager reads   {:>10.1} MiB   in {} calls", mib(t.read_bytes), t.get_calls)?;
+        writeln!(f, "pager writes  {:>10.1} MiB   in {} calls   ({} errors)", mib(t.written_bytes), t.put_calls, t.writeback_errors)?;
+        writeln!(f, "evictions     {:>10}       writebacks {}   page daemon runs {} (freed {})", t.evictions, t.writebacks, self.daemon_runs, self.daemon_evictions)?;
+        write!(f, "objects       {:>10}       windows {} (mapped {}, retired {})", self.objects, self.windows, self.window_maps, self.window_retires)
+    }
+}
+
+const SHARDS: usize = 8;
+
+#[derive(Default)]
+pub(crate) struct Shard {
+    pub(crate) hits: AtomicU64,
+    pub(crate) misses: AtomicU64,
+    pub(crate) read_bytes: AtomicU64,
+    pub(crate) written_bytes: AtomicU64,
+    pub(crate) get_calls: AtomicU64,
+    pub(crate) put_calls: AtomicU64,
+    pub(crate) evictions: AtomicU64,
+    pub(crate) writebacks: AtomicU64,
+    pub(crate) writeback_errors: AtomicU64,
+}
+
+/// Per-object event counters, sharded by thread.
+#[derive(Default)]
+pub(crate) struct Counters {
+    shards: [CachePadded<Shard>; SHARDS],
+}
+
+thread_local! {
+    static SHARD: Cell<usize> = const { Cell::new(usize::MAX) };
+}
+static NEXT_SHARD: AtomicUsize = AtomicUsize::new(0);
+
+impl Counters {
+    /// This thread's shard.
+    #[inline]
+    pub(crate) fn mine(&self) -> &Shard {
+        let i = SHARD.with(|s| {
+            let mut i = s.get();
+            if i == usize::MAX {
+                i = NEXT_SHARD.fetch_add(1, Relaxed) % SHARDS;
+                s.set(i);
+            }
+            i
+        });
+        &self.shards[i]
+    }
+
+    pub(crate) fn snapshot(&self) -> Stats {
+        let mut st = Stats::default();
+        for s in &self.shards {
+            st.hits += s.hits.load(Relaxed);
+            st.misses += s.misses.load(Relaxed);
+            st.read_bytes += s.read_bytes.load(Relaxed);
+            st.written_bytes += s.written_bytes.load(Relaxed);
+            st.get_calls += s.get_calls.load(Relaxed);
+            st.put_calls += s.put_calls.load(Relaxed);
+            st.evictions += s.evictions.load(Relaxed);
+            st.writebacks += s.writebacks.load(Relaxed);
+            st.writeback_errors += s.writeback_errors.load(Relaxed);
+        }
+        st
+    }
+}
+
+#[inline]
+pub(crate) fn bump(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Relaxed);
+}
