@@ -23,7 +23,12 @@ struct Options {
 
 /// Parse the command line; exits with a usage message on anything unknown.
 fn parse_args() -> Options {
-    let mut o = Options { json: false, capacity: 8192, accesses: 2_000_000, seed: 42 };
+    let mut o = Options {
+        json: false,
+        capacity: 8192,
+        accesses: 2_000_000,
+        seed: 42,
+    };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut num = |name: &str| -> u64 {
@@ -38,7 +43,9 @@ fn parse_args() -> Options {
             "--accesses" => o.accesses = num("--accesses") as usize,
             "--seed" => o.seed = num("--seed"),
             _ => {
-                eprintln!("usage: policy_sim [--json] [--capacity PAGES] [--accesses N] [--seed N]");
+                eprintln!(
+                    "usage: policy_sim [--json] [--capacity PAGES] [--accesses N] [--seed N]"
+                );
                 std::process::exit(2)
             }
         }
@@ -64,8 +71,10 @@ fn main() {
         println!("|---|{}", "---:|".repeat(names.len()));
     }
     for w in &workloads {
-        let ratios: Vec<f64> =
-            Model::ALL.iter().map(|m| m.simulate(w.capacity, &w.trace).hit_ratio()).collect();
+        let ratios: Vec<f64> = Model::ALL
+            .iter()
+            .map(|m| m.simulate(w.capacity, &w.trace).hit_ratio())
+            .collect();
         if o.json {
             for (m, r) in Model::ALL.iter().zip(&ratios) {
                 println!(
@@ -81,7 +90,11 @@ fn main() {
                 .iter()
                 .map(|&r| {
                     let cell = format!("{:.2}%", 100.0 * r);
-                    if r == best { format!("**{cell}**") } else { cell }
+                    if r == best {
+                        format!("**{cell}**")
+                    } else {
+                        cell
+                    }
                 })
                 .collect();
             println!("| {} | {} |", w.name, cells.join(" | "));

@@ -88,7 +88,12 @@ impl EvictionPolicy for Clock {
             }
             return;
         }
-        let slot = self.arena.alloc(key, Meta { readahead_unused: readahead });
+        let slot = self.arena.alloc(
+            key,
+            Meta {
+                readahead_unused: readahead,
+            },
+        );
         self.arena.push_back(&mut self.ring, slot);
         self.map.insert(key, slot);
     }

@@ -50,6 +50,14 @@ use crate::{Admission, EvictAttempt, EvictionPolicy, PageKey, PageProbe};
 /// Highest value of the per-page frequency (2 bits, as in the paper).
 const MAX_FREQ: u8 = 3;
 
+/// Unavailable pages one `select_victim` call rotates in a queue before it stops looking
+/// there (it looks at the other queue instead, then falls back to the forced pass).
+///
+/// Without a cap, a write burst that leaves all of S dirty would make every eviction walk
+/// all of S (10% of the cache) before turning to M; with it, each call does bounded work and
+/// the rotations still advance through S across calls, so selection stays amortized O(1).
+const UNAVAILABLE_RUN_LIMIT: usize = 64;
+
 /// Which queue a node is linked on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Queue {
@@ -81,7 +89,11 @@ pub struct S3FifoParams {
 impl Default for S3FifoParams {
     /// The paper's parameters: 10% S, promote after one access, ghost as large as M.
     fn default() -> Self {
-        S3FifoParams { small_percent: 10, move_to_main_threshold: 1, ghost_percent: 90 }
+        S3FifoParams {
+            small_percent: 10,
+            move_to_main_threshold: 1,
+            ghost_percent: 90,
+        }
     }
 }
 
@@ -107,7 +119,10 @@ impl S3Fifo {
     /// An S3-FIFO policy with explicit tunables. Precondition: `small_percent` in 1..=99,
     /// `move_to_main_threshold` in 1..=3.
     pub fn with_params(capacity_pages: usize, params: S3FifoParams) -> Self {
-        assert!((1..=99).contains(&params.small_percent), "small_percent out of range");
+        assert!(
+            (1..=99).contains(&params.small_percent),
+            "small_percent out of range"
+        );
         assert!(
             (1..=MAX_FREQ).contains(&params.move_to_main_threshold),
             "move_to_main_threshold out of range"
@@ -196,7 +211,11 @@ impl S3Fifo {
 
     /// One step at S's tail: promote, evict (returning the key) or rotate.
     /// Precondition: S is not empty.
-    fn step_small(&mut self, probe: &mut dyn PageProbe, unavailable: &mut usize) -> Option<PageKey> {
+    fn step_small(
+        &mut self,
+        probe: &mut dyn PageProbe,
+        unavailable: &mut usize,
+    ) -> Option<PageKey> {
         let slot = self.small.front()?;
         let key = self.arena.get(slot).key;
         let Some(accesses) = probe.take_accesses(key) else {
@@ -309,7 +328,8 @@ impl S3Fifo {
     /// Keys of the queue `which` (0 = S, 1 = M, 2 = G) oldest first (tests only).
     #[cfg(test)]
     fn keys(&self, which: usize) -> Vec<PageKey> {
-        self.arena.keys([&self.small, &self.main, &self.ghost][which])
+        self.arena
+            .keys([&self.small, &self.main, &self.ghost][which])
     }
 }
 
@@ -333,14 +353,21 @@ impl EvictionPolicy for S3Fifo {
             }
             // Ghost hit. Only a demand fill is evidence of reuse; read-ahead goes to S.
             let queue = if readahead { Queue::Small } else { Queue::Main };
-            self.arena.get_mut(slot).data =
-                Meta { queue: Queue::Ghost, freq: 0, readahead_unused: readahead };
+            self.arena.get_mut(slot).data = Meta {
+                queue: Queue::Ghost,
+                freq: 0,
+                readahead_unused: readahead,
+            };
             self.requeue(slot, queue);
             return;
         }
         let slot = self.arena.alloc(
             key,
-            Meta { queue: Queue::Small, freq: 0, readahead_unused: readahead },
+            Meta {
+                queue: Queue::Small,
+                freq: 0,
+                readahead_unused: readahead,
+            },
         );
         self.push(slot, Queue::Small);
         self.map.insert(key, slot);
@@ -362,13 +389,16 @@ impl EvictionPolicy for S3Fifo {
         // Bound on the paper's loop. Single-threaded it always ends well within it: each S
         // step promotes, evicts or rotates an unavailable page; each M step decrements a
         // freq of at most 3 or rotates; a queue stops being looked at once we have rotated as
-        // many unavailable pages as it holds.
+        // many unavailable pages as it holds (or UNAVAILABLE_RUN_LIMIT).
         let mut budget = 6 * self.len() + 8;
         let (mut small_unavailable, mut main_unavailable) = (0usize, 0usize);
+        let open = |unavailable: usize, list: &List| {
+            !list.is_empty() && unavailable < list.len().min(UNAVAILABLE_RUN_LIMIT)
+        };
         while budget > 0 {
             budget -= 1;
-            let small_ok = !self.small.is_empty() && small_unavailable < self.small.len();
-            let main_ok = !self.main.is_empty() && main_unavailable < self.main.len();
+            let small_ok = open(small_unavailable, &self.small);
+            let main_ok = open(main_unavailable, &self.main);
             let from_small = match (small_ok, main_ok) {
                 (false, false) => break,
                 (true, false) => true,
@@ -484,7 +514,14 @@ mod tests {
         }
         // A one-time scan of 1000 pages; the hot set keeps being used meanwhile.
         for j in 0..1000u64 {
-            admit(&mut p, &mut probe, PageKey { object: 1, index: j });
+            admit(
+                &mut p,
+                &mut probe,
+                PageKey {
+                    object: 1,
+                    index: j,
+                },
+            );
             if j % 20 == 0 {
                 for i in 0..50 {
                     if p.map.contains_key(&k(i)) {
@@ -493,9 +530,13 @@ mod tests {
                 }
             }
         }
-        let hot_left = (0..50).filter(|&i| p.map.get(&k(i)).is_some_and(|&s| {
-            p.arena.get(s).data.queue == Queue::Main
-        })).count();
+        let hot_left = (0..50)
+            .filter(|&i| {
+                p.map
+                    .get(&k(i))
+                    .is_some_and(|&s| p.arena.get(s).data.queue == Queue::Main)
+            })
+            .count();
         assert_eq!(hot_left, 50, "the scan must not push the hot set out of M");
         // The scan only ever occupied the space M did not need.
         assert_eq!((p.main_len(), p.small_len()), (50, 50));
@@ -529,7 +570,11 @@ mod tests {
         probe.add(k(30));
         probe.touch(k(30));
         assert_eq!(p.select_victim(&mut probe), Some(k(30)));
-        assert_eq!(p.keys(2).last(), Some(&k(30)), "used once: remembered like a demand page");
+        assert_eq!(
+            p.keys(2).last(),
+            Some(&k(30)),
+            "used once: remembered like a demand page"
+        );
     }
 
     #[test]
@@ -546,6 +591,55 @@ mod tests {
         probe.unpin(k(5));
         assert_eq!(p.select_victim(&mut probe), Some(k(5)));
         assert_eq!(p.len(), 7);
+    }
+
+    #[test]
+    fn dirty_small_queue_does_not_cost_a_full_walk() {
+        let cap = 1000u64;
+        let mut p = S3Fifo::new(cap as usize);
+        let mut probe = TestProbe::default();
+        // 900 clean pages in M (via the ghost), then 100 dirty pages in S.
+        for i in 0..900 {
+            fill(&mut p, &mut probe, k(i));
+        }
+        for i in 0..900 {
+            assert_eq!(p.select_victim(&mut probe), Some(k(i)));
+        }
+        for i in 0..900 {
+            fill(&mut p, &mut probe, k(i));
+        }
+        for i in 900..1000 {
+            fill(&mut p, &mut probe, k(i));
+            probe.pin(k(i));
+        }
+        assert_eq!((p.small_len(), p.main_len()), (100, 900));
+        let mut counting = Counting {
+            inner: &mut probe,
+            probes: 0,
+        };
+        assert_eq!(p.select_victim(&mut counting), Some(k(0)));
+        assert!(
+            counting.probes <= 2 * UNAVAILABLE_RUN_LIMIT + 2,
+            "{} probes",
+            counting.probes
+        );
+    }
+
+    /// A probe wrapper counting the policy's calls.
+    struct Counting<'a> {
+        inner: &'a mut TestProbe,
+        probes: usize,
+    }
+
+    impl PageProbe for Counting<'_> {
+        fn take_accesses(&mut self, key: PageKey) -> Option<u8> {
+            self.probes += 1;
+            self.inner.take_accesses(key)
+        }
+        fn try_evict(&mut self, key: PageKey) -> EvictAttempt {
+            self.probes += 1;
+            self.inner.try_evict(key)
+        }
     }
 
     #[test]

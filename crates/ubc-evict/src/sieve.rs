@@ -106,7 +106,12 @@ impl EvictionPolicy for Sieve {
             }
             return;
         }
-        let slot = self.arena.alloc(key, Meta { readahead_unused: readahead });
+        let slot = self.arena.alloc(
+            key,
+            Meta {
+                readahead_unused: readahead,
+            },
+        );
         self.arena.push_back(&mut self.queue, slot);
         self.map.insert(key, slot);
     }
@@ -124,7 +129,11 @@ impl EvictionPolicy for Sieve {
             // One round = as many steps as pages at its start; each step passes or removes
             // one page, so every page is looked at once per round.
             for _ in 0..self.queue.len() {
-                let slot = if self.hand == NIL { self.queue.front()? } else { self.hand };
+                let slot = if self.hand == NIL {
+                    self.queue.front()?
+                } else {
+                    self.hand
+                };
                 let key = self.arena.get(slot).key;
                 let Some(accesses) = probe.take_accesses(key) else {
                     self.forget(slot); // left the cache behind our back

@@ -41,6 +41,7 @@ pub struct CacheBuilder {
     low_watermark: Option<u64>,
     high_watermark: Option<u64>,
     reserve_timeout: Duration,
+    max_objects: Option<usize>,
 }
 
 impl Default for CacheBuilder {
@@ -57,6 +58,7 @@ impl Default for CacheBuilder {
             low_watermark: None,
             high_watermark: None,
             reserve_timeout: Duration::from_secs(10),
+            max_objects: None,
         }
     }
 }
@@ -116,6 +118,15 @@ impl CacheBuilder {
         self
     }
 
+    /// Most files kept cached after their last handle is closed (like NetBSD's
+    /// `maxvnodes`). Each holds a memfd and usually the pager's file descriptor; beyond this,
+    /// the least recently closed are written back and dropped. Default: a quarter of the
+    /// open-file limit, 64..=16384.
+    pub fn max_cached_files(mut self, n: usize) -> Self {
+        self.max_objects = Some(n);
+        self
+    }
+
     /// Check the settings and start the cache (and its page daemon).
     pub fn build(self) -> Result<Cache> {
         let sys_page = rustix::param::page_size();
@@ -138,7 +149,12 @@ impl CacheBuilder {
             .unwrap_or_else(|| ((2 * self.budget / self.window_size as u64) as usize).clamp(64, 4096));
         let low = self.low_watermark.map_or((budget_pages / 64).max(8), |b| b / self.page_size as u64);
         let high = self.high_watermark.map_or((budget_pages / 32).max(16), |b| b / self.page_size as u64);
+        let max_objects = self.max_objects.unwrap_or_else(|| {
+            let nofile = rustix::process::getrlimit(rustix::process::Resource::Nofile).current.unwrap_or(1024);
+            (nofile as usize / 4).clamp(64, 16384)
+        });
         let core = Arc::new(CacheCore {
+            max_objects,
             page_shift,
             page_size: self.page_size,
             chunk_shift,
@@ -178,6 +194,9 @@ impl CacheBuilder {
 pub(crate) struct Registry {
     pub(crate) by_id: HashMap<u64, Arc<Object>>,
     by_identity: HashMap<Identity, u64>,
+    /// Objects in the order their last handle was closed (may hold stale ids: an object
+    /// reopened or already forgotten is skipped when popped).
+    closed: std::collections::VecDeque<u64>,
 }
 
 #[derive(Default)]
@@ -195,6 +214,7 @@ struct DaemonState {
 }
 
 pub(crate) struct CacheCore {
+    max_objects: usize,
     pub(crate) page_shift: u32,
     pub(crate) page_size: usize,
     /// log2 of pages per chunk (= per window).
@@ -351,24 +371,74 @@ impl CacheCore {
         self.registry.read().by_id.get(&id).cloned()
     }
 
-    /// Forget an object nobody has open and that holds no pages.
-    pub(crate) fn maybe_forget(&self, obj: &Object) {
-        if obj.handles.load(SeqCst) != 0 || obj.resident_pages() != 0 {
+    /// The last handle of `obj` was closed, or its last page evicted: forget it if it holds
+    /// no pages, else remember when it was closed; then keep the number of cached closed
+    /// objects within `max_objects`.
+    pub(crate) fn object_idle(&self, obj: &Object, closed_now: bool) {
+        if obj.handles.load(SeqCst) != 0 {
             return;
         }
         let mut reg = self.registry.write();
         // Re-check under the lock: `open` takes handles under it.
-        if obj.handles.load(SeqCst) == 0 && obj.resident_pages() == 0 {
-            if let Some(o) = reg.by_id.remove(&obj.id) {
-                if let Some(ident) = &o.identity {
-                    if reg.by_identity.get(ident) == Some(&obj.id) {
-                        reg.by_identity.remove(ident);
-                    }
+        if obj.handles.load(SeqCst) != 0 {
+            return;
+        }
+        if obj.resident_pages() == 0 {
+            let gone = Self::forget_locked(&mut reg, obj.id);
+            drop(reg);
+            drop(gone); // may run Object::drop, which takes other locks
+            return;
+        }
+        if closed_now {
+            reg.closed.push_back(obj.id);
+        }
+        let excess = reg.by_id.len().saturating_sub(self.max_objects);
+        let mut victims = Vec::new();
+        while victims.len() < excess {
+            let Some(id) = reg.closed.pop_front() else { break };
+            if let Some(o) = reg.by_id.get(&id) {
+                if o.handles.load(SeqCst) == 0 && !victims.iter().any(|v: &Arc<Object>| v.id == id) {
+                    victims.push(o.clone());
                 }
-                drop(reg);
-                drop(o); // may run Object::drop, which takes other locks
             }
         }
+        // Bound the queue of stale ids too.
+        if reg.closed.len() > 2 * self.max_objects + 64 {
+            let Registry { by_id, closed, .. } = &mut *reg;
+            closed.retain(|id| by_id.contains_key(id));
+        }
+        drop(reg);
+        for v in victims {
+            self.deactivate(&v);
+        }
+    }
+
+    /// Write back and evict every page of a closed object, then forget it. Runs without the
+    /// registry lock (lock order is policy → registry), so a concurrent open may attach:
+    /// only clean, unheld pages are evicted, and the object is forgotten only if it is still
+    /// closed and empty. An object whose writeback fails keeps its dirty pages and stays.
+    fn deactivate(&self, obj: &Arc<Object>) {
+        if obj.writeback(0, u64::MAX, true).is_err() {
+            self.registry.write().closed.push_back(obj.id);
+            return;
+        }
+        obj.evict_clean();
+        let mut reg = self.registry.write();
+        if obj.handles.load(SeqCst) == 0 && obj.resident_pages() == 0 {
+            let gone = Self::forget_locked(&mut reg, obj.id);
+            drop(reg);
+            drop(gone);
+        }
+    }
+
+    fn forget_locked(reg: &mut Registry, id: u64) -> Option<Arc<Object>> {
+        let o = reg.by_id.remove(&id)?;
+        if let Some(ident) = &o.identity {
+            if reg.by_identity.get(ident) == Some(&id) {
+                reg.by_identity.remove(ident);
+            }
+        }
+        Some(o)
     }
 
     fn stats(&self) -> CacheStats {
@@ -463,7 +533,9 @@ impl Prober<'_> {
             let Some(obj) = self.object(group[0].object) else { continue };
             let pages: Vec<u64> = group.iter().map(|k| k.index).collect();
             obj.release_evicted(&pages);
-            self.core.maybe_forget(&obj);
+            if obj.resident_pages() == 0 {
+                self.core.object_idle(&obj, false);
+            }
         }
     }
 
@@ -565,28 +637,46 @@ impl Cache {
         }
         let core = self.core();
         let identity = pager.identity();
+        // Look for a cached object with the same identity first; create a new one outside
+        // the registry lock (creating asks the pager for its length, which may do I/O or,
+        // for a layered pager, go through this very cache).
+        if let Some(o) = self.attach_existing(identity.as_ref(), &pager) {
+            return Ok(File::new(o, self.clone(), access == Access::ReadWrite));
+        }
+        let id = core.next_id.fetch_add(1, Relaxed);
+        let fresh = Arc::new(Object::new(id, core.clone(), pager.clone())?);
         let obj = {
             let mut reg = core.registry.write();
             let existing = identity.as_ref().and_then(|i| reg.by_identity.get(i).copied());
             match existing.and_then(|id| reg.by_id.get(&id).cloned()) {
+                // Lost a race with another open of the same data: use theirs.
                 Some(o) => {
                     o.upgrade_pager(pager);
                     o.handles.fetch_add(1, SeqCst);
                     o
                 }
                 None => {
-                    let id = core.next_id.fetch_add(1, Relaxed);
-                    let o = Arc::new(Object::new(id, core.clone(), pager)?);
-                    o.handles.fetch_add(1, SeqCst);
-                    reg.by_id.insert(id, o.clone());
+                    fresh.handles.fetch_add(1, SeqCst);
+                    reg.by_id.insert(id, fresh.clone());
                     if let Some(i) = identity {
                         reg.by_identity.insert(i, id);
                     }
-                    o
+                    fresh
                 }
             }
         };
         Ok(File::new(obj, self.clone(), access == Access::ReadWrite))
+    }
+
+    /// Take a new handle on the cached object with this identity, if there is one.
+    fn attach_existing(&self, identity: Option<&Identity>, pager: &Arc<dyn Pager>) -> Option<Arc<Object>> {
+        let reg = self.core().registry.read();
+        let o = reg.by_id.get(reg.by_identity.get(identity?)?)?.clone();
+        // Under the registry lock, so `object_idle` cannot drop it between check and use.
+        o.handles.fetch_add(1, SeqCst);
+        drop(reg);
+        o.upgrade_pager(pager.clone());
+        Some(o)
     }
 
     /// Open an existing host file through a [`FilePager`].

@@ -113,7 +113,7 @@ impl File {
 
     fn release_handle(&self) {
         if self.obj.handles.fetch_sub(1, SeqCst) == 1 {
-            self.obj.core.maybe_forget(&self.obj);
+            self.obj.core.object_idle(&self.obj, true);
         }
     }
 
@@ -135,13 +135,20 @@ impl File {
     }
 
     /// The chunk holding `offset` and the end of the window-able range from `offset`:
-    /// clipped to the chunk (a window is one mapping) and to `limit`.
-    fn window_span(&self, obj: &Object, offset: u64, len: usize, limit: u64) -> (u64, u64) {
-        let chunk_bytes = (self.obj.core.page_size as u64) << self.obj.core.chunk_shift;
+    /// clipped to the chunk (a window is one mapping) and to `limit`. A window may pin at
+    /// most half the budget: more would starve every other reader.
+    fn window_span(&self, obj: &Object, offset: u64, len: usize, limit: u64) -> Result<(u64, u64)> {
+        let core = &obj.core;
+        let chunk_bytes = (core.page_size as u64) << core.chunk_shift;
         let chunk_end = (offset / chunk_bytes + 1) * chunk_bytes;
-        let _ = obj;
         let end = offset.saturating_add(len as u64).min(chunk_end).min(limit);
-        (offset / chunk_bytes, end)
+        if end > offset {
+            let pages = ((end - 1) >> core.page_shift) - (offset >> core.page_shift) + 1;
+            if pages > core.budget_pages / 2 {
+                return Err(Error::BudgetExceeded { needed: pages << core.page_shift, budget: core.budget_pages << core.page_shift });
+            }
+        }
+        Ok((offset / chunk_bytes, end))
     }
 
     /// Lend the cached bytes at `offset` for reading, without copying (`ubc_alloc`).
@@ -151,7 +158,7 @@ impl File {
     pub fn window(&self, offset: u64, len: usize) -> Result<Window<'_>> {
         let obj = self.live()?;
         checked_end(offset, len)?;
-        let (ci, end) = self.window_span(obj, offset, len, obj.len());
+        let (ci, end) = self.window_span(obj, offset, len, obj.len())?;
         if end <= offset {
             return Ok(Window { obj, chunk: None, ptr: std::ptr::null(), len: 0, first: 0, last: 0 });
         }
@@ -176,7 +183,7 @@ impl File {
     pub fn window_mut(&self, offset: u64, len: usize) -> Result<WindowMut<'_>> {
         let obj = self.live_writable()?;
         checked_end(offset, len)?;
-        let (ci, end) = self.window_span(obj, offset, len, u64::MAX);
+        let (ci, end) = self.window_span(obj, offset, len, u64::MAX)?;
         if end <= offset {
             return Ok(WindowMut { obj, chunk: None, ptr: std::ptr::null_mut(), len: 0, offset, size: None });
         }

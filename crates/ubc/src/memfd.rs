@@ -8,9 +8,10 @@ use rustix::fs::{FallocateFlags, MemfdFlags};
 use rustix::mm::{MapFlags, ProtFlags};
 use std::ffi::CString;
 
-/// The largest size a memfd may have (tmpfs allows `MAX_LFS_FILESIZE`, 2^63 - 1); rounded
-/// down to 64 KiB so any supported page size divides it.
-const MEMFD_SIZE: u64 = (i64::MAX as u64) & !0xffff;
+/// The largest size a memfd may have (tmpfs allows `MAX_LFS_FILESIZE`, 2^63 - 1), rounded
+/// down to 64 KiB so every supported page size divides it. This is also the largest file
+/// length ubc supports: a page must lie wholly inside the memfd.
+pub(crate) const MEMFD_SIZE: u64 = (i64::MAX as u64) & !0xffff;
 
 pub(crate) struct Memfd {
     fd: OwnedFd,

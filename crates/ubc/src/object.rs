@@ -21,10 +21,11 @@ use parking_lot::{Mutex, RwLock};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::*};
 use std::sync::{Arc, OnceLock};
 
-/// Largest file offset + 1 that ubc supports (offsets are `i64` in POSIX).
-pub(crate) const MAX_END: u64 = i64::MAX as u64;
+/// Largest file length ubc supports: 2^63 - 64 KiB (offsets are `i64` in POSIX, and a
+/// memfd holds at most 2^63 - 1 bytes; see `memfd.rs`).
+pub(crate) const MAX_END: u64 = crate::memfd::MEMFD_SIZE;
 
-/// `offset + len`, or an `OffsetOverflow` error past 2^63 - 1.
+/// `offset + len`, or an `OffsetOverflow` error past `MAX_END`.
 pub(crate) fn checked_end(offset: u64, len: usize) -> Result<u64> {
     match offset.checked_add(len as u64) {
         Some(end) if end <= MAX_END => Ok(end),
@@ -92,10 +93,6 @@ impl Object {
         if !p.is_writable() && pager.is_writable() {
             *p = pager;
         }
-    }
-
-    pub(crate) fn is_writable(&self) -> bool {
-        self.pager.read().is_writable()
     }
 
     pub(crate) fn describe(&self) -> &str {
@@ -743,6 +740,33 @@ impl Object {
         self.resident.fetch_sub(n, Relaxed);
         self.core.unreserve(n);
         bump(&self.counters.mine().evictions, n);
+    }
+}
+
+impl Object {
+    /// Evict every clean, unheld page (deactivation of a closed object). Returns pages freed.
+    pub(crate) fn evict_clean(&self) -> u64 {
+        let cs = self.core.chunk_shift;
+        let mut freed = 0;
+        self.table.for_each(0, u64::MAX, |chunk| {
+            let base = chunk.index << cs;
+            let taken: Vec<u64> = (0..chunk.pages.len())
+                .filter(|&i| chunk.pages[i].try_lock_for_evict())
+                .map(|i| base + i as u64)
+                .collect();
+            if taken.is_empty() {
+                return;
+            }
+            {
+                let mut pol = self.core.policy.lock();
+                for &p in &taken {
+                    pol.remove(self.key(p));
+                }
+            }
+            self.release_evicted(&taken);
+            freed += taken.len() as u64;
+        });
+        freed
     }
 }
 

@@ -48,6 +48,7 @@ struct Slots {
 
 struct Slot {
     addr: usize,
+    len: usize,
     /// The chunk this window maps. Valid while the slot is occupied: an object releases its
     /// windows (`release_all`) before its page table is freed.
     chunk: *const Chunk,
@@ -115,7 +116,7 @@ impl Windows {
                 }
             },
         };
-        let addr = match memfd.map(chunk.index * self.size as u64, self.size) {
+        let addr = match memfd.map(chunk.index * self.size as u64, self.map_len(chunk)) {
             Ok(p) => p,
             Err(e) => {
                 s.free.push(slot as u32);
@@ -123,7 +124,7 @@ impl Windows {
             }
         };
         self.maps.fetch_add(1, Relaxed);
-        s.slots[slot] = Some(Slot { addr: addr as usize, chunk });
+        s.slots[slot] = Some(Slot { addr: addr as usize, len: self.map_len(chunk), chunk });
         s.live += 1;
         chunk.window_slot.store(slot as u32, SeqCst);
         chunk.window_ref.store(true, Relaxed);
@@ -145,7 +146,7 @@ impl Windows {
             }
             if try_retire(chunk) {
                 // SAFETY: retired: no holder can be using the address (handshake above).
-                unsafe { memfd::unmap(slot.addr as *mut u8, self.size) };
+                unsafe { memfd::unmap(slot.addr as *mut u8, slot.len) };
                 s.slots[i] = None;
                 s.live -= 1;
                 self.retires.fetch_add(1, Relaxed);
@@ -164,12 +165,19 @@ impl Windows {
             if a > WIN_RETIRING {
                 let i = chunk.window_slot.load(SeqCst) as usize;
                 // SAFETY: per the precondition nobody uses the address.
-                unsafe { memfd::unmap(a as *mut u8, self.size) };
+                unsafe { memfd::unmap(a as *mut u8, self.map_len(chunk)) };
                 s.slots[i] = None;
                 s.free.push(i as u32);
                 s.live -= 1;
             }
         });
+    }
+
+    /// Bytes mapped for `chunk`: the window size, except for the last chunk below the memfd's
+    /// maximum size (mmap refuses to reach past `MAX_LFS_FILESIZE`).
+    fn map_len(&self, chunk: &Chunk) -> usize {
+        let off = chunk.index * self.size as u64;
+        (self.size as u64).min(memfd::MEMFD_SIZE.saturating_sub(off)) as usize
     }
 
     pub(crate) fn stats(&self) -> WindowStats {
@@ -179,9 +187,10 @@ impl Windows {
 
 impl Drop for Windows {
     fn drop(&mut self) {
+        // Objects release their windows when they are dropped, so normally nothing is left.
         for slot in self.slots.get_mut().slots.drain(..).flatten() {
             // SAFETY: the cache is gone; nobody can hold a page.
-            unsafe { memfd::unmap(slot.addr as *mut u8, self.size) };
+            unsafe { memfd::unmap(slot.addr as *mut u8, slot.len) };
         }
     }
 }

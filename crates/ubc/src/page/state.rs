@@ -81,12 +81,6 @@ impl PageState {
         self.0.load(SeqCst)
     }
 
-    /// True if the page holds no data and nobody owns it.
-    #[inline]
-    pub(crate) fn is_empty(&self) -> bool {
-        self.load() & (VALID | BUSY) == 0
-    }
-
     /// Sleep until `done(state)` holds. Sets WAITERS so the next transition wakes us.
     pub(crate) fn wait_until(&self, done: impl Fn(u32) -> bool) -> u32 {
         loop {
@@ -135,13 +129,6 @@ impl PageState {
                 Err(cur) => s = cur,
             }
         }
-    }
-
-    /// Add a pin to a page the caller already holds pinned or BUSY.
-    #[inline]
-    pub(crate) fn add_pin(&self) {
-        let old = self.0.fetch_add(PIN_ONE, SeqCst);
-        debug_assert!(pins(old) < PIN_MAX);
     }
 
     /// Drop one pin. => caller holds a pin.
@@ -325,7 +312,7 @@ mod tests {
         assert_eq!(p.take_accesses(), 1);
         assert!(p.try_lock_for_evict());
         p.release_empty();
-        assert!(p.is_empty());
+        assert_eq!(p.load() & (VALID | BUSY), 0);
     }
 
     #[test]

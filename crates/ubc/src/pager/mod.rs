@@ -8,9 +8,11 @@
 //! The trait is object safe and has no ubc-internal types in it, so layers and object
 //! stores outside this crate implement it directly.
 
+mod fault;
 mod file;
 mod mem;
 
+pub use fault::{FaultCounts, FaultPager};
 pub use file::FilePager;
 pub use mem::MemPager;
 

@@ -1,0 +1,144 @@
+//! One budget for everything: memory stays within budget + 5% under any workload, and
+//! thousands of cached files fit within the mapping and open-file limits.
+
+mod common;
+use common::*;
+use rand::{RngExt, SeedableRng, rngs::StdRng};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
+use std::sync::Arc;
+use ubc::pager::MemPager;
+use ubc::{Access, Cache};
+
+fn count_dir(path: &str) -> usize {
+    std::fs::read_dir(path).unwrap().count()
+}
+
+fn count_maps() -> usize {
+    std::fs::read_to_string("/proc/self/maps").unwrap().lines().count()
+}
+
+#[test]
+fn memory_stays_within_budget_with_a_working_set_ten_times_larger() {
+    let budget: u64 = 4 << 20;
+    let cache = Cache::builder().budget(budget).build().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    // 4 host files of 10 MiB: 40 MiB working set, 10x the budget.
+    let files: Vec<Arc<ubc::File>> = (0..4)
+        .map(|i| {
+            let p = dir.path().join(format!("f{i}"));
+            std::fs::write(&p, pattern(i, 0, 10 << 20)).unwrap();
+            Arc::new(cache.open_path(&p, Access::ReadWrite).unwrap())
+        })
+        .collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let max_alloc = Arc::new(AtomicU64::new(0));
+    let max_resident = Arc::new(AtomicU64::new(0));
+    let sampler = {
+        let (cache, stop, max_alloc, max_resident) = (cache.clone(), stop.clone(), max_alloc.clone(), max_resident.clone());
+        std::thread::spawn(move || {
+            let mut samples = 0;
+            while !stop.load(SeqCst) {
+                let st = cache.stats();
+                max_alloc.fetch_max(st.allocated_bytes, SeqCst);
+                max_resident.fetch_max(st.totals.resident_bytes, SeqCst);
+                samples += 1;
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+            samples
+        })
+    };
+    let workers: Vec<_> = (0..4u64)
+        .map(|t| {
+            let files = files.clone();
+            std::thread::spawn(move || {
+                let mut rng = StdRng::seed_from_u64(t);
+                let mut buf = vec![0u8; 64 << 10];
+                for i in 0..1500 {
+                    let f = &files[rng.random_range(0..files.len())];
+                    let len = rng.random_range(1..buf.len());
+                    let off = rng.random_range(0..(10u64 << 20) - len as u64);
+                    match i % 5 {
+                        // sequential scans, random reads, and writes
+                        0 => {
+                            let start = rng.random_range(0..(9u64 << 20));
+                            for k in 0..16u64 {
+                                f.read_at(&mut buf, start + k * (64 << 10)).unwrap();
+                            }
+                        }
+                        1 | 2 => {
+                            f.read_at(&mut buf[..len], off).unwrap();
+                        }
+                        _ => {
+                            f.write_at(&buf[..len], off).unwrap();
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().unwrap();
+    }
+    stop.store(true, SeqCst);
+    let samples = sampler.join().unwrap();
+    let limit = budget + budget / 20;
+    let (alloc, resident) = (max_alloc.load(SeqCst), max_resident.load(SeqCst));
+    println!("samples {samples}, max allocated {alloc}, max resident {resident}, budget {budget}");
+    assert!(samples > 10);
+    assert!(alloc <= limit, "allocated {alloc} > budget + 5% ({limit})");
+    assert!(resident <= budget, "resident {resident} > budget {budget}");
+    let st = cache.stats();
+    assert!(st.totals.evictions > 1000, "{st:?}");
+    assert!(st.daemon_runs > 0, "the page daemon ran");
+    // Allocation and accounting agree: no page is allocated that the table does not count.
+    assert!(st.allocated_bytes <= st.totals.resident_bytes, "{st:?}");
+    cache.sync_all().unwrap();
+}
+
+#[test]
+fn thousands_of_cached_files_stay_within_fd_and_mapping_limits() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = Cache::builder()
+        .budget(64 << 20)
+        .window_size(64 << 10)
+        .max_windows(128)
+        .max_cached_files(300)
+        .build()
+        .unwrap();
+    let fds_before = count_dir("/proc/self/fd");
+    let maps_before = count_maps();
+    let n = 3000u64;
+    for i in 0..n {
+        let f = cache.create_path(dir.path().join(format!("{i}"))).unwrap();
+        f.write_at(&pattern(i, 0, 5000), 0).unwrap();
+        let mut b = vec![0u8; 5000];
+        f.read_at(&mut b, 0).unwrap();
+    }
+    let st = cache.stats();
+    let fds = count_dir("/proc/self/fd").saturating_sub(fds_before);
+    let maps = count_maps().saturating_sub(maps_before);
+    println!("objects {}, extra fds {fds}, extra maps {maps}, windows {}", st.objects, st.windows);
+    assert!(st.objects <= 301, "cached files bounded: {}", st.objects);
+    assert!(fds <= 2 * 301 + 16, "fds bounded: {fds}");
+    assert!(st.windows <= 128 + 4, "windows bounded: {}", st.windows);
+    assert!(maps <= 2 * 128 + 32, "mappings bounded: {maps}");
+    // Nothing was lost: every file reads back, from the cache or from disk.
+    for i in (0..n).step_by(7) {
+        let f = cache.open_path(dir.path().join(format!("{i}")), Access::ReadOnly).unwrap();
+        let mut b = vec![0u8; 5000];
+        f.read_exact_at(&mut b, 0).unwrap();
+        assert_same(&b, &pattern(i, 0, 5000), "file contents");
+    }
+}
+
+#[test]
+fn memory_is_returned_when_the_cache_goes_away() {
+    let cache = small_cache(8 << 20);
+    let f = cache.open(Arc::new(MemPager::new()), Access::ReadWrite).unwrap();
+    f.write_at(&vec![3u8; 4 << 20], 0).unwrap();
+    assert_eq!(cache.stats().allocated_bytes, 4 << 20);
+    let maps_with = count_maps();
+    drop(f);
+    drop(cache);
+    assert!(count_maps() < maps_with, "windows unmapped at shutdown");
+}

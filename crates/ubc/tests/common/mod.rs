@@ -1,0 +1,47 @@
+#![allow(dead_code)]
+//! Helpers shared by the integration tests.
+
+use std::sync::Arc;
+use ubc::pager::{FaultPager, MemPager};
+use ubc::{Access, Cache, File};
+
+/// Deterministic test data: byte `i` of stream `seed`.
+pub fn pattern(seed: u64, offset: u64, len: usize) -> Vec<u8> {
+    (0..len as u64).map(|i| byte_at(seed, offset + i)).collect()
+}
+
+pub fn byte_at(seed: u64, pos: u64) -> u8 {
+    let x = (pos ^ seed.wrapping_mul(0x9e37_79b9_7f4a_7c15)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    (x >> 56) as u8 | 1 // never 0, so lost data (zeros) is always visible
+}
+
+pub fn small_cache(budget: u64) -> Cache {
+    Cache::builder().budget(budget).build().unwrap()
+}
+
+/// A file on a memory pager behind a fault injector; returns both.
+pub fn faulty_file(cache: &Cache) -> (File, Arc<FaultPager>, Arc<MemPager>) {
+    let mem = Arc::new(MemPager::new());
+    let fault = Arc::new(FaultPager::new(mem.clone()));
+    let f = cache.open(fault.clone(), Access::ReadWrite).unwrap();
+    (f, fault, mem)
+}
+
+/// Read the whole store behind a pager, bypassing the cache.
+pub fn store_contents(p: &dyn ubc::Pager) -> Vec<u8> {
+    let len = p.len().unwrap() as usize;
+    let mut v = vec![0u8; len.next_multiple_of(4096)];
+    if len > 0 {
+        p.get_pages(0, &mut v).unwrap();
+    }
+    v.truncate(len);
+    v
+}
+
+/// First differing byte, for readable failures.
+pub fn assert_same(got: &[u8], want: &[u8], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
+        panic!("{what}: first difference at byte {i}: got {:#04x}, want {:#04x}", got[i], want[i]);
+    }
+}

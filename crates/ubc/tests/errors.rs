@@ -1,0 +1,179 @@
+//! Errors reach the caller with their cause; a failed writeback never drops data.
+
+mod common;
+use common::*;
+use std::sync::Arc;
+use ubc::pager::MemPager;
+use ubc::{Access, Cache, Error, Pager, PagerOp};
+
+#[test]
+fn read_error_reaches_read_at_and_leaves_nothing_behind() {
+    let cache = small_cache(1 << 20);
+    let (f, fault, mem) = faulty_file(&cache);
+    mem.put_pages(0, &pattern(1, 0, 65536)).unwrap();
+    // The object was opened when the store was empty: reopen to see the length.
+    drop(f);
+    let f = cache.open(fault.clone(), Access::ReadWrite).unwrap();
+    assert_eq!(f.len().unwrap(), 65536);
+    fault.fail_reads(Some(libc::EIO));
+    let mut buf = vec![0u8; 8192];
+    let err = f.read_at(&mut buf, 4096).unwrap_err();
+    match &err {
+        Error::Io { op: PagerOp::GetPages, offset: 4096, source, .. } => assert_eq!(source.raw_os_error(), Some(libc::EIO)),
+        e => panic!("unexpected error {e:?}"),
+    }
+    assert_eq!(err.raw_os_error(), Some(libc::EIO));
+    assert!(err.to_string().contains("reading pages at offset 4096"), "{err}");
+    assert_eq!(f.stats().resident_bytes, 0, "failed fill leaves no page behind");
+    assert_eq!(cache.stats().allocated_bytes, 0, "and no memory");
+    // Partial-page write needs a read-modify-write: it fails the same way.
+    assert!(matches!(f.write_at(b"x", 10), Err(Error::Io { op: PagerOp::GetPages, .. })));
+    // Healed: the same read succeeds.
+    fault.heal();
+    f.read_exact_at(&mut buf, 4096).unwrap();
+    assert_same(&buf, &pattern(1, 4096, 8192), "after healing");
+}
+
+#[test]
+fn failed_writeback_keeps_pages_dirty_until_the_pager_recovers() {
+    let cache = small_cache(1 << 20);
+    let (f, fault, mem) = faulty_file(&cache);
+    let data = pattern(7, 0, 40_000);
+    f.write_at(&data, 0).unwrap();
+    fault.fail_writes(Some(libc::ENOSPC));
+    let err = f.sync().unwrap_err();
+    assert!(matches!(&err, Error::Io { op: PagerOp::PutPages, .. }), "{err:?}");
+    assert_eq!(err.raw_os_error(), Some(libc::ENOSPC));
+    assert_eq!(f.stats().dirty_bytes, 40_000u64.div_ceil(4096) * 4096, "every page still dirty");
+    assert_eq!(mem.stored_bytes(), 0, "nothing reached the store");
+    // Eviction cannot drop dirty pages it cannot write: evict_all reports the error.
+    assert!(cache.evict_all().is_err());
+    let mut back = vec![0u8; 40_000];
+    f.read_at(&mut back, 0).unwrap();
+    assert_same(&back, &data, "data still in the cache");
+    // Recovery: the next sync writes everything.
+    fault.heal();
+    f.sync().unwrap();
+    assert_eq!(f.stats().dirty_bytes, 0);
+    assert_same(&store_contents(&*mem), &data, "store after recovery");
+}
+
+#[test]
+fn writeback_error_under_memory_pressure_loses_nothing() {
+    // A budget far smaller than the data: reclaim must write back to make room, and the
+    // pager fails transiently. Every byte must still arrive.
+    let cache = Cache::builder().budget(64 << 10).reserve_timeout(std::time::Duration::from_secs(2)).build().unwrap();
+    let (f, fault, mem) = faulty_file(&cache);
+    fault.fail_writes(Some(libc::EIO));
+    fault.fail_only_next(3);
+    let data = pattern(11, 0, 1 << 20);
+    let mut off = 0;
+    while off < data.len() {
+        // A write may be cut short by the error that kept reclaim from making room.
+        match f.write_at(&data[off..(off + 50_000).min(data.len())], off as u64) {
+            Ok(n) => off += n,
+            Err(e) => assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}"),
+        }
+    }
+    f.sync().unwrap();
+    assert!(fault.counts().failures >= 3);
+    assert_same(&store_contents(&*mem), &data, "store");
+    assert!(f.stats().writeback_errors >= 1);
+}
+
+#[test]
+fn sync_error_is_reported_and_retried() {
+    let cache = small_cache(1 << 20);
+    let (f, fault, _mem) = faulty_file(&cache);
+    f.write_at(b"abc", 0).unwrap();
+    fault.fail_syncs(Some(libc::EIO));
+    assert!(matches!(f.sync(), Err(Error::Io { op: PagerOp::Sync, .. })));
+    fault.heal();
+    f.sync().unwrap();
+}
+
+#[test]
+fn set_len_error_is_reported() {
+    let cache = small_cache(1 << 20);
+    let (f, fault, _mem) = faulty_file(&cache);
+    fault.fail_set_len(Some(libc::EIO));
+    assert!(matches!(f.set_len(100), Err(Error::Io { op: PagerOp::SetLen, offset: 100, .. })));
+    fault.heal();
+    // sync reconciles the stored length.
+    f.sync().unwrap();
+}
+
+#[test]
+fn argument_and_handle_errors_are_typed() {
+    let cache = small_cache(1 << 20);
+    let f = cache.open(Arc::new(MemPager::new()), Access::ReadWrite).unwrap();
+    let mut b = [0u8; 10];
+    let max = (i64::MAX as u64) & !0xffff; // the largest supported length: 2^63 - 64 KiB
+    assert!(matches!(f.read_at(&mut b, max), Err(Error::OffsetOverflow { .. })));
+    assert!(matches!(f.read_at(&mut b, 1 << 63), Err(Error::OffsetOverflow { .. })));
+    assert!(matches!(f.write_at(b"x", max), Err(Error::OffsetOverflow { .. })));
+    assert!(matches!(f.write_at(b"x", u64::MAX), Err(Error::OffsetOverflow { .. })));
+    assert!(matches!(f.set_len(max + 1), Err(Error::OffsetOverflow { .. })));
+    assert!(matches!(f.window(u64::MAX - 1, 10), Err(Error::OffsetOverflow { .. })));
+    // The last byte before 2^63 - 1 is fine.
+    f.write_at(b"z", max - 1).unwrap();
+    assert_eq!(f.len().unwrap(), max);
+    let mut z = [0u8; 1];
+    f.read_exact_at(&mut z, max - 1).unwrap();
+    assert_eq!(&z, b"z");
+
+    let ro = cache.open(Arc::new(MemPager::new()), Access::ReadOnly).unwrap();
+    assert!(matches!(ro.write_at(b"x", 0), Err(Error::ReadOnly)));
+    assert!(matches!(ro.set_len(0), Err(Error::ReadOnly)));
+    assert!(matches!(ro.window_mut(0, 1), Err(Error::ReadOnly)));
+
+    let g = f.try_clone().unwrap();
+    g.close().unwrap();
+    assert!(matches!(g.read_at(&mut b, 0), Err(Error::Closed)));
+    assert!(matches!(g.write_at(b"x", 0), Err(Error::Closed)));
+    assert!(matches!(g.sync(), Err(Error::Closed)));
+    assert!(matches!(g.len(), Err(Error::Closed)));
+    assert!(matches!(g.close(), Err(Error::Closed)));
+    // The other handle is unaffected.
+    f.read_exact_at(&mut z, max - 1).unwrap();
+
+    // io adapters carry the error through std::io::Error.
+    let ioe: std::io::Error = Error::ReadOnly.into();
+    assert_eq!(ioe.kind(), std::io::ErrorKind::PermissionDenied);
+    assert!(ioe.get_ref().unwrap().downcast_ref::<Error>().is_some());
+}
+
+#[test]
+fn bad_configuration_is_rejected() {
+    for b in [
+        Cache::builder().budget(4096),
+        Cache::builder().budget(0),
+        Cache::builder().page_size(0),
+        Cache::builder().page_size(3000),
+        Cache::builder().page_size(2048),
+        Cache::builder().window_size(4096 * 3),
+        Cache::builder().page_size(1 << 16).window_size(1 << 15),
+    ] {
+        assert!(matches!(b.build(), Err(Error::InvalidArgument(_))));
+    }
+    let e = Cache::builder().budget(100).build().err().unwrap();
+    assert!(e.to_string().contains("smaller than two pages"), "{e}");
+}
+
+#[test]
+fn opening_a_missing_file_names_it() {
+    let cache = small_cache(1 << 20);
+    let e = cache.open_path("/nonexistent/ubc-test", Access::ReadOnly).unwrap_err();
+    assert!(matches!(e, Error::Open { .. }));
+    assert!(e.to_string().contains("/nonexistent/ubc-test"), "{e}");
+    assert_eq!(e.raw_os_error(), Some(libc::ENOENT));
+}
+
+#[test]
+fn window_larger_than_budget_is_an_error_not_a_hang() {
+    let cache = Cache::builder().budget(8 * 4096).window_size(1 << 20).build().unwrap();
+    let f = cache.open(Arc::new(MemPager::new()), Access::ReadWrite).unwrap();
+    f.set_len(1 << 20).unwrap();
+    let e = f.window(0, 1 << 20).err().unwrap();
+    assert!(matches!(e, Error::BudgetExceeded { .. }), "{e:?}");
+}

@@ -1,0 +1,242 @@
+//! read_at / write_at / set_len / sync / io adapters against their documented semantics,
+//! on real host files and on the memory pager.
+
+mod common;
+use common::*;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::sync::Arc;
+use ubc::pager::{FilePager, MemPager};
+use ubc::{Access, Cache, Pager};
+
+#[test]
+fn partial_pages_holes_and_short_reads() {
+    let cache = small_cache(1 << 20);
+    let f = cache.open(Arc::new(MemPager::new()), Access::ReadWrite).unwrap();
+    assert_eq!(f.len().unwrap(), 0);
+    let mut buf = [7u8; 16];
+    assert_eq!(f.read_at(&mut buf, 0).unwrap(), 0, "read of an empty file");
+    // A write in the middle of a page, past the end: the file grows, the gap is a hole.
+    f.write_at(b"abc", 5000).unwrap();
+    assert_eq!(f.len().unwrap(), 5003);
+    let mut all = vec![9u8; 6000];
+    assert_eq!(f.read_at(&mut all, 0).unwrap(), 5003, "short read at EOF");
+    assert!(all[..5000].iter().all(|&b| b == 0), "hole reads as zeros");
+    assert_eq!(&all[5000..5003], b"abc");
+    assert!(all[5003..].iter().all(|&b| b == 9), "bytes past EOF untouched");
+    // Overwrite across a page boundary.
+    f.write_at(&[1u8; 200], 4000).unwrap();
+    let mut back = vec![0u8; 300];
+    assert_eq!(f.read_at(&mut back, 3950).unwrap(), 300);
+    assert!(back[..50].iter().all(|&b| b == 0));
+    assert!(back[50..250].iter().all(|&b| b == 1));
+    assert_eq!(&back[250..253], &[0, 0, 0][..], "5000-3950=1050 > 250: still hole bytes");
+    // Reading at or past EOF returns 0.
+    assert_eq!(f.read_at(&mut buf, 5003).unwrap(), 0);
+    assert_eq!(f.read_at(&mut buf, 1 << 40).unwrap(), 0);
+}
+
+#[test]
+fn host_file_roundtrip_and_sync_reaches_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("data");
+    std::fs::write(&path, pattern(1, 0, 100_000)).unwrap();
+    let cache = small_cache(4 << 20);
+    let f = cache.open_path(&path, Access::ReadWrite).unwrap();
+    assert_eq!(f.len().unwrap(), 100_000);
+    let mut buf = vec![0u8; 100_000];
+    assert_eq!(f.read_at(&mut buf, 0).unwrap(), 100_000);
+    assert_same(&buf, &pattern(1, 0, 100_000), "initial contents");
+    let patch = pattern(2, 0, 10_000);
+    f.write_at(&patch, 12_345).unwrap();
+    f.write_at(b"tail", 100_000).unwrap();
+    // Not yet on disk (write-back cache) ...
+    let on_disk = std::fs::read(&path).unwrap();
+    assert_eq!(on_disk.len(), 100_000);
+    // ... until sync.
+    f.sync().unwrap();
+    let on_disk = std::fs::read(&path).unwrap();
+    let mut want = pattern(1, 0, 100_000);
+    want[12_345..22_345].copy_from_slice(&patch);
+    want.extend_from_slice(b"tail");
+    assert_same(&on_disk, &want, "host file after sync");
+    assert_eq!(f.stats().dirty_bytes, 0);
+}
+
+#[test]
+fn truncation_drops_pages_and_zeroes_the_tail() {
+    let cache = small_cache(1 << 20);
+    let mem = Arc::new(MemPager::new());
+    let f = cache.open(mem.clone(), Access::ReadWrite).unwrap();
+    f.write_at(&[0xaa; 3 * 4096], 0).unwrap();
+    let resident = f.stats().resident_bytes;
+    assert_eq!(resident, 3 * 4096);
+    f.set_len(4096 + 100).unwrap();
+    assert_eq!(f.len().unwrap(), 4196);
+    assert_eq!(f.stats().resident_bytes, 2 * 4096, "the page wholly past the end is dropped");
+    assert_eq!(mem.len().unwrap(), 4196, "the pager is truncated at once");
+    // Extending again shows zeros where the old data was, in the cached last page too.
+    f.set_len(3 * 4096).unwrap();
+    let mut back = vec![0u8; 3 * 4096];
+    f.read_at(&mut back, 0).unwrap();
+    assert!(back[..4196].iter().all(|&b| b == 0xaa));
+    assert!(back[4196..].iter().all(|&b| b == 0), "old bytes past the truncation point must not come back");
+    f.sync().unwrap();
+    assert_same(&store_contents(&*mem), &back, "store after sync");
+    // Truncate to zero and write again.
+    f.set_len(0).unwrap();
+    assert_eq!(f.stats().resident_bytes, 0);
+    f.write_at(b"x", 10).unwrap();
+    let mut b = [1u8; 11];
+    assert_eq!(f.read_at(&mut b, 0).unwrap(), 11);
+    assert_eq!(&b, b"\0\0\0\0\0\0\0\0\0\0x");
+}
+
+#[test]
+fn truncation_of_evicted_dirty_data_on_disk() {
+    // The dropped range was written back and evicted before the truncation: the host file
+    // must be truncated too, and a re-extension must read zeros from disk.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t");
+    let cache = small_cache(64 << 10); // 16 pages
+    let f = cache.create_path(&path).unwrap();
+    f.write_at(&pattern(3, 0, 1 << 20), 0).unwrap(); // far beyond the budget
+    f.set_len(5000).unwrap();
+    f.set_len(1 << 20).unwrap();
+    let mut back = vec![0u8; 1 << 20];
+    f.read_at(&mut back, 0).unwrap();
+    assert_same(&back[..5000], &pattern(3, 0, 5000), "kept prefix");
+    assert!(back[5000..].iter().all(|&b| b == 0), "truncated data came back");
+    f.sync().unwrap();
+    let disk = std::fs::read(&path).unwrap();
+    assert_same(&disk, &back, "host file");
+}
+
+#[test]
+fn offsets_around_4gib_and_1tib_on_a_sparse_host_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sparse");
+    let cache = small_cache(1 << 20);
+    let f = cache.create_path(&path).unwrap();
+    let marks = [(1u64 << 32) - 3000, 1 << 32, (1u64 << 40) - 5, 1 << 40];
+    for (i, &m) in marks.iter().enumerate() {
+        f.write_at(&pattern(i as u64, m, 6000), m).unwrap();
+    }
+    assert_eq!(f.len().unwrap(), (1 << 40) + 6000);
+    cache.evict_all().unwrap();
+    assert_eq!(f.stats().resident_bytes, 0);
+    for (i, &m) in marks.iter().enumerate().rev() {
+        let mut b = vec![0u8; 6000];
+        f.read_exact_at(&mut b, m).unwrap();
+        if i == 1 {
+            // mark 0 and 1 overlap: mark 1 was written after mark 0.
+            assert_same(&b, &pattern(1, m, 6000), "4 GiB mark");
+        }
+        if i == 3 {
+            assert_same(&b, &pattern(3, m, 6000), "1 TiB mark");
+        }
+    }
+    let mut b = vec![0u8; 3000];
+    f.read_exact_at(&mut b, (1 << 32) - 3000).unwrap();
+    assert_same(&b, &pattern(0, (1 << 32) - 3000, 3000), "just below 4 GiB");
+    // The host file is sparse and has the data at the same offsets.
+    let host = std::fs::File::open(&path).unwrap();
+    use std::os::unix::fs::{FileExt, MetadataExt};
+    assert!(host.metadata().unwrap().blocks() * 512 < 1 << 20, "host file stayed sparse");
+    let mut hb = vec![0u8; 6000];
+    host.read_exact_at(&mut hb, 1 << 40).unwrap();
+    assert_same(&hb, &pattern(3, 1 << 40, 6000), "host file at 1 TiB");
+    let mut z = vec![1u8; 4096];
+    f.read_exact_at(&mut z, 1 << 36).unwrap();
+    assert!(z.iter().all(|&b| b == 0), "hole between marks");
+}
+
+#[test]
+fn io_adapters_read_write_seek() {
+    let cache = small_cache(1 << 20);
+    let mut f = cache.open(Arc::new(MemPager::new()), Access::ReadWrite).unwrap();
+    f.write_all(b"hello world").unwrap();
+    f.flush().unwrap();
+    assert_eq!(f.seek(SeekFrom::Current(0)).unwrap(), 11);
+    f.seek(SeekFrom::Start(6)).unwrap();
+    f.write_all(b"ubc!!").unwrap();
+    f.seek(SeekFrom::End(-11)).unwrap();
+    let mut s = String::new();
+    f.read_to_string(&mut s).unwrap();
+    assert_eq!(s, "hello ubc!!");
+    assert!(f.seek(SeekFrom::Current(-100)).is_err(), "negative position is an error");
+    // std::io::copy between two ubc files.
+    let mut g = cache.open(Arc::new(MemPager::new()), Access::ReadWrite).unwrap();
+    f.seek(SeekFrom::Start(0)).unwrap();
+    std::io::copy(&mut f, &mut g).unwrap();
+    assert_eq!(g.len().unwrap(), 11);
+    // A cloned handle has its own position.
+    let mut h = f.try_clone().unwrap();
+    h.seek(SeekFrom::Start(0)).unwrap();
+    let mut five = [0u8; 5];
+    h.read_exact(&mut five).unwrap();
+    assert_eq!(&five, b"hello");
+}
+
+#[test]
+fn two_opens_of_one_host_file_share_pages() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("shared");
+    std::fs::write(&path, vec![5u8; 64 << 10]).unwrap();
+    let cache = small_cache(4 << 20);
+    let a = cache.open_path(&path, Access::ReadOnly).unwrap();
+    let b = cache.open_path(&path, Access::ReadWrite).unwrap();
+    let mut buf = vec![0u8; 64 << 10];
+    a.read_at(&mut buf, 0).unwrap();
+    b.write_at(b"new", 100).unwrap();
+    // One object: b's write is visible through a at once, and pages are not cached twice.
+    let mut three = [0u8; 3];
+    a.read_at(&mut three, 100).unwrap();
+    assert_eq!(&three, b"new");
+    let st = cache.stats();
+    assert_eq!(st.objects, 1);
+    assert_eq!(st.totals.resident_bytes, 64 << 10);
+    assert!(a.write_at(b"x", 0).is_err(), "read-only handle stays read-only");
+    // After every handle closes, the pages stay cached for the next open.
+    drop(a);
+    drop(b);
+    assert_eq!(cache.stats().totals.resident_bytes, 64 << 10);
+    let c = cache.open_path(&path, Access::ReadOnly).unwrap();
+    let hits_before = c.stats().hits;
+    c.read_at(&mut three, 100).unwrap();
+    assert_eq!(&three, b"new");
+    assert_eq!(c.stats().hits, hits_before + 1, "served from the cache");
+}
+
+#[test]
+fn larger_page_size() {
+    let cache = Cache::builder().budget(1 << 20).page_size(16384).build().unwrap();
+    assert_eq!(cache.page_size(), 16384);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("p16k");
+    let f = cache.create_path(&path).unwrap();
+    let data = pattern(9, 0, 3 << 20);
+    f.write_at(&data, 7).unwrap();
+    f.set_len(2_000_000).unwrap();
+    f.sync().unwrap();
+    let mut want = vec![0u8; 7];
+    want.extend_from_slice(&data);
+    want.truncate(2_000_000);
+    let mut back = vec![0u8; 2_000_000];
+    f.read_at(&mut back, 0).unwrap();
+    assert_same(&back, &want, "16 KiB pages");
+    assert_same(&std::fs::read(&path).unwrap(), &want, "host file, 16 KiB pages");
+}
+
+#[test]
+fn file_pager_reads_existing_data_directly() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("fp");
+    std::fs::write(&path, b"0123456789").unwrap();
+    let p = FilePager::open(&path, false).unwrap();
+    assert!(!p.is_writable());
+    let mut b = vec![0xffu8; 4096];
+    assert_eq!(p.get_pages(0, &mut b).unwrap(), ubc::Fill::Data);
+    assert_eq!(&b[..10], b"0123456789");
+    assert!(b[10..].iter().all(|&x| x == 0), "past EOF reads as zero");
+    assert_eq!(p.get_pages(8192, &mut b).unwrap(), ubc::Fill::Hole);
+}
