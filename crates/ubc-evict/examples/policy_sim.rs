@@ -8,6 +8,7 @@
 //! "hit_ratio":..}`. Defaults (8192-page cache, 2M accesses per workload) run in a few
 //! seconds in release mode.
 
+use std::io::Write;
 use std::time::Instant;
 
 use ubc_evict::PolicyKind;
@@ -53,13 +54,22 @@ fn parse_args() -> Options {
     o
 }
 
+/// Print one line to stdout; exit quietly when the reader went away (`| head`).
+macro_rules! out {
+    ($($arg:tt)*) => {
+        if writeln!(std::io::stdout().lock(), $($arg)*).is_err() {
+            std::process::exit(0);
+        }
+    };
+}
+
 /// Run every workload against every model and print the results.
 fn main() {
     let o = parse_args();
     let start = Instant::now();
     let workloads = standard_workloads(o.capacity, o.accesses, o.seed);
     if !o.json {
-        println!(
+        out!(
             "Hit ratio, cache = {} pages, {} accesses per workload, seed {} (default policy: {})\n",
             o.capacity,
             o.accesses,
@@ -67,8 +77,8 @@ fn main() {
             PolicyKind::default()
         );
         let names: Vec<&str> = Model::ALL.iter().map(|m| m.name()).collect();
-        println!("| workload | {} |", names.join(" | "));
-        println!("|---|{}", "---:|".repeat(names.len()));
+        out!("| workload | {} |", names.join(" | "));
+        out!("|---|{}", "---:|".repeat(names.len()));
     }
     for w in &workloads {
         let ratios: Vec<f64> = Model::ALL
@@ -77,7 +87,7 @@ fn main() {
             .collect();
         if o.json {
             for (m, r) in Model::ALL.iter().zip(&ratios) {
-                println!(
+                out!(
                     "{{\"bench\":\"policy_{}\",\"policy\":\"{}\",\"hit_ratio\":{:.6}}}",
                     w.name,
                     m.name(),
@@ -97,10 +107,10 @@ fn main() {
                     }
                 })
                 .collect();
-            println!("| {} | {} |", w.name, cells.join(" | "));
+            out!("| {} | {} |", w.name, cells.join(" | "));
         }
     }
     if !o.json {
-        println!("\n({:.1} s)", start.elapsed().as_secs_f64());
+        out!("\n({:.1} s)", start.elapsed().as_secs_f64());
     }
 }

@@ -39,7 +39,9 @@
 //!   (read-ahead thrashing), and S is already where pages leave first.
 //! * Contract handling (crate docs): `Unavailable` pages are rotated to the head of their
 //!   queue (a dirty page stays in S or M and is looked at again later); `Gone` pages are
-//!   forgotten without a ghost entry (they left for reasons unrelated to reuse). The paper's
+//!   forgotten without a ghost entry (they left for reasons unrelated to reuse). After
+//!   rotating `min(len, 64)` unavailable pages in one queue, a call looks only at the other
+//!   queue (so a dirty S does not cost a walk of all of S per eviction). The paper's
 //!   loop is bounded; if it runs out (everything pinned, or concurrent hits keep feeding
 //!   `freq`), one final pass over S then M takes the first takeable page regardless of
 //!   frequency, and only if that pass takes nothing does `select_victim` return `None`.

@@ -190,10 +190,28 @@ impl CacheBuilder {
     }
 }
 
+/// What makes two opens reach the same cached object: the data's identity if the pager
+/// has one, else the pager instance itself (its address: the object keeps the pager alive,
+/// so the address cannot be reused while the entry exists).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum ObjectKey {
+    Data(Identity),
+    Instance(usize),
+}
+
+impl ObjectKey {
+    fn of(pager: &Arc<dyn Pager>) -> ObjectKey {
+        match pager.identity() {
+            Some(i) => ObjectKey::Data(i),
+            None => ObjectKey::Instance(Arc::as_ptr(pager) as *const () as usize),
+        }
+    }
+}
+
 #[derive(Default)]
 pub(crate) struct Registry {
     pub(crate) by_id: HashMap<u64, Arc<Object>>,
-    by_identity: HashMap<Identity, u64>,
+    by_identity: HashMap<ObjectKey, u64>,
     /// Objects in the order their last handle was closed (may hold stale ids: an object
     /// reopened or already forgotten is skipped when popped).
     closed: std::collections::VecDeque<u64>,
@@ -433,10 +451,8 @@ impl CacheCore {
 
     fn forget_locked(reg: &mut Registry, id: u64) -> Option<Arc<Object>> {
         let o = reg.by_id.remove(&id)?;
-        if let Some(ident) = &o.identity {
-            if reg.by_identity.get(ident) == Some(&id) {
-                reg.by_identity.remove(ident);
-            }
+        if reg.by_identity.get(&o.key) == Some(&id) {
+            reg.by_identity.remove(&o.key);
         }
         Some(o)
     }
@@ -629,25 +645,25 @@ impl Cache {
     }
 
     /// Open a file served by `pager`. Two pagers with the same [`Identity`] share one cached
-    /// object (one copy of each page). The handle is writable if `access` asks for it; a
+    /// object (one copy of each page); so do two opens of the same pager instance. The handle is writable if `access` asks for it; a
     /// read-only pager makes that an error.
     pub fn open(&self, pager: Arc<dyn Pager>, access: Access) -> Result<File> {
         if access == Access::ReadWrite && !pager.is_writable() {
             return Err(Error::ReadOnly);
         }
         let core = self.core();
-        let identity = pager.identity();
-        // Look for a cached object with the same identity first; create a new one outside
-        // the registry lock (creating asks the pager for its length, which may do I/O or,
-        // for a layered pager, go through this very cache).
-        if let Some(o) = self.attach_existing(identity.as_ref(), &pager) {
+        let key = ObjectKey::of(&pager);
+        // Look for a cached object with the same key first; create a new one outside the
+        // registry lock (creating asks the pager for its length, which may do I/O or, for a
+        // layered pager, go through this very cache).
+        if let Some(o) = self.attach_existing(&key, &pager) {
             return Ok(File::new(o, self.clone(), access == Access::ReadWrite));
         }
         let id = core.next_id.fetch_add(1, Relaxed);
-        let fresh = Arc::new(Object::new(id, core.clone(), pager.clone())?);
+        let fresh = Arc::new(Object::new(id, core.clone(), pager.clone(), key.clone())?);
         let obj = {
             let mut reg = core.registry.write();
-            let existing = identity.as_ref().and_then(|i| reg.by_identity.get(i).copied());
+            let existing = reg.by_identity.get(&key).copied();
             match existing.and_then(|id| reg.by_id.get(&id).cloned()) {
                 // Lost a race with another open of the same data: use theirs.
                 Some(o) => {
@@ -658,9 +674,7 @@ impl Cache {
                 None => {
                     fresh.handles.fetch_add(1, SeqCst);
                     reg.by_id.insert(id, fresh.clone());
-                    if let Some(i) = identity {
-                        reg.by_identity.insert(i, id);
-                    }
+                    reg.by_identity.insert(key, id);
                     fresh
                 }
             }
@@ -669,9 +683,9 @@ impl Cache {
     }
 
     /// Take a new handle on the cached object with this identity, if there is one.
-    fn attach_existing(&self, identity: Option<&Identity>, pager: &Arc<dyn Pager>) -> Option<Arc<Object>> {
+    fn attach_existing(&self, key: &ObjectKey, pager: &Arc<dyn Pager>) -> Option<Arc<Object>> {
         let reg = self.core().registry.read();
-        let o = reg.by_id.get(reg.by_identity.get(identity?)?)?.clone();
+        let o = reg.by_id.get(reg.by_identity.get(key)?)?.clone();
         // Under the registry lock, so `object_idle` cannot drop it between check and use.
         o.handles.fetch_add(1, SeqCst);
         drop(reg);

@@ -15,7 +15,7 @@ use crate::evict::{Admission, PageKey};
 use crate::memfd::Memfd;
 use crate::page::state::{self, Pin, WriteLock, BUSY, DIRTY, VALID, WRITEBACK};
 use crate::page::table::{Chunk, PageTable};
-use crate::pager::{Fill, Identity, Pager};
+use crate::pager::{Fill, Pager};
 use crate::stats::{bump, Counters, Stats};
 use parking_lot::{Mutex, RwLock};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::*};
@@ -50,7 +50,8 @@ pub(crate) struct Object {
     /// Pages with the DIRTY bit.
     dirty: AtomicU64,
     pub(crate) counters: Counters,
-    pub(crate) identity: Option<Identity>,
+    /// The registry key this object is filed under.
+    pub(crate) key: crate::cache::ObjectKey,
     name: String,
 }
 
@@ -63,12 +64,12 @@ enum Held<'a> {
 }
 
 impl Object {
-    pub(crate) fn new(id: u64, core: Arc<CacheCore>, pager: Arc<dyn Pager>) -> Result<Object> {
+    pub(crate) fn new(id: u64, core: Arc<CacheCore>, pager: Arc<dyn Pager>, key: crate::cache::ObjectKey) -> Result<Object> {
         let len = pager.len().map_err(|e| Error::Io { op: PagerOp::Len, offset: 0, object: pager.describe(), source: e })?;
         Ok(Object {
             id,
             table: PageTable::new(1 << core.chunk_shift),
-            identity: pager.identity(),
+            key,
             name: pager.describe(),
             pager: RwLock::new(pager),
             core,
@@ -356,9 +357,10 @@ impl Object {
     // ---------------------------------------------------------------- write
 
     /// Take page `page` for writing bytes `from..to` of the file (within that page): a
-    /// resident page becomes WRITING; an empty one is filled first unless the write covers
-    /// it or it lies past the end of the file. => caller holds `size_lock` shared.
-    fn lock_page_for_write<'a>(&self, chunk: &'a Chunk, page: u64, from: u64, to: u64) -> Result<Held<'a>> {
+    /// resident page becomes WRITING; an empty one is filled first unless it lies past the
+    /// end of the file, or `overwrite` promises the caller will write every byte of
+    /// `from..to` and that range covers the page. => caller holds `size_lock` shared.
+    fn lock_page_for_write<'a>(&self, chunk: &'a Chunk, page: u64, from: u64, to: u64, overwrite: bool) -> Result<Held<'a>> {
         let (_, slot) = self.locate(page);
         let st = &chunk.pages[slot];
         match st.begin_write() {
@@ -373,7 +375,7 @@ impl Object {
                     return Err(e);
                 }
                 let page_off = page << self.ps();
-                let covers = from == page_off && to == page_off + (1 << self.ps());
+                let covers = overwrite && from == page_off && to == page_off + (1 << self.ps());
                 if !covers && page_off < self.len() {
                     if let Err(e) = self.fill_locked(chunk, page, 1) {
                         self.core.unreserve(1);
@@ -382,6 +384,21 @@ impl Object {
                     }
                 }
                 Ok(Held::Filled(chunk, page))
+            }
+        }
+    }
+
+    /// Give back a page a writer held without having written it: a resident page is left as
+    /// it was; a new one is discarded (its contents may never have been produced).
+    fn abort_held(&self, h: Held<'_>) {
+        match h {
+            Held::Writing(st) => st.abort_write(),
+            Held::Filled(chunk, page) => {
+                if let Some(m) = self.memfd.get() {
+                    let _ = m.punch(page << self.ps(), 1 << self.ps());
+                }
+                self.core.unreserve(1);
+                chunk.pages[self.locate(page).1].release_empty();
             }
         }
     }
@@ -418,7 +435,7 @@ impl Object {
             let to = end.min((page + 1) << ps);
             let (ci, _) = self.locate(page);
             let chunk = self.table.get_or_create(ci);
-            let h = match self.lock_page_for_write(chunk, page, pos, to) {
+            let h = match self.lock_page_for_write(chunk, page, pos, to, true) {
                 Ok(h) => h,
                 Err(e) => {
                     result = Err(e);
@@ -441,8 +458,8 @@ impl Object {
                     }
                 }
                 Err(e) => {
-                    // Nothing was copied into this page; publishing it unchanged is harmless.
-                    held = Some(h);
+                    // Nothing was copied into this page: give it back untouched.
+                    self.abort_held(h);
                     result = Err(e);
                     break;
                 }
@@ -473,10 +490,11 @@ impl Object {
         for page in first..=last {
             let a = from.max(page << ps);
             let b = to.min((page + 1) << ps);
-            match self.lock_page_for_write(chunk, page, a, b) {
+            // A window shows the file's current bytes, so every page is read in.
+            match self.lock_page_for_write(chunk, page, a, b, false) {
                 Ok(h) => helds.push(h),
                 Err(e) => {
-                    helds.into_iter().for_each(|h| self.release_written(h));
+                    helds.into_iter().for_each(|h| self.abort_held(h));
                     return Err(e);
                 }
             }
@@ -484,7 +502,7 @@ impl Object {
         match self.memfd().and_then(|m| self.core.windows.address(chunk, m)) {
             Ok(w) => Ok(w),
             Err(e) => {
-                helds.into_iter().for_each(|h| self.release_written(h));
+                helds.into_iter().for_each(|h| self.abort_held(h));
                 Err(e)
             }
         }

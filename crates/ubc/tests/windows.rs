@@ -99,3 +99,19 @@ fn windows_are_bounded_and_recycled() {
     assert!(st.windows <= 8, "live windows {} > max 8", st.windows);
     assert!(st.window_retires > 100, "windows recycled: {}", st.window_retires);
 }
+
+#[test]
+fn writable_window_shows_existing_data_of_non_resident_pages() {
+    let cache = small_cache(1 << 20);
+    let mem = Arc::new(MemPager::new());
+    ubc::Pager::put_pages(&*mem, 0, &pattern(4, 0, 8192)).unwrap();
+    let f = cache.open(mem.clone(), Access::ReadWrite).unwrap();
+    let mut w = f.window_mut(0, 8192).unwrap();
+    assert_same(&w, &pattern(4, 0, 8192), "whole-page writable window over existing data");
+    w[0] = 0;
+    drop(w);
+    f.sync().unwrap();
+    let mut want = pattern(4, 0, 8192);
+    want[0] = 0;
+    assert_same(&store_contents(&*mem), &want, "only the changed byte changed");
+}

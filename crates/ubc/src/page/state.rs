@@ -229,6 +229,16 @@ impl PageState {
         }
     }
 
+    /// Give up a write begun with `WriteLock::Resident` without having changed the page.
+    /// => caller holds WRITING.
+    pub(crate) fn abort_write(&self) {
+        let old = self.0.fetch_and(!(WRITING | WAITERS), SeqCst);
+        debug_assert!(old & WRITING != 0);
+        if old & WAITERS != 0 {
+            atomic_wait::wake_all(&self.0);
+        }
+    }
+
     /// Start writing back a dirty page: DIRTY → WRITEBACK. With `wait`, sleeps while a writer
     /// or another writeback holds it; without, gives up. False if the page is not dirty.
     pub(crate) fn begin_writeback(&self, wait: bool) -> bool {
@@ -277,7 +287,8 @@ impl PageState {
     pub(crate) fn lock_for_drop(&self) -> u32 {
         loop {
             let s = self.wait_until(|s| s & (BUSY | WRITING | WRITEBACK) == 0 && pins(s) == 0);
-            if self.0.compare_exchange(s, (s & WAITERS) | BUSY, SeqCst, SeqCst).is_ok() {
+            // Keep the other bits: the caller inspects VALID and DIRTY while it holds BUSY.
+            if self.0.compare_exchange(s, s | BUSY, SeqCst, SeqCst).is_ok() {
                 return s;
             }
         }

@@ -1,0 +1,208 @@
+//! Property test: random operation sequences on one file against a `Vec<u8>` model, under
+//! budgets from 2 pages up, with eviction, sync, truncation, windows and reopen mixed in,
+//! and failing writebacks that must lose nothing.
+
+mod common;
+use common::*;
+use proptest::prelude::*;
+use std::sync::Arc;
+use ubc::pager::{FaultPager, MemPager};
+use ubc::{Access, Cache, Pager};
+
+#[derive(Debug, Clone)]
+enum Op {
+    Write { off: u64, len: usize, seed: u8 },
+    Read { off: u64, len: usize },
+    SetLen(u64),
+    Sync,
+    EvictAll,
+    WindowMut { off: u64, len: usize, seed: u8 },
+    Window { off: u64, len: usize },
+    FailWrites(bool),
+    Reopen,
+}
+
+const SPAN: u64 = 96 * 1024;
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..SPAN, 1..20_000usize, any::<u8>()).prop_map(|(off, len, seed)| Op::Write { off, len, seed }),
+        4 => (0..SPAN + 5000, 0..20_000usize).prop_map(|(off, len)| Op::Read { off, len }),
+        1 => (0..SPAN).prop_map(Op::SetLen),
+        1 => Just(Op::Sync),
+        1 => Just(Op::EvictAll),
+        1 => (0..SPAN, 1..9000usize, any::<u8>()).prop_map(|(off, len, seed)| Op::WindowMut { off, len, seed }),
+        1 => (0..SPAN, 1..9000usize).prop_map(|(off, len)| Op::Window { off, len }),
+        1 => any::<bool>().prop_map(Op::FailWrites),
+        1 => Just(Op::Reopen),
+    ]
+}
+
+fn bytes(seed: u8, len: usize) -> Vec<u8> {
+    (0..len).map(|i| seed.wrapping_add((i % 251) as u8) | 1).collect()
+}
+
+fn run(ops: Vec<Op>, budget_pages: u64, window: usize) {
+    let cache = Cache::builder().budget(budget_pages * 4096).window_size(window).daemon(budget_pages > 4).build().unwrap();
+    let mem = Arc::new(MemPager::new());
+    let fault = Arc::new(FaultPager::new(mem.clone()));
+    let mut f = cache.open(fault.clone(), Access::ReadWrite).unwrap();
+    let mut model: Vec<u8> = Vec::new();
+    let mut failing = false;
+    for op in ops {
+        match op {
+            Op::Write { off, len, seed } => {
+                let data = bytes(seed, len);
+                match f.write_at(&data, off) {
+                    Ok(n) => {
+                        let end = off as usize + n;
+                        if model.len() < end {
+                            model.resize(end, 0);
+                        }
+                        model[off as usize..end].copy_from_slice(&data[..n]);
+                    }
+                    // Only a failing pager may stop a write (no room: dirty pages cannot leave).
+                    Err(e) => assert!(failing, "write failed with a healthy pager: {e}"),
+                }
+            }
+            Op::Read { off, len } => {
+                let mut buf = vec![0xeeu8; len];
+                let n = f.read_at(&mut buf, off).unwrap_or_else(|e| {
+                    // A read miss needs room; with every page dirty and the pager failing,
+                    // that may be impossible. Never otherwise.
+                    assert!(failing, "read failed with a healthy pager: {e}");
+                    usize::MAX
+                });
+                if n == usize::MAX {
+                    continue;
+                }
+                let want = model.get(off as usize..(off as usize + len).min(model.len())).unwrap_or(&[]);
+                assert_same(&buf[..n], want, "read");
+            }
+            Op::SetLen(l) => {
+                if f.set_len(l).is_ok() {
+                    model.resize(l as usize, 0);
+                } else {
+                    assert!(failing);
+                    model.resize(l as usize, 0); // the cache's length changed anyway
+                }
+            }
+            Op::Sync => {
+                // (Not "dirty > 0 after a failed sync": the page daemon may be writing the
+                // re-dirtied pages back right now, and pages under writeback are not dirty.)
+                match f.sync() {
+                    Ok(()) => assert_eq!(f.stats().dirty_bytes, 0, "sync succeeded with dirty pages left"),
+                    Err(e) => assert!(failing, "sync failed with a healthy pager: {e}"),
+                }
+            }
+            Op::EvictAll => {
+                let r = cache.evict_all();
+                if !failing {
+                    r.unwrap();
+                    assert_eq!(f.stats().dirty_bytes, 0);
+                }
+            }
+            Op::WindowMut { off, len, seed } => {
+                let data = bytes(seed, len);
+                let Ok(mut w) = f.window_mut(off, len) else {
+                    assert!(failing);
+                    continue;
+                };
+                let n = w.len();
+                w.copy_from_slice(&data[..n]);
+                drop(w);
+                let end = off as usize + n;
+                if model.len() < end {
+                    model.resize(end, 0);
+                }
+                model[off as usize..end].copy_from_slice(&data[..n]);
+            }
+            Op::Window { off, len } => {
+                let Ok(w) = f.window(off, len) else {
+                    assert!(failing);
+                    continue;
+                };
+                let want = model.get(off as usize..(off as usize + w.len())).unwrap_or(&[]);
+                assert_same(&w, want, "window");
+            }
+            Op::FailWrites(on) => {
+                failing = on;
+                fault.fail_writes(on.then_some(libc::EIO));
+            }
+            Op::Reopen => {
+                drop(f);
+                f = cache.open(fault.clone(), Access::ReadWrite).unwrap();
+            }
+        }
+        assert_eq!(f.len().unwrap(), model.len() as u64, "length");
+        assert!(cache.stats().totals.resident_bytes <= budget_pages * 4096);
+    }
+    // Heal and check that everything written arrives in the store: nothing was dropped.
+    fault.heal();
+    f.sync().unwrap();
+    assert_same(&store_contents(&*mem), &model, "store after final sync");
+    assert_eq!(mem.len().unwrap(), model.len() as u64);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_ops_match_the_model(ops in proptest::collection::vec(op(), 1..60),
+                                  budget_pages in prop_oneof![Just(8u64), Just(16), Just(64), Just(1024)],
+                                  window in prop_oneof![Just(16384usize), Just(65536), Just(2 << 20)]) {
+        run(ops, budget_pages, window);
+    }
+}
+
+#[test]
+fn regression_window_mut_after_failed_writes() {
+    use Op::*;
+    run(
+        vec![
+            WindowMut { off: 31899, len: 870, seed: 0 },
+            Sync,
+            Write { off: 61213, len: 16612, seed: 0 },
+            FailWrites(true),
+            Write { off: 40960, len: 12289, seed: 0 },
+            Write { off: 12288, len: 12289, seed: 0 },
+            WindowMut { off: 28943, len: 7922, seed: 0 },
+        ],
+        16,
+        65536,
+    );
+}
+
+#[test]
+fn regression_failing_writes_under_tiny_budget() {
+    use Op::*;
+    run(
+        vec![
+            Write { off: 73331, len: 17720, seed: 158 },
+            Write { off: 17448, len: 14106, seed: 149 },
+            SetLen(33640),
+            Window { off: 92297, len: 4299 },
+            EvictAll,
+            Write { off: 46211, len: 17975, seed: 242 },
+            Read { off: 102250, len: 7118 },
+            Reopen,
+            Window { off: 81605, len: 5747 },
+            WindowMut { off: 1964, len: 8188, seed: 171 },
+            EvictAll,
+            FailWrites(true),
+            SetLen(51892),
+            Write { off: 10282, len: 16035, seed: 125 },
+            WindowMut { off: 26605, len: 2219, seed: 92 },
+            Sync,
+            WindowMut { off: 65555, len: 6198, seed: 105 },
+            Window { off: 84853, len: 5441 },
+            WindowMut { off: 76839, len: 5724, seed: 21 },
+            Write { off: 22165, len: 1406, seed: 106 },
+            FailWrites(true),
+            Write { off: 3795, len: 18202, seed: 171 },
+            Write { off: 760, len: 15022, seed: 97 },
+        ],
+        8,
+        2 << 20,
+    );
+}
