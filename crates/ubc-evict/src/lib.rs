@@ -63,6 +63,8 @@ pub enum EvictAttempt {
 /// The policy's view of the cache's per-page state.
 pub trait PageProbe {
     /// Accesses since the previous call for this page (saturating at 3), and clears them.
+    /// Every access is reported, including the first use of a page admitted by read-ahead;
+    /// policies discount that one themselves.
     /// `None` if the page is no longer cached.
     fn take_accesses(&mut self, key: PageKey) -> Option<u8>;
     /// Try to take the page for eviction (see [`EvictAttempt`]).

@@ -120,9 +120,10 @@ impl PageState {
                 return Pin::Invalid;
             }
             let first_use = s & SPECULATIVE != 0;
-            // A speculative page's first use is not a re-reference: it does not count as an
-            // access, so a sequential scan through read-ahead pages does not look "hot".
-            let access = if first_use { s & ACCESS_MASK } else { ((s & ACCESS_MASK) + 1).min(3) };
+            // Every access counts, a read-ahead page's first use included: the replacement
+            // policy knows which pages were admitted by read-ahead and discounts that use
+            // (so a sequential scan through read-ahead pages does not look hot).
+            let access = ((s & ACCESS_MASK) + 1).min(3);
             let new = ((s & !(ACCESS_MASK | RA_MARK | SPECULATIVE)) | access) + PIN_ONE;
             match self.0.compare_exchange_weak(s, new, SeqCst, SeqCst) {
                 Ok(_) => return Pin::Pinned { ra_mark: s & RA_MARK != 0, first_use },
@@ -315,7 +316,7 @@ mod tests {
         assert!(!p.try_lock_empty(), "BUSY page cannot be taken twice");
         p.finish_fill(false, false, true, true);
         assert_eq!(p.pin(), Pin::Pinned { ra_mark: true, first_use: true });
-        assert_eq!(p.take_accesses(), 0, "first use of a read-ahead page is not a re-reference");
+        assert_eq!(p.take_accesses(), 1, "every use is reported; the policy discounts read-ahead");
         assert!(!p.try_lock_for_evict(), "pinned page is not evictable");
         p.unpin();
         assert_eq!(p.pin(), Pin::Pinned { ra_mark: false, first_use: false });

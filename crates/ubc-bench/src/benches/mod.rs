@@ -1,0 +1,29 @@
+//! The benchmarks. Each runs ubc and its baseline in the same process, in alternation,
+//! `runs` times, and reports medians.
+
+pub mod cached;
+pub mod policy;
+
+use crate::report::Record;
+use std::path::PathBuf;
+
+/// What every benchmark gets.
+pub struct Ctx {
+    /// Scratch directory on the file system under test.
+    pub dir: PathBuf,
+    pub quick: bool,
+    pub runs: usize,
+}
+
+impl Ctx {
+    pub fn scale(&self, full: u64, quick: u64) -> u64 {
+        if self.quick { quick } else { full }
+    }
+}
+
+pub type BenchFn = fn(&Ctx) -> Vec<Record>;
+
+/// Every benchmark, by name.
+pub fn all() -> Vec<(&'static str, BenchFn)> {
+    vec![("cached", cached::run as BenchFn), ("policy", policy::run as BenchFn)]
+}
