@@ -36,5 +36,10 @@ pub mod evict {
 pub use cache::{Cache, CacheBuilder};
 pub use error::{Error, PagerOp, Result};
 pub use file::{Access, File, Window, WindowMut};
-pub use pager::{Fill, Identity, Pager};
+pub use pager::{Fill, Identity, IoMode, Pager};
 pub use stats::{CacheStats, Stats};
+
+/// The README's examples are compiled and run as doctests.
+#[doc = include_str!("../../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -121,6 +121,7 @@ impl Object {
         let mut s = self.counters.snapshot();
         s.resident_bytes = self.resident_pages() << self.core.page_shift;
         s.dirty_bytes = self.dirty_pages() << self.core.page_shift;
+        s.io_mode = self.pager.read().io_mode();
         s
     }
 

@@ -33,6 +33,8 @@ pub struct Stats {
     pub resident_bytes: u64,
     /// Bytes currently dirty.
     pub dirty_bytes: u64,
+    /// How the object's pager reaches its store (`Unknown` in cache-wide totals).
+    pub io_mode: crate::IoMode,
 }
 
 impl Stats {

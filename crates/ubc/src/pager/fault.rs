@@ -1,7 +1,7 @@
 //! A pager wrapper that fails on cue: fault injection for tests of error paths (EIO at
 //! read, ENOSPC at writeback, failing sync, slow I/O), at any layer of a stack.
 
-use super::{Fill, Identity, Pager};
+use super::{Fill, Identity, IoMode, Pager};
 use std::io;
 use std::sync::atomic::{AtomicI32, AtomicU64, Ordering::*};
 use std::sync::Arc;
@@ -145,5 +145,8 @@ impl Pager for FaultPager {
     }
     fn describe(&self) -> String {
         format!("fault-injected {}", self.inner.describe())
+    }
+    fn io_mode(&self) -> IoMode {
+        self.inner.io_mode()
     }
 }

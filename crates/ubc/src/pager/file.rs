@@ -1,7 +1,7 @@
 //! The local-file pager: positional I/O on a host file (the vnode pager of a local file
 //! system).
 
-use super::{Fill, Identity, Pager};
+use super::{Fill, Identity, IoMode, Pager};
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, MetadataExt};
@@ -96,5 +96,9 @@ impl Pager for FilePager {
 
     fn describe(&self) -> String {
         format!("file {}", self.path.display())
+    }
+
+    fn io_mode(&self) -> IoMode {
+        IoMode::Buffered
     }
 }

@@ -1,7 +1,7 @@
 //! The memory pager: Mach's default pager for anonymous memory. Data that was never
 //! written is a hole and reads as zeros without I/O; written data is kept in memory.
 
-use super::{Fill, Pager};
+use super::{Fill, IoMode, Pager};
 use parking_lot::RwLock;
 use std::collections::BTreeMap;
 use std::io;
@@ -97,5 +97,9 @@ impl Pager for MemPager {
 
     fn describe(&self) -> String {
         "memory".to_string()
+    }
+
+    fn io_mode(&self) -> IoMode {
+        IoMode::Memory
     }
 }

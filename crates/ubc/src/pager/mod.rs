@@ -28,6 +28,20 @@ pub enum Fill {
     Hole,
 }
 
+/// How a pager reaches its store, reported in [`Stats::io_mode`](crate::Stats::io_mode).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IoMode {
+    /// Not reported by the pager.
+    #[default]
+    Unknown,
+    /// Process memory (no I/O).
+    Memory,
+    /// `O_DIRECT`: the kernel's page cache is bypassed, pages live once (in ubc).
+    Direct,
+    /// Buffered I/O through the kernel's page cache (dropped after writeback where possible).
+    Buffered,
+}
+
 /// A stable identity for the stored data, so that two opens of the same backing file
 /// share one cache object (one copy of each page).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -76,4 +90,9 @@ pub trait Pager: Send + Sync + 'static {
 
     /// A short human description for error messages ("file /data/a", "memory").
     fn describe(&self) -> String;
+
+    /// How this pager reaches its store (for statistics).
+    fn io_mode(&self) -> IoMode {
+        IoMode::Unknown
+    }
 }
