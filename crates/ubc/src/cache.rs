@@ -42,6 +42,9 @@ pub struct CacheBuilder {
     high_watermark: Option<u64>,
     reserve_timeout: Duration,
     max_objects: Option<usize>,
+    readahead_init: usize,
+    readahead_max: usize,
+    io_threads: usize,
 }
 
 impl Default for CacheBuilder {
@@ -59,6 +62,9 @@ impl Default for CacheBuilder {
             high_watermark: None,
             reserve_timeout: Duration::from_secs(10),
             max_objects: None,
+            readahead_init: 128 << 10,
+            readahead_max: 2 << 20,
+            io_threads: 4,
         }
     }
 }
@@ -127,6 +133,20 @@ impl CacheBuilder {
         self
     }
 
+    /// Read-ahead window: first window `init` bytes, doubling per window up to `max`
+    /// (defaults 128 KiB and 2 MiB). `max` 0 turns read-ahead off.
+    pub fn readahead(mut self, init: usize, max: usize) -> Self {
+        self.readahead_init = init;
+        self.readahead_max = max;
+        self
+    }
+
+    /// Threads doing background I/O (read-ahead, writeback); default 4.
+    pub fn io_threads(mut self, n: usize) -> Self {
+        self.io_threads = n;
+        self
+    }
+
     /// Check the settings and start the cache (and its page daemon).
     pub fn build(self) -> Result<Cache> {
         let sys_page = rustix::param::page_size();
@@ -153,8 +173,12 @@ impl CacheBuilder {
             let nofile = rustix::process::getrlimit(rustix::process::Resource::Nofile).current.unwrap_or(1024);
             (nofile as usize / 4).clamp(64, 16384)
         });
+        let ra_max = (self.readahead_max / self.page_size) as u64;
         let core = Arc::new(CacheCore {
             max_objects,
+            ra_max_pages: ra_max.min(budget_pages / 8),
+            ra_init_pages: ((self.readahead_init / self.page_size) as u64).clamp(1, ra_max.max(1)),
+            io: crate::io::IoPool::new(self.io_threads),
             page_shift,
             page_size: self.page_size,
             chunk_shift,
@@ -233,6 +257,11 @@ struct DaemonState {
 
 pub(crate) struct CacheCore {
     max_objects: usize,
+    /// Read-ahead window sizes in pages (`ra_max_pages` 0: off).
+    pub(crate) ra_init_pages: u64,
+    pub(crate) ra_max_pages: u64,
+    /// Background I/O threads (read-ahead, writeback).
+    pub(crate) io: crate::io::IoPool,
     pub(crate) page_shift: u32,
     pub(crate) page_size: usize,
     /// log2 of pages per chunk (= per window).
@@ -306,6 +335,27 @@ impl CacheCore {
                 std::thread::sleep(Duration::from_micros(200));
             }
         }
+    }
+
+    /// Reserve budget for `n` pages without waiting: one round of reclaim at most. For
+    /// optional work (read-ahead), which should give up rather than wait for pinned pages.
+    pub(crate) fn try_reserve(&self, n: u64) -> Result<()> {
+        for attempt in 0..2 {
+            let cur = self.resident.load(SeqCst);
+            if cur + n <= self.budget_pages {
+                if self.resident.compare_exchange(cur, cur + n, SeqCst, SeqCst).is_ok() {
+                    if self.budget_pages - (cur + n) < self.low_free {
+                        self.kick_daemon();
+                    }
+                    return Ok(());
+                }
+                continue;
+            }
+            if attempt == 0 {
+                self.reclaim(cur + n - self.budget_pages)?;
+            }
+        }
+        Err(self.budget_exceeded(n))
     }
 
     fn budget_exceeded(&self, n: u64) -> Error {
@@ -506,6 +556,7 @@ impl CacheCore {
         if let Some(t) = self.daemon.thread.lock().take() {
             let _ = t.join();
         }
+        self.io.shutdown();
         // Best effort: errors here have no caller left to receive them; `sync` before
         // dropping the last handle is how to learn about them.
         let _ = self.sync_all();
@@ -660,7 +711,7 @@ impl Cache {
             return Ok(File::new(o, self.clone(), access == Access::ReadWrite));
         }
         let id = core.next_id.fetch_add(1, Relaxed);
-        let fresh = Arc::new(Object::new(id, core.clone(), pager.clone(), key.clone())?);
+        let fresh = Object::new(id, core.clone(), pager.clone(), key.clone())?;
         let obj = {
             let mut reg = core.registry.write();
             let existing = reg.by_identity.get(&key).copied();

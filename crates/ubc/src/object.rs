@@ -19,7 +19,8 @@ use crate::pager::{Fill, Pager};
 use crate::stats::{bump, Counters, Stats};
 use parking_lot::{Mutex, RwLock};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::*};
-use std::sync::{Arc, OnceLock};
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock, Weak};
 
 /// Largest file length ubc supports: 2^63 - 64 KiB (offsets are `i64` in POSIX, and a
 /// memfd holds at most 2^63 - 1 bytes; see `memfd.rs`).
@@ -35,6 +36,10 @@ pub(crate) fn checked_end(offset: u64, len: usize) -> Result<u64> {
 
 pub(crate) struct Object {
     pub(crate) id: u64,
+    /// Ourselves, for handing work to I/O threads.
+    pub(crate) me: Weak<Object>,
+    /// Read-ahead windows in flight: marker page → window size (see `readahead.rs`).
+    pub(crate) ra_windows: Mutex<HashMap<u64, u64>>,
     pub(crate) core: Arc<CacheCore>,
     pager: RwLock<Arc<dyn Pager>>,
     pub(crate) table: PageTable,
@@ -64,10 +69,12 @@ enum Held<'a> {
 }
 
 impl Object {
-    pub(crate) fn new(id: u64, core: Arc<CacheCore>, pager: Arc<dyn Pager>, key: crate::cache::ObjectKey) -> Result<Object> {
+    pub(crate) fn new(id: u64, core: Arc<CacheCore>, pager: Arc<dyn Pager>, key: crate::cache::ObjectKey) -> Result<Arc<Object>> {
         let len = pager.len().map_err(|e| Error::Io { op: PagerOp::Len, offset: 0, object: pager.describe(), source: e })?;
-        Ok(Object {
+        Ok(Arc::new_cyclic(|me| Object {
             id,
+            me: me.clone(),
+            ra_windows: Mutex::new(HashMap::new()),
             table: PageTable::new(1 << core.chunk_shift),
             key,
             name: pager.describe(),
@@ -81,7 +88,7 @@ impl Object {
             resident: AtomicU64::new(0),
             dirty: AtomicU64::new(0),
             counters: Counters::default(),
-        })
+        }))
     }
 
     pub(crate) fn pager(&self) -> Arc<dyn Pager> {
@@ -148,7 +155,7 @@ impl Object {
 
     /// Chunk index and slot of a page.
     #[inline]
-    fn locate(&self, page: u64) -> (u64, usize) {
+    pub(crate) fn locate(&self, page: u64) -> (u64, usize) {
         let cs = self.core.chunk_shift;
         (page >> cs, (page & ((1 << cs) - 1)) as usize)
     }
@@ -190,14 +197,14 @@ impl Object {
             locked.iter().for_each(|p| p.release_empty());
             return Err(e);
         }
-        self.publish_filled(chunk, first, n, false, pin, admission);
+        self.publish_filled(chunk, first, n, false, pin, admission, None);
         bump(&self.counters.mine().misses, n);
         Ok(n)
     }
 
     /// Read pages `first..first+n` of `chunk` from the pager into the cache.
     /// => caller holds those pages BUSY and has reserved budget for them.
-    fn fill_locked(&self, chunk: &Chunk, first: u64, n: u64) -> Result<()> {
+    pub(crate) fn fill_locked(&self, chunk: &Chunk, first: u64, n: u64) -> Result<()> {
         let offset = first << self.ps();
         if offset >= self.len() {
             // Entirely past the end of the file: a hole, zero-filled by the memfd.
@@ -227,8 +234,9 @@ impl Object {
         }
     }
 
-    /// Make filled BUSY pages valid and hand them to the replacement policy.
-    fn publish_filled(&self, chunk: &Chunk, first: u64, n: u64, dirty: bool, pin: bool, admission: Admission) {
+    /// Make filled BUSY pages valid and hand them to the replacement policy; `mark` puts the
+    /// read-ahead trigger on one of them.
+    pub(crate) fn publish_filled(&self, chunk: &Chunk, first: u64, n: u64, dirty: bool, pin: bool, admission: Admission, mark: Option<u64>) {
         let base = chunk.index << self.core.chunk_shift;
         // Insert into the policy before the pages become visible as valid: a page must
         // never be valid (evictable) without the policy knowing it.
@@ -239,7 +247,7 @@ impl Object {
             }
         }
         for p in first..first + n {
-            chunk.pages[(p - base) as usize].finish_fill(dirty, pin, admission == Admission::ReadAhead, false);
+            chunk.pages[(p - base) as usize].finish_fill(dirty, pin, admission == Admission::ReadAhead, mark == Some(p));
         }
         self.resident.fetch_add(n, Relaxed);
         if dirty {
@@ -251,8 +259,9 @@ impl Object {
     // ---------------------------------------------------------------- read
 
     /// Pin a run of valid pages `first..=last` of `chunk`, filling the first one if needed.
-    /// Returns the number pinned (at least 1).
-    fn pin_run(&self, chunk: &Chunk, first: u64, last: u64) -> Result<u64> {
+    /// Returns the number pinned (at least 1). `req_last` is the last page of the whole read
+    /// (for read-ahead decisions); `None` for accesses that get no read-ahead (windows).
+    fn pin_run(&self, chunk: &Chunk, first: u64, last: u64, req_last: Option<u64>) -> Result<u64> {
         let base = chunk.index << self.core.chunk_shift;
         let mut n = 0;
         loop {
@@ -261,9 +270,20 @@ impl Object {
                 break;
             }
             match chunk.pages[(p - base) as usize].pin() {
-                Pin::Pinned { .. } => n += 1,
+                Pin::Pinned { ra_mark, first_use } => {
+                    n += 1;
+                    if first_use {
+                        bump(&self.counters.mine().readahead_hits, 1);
+                    }
+                    if ra_mark && req_last.is_some() {
+                        self.readahead_on_mark(p);
+                    }
+                }
                 Pin::Invalid if n > 0 => break,
                 Pin::Invalid => {
+                    if let Some(rl) = req_last {
+                        self.readahead_on_miss(p, rl);
+                    }
                     let got = self.fill_run(chunk, p, last, true, Admission::Demand)?;
                     if got > 0 {
                         return Ok(got);
@@ -294,8 +314,9 @@ impl Object {
             let (ci, _) = self.locate(page);
             let chunk = self.table.get_or_create(ci);
             let chunk_last = ((ci + 1) << self.core.chunk_shift) - 1;
-            let last = ((end - 1) >> ps).min(chunk_last);
-            let n = self.pin_run(chunk, page, last)?;
+            let req_last = (end - 1) >> ps;
+            let last = req_last.min(chunk_last);
+            let n = self.pin_run(chunk, page, last, Some(req_last))?;
             // A truncation may have raced with us; pinned pages are stable, but do not
             // return bytes past the current end.
             end = end.min(self.len());
@@ -334,7 +355,7 @@ impl Object {
     pub(crate) fn pin_range(&self, chunk: &Chunk, first: u64, last: u64) -> Result<*mut u8> {
         let mut p = first;
         while p <= last {
-            match self.pin_run(chunk, p, last) {
+            match self.pin_run(chunk, p, last, None) {
                 Ok(n) => p += n,
                 Err(e) => {
                     self.unpin_run(chunk, first, p - first);
@@ -413,7 +434,7 @@ impl Object {
                     self.core.dirty.fetch_add(1, Relaxed);
                 }
             }
-            Held::Filled(chunk, page) => self.publish_filled(chunk, page, 1, true, false, Admission::Demand),
+            Held::Filled(chunk, page) => self.publish_filled(chunk, page, 1, true, false, Admission::Demand, None),
         }
     }
 
@@ -750,15 +771,19 @@ impl Object {
                 let _ = m.punch(a << ps, (b - a) << ps);
             }
         }
+        let mut waste = 0;
         for &p in pages {
             if let Some(st) = self.page_state(p) {
+                waste += u64::from(st.load() & state::SPECULATIVE != 0);
                 st.release_empty();
             }
         }
         let n = pages.len() as u64;
         self.resident.fetch_sub(n, Relaxed);
         self.core.unreserve(n);
-        bump(&self.counters.mine().evictions, n);
+        let sh = self.counters.mine();
+        bump(&sh.evictions, n);
+        bump(&sh.readahead_waste, waste);
     }
 }
 

@@ -29,6 +29,10 @@ pub struct Stats {
     pub writebacks: u64,
     /// Writebacks that failed (the pages stayed dirty).
     pub writeback_errors: u64,
+    /// Pages filled by read-ahead; of them, used later (hits) and evicted unused (waste).
+    pub readahead_pages: u64,
+    pub readahead_hits: u64,
+    pub readahead_waste: u64,
     /// Bytes currently resident in the cache.
     pub resident_bytes: u64,
     /// Bytes currently dirty.
@@ -54,6 +58,9 @@ impl Stats {
         self.evictions += o.evictions;
         self.writebacks += o.writebacks;
         self.writeback_errors += o.writeback_errors;
+        self.readahead_pages += o.readahead_pages;
+        self.readahead_hits += o.readahead_hits;
+        self.readahead_waste += o.readahead_waste;
         self.resident_bytes += o.resident_bytes;
         self.dirty_bytes += o.dirty_bytes;
     }
@@ -94,6 +101,7 @@ impl std::fmt::Display for CacheStats {
         writeln!(f, "pager reads   {:>10.1} MiB   in {} calls", mib(t.read_bytes), t.get_calls)?;
         writeln!(f, "pager writes  {:>10.1} MiB   in {} calls   ({} errors)", mib(t.written_bytes), t.put_calls, t.writeback_errors)?;
         writeln!(f, "evictions     {:>10}       writebacks {}   page daemon runs {} (freed {})", t.evictions, t.writebacks, self.daemon_runs, self.daemon_evictions)?;
+        writeln!(f, "read-ahead    {:>10} pages  used {}   wasted {}", t.readahead_pages, t.readahead_hits, t.readahead_waste)?;
         write!(f, "objects       {:>10}       windows {} (mapped {}, retired {})", self.objects, self.windows, self.window_maps, self.window_retires)
     }
 }
@@ -111,6 +119,9 @@ pub(crate) struct Shard {
     pub(crate) evictions: AtomicU64,
     pub(crate) writebacks: AtomicU64,
     pub(crate) writeback_errors: AtomicU64,
+    pub(crate) readahead_pages: AtomicU64,
+    pub(crate) readahead_hits: AtomicU64,
+    pub(crate) readahead_waste: AtomicU64,
 }
 
 /// Per-object event counters, sharded by thread.
@@ -151,6 +162,9 @@ impl Counters {
             st.evictions += s.evictions.load(Relaxed);
             st.writebacks += s.writebacks.load(Relaxed);
             st.writeback_errors += s.writeback_errors.load(Relaxed);
+            st.readahead_pages += s.readahead_pages.load(Relaxed);
+            st.readahead_hits += s.readahead_hits.load(Relaxed);
+            st.readahead_waste += s.readahead_waste.load(Relaxed);
         }
         st
     }

@@ -81,6 +81,29 @@ impl PageState {
         self.0.load(SeqCst)
     }
 
+    /// Valid contents (may be pinned, dirty, under writeback).
+    #[inline]
+    pub(crate) fn is_valid(&self) -> bool {
+        self.load() & VALID != 0
+    }
+
+    /// Neither valid nor being filled.
+    #[inline]
+    pub(crate) fn is_empty(&self) -> bool {
+        self.load() & (VALID | BUSY) == 0
+    }
+
+    /// Put the read-ahead trigger on a valid page (a window whose first page was cached).
+    pub(crate) fn set_ra_mark(&self) {
+        let mut s = self.load();
+        while s & VALID != 0 && s & RA_MARK == 0 {
+            match self.0.compare_exchange_weak(s, s | RA_MARK, SeqCst, SeqCst) {
+                Ok(_) => return,
+                Err(c) => s = c,
+            }
+        }
+    }
+
     /// Sleep until `done(state)` holds. Sets WAITERS so the next transition wakes us.
     pub(crate) fn wait_until(&self, done: impl Fn(u32) -> bool) -> u32 {
         loop {

@@ -45,3 +45,51 @@ pub fn assert_same(got: &[u8], want: &[u8], what: &str) {
         panic!("{what}: first difference at byte {i}: got {:#04x}, want {:#04x}", got[i], want[i]);
     }
 }
+
+/// A pager that records every get_pages request (offset, length) and can be slowed down.
+pub struct RecordingPager {
+    pub inner: Arc<MemPager>,
+    pub gets: parking_lot::Mutex<Vec<(u64, usize)>>,
+    pub delay: std::time::Duration,
+}
+
+impl RecordingPager {
+    pub fn with_data(len: usize, seed: u64) -> Arc<RecordingPager> {
+        let inner = Arc::new(MemPager::new());
+        ubc::Pager::put_pages(&*inner, 0, &pattern(seed, 0, len)).unwrap();
+        Arc::new(RecordingPager { inner, gets: Default::default(), delay: std::time::Duration::ZERO })
+    }
+    pub fn requests(&self) -> Vec<(u64, usize)> {
+        let mut v = self.gets.lock().clone();
+        v.sort();
+        v
+    }
+    pub fn bytes_requested(&self) -> u64 {
+        self.gets.lock().iter().map(|r| r.1 as u64).sum()
+    }
+}
+
+impl ubc::Pager for RecordingPager {
+    fn get_pages(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<ubc::Fill> {
+        self.gets.lock().push((offset, buf.len()));
+        if !self.delay.is_zero() {
+            std::thread::sleep(self.delay);
+        }
+        self.inner.get_pages(offset, buf)
+    }
+    fn put_pages(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        self.inner.put_pages(offset, data)
+    }
+    fn len(&self) -> std::io::Result<u64> {
+        self.inner.len()
+    }
+    fn set_len(&self, len: u64) -> std::io::Result<()> {
+        self.inner.set_len(len)
+    }
+    fn sync(&self) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn describe(&self) -> String {
+        "recording".into()
+    }
+}

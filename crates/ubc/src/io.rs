@@ -1,0 +1,134 @@
+//! The I/O pool: a few threads that run pager calls in the background so read-ahead and
+//! writeback keep several requests in flight (issue: one reader must reach device bandwidth,
+//! and a writer must not wait for its data to reach the disk).
+//!
+//! Threads, not io_uring: pagers are arbitrary user code (a host file today; a layer or an
+//! object store tomorrow) behind a synchronous trait, so a pool is the only mechanism that
+//! works for all of them. Jobs are closures; a [`Batch`] lets a caller wait for a group of
+//! jobs and collect the first error.
+
+use crate::error::Error;
+use parking_lot::{Condvar, Mutex};
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+type Job = Box<dyn FnOnce() + Send>;
+
+pub(crate) struct IoPool {
+    shared: Arc<Shared>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+struct Shared {
+    queue: Mutex<Queue>,
+    cv: Condvar,
+}
+
+struct Queue {
+    jobs: VecDeque<Job>,
+    shutdown: bool,
+}
+
+impl IoPool {
+    /// Start `n` I/O threads (at least one).
+    pub(crate) fn new(n: usize) -> IoPool {
+        let shared = Arc::new(Shared { queue: Mutex::new(Queue { jobs: VecDeque::new(), shutdown: false }), cv: Condvar::new() });
+        let threads = (0..n.max(1))
+            .map(|i| {
+                let s = shared.clone();
+                std::thread::Builder::new()
+                    .name(format!("ubc-io-{i}"))
+                    .spawn(move || worker(s))
+                    .expect("spawn ubc I/O thread")
+            })
+            .collect();
+        IoPool { shared, threads: Mutex::new(threads) }
+    }
+
+    /// Queue a job.
+    pub(crate) fn submit(&self, job: impl FnOnce() + Send + 'static) {
+        let mut q = self.shared.queue.lock();
+        if q.shutdown {
+            // Shutting down: run it here rather than drop work (writeback must not be lost).
+            drop(q);
+            job();
+            return;
+        }
+        q.jobs.push_back(Box::new(job));
+        drop(q);
+        self.shared.cv.notify_one();
+    }
+
+    /// Jobs waiting to run (for deciding whether read-ahead is worth queueing).
+    pub(crate) fn backlog(&self) -> usize {
+        self.shared.queue.lock().jobs.len()
+    }
+
+    /// Finish queued jobs and stop the threads. => not called from an I/O thread.
+    pub(crate) fn shutdown(&self) {
+        self.shared.queue.lock().shutdown = true;
+        self.shared.cv.notify_all();
+        for t in self.threads.lock().drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+fn worker(s: Arc<Shared>) {
+    loop {
+        let job = {
+            let mut q = s.queue.lock();
+            loop {
+                if let Some(j) = q.jobs.pop_front() {
+                    break j;
+                }
+                if q.shutdown {
+                    return;
+                }
+                s.cv.wait(&mut q);
+            }
+        };
+        job();
+    }
+}
+
+/// A group of jobs a caller waits for; remembers the first error.
+#[derive(Clone, Default)]
+pub(crate) struct Batch {
+    inner: Arc<(Mutex<BatchState>, Condvar)>,
+}
+
+#[derive(Default)]
+struct BatchState {
+    pending: usize,
+    first_err: Option<Error>,
+}
+
+impl Batch {
+    /// Count one more job in this batch. Call before submitting it.
+    pub(crate) fn add(&self) {
+        self.inner.0.lock().pending += 1;
+    }
+
+    /// A job of this batch finished.
+    pub(crate) fn done(&self, r: Result<(), Error>) {
+        let mut st = self.inner.0.lock();
+        st.pending -= 1;
+        if let Err(e) = r {
+            st.first_err.get_or_insert(e);
+        }
+        if st.pending == 0 {
+            self.inner.1.notify_all();
+        }
+    }
+
+    /// Wait for every job; the first error, if any.
+    pub(crate) fn wait(&self) -> Result<(), Error> {
+        let mut st = self.inner.0.lock();
+        while st.pending > 0 {
+            self.inner.1.wait(&mut st);
+        }
+        st.first_err.take().map_or(Ok(()), Err)
+    }
+}
