@@ -21,10 +21,12 @@
 mod cache;
 mod error;
 mod file;
+mod io;
 mod memfd;
 mod object;
 mod page;
 pub mod pager;
+mod readahead;
 mod stats;
 mod window;
 
