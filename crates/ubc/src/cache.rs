@@ -45,6 +45,10 @@ pub struct CacheBuilder {
     readahead_init: usize,
     readahead_max: usize,
     io_threads: usize,
+    writeback_interval: Duration,
+    dirty_expire: Duration,
+    dirty_background_percent: u64,
+    dirty_limit_percent: u64,
 }
 
 impl Default for CacheBuilder {
@@ -65,6 +69,10 @@ impl Default for CacheBuilder {
             readahead_init: 128 << 10,
             readahead_max: 2 << 20,
             io_threads: 4,
+            writeback_interval: Duration::from_secs(5),
+            dirty_expire: Duration::from_secs(30),
+            dirty_background_percent: 10,
+            dirty_limit_percent: 30,
         }
     }
 }
@@ -147,6 +155,23 @@ impl CacheBuilder {
         self
     }
 
+    /// Write-behind timing: the flusher wakes every `interval` and writes back files dirty
+    /// for longer than `expire` (defaults 5 s and 30 s, as Linux).
+    pub fn writeback(mut self, interval: Duration, expire: Duration) -> Self {
+        self.writeback_interval = interval;
+        self.dirty_expire = expire;
+        self
+    }
+
+    /// Dirty memory thresholds, in percent of the budget: above `background` the flusher
+    /// writes back in the background; writers are slowed smoothly above the midpoint and
+    /// never let dirty (and in-writeback) memory pass `limit` (defaults 10 and 30).
+    pub fn dirty_ratios(mut self, background: u64, limit: u64) -> Self {
+        self.dirty_background_percent = background;
+        self.dirty_limit_percent = limit;
+        self
+    }
+
     /// Check the settings and start the cache (and its page daemon).
     pub fn build(self) -> Result<Cache> {
         let sys_page = rustix::param::page_size();
@@ -173,6 +198,12 @@ impl CacheBuilder {
             let nofile = rustix::process::getrlimit(rustix::process::Resource::Nofile).current.unwrap_or(1024);
             (nofile as usize / 4).clamp(64, 16384)
         });
+        if self.dirty_limit_percent == 0 || self.dirty_limit_percent > 90 || self.dirty_background_percent >= self.dirty_limit_percent {
+            return bad(format!(
+                "dirty ratios must satisfy 0 <= background ({}) < limit ({}) <= 90",
+                self.dirty_background_percent, self.dirty_limit_percent
+            ));
+        }
         let ra_max = (self.readahead_max / self.page_size) as u64;
         let core = Arc::new(CacheCore {
             max_objects,
@@ -191,7 +222,12 @@ impl CacheBuilder {
             high_free: high.max(low).min(budget_pages / 2),
             reserve_timeout: self.reserve_timeout,
             resident: AtomicU64::new(0),
-            dirty: AtomicU64::new(0),
+            flusher: crate::writeback::Flusher::new(
+                self.writeback_interval,
+                self.dirty_expire,
+                budget_pages * self.dirty_background_percent / 100,
+                (budget_pages * self.dirty_limit_percent / 100).max(2),
+            ),
             policy_name: self.policy.to_string(),
             policy: Mutex::new(self.policy.build(budget_pages as usize)),
             registry: RwLock::new(Registry::default()),
@@ -210,6 +246,7 @@ impl CacheBuilder {
                 .map_err(|e| Error::os("spawn page daemon", e))?;
             *core.daemon.thread.lock() = Some(t);
         }
+        core.flusher.start(core.clone());
         Ok(Cache { handle: Arc::new(Handle { core }) })
     }
 }
@@ -274,8 +311,8 @@ pub(crate) struct CacheCore {
     reserve_timeout: Duration,
     /// Pages valid or reserved, over all objects.
     pub(crate) resident: AtomicU64,
-    /// Dirty pages over all objects.
-    pub(crate) dirty: AtomicU64,
+    /// Write-behind: the flusher thread, dirty thresholds and the unclean page count.
+    pub(crate) flusher: crate::writeback::Flusher,
     pub(crate) policy: Mutex<Box<dyn EvictionPolicy>>,
     policy_name: String,
     pub(crate) registry: RwLock<Registry>,
@@ -486,7 +523,7 @@ impl CacheCore {
     /// only clean, unheld pages are evicted, and the object is forgotten only if it is still
     /// closed and empty. An object whose writeback fails keeps its dirty pages and stays.
     fn deactivate(&self, obj: &Arc<Object>) {
-        if obj.writeback(0, u64::MAX, true).is_err() {
+        if obj.writeback(0, u64::MAX, true, true).is_err() {
             self.registry.write().closed.push_back(obj.id);
             return;
         }
@@ -515,7 +552,10 @@ impl CacheCore {
             totals.add(&o.stats());
             allocated += o.allocated_bytes();
         }
-        // Resident counts reservations in flight too; report what is valid.
+        // The cache-wide resident count is the reservation counter, not the sum over objects:
+        // the sum is read object by object while pages move between them, so it can count a
+        // page twice. The counter includes pages being filled (their memory is committed).
+        totals.resident_bytes = self.resident.load(SeqCst) << self.page_shift;
         let w = self.windows.stats();
         CacheStats {
             totals,
@@ -529,6 +569,10 @@ impl CacheCore {
             daemon_runs: self.daemon_runs.load(Relaxed),
             daemon_evictions: self.daemon_evictions.load(Relaxed),
             policy: leak_name(&self.policy_name),
+            unclean_bytes: self.flusher.unclean() << self.page_shift,
+            dirty_limit_bytes: self.flusher.limit << self.page_shift,
+            throttled_ms: self.flusher.throttled_us.load(Relaxed) / 1000,
+            flusher_runs: self.flusher.runs.load(Relaxed),
         }
     }
 
@@ -556,10 +600,12 @@ impl CacheCore {
         if let Some(t) = self.daemon.thread.lock().take() {
             let _ = t.join();
         }
-        self.io.shutdown();
-        // Best effort: errors here have no caller left to receive them; `sync` before
-        // dropping the last handle is how to learn about them.
+        self.flusher.stop();
+        // Write back before stopping the I/O threads (writeback uses them). Best effort:
+        // errors here have no caller left to receive them; `sync` before dropping the last
+        // handle is how to learn about them.
         let _ = self.sync_all();
+        self.io.shutdown();
         let objects: Vec<Arc<Object>> = {
             let mut reg = self.registry.write();
             reg.by_identity.clear();
@@ -619,7 +665,7 @@ impl Prober<'_> {
                 if k.index < done_to {
                     continue;
                 }
-                if let Err(e) = obj.writeback(k.index, k.index + max, false) {
+                if let Err(e) = obj.writeback(k.index, k.index + max, false, false) {
                     if first.is_ok() {
                         first = Err(e);
                     }

@@ -60,11 +60,6 @@ impl IoPool {
         self.shared.cv.notify_one();
     }
 
-    /// Jobs waiting to run (for deciding whether read-ahead is worth queueing).
-    pub(crate) fn backlog(&self) -> usize {
-        self.shared.queue.lock().jobs.len()
-    }
-
     /// Finish queued jobs and stop the threads. => not called from an I/O thread.
     pub(crate) fn shutdown(&self) {
         self.shared.queue.lock().shutdown = true;
@@ -75,7 +70,17 @@ impl IoPool {
     }
 }
 
+thread_local! {
+    static IO_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// True on a pool thread (which must never wait for other pool jobs: deadlock).
+pub(crate) fn on_io_thread() -> bool {
+    IO_THREAD.with(|t| t.get())
+}
+
 fn worker(s: Arc<Shared>) {
+    IO_THREAD.with(|t| t.set(true));
     loop {
         let job = {
             let mut q = s.queue.lock();
@@ -89,7 +94,10 @@ fn worker(s: Arc<Shared>) {
                 s.cv.wait(&mut q);
             }
         };
-        job();
+        // A panicking job (a pager is user code) must not take the thread with it: the pool
+        // would shrink to nothing and every later batch would wait forever. The job's batch
+        // ticket reports the panic as an error when it unwinds.
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
     }
 }
 
@@ -105,14 +113,38 @@ struct BatchState {
     first_err: Option<Error>,
 }
 
+/// One job's membership in a [`Batch`]: finishing it, or dropping it unfinished (the job
+/// panicked), counts the job done.
+pub(crate) struct Ticket {
+    batch: Option<Batch>,
+}
+
+impl Ticket {
+    /// The job finished with `r`.
+    pub(crate) fn done(mut self, r: Result<(), Error>) {
+        if let Some(b) = self.batch.take() {
+            b.finish(r);
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if let Some(b) = self.batch.take() {
+            b.finish(Err(Error::Os { call: "I/O job", source: std::io::Error::other("pager panicked") }));
+        }
+    }
+}
+
 impl Batch {
-    /// Count one more job in this batch. Call before submitting it.
-    pub(crate) fn add(&self) {
+    /// Count one more job in this batch; the job must consume the ticket. Call before
+    /// submitting the job.
+    pub(crate) fn ticket(&self) -> Ticket {
         self.inner.0.lock().pending += 1;
+        Ticket { batch: Some(self.clone()) }
     }
 
-    /// A job of this batch finished.
-    pub(crate) fn done(&self, r: Result<(), Error>) {
+    fn finish(&self, r: Result<(), Error>) {
         let mut st = self.inner.0.lock();
         st.pending -= 1;
         if let Err(e) = r {

@@ -22,6 +22,7 @@ mod cache;
 mod error;
 mod file;
 mod io;
+mod map;
 mod memfd;
 mod object;
 mod page;
@@ -29,6 +30,7 @@ pub mod pager;
 mod readahead;
 mod stats;
 mod window;
+mod writeback;
 
 /// Page replacement policies (the `ubc-evict` crate).
 pub mod evict {

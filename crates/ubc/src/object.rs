@@ -54,6 +54,8 @@ pub(crate) struct Object {
     resident: AtomicU64,
     /// Pages with the DIRTY bit.
     dirty: AtomicU64,
+    /// When the object last went from clean to dirty (flusher clock, ms; see writeback.rs).
+    dirtied_at: AtomicU64,
     pub(crate) counters: Counters,
     /// The registry key this object is filed under.
     pub(crate) key: crate::cache::ObjectKey,
@@ -62,8 +64,9 @@ pub(crate) struct Object {
 
 /// A page a writer holds between copying into it and publishing it (lock coupling).
 enum Held<'a> {
-    /// A resident page in WRITING state.
-    Writing(&'a state::PageState),
+    /// A resident page in WRITING state; `true` if an unclean slot was reserved for it
+    /// (it was clean).
+    Writing(&'a state::PageState, bool),
     /// A freshly filled page still BUSY: (chunk, page index).
     Filled(&'a Chunk, u64),
 }
@@ -87,6 +90,7 @@ impl Object {
             handles: AtomicUsize::new(0),
             resident: AtomicU64::new(0),
             dirty: AtomicU64::new(0),
+            dirtied_at: AtomicU64::new(0),
             counters: Counters::default(),
         }))
     }
@@ -118,6 +122,27 @@ impl Object {
 
     pub(crate) fn dirty_pages(&self) -> u64 {
         self.dirty.load(Relaxed)
+    }
+
+    pub(crate) fn dirtied_at(&self) -> u64 {
+        self.dirtied_at.load(Relaxed)
+    }
+
+    pub(crate) fn set_dirtied_at(&self, ms: u64) {
+        self.dirtied_at.store(ms, Relaxed);
+    }
+
+    /// `n` pages got the DIRTY bit whose unclean slots their writer reserved.
+    fn publish_dirtied(&self, n: u64) {
+        self.core.flusher.publish(n);
+        self.note_dirtied(n);
+    }
+
+    /// `n` pages got the DIRTY bit (already counted unclean: a failed writeback).
+    fn note_dirtied(&self, n: u64) {
+        if self.dirty.fetch_add(n, Relaxed) == 0 {
+            self.dirtied_at.store(self.core.flusher.now_ms(), Relaxed);
+        }
     }
 
     pub(crate) fn allocated_bytes(&self) -> u64 {
@@ -251,8 +276,7 @@ impl Object {
         }
         self.resident.fetch_add(n, Relaxed);
         if dirty {
-            self.dirty.fetch_add(n, Relaxed);
-            self.core.dirty.fetch_add(n, Relaxed);
+            self.publish_dirtied(n);
         }
     }
 
@@ -388,11 +412,25 @@ impl Object {
         match st.begin_write() {
             WriteLock::Resident => {
                 bump(&self.counters.mine().hits, 1);
-                Ok(Held::Writing(st))
+                // DIRTY cannot change while we hold WRITING, so this tells whether our write
+                // makes a clean page dirty (which needs an unclean slot: the dirty limit).
+                let clean = st.load() & DIRTY == 0;
+                if clean {
+                    if let Err(e) = self.core.reserve_dirty(self) {
+                        st.abort_write();
+                        return Err(e);
+                    }
+                }
+                Ok(Held::Writing(st, clean))
             }
             WriteLock::Empty => {
                 bump(&self.counters.mine().misses, 1);
                 if let Err(e) = self.core.reserve(1) {
+                    st.release_empty();
+                    return Err(e);
+                }
+                if let Err(e) = self.core.reserve_dirty(self) {
+                    self.core.unreserve(1);
                     st.release_empty();
                     return Err(e);
                 }
@@ -401,6 +439,7 @@ impl Object {
                 if !covers && page_off < self.len() {
                     if let Err(e) = self.fill_locked(chunk, page, 1) {
                         self.core.unreserve(1);
+                        self.core.unreserve_dirty();
                         st.release_empty();
                         return Err(e);
                     }
@@ -414,12 +453,18 @@ impl Object {
     /// it was; a new one is discarded (its contents may never have been produced).
     fn abort_held(&self, h: Held<'_>) {
         match h {
-            Held::Writing(st) => st.abort_write(),
+            Held::Writing(st, reserved) => {
+                st.abort_write();
+                if reserved {
+                    self.core.unreserve_dirty();
+                }
+            }
             Held::Filled(chunk, page) => {
                 if let Some(m) = self.memfd.get() {
                     let _ = m.punch(page << self.ps(), 1 << self.ps());
                 }
                 self.core.unreserve(1);
+                self.core.unreserve_dirty();
                 chunk.pages[self.locate(page).1].release_empty();
             }
         }
@@ -428,10 +473,11 @@ impl Object {
     /// Publish a page a writer held: it is now valid and dirty.
     fn release_written(&self, h: Held<'_>) {
         match h {
-            Held::Writing(st) => {
-                if st.end_write() {
-                    self.dirty.fetch_add(1, Relaxed);
-                    self.core.dirty.fetch_add(1, Relaxed);
+            Held::Writing(st, reserved) => {
+                let was_clean = st.end_write();
+                debug_assert_eq!(was_clean, reserved);
+                if was_clean {
+                    self.publish_dirtied(1);
                 }
             }
             Held::Filled(chunk, page) => self.publish_filled(chunk, page, 1, true, false, Admission::Demand, None),
@@ -447,8 +493,10 @@ impl Object {
         if buf.is_empty() {
             return Ok(0);
         }
-        let _size = self.size_lock.read();
         let ps = self.ps();
+        // Smooth dirty throttling happens here, before any page is held.
+        self.core.balance_dirty(((end - 1) >> ps) - (offset >> ps) + 1);
+        let _size = self.size_lock.read();
         let mut held: Option<Held<'_>> = None;
         let mut pos = offset;
         let mut result = Ok(());
@@ -538,7 +586,10 @@ impl Object {
             let (_, slot) = self.locate(page);
             let st = &chunk.pages[slot];
             if st.load() & VALID != 0 {
-                self.release_written(Held::Writing(st));
+                // Only our write can have set DIRTY since we took the page; a clean page
+                // was given an unclean slot when we took it.
+                let reserved = st.load() & DIRTY == 0;
+                self.release_written(Held::Writing(st, reserved));
             } else {
                 self.release_written(Held::Filled(chunk, page));
             }
@@ -587,6 +638,13 @@ impl Object {
         }
         match st.begin_write() {
             WriteLock::Resident => {
+                let clean = st.load() & DIRTY == 0;
+                if clean {
+                    if let Err(e) = self.core.reserve_dirty(self) {
+                        st.abort_write();
+                        return Err(e);
+                    }
+                }
                 let r = self.memfd().and_then(|m| self.core.windows.address(chunk, m));
                 if let Ok(win) = r {
                     let from = (new_len - self.chunk_offset(chunk)) as usize;
@@ -594,7 +652,7 @@ impl Object {
                     // SAFETY: page held WRITING; window maps the chunk.
                     unsafe { std::ptr::write_bytes(win.add(from), 0, to - from) };
                 }
-                self.release_written(Held::Writing(st));
+                self.release_written(Held::Writing(st, clean));
                 r.map(|_| ())
             }
             // Evicted meanwhile: nothing cached to zero.
@@ -631,7 +689,7 @@ impl Object {
                 }
                 if st.clear_dirty_locked() {
                     self.dirty.fetch_sub(1, Relaxed);
-                    self.core.dirty.fetch_sub(1, Relaxed);
+                    self.core.flusher.cleaned(1);
                 }
                 dropped.push(p);
             }
@@ -666,11 +724,15 @@ impl Object {
     /// Write back dirty pages with index in `from..to`, clustered into contiguous runs of at
     /// most `max_put_pages`. With `wait`, also waits for pages being written or written back
     /// by others (and retries those whose writeback failed); without, skips busy pages.
+    /// With `parallel`, runs are spread over the I/O pool (several requests in flight) and
+    /// waited for — except on an I/O thread, which must not wait for the pool.
     /// Failed runs stay dirty; the first error is returned after trying every run.
-    pub(crate) fn writeback(&self, from: u64, to: u64, wait: bool) -> Result<()> {
+    pub(crate) fn writeback(&self, from: u64, to: u64, wait: bool, parallel: bool) -> Result<()> {
         if self.dirty_pages() == 0 && !wait {
             return Ok(());
         }
+        let me = if parallel && !crate::io::on_io_thread() { self.me.upgrade() } else { None };
+        let batch = crate::io::Batch::default();
         let cs = self.core.chunk_shift;
         let mut first_err: Option<Error> = None;
         self.table.for_each(from >> cs, (to >> cs).saturating_add(1), |chunk| {
@@ -692,21 +754,36 @@ impl Object {
                 {
                     n += 1;
                 }
-                if let Err(e) = self.write_run(chunk, p, n) {
-                    first_err.get_or_insert(e);
+                match &me {
+                    Some(obj) => {
+                        let (obj, ticket, ci, first) = (obj.clone(), batch.ticket(), chunk.index, p);
+                        self.core.io.submit(move || {
+                            let chunk = obj.table.get(ci).expect("chunk of pages under writeback");
+                            ticket.done(obj.write_run(chunk, first, n));
+                        });
+                    }
+                    None => {
+                        if let Err(e) = self.write_run(chunk, p, n) {
+                            first_err.get_or_insert(e);
+                        }
+                    }
                 }
                 p += n;
             }
         });
-        first_err.map_or(Ok(()), Err)
+        let r = batch.wait();
+        match first_err {
+            Some(e) => Err(e),
+            None => r,
+        }
     }
 
     /// Write pages `first..first+n` (WRITEBACK, taken by the caller) to the pager.
     fn write_run(&self, chunk: &Chunk, first: u64, n: u64) -> Result<()> {
         let ps = self.ps();
         let base = chunk.index << self.core.chunk_shift;
+        // begin_writeback cleared DIRTY; the pages stay unclean until they are written.
         self.dirty.fetch_sub(n, Relaxed);
-        self.core.dirty.fetch_sub(n, Relaxed);
         let offset = first << ps;
         // Clip at the end of the file: the store must not grow past the length we know.
         let bytes = ((n << ps).min(self.len().saturating_sub(offset))) as usize;
@@ -730,9 +807,9 @@ impl Object {
         if ok {
             bump(&sh.written_bytes, bytes as u64);
             bump(&sh.writebacks, n);
+            self.core.flusher.cleaned(n);
         } else {
-            self.dirty.fetch_add(n, Relaxed);
-            self.core.dirty.fetch_add(n, Relaxed);
+            self.note_dirtied(n);
             bump(&sh.writeback_errors, 1);
         }
         r
@@ -741,7 +818,7 @@ impl Object {
     /// `sync`: every dirty page reaches the pager, the stored length matches, then the
     /// pager's own sync. On error the pages stay dirty and the error is returned.
     pub(crate) fn sync(&self) -> Result<()> {
-        self.writeback(0, u64::MAX, true)?;
+        self.writeback(0, u64::MAX, true, true)?;
         let pager = self.pager();
         let len = self.len();
         let stored = pager.len().map_err(|e| self.io_err(PagerOp::Len, 0, e))?;

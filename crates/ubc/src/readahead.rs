@@ -38,6 +38,9 @@ impl Object {
             return;
         }
         let Some(eof) = self.last_page() else { return };
+        if page > eof {
+            return; // truncated under us
+        }
         let req = req_last.min(eof) - page + 1;
         let size = if page == 0 || req >= max {
             initial_size(req, core.ra_init_pages, max)

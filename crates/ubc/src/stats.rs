@@ -33,7 +33,7 @@ pub struct Stats {
     pub readahead_pages: u64,
     pub readahead_hits: u64,
     pub readahead_waste: u64,
-    /// Bytes currently resident in the cache.
+    /// Bytes currently resident (cache-wide: including pages being filled right now).
     pub resident_bytes: u64,
     /// Bytes currently dirty.
     pub dirty_bytes: u64,
@@ -89,6 +89,12 @@ pub struct CacheStats {
     pub daemon_evictions: u64,
     /// The replacement policy in use.
     pub policy: &'static str,
+    /// Unclean bytes now (dirty + under writeback + reserved by writers) and their limit.
+    pub unclean_bytes: u64,
+    pub dirty_limit_bytes: u64,
+    /// Total time writers were paused by dirty throttling, and flusher rounds.
+    pub throttled_ms: u64,
+    pub flusher_runs: u64,
 }
 
 impl std::fmt::Display for CacheStats {
@@ -102,6 +108,7 @@ impl std::fmt::Display for CacheStats {
         writeln!(f, "pager writes  {:>10.1} MiB   in {} calls   ({} errors)", mib(t.written_bytes), t.put_calls, t.writeback_errors)?;
         writeln!(f, "evictions     {:>10}       writebacks {}   page daemon runs {} (freed {})", t.evictions, t.writebacks, self.daemon_runs, self.daemon_evictions)?;
         writeln!(f, "read-ahead    {:>10} pages  used {}   wasted {}", t.readahead_pages, t.readahead_hits, t.readahead_waste)?;
+        writeln!(f, "write-behind  {:>10.1} MiB unclean (limit {:.1} MiB)   writers throttled {} ms   flusher rounds {}", mib(self.unclean_bytes), mib(self.dirty_limit_bytes), self.throttled_ms, self.flusher_runs)?;
         write!(f, "objects       {:>10}       windows {} (mapped {}, retired {})", self.objects, self.windows, self.window_maps, self.window_retires)
     }
 }

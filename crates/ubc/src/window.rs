@@ -100,21 +100,29 @@ impl Windows {
         if a > WIN_RETIRING {
             return Ok(a as *mut u8);
         }
-        let slot = match s.free.pop() {
-            Some(i) => i as usize,
-            None if s.slots.len() < self.max => {
-                s.slots.push(None);
-                s.slots.len() - 1
-            }
-            None => match self.retire_one(&mut s) {
+        // At (or, after a burst, above) the bound: retire an idle window first, so the
+        // table converges back under `max`. Below it: a free slot, or a new one.
+        let slot = if s.live >= self.max {
+            match self.retire_one(&mut s) {
                 Some(i) => i,
-                None => {
-                    // Every window is held by someone right now: exceed the bound rather than
-                    // fail or wait (it is a soft limit; holders release soon).
+                // Every window is held right now: exceed the bound rather than fail or wait
+                // (a soft limit: holders release soon, and later maps retire the excess).
+                None => s.free.pop().map(|i| i as usize).unwrap_or_else(|| {
                     s.slots.push(None);
                     s.slots.len() - 1
-                }
-            },
+                }),
+            }
+        } else {
+            match s.free.pop() {
+                Some(i) => i as usize,
+                None => match s.slots.iter().position(|x| x.is_none()) {
+                    Some(i) => i,
+                    None => {
+                        s.slots.push(None);
+                        s.slots.len() - 1
+                    }
+                },
+            }
         };
         let addr = match memfd.map(chunk.index * self.size as u64, self.map_len(chunk)) {
             Ok(p) => p,
@@ -129,6 +137,15 @@ impl Windows {
         chunk.window_slot.store(slot as u32, SeqCst);
         chunk.window_ref.store(true, Relaxed);
         chunk.window.store(addr as usize, SeqCst);
+        // Over the bound after a burst of held windows: retire idle ones now, so the excess
+        // does not outlive the burst. The window just made is safe from this: the caller
+        // holds a page of its chunk, so `try_retire` refuses it.
+        while s.live > self.max {
+            match self.retire_one(&mut s) {
+                Some(i) => s.free.push(i as u32),
+                None => break,
+            }
+        }
         Ok(addr)
     }
 
@@ -138,7 +155,7 @@ impl Windows {
         for _ in 0..2 * n {
             let i = s.hand;
             s.hand = (s.hand + 1) % n;
-            let Some(slot) = &s.slots[i] else { return Some(i) };
+            let Some(slot) = &s.slots[i] else { continue };
             // SAFETY: occupied slots point at live chunks (see `Slot::chunk`).
             let chunk = unsafe { &*slot.chunk };
             if chunk.window_ref.swap(false, Relaxed) {

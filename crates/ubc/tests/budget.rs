@@ -36,6 +36,12 @@ fn memory_stays_within_budget_with_a_working_set_ten_times_larger() {
     let sampler = {
         let (cache, stop, max_alloc, max_resident) = (cache.clone(), stop.clone(), max_alloc.clone(), max_resident.clone());
         std::thread::spawn(move || {
+            // A real-time sampler is not preempted halfway through summing the memfds, so
+            // each sample is a near-instant snapshot (needs root; without it, samples are
+            // merely noisier).
+            let param = libc::sched_param { sched_priority: 10 };
+            // SAFETY: plain syscall on the calling thread.
+            let _ = unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) };
             let mut samples = 0;
             while !stop.load(SeqCst) {
                 let st = cache.stats();
@@ -81,6 +87,9 @@ fn memory_stays_within_budget_with_a_working_set_ten_times_larger() {
     }
     stop.store(true, SeqCst);
     let samples = sampler.join().unwrap();
+    // `allocated` sums fstat over memfds one by one while pages move between them, so a
+    // sample can count a moving page twice: that is what the 5% allows for. `resident` is
+    // the cache's own atomic count and must never pass the budget.
     let limit = budget + budget / 20;
     let (alloc, resident) = (max_alloc.load(SeqCst), max_resident.load(SeqCst));
     println!("samples {samples}, max allocated {alloc}, max resident {resident}, budget {budget}");
@@ -90,7 +99,9 @@ fn memory_stays_within_budget_with_a_working_set_ten_times_larger() {
     let st = cache.stats();
     assert!(st.totals.evictions > 1000, "{st:?}");
     assert!(st.daemon_runs > 0, "the page daemon ran");
-    // Allocation and accounting agree: no page is allocated that the table does not count.
+    // Allocation and accounting agree once quiet: no page is allocated that is not counted.
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    let st = cache.stats();
     assert!(st.allocated_bytes <= st.totals.resident_bytes, "{st:?}");
     cache.sync_all().unwrap();
 }

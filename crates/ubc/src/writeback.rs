@@ -1,0 +1,298 @@
+//! Write-behind: the flusher and dirty throttling (Linux's `fs/fs-writeback.c` and
+//! `balance_dirty_pages` in `mm/page-writeback.c`, simplified).
+//!
+//! The contract:
+//! * *Unclean* pages — dirty, under writeback, or reserved by a writer about to dirty a
+//!   clean page — are counted cache-wide. A writer reserves a slot before it dirties a clean
+//!   page (`reserve_dirty`), so the count does not exceed `dirty_limit`: at the limit the
+//!   writer waits for writeback; it does not fail while writeback makes progress.
+//!   Reserved slots whose pages are still held by their writers cannot be cleaned by anyone,
+//!   so they are counted apart (`held`): a writer only waits while some *published* unclean
+//!   page exists that writeback can clean. If every unclean page is held by a writer, waiting
+//!   could never end (a writable window taking more pages than a tiny limit, or as many
+//!   concurrent writers as the limit has pages), so the writer proceeds: the limit can then be
+//!   passed by at most the pages writers hold at that moment.
+//! * Between the set-point (midway between the background threshold and the limit) and the
+//!   limit, a writer pauses at the start of each `write_at` for a time proportional to how far
+//!   above the set-point the cache is and to the pages it is about to dirty, at the measured
+//!   writeback bandwidth: the dirtying rate is matched smoothly to the cleaning rate instead of
+//!   hitting a wall.
+//! * The flusher thread wakes every `writeback_interval` (default 5 s, Linux's
+//!   `dirty_writeback_centisecs`) and writes back every object dirty for longer than
+//!   `dirty_expire` (default 30 s, `dirty_expire_centisecs`), oldest first; and, when kicked
+//!   because unclean pages passed the background threshold, it writes back objects, oldest
+//!   first, until they are below it again. Writeback is clustered (runs of up to `max_put`)
+//!   and spread over the I/O pool, so several requests are in flight.
+//! * A writer stuck at the limit for long (writeback makes no progress: the store fails or
+//!   hangs) writes back its own object's dirty pages itself, so a persistent I/O error reaches
+//!   it instead of blocking it forever.
+
+use crate::cache::CacheCore;
+use crate::error::Result;
+use crate::object::Object;
+use parking_lot::{Condvar, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering::*};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Longest single pause of a throttled writer.
+const MAX_PAUSE: Duration = Duration::from_millis(200);
+/// How long a writer waits at the limit before it writes back its own pages.
+const HELP_AFTER: Duration = Duration::from_millis(50);
+
+/// Write-behind settings and state, part of the cache core.
+pub(crate) struct Flusher {
+    pub(crate) interval: Duration,
+    pub(crate) expire: Duration,
+    /// Thresholds in pages of unclean memory.
+    pub(crate) background: u64,
+    pub(crate) setpoint: u64,
+    pub(crate) limit: u64,
+    /// Packed counts: low 32 bits published unclean pages (dirty + under writeback), high
+    /// 32 bits reserved slots still held by writers. One word, so reserving is one CAS.
+    counts: AtomicU64,
+    /// Writeback bandwidth estimate, pages per second.
+    rate: AtomicU64,
+    cleaned: AtomicU64,
+    /// Writers waiting for unclean pages to drop.
+    waiters: Mutex<usize>,
+    cleaned_cv: Condvar,
+    ctl: Mutex<Ctl>,
+    ctl_cv: Condvar,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    pub(crate) runs: AtomicU64,
+    pub(crate) throttled_us: AtomicU64,
+    epoch: Instant,
+}
+
+#[derive(Default)]
+struct Ctl {
+    kick: bool,
+    shutdown: bool,
+}
+
+impl Flusher {
+    pub(crate) fn new(interval: Duration, expire: Duration, background: u64, limit: u64) -> Flusher {
+        let limit = limit.max(2);
+        let background = background.clamp(1, limit - 1);
+        Flusher {
+            interval,
+            expire,
+            background,
+            setpoint: (background + limit) / 2,
+            limit,
+            counts: AtomicU64::new(0),
+            rate: AtomicU64::new(25_000),
+            cleaned: AtomicU64::new(0),
+            waiters: Mutex::new(0),
+            cleaned_cv: Condvar::new(),
+            ctl: Mutex::new(Ctl::default()),
+            ctl_cv: Condvar::new(),
+            thread: Mutex::new(None),
+            runs: AtomicU64::new(0),
+            throttled_us: AtomicU64::new(0),
+            epoch: Instant::now(),
+        }
+    }
+
+    /// Milliseconds since the cache started (for object dirty ages); never 0.
+    pub(crate) fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64 + 1
+    }
+
+    pub(crate) fn kick(&self) {
+        let mut c = self.ctl.lock();
+        if !c.kick {
+            c.kick = true;
+            self.ctl_cv.notify_one();
+        }
+    }
+
+    /// (published unclean pages, held reservations).
+    fn split(c: u64) -> (u64, u64) {
+        (c & 0xffff_ffff, c >> 32)
+    }
+
+    /// All unclean pages, held reservations included (for statistics and thresholds).
+    pub(crate) fn unclean(&self) -> u64 {
+        let (u, h) = Self::split(self.counts.load(SeqCst));
+        u + h
+    }
+
+    /// Published unclean pages: what writeback can clean.
+    fn published(&self) -> u64 {
+        Self::split(self.counts.load(SeqCst)).0
+    }
+
+    /// `n` reserved slots became dirty pages (their writers published them).
+    pub(crate) fn publish(&self, n: u64) {
+        self.counts.fetch_add(n.wrapping_sub(n << 32), SeqCst);
+    }
+
+    /// A reserved slot was not used.
+    pub(crate) fn unreserve(&self) {
+        let old = self.counts.fetch_sub(1 << 32, SeqCst);
+        debug_assert!(old >> 32 >= 1);
+    }
+
+    /// `n` published pages left the unclean set (written back, or dropped by truncation).
+    pub(crate) fn cleaned(&self, n: u64) {
+        let old = self.counts.fetch_sub(n, SeqCst);
+        debug_assert!(old & 0xffff_ffff >= n, "unclean underflow {old:#x} - {n}");
+        self.cleaned.fetch_add(n, Relaxed);
+        if *self.waiters.lock() > 0 {
+            self.cleaned_cv.notify_all();
+        }
+    }
+
+    pub(crate) fn start(&self, core: Arc<CacheCore>) {
+        let t = std::thread::Builder::new()
+            .name("ubc-flusher".into())
+            .spawn(move || core.flusher_loop())
+            .expect("spawn ubc flusher");
+        *self.thread.lock() = Some(t);
+    }
+
+    pub(crate) fn stop(&self) {
+        {
+            let mut c = self.ctl.lock();
+            c.shutdown = true;
+            self.ctl_cv.notify_all();
+        }
+        if let Some(t) = self.thread.lock().take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl CacheCore {
+    /// Reserve an unclean slot for a clean page the caller is about to dirty, waiting while
+    /// the cache is at its dirty limit. => the caller holds the page (WRITING or BUSY) and at
+    /// most one other page of `obj`.
+    pub(crate) fn reserve_dirty(&self, obj: &Object) -> Result<()> {
+        let f = &self.flusher;
+        let mut waited: Option<Instant> = None;
+        loop {
+            let c = f.counts.load(SeqCst);
+            let (published, held) = Flusher::split(c);
+            // Below the limit, or nothing that writeback could clean (see module docs).
+            if published + held < f.limit || published == 0 {
+                if f.counts.compare_exchange_weak(c, c + (1 << 32), SeqCst, SeqCst).is_ok() {
+                    if published + held + 1 > f.background {
+                        f.kick();
+                    }
+                    if let Some(t) = waited {
+                        f.throttled_us.fetch_add(t.elapsed().as_micros() as u64, Relaxed);
+                    }
+                    return Ok(());
+                }
+                continue;
+            }
+            // At the limit: wait for the flusher to clean something.
+            f.kick();
+            let start = *waited.get_or_insert_with(Instant::now);
+            if start.elapsed() > HELP_AFTER {
+                // No progress for a while: write back our own pages; an I/O error that keeps
+                // the cache at its limit is returned to the writer instead of blocking it.
+                obj.writeback(0, u64::MAX, false, false)?;
+            }
+            let mut w = f.waiters.lock();
+            *w += 1;
+            if f.unclean() >= f.limit && f.published() > 0 {
+                f.cleaned_cv.wait_for(&mut w, Duration::from_millis(50));
+            }
+            *w -= 1;
+        }
+    }
+
+    /// Give back a slot reserved with `reserve_dirty` that was not used.
+    pub(crate) fn unreserve_dirty(&self) {
+        self.flusher.unreserve();
+    }
+
+    /// Smooth throttling at the start of a write that may dirty `pages` pages: pause in
+    /// proportion to how far unclean memory is above the set-point. Never fails.
+    pub(crate) fn balance_dirty(&self, pages: u64) {
+        let f = &self.flusher;
+        let cur = f.unclean();
+        if cur <= f.background {
+            return;
+        }
+        f.kick();
+        if cur <= f.setpoint || f.limit <= f.setpoint {
+            return;
+        }
+        // pos: 0 at the set-point, 1 at the limit. At pos 1/2 a writer dirties at the
+        // writeback rate; nearer the limit, slower.
+        let pos = ((cur - f.setpoint) as f64 / (f.limit - f.setpoint) as f64).min(1.0);
+        let rate = f.rate.load(Relaxed).max(256) as f64;
+        let pause = Duration::from_secs_f64((2.0 * pos * pages as f64 / rate).min(MAX_PAUSE.as_secs_f64()));
+        if pause > Duration::from_micros(50) {
+            std::thread::sleep(pause);
+            f.throttled_us.fetch_add(pause.as_micros() as u64, Relaxed);
+        }
+    }
+
+    /// The flusher thread: age-based and threshold-based write-behind.
+    pub(crate) fn flusher_loop(self: Arc<Self>) {
+        let f = &self.flusher;
+        let mut last = (Instant::now(), f.cleaned.load(Relaxed));
+        // Whether the previous round cleaned anything. Over the background threshold we go
+        // round again at once only while rounds make progress; otherwise (the store fails,
+        // or every unclean page is held by a writer) we back off instead of spinning.
+        let mut progressed = false;
+        loop {
+            let over = f.published() > f.background;
+            {
+                let mut c = f.ctl.lock();
+                if !c.shutdown && !(over && progressed) {
+                    let nap = if over { Duration::from_millis(20) } else { f.interval.min(f.expire) };
+                    if !c.kick {
+                        f.ctl_cv.wait_for(&mut c, nap.max(Duration::from_millis(1)));
+                    }
+                }
+                if c.shutdown {
+                    return;
+                }
+                c.kick = false;
+            }
+            let cleaned_before = f.cleaned.load(Relaxed);
+            f.runs.fetch_add(1, Relaxed);
+            let now = f.now_ms();
+            let expire_ms = f.expire.as_millis() as u64;
+            let mut dirty: Vec<(u64, Arc<Object>)> = self
+                .registry
+                .read()
+                .by_id
+                .values()
+                .filter(|o| o.dirty_pages() > 0)
+                .map(|o| (o.dirtied_at(), o.clone()))
+                .collect();
+            dirty.sort_by_key(|d| d.0);
+            for (since, obj) in dirty {
+                let expired = now.saturating_sub(since) >= expire_ms;
+                if !expired && f.published() <= f.background {
+                    break; // oldest first: the rest are younger and we are below threshold
+                }
+                if obj.writeback(0, u64::MAX, false, true).is_err() {
+                    // The pages stay dirty; try again after another expiry period rather
+                    // than spinning on a failing store. `sync` reports the error.
+                    obj.set_dirtied_at(f.now_ms());
+                }
+            }
+            // Writeback bandwidth estimate for smooth throttling.
+            let (t0, c0) = last;
+            let c1 = f.cleaned.load(Relaxed);
+            let dt = t0.elapsed().as_secs_f64();
+            if c1 > c0 && dt > 0.01 {
+                let sample = ((c1 - c0) as f64 / dt) as u64;
+                let old = f.rate.load(Relaxed);
+                f.rate.store((old * 7 + sample * 3) / 10, Relaxed);
+                last = (Instant::now(), c1);
+            } else if dt > 1.0 {
+                last = (Instant::now(), c1);
+            }
+            progressed = f.cleaned.load(Relaxed) > cleaned_before;
+        }
+    }
+}

@@ -1,0 +1,228 @@
+//! Write-behind: dirty data reaches the store without `sync` (age and background threshold),
+//! oldest first, in clusters; writers faster than the store are throttled without ever
+//! letting unclean memory pass its limit; a failing store reaches the writer as an error.
+
+mod common;
+use common::*;
+use parking_lot::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use ubc::pager::{FaultPager, MemPager};
+use ubc::{Access, Cache, Pager};
+
+/// Wait (bounded, generous) until `cond` holds; panics with `what` otherwise.
+fn eventually(what: &str, cond: impl Fn() -> bool) {
+    let t = Instant::now();
+    while !cond() {
+        assert!(t.elapsed() < Duration::from_secs(20), "timed out waiting for: {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A memory pager that logs (name, offset, len) of every put into a shared log.
+struct Logged {
+    name: &'static str,
+    inner: MemPager,
+    log: Arc<Mutex<Vec<(&'static str, u64, usize)>>>,
+}
+
+impl Pager for Logged {
+    fn get_pages(&self, o: u64, b: &mut [u8]) -> std::io::Result<ubc::Fill> {
+        self.inner.get_pages(o, b)
+    }
+    fn put_pages(&self, o: u64, d: &[u8]) -> std::io::Result<()> {
+        self.log.lock().push((self.name, o, d.len()));
+        self.inner.put_pages(o, d)
+    }
+    fn len(&self) -> std::io::Result<u64> {
+        self.inner.len()
+    }
+    fn set_len(&self, l: u64) -> std::io::Result<()> {
+        self.inner.set_len(l)
+    }
+    fn sync(&self) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn describe(&self) -> String {
+        self.name.into()
+    }
+}
+
+#[test]
+fn expired_dirty_data_is_written_without_sync_oldest_first() {
+    let cache = Cache::builder().budget(16 << 20).writeback(Duration::from_millis(20), Duration::from_millis(200)).build().unwrap();
+    let log = Arc::new(Mutex::new(vec![]));
+    let a = Arc::new(Logged { name: "a", inner: MemPager::new(), log: log.clone() });
+    let b = Arc::new(Logged { name: "b", inner: MemPager::new(), log: log.clone() });
+    let fa = cache.open(a.clone(), Access::ReadWrite).unwrap();
+    let fb = cache.open(b.clone(), Access::ReadWrite).unwrap();
+    fa.write_at(&pattern(1, 0, 300_000), 0).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    fb.write_at(&pattern(2, 0, 300_000), 0).unwrap();
+    assert!(log.lock().is_empty() || log.lock()[0].0 == "a", "nothing of b before a");
+    eventually("both files written back by the flusher", || fa.stats().dirty_bytes == 0 && fb.stats().dirty_bytes == 0);
+    let log = log.lock().clone();
+    let first_b = log.iter().position(|e| e.0 == "b").unwrap();
+    let last_a = log.iter().rposition(|e| e.0 == "a").unwrap();
+    assert!(last_a < first_b, "the older file is written back first: {log:?}");
+    assert_same(&store_contents(&a.inner), &pattern(1, 0, 300_000), "a in the store");
+    assert_same(&store_contents(&b.inner), &pattern(2, 0, 300_000), "b in the store");
+    // Clustered: 300 KB in a handful of put_pages calls, not one per page.
+    assert!(log.iter().filter(|e| e.0 == "a").count() <= 4, "{log:?}");
+}
+
+#[test]
+fn young_dirty_data_stays_until_it_expires() {
+    // The complement: with a long expiry and little dirty data, nothing is written early.
+    let cache = Cache::builder().budget(16 << 20).writeback(Duration::from_millis(10), Duration::from_secs(3600)).build().unwrap();
+    let mem = Arc::new(MemPager::new());
+    let f = cache.open(mem.clone(), Access::ReadWrite).unwrap();
+    f.write_at(&[1u8; 100_000], 0).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(mem.stored_bytes(), 0, "written before it expired or crossed a threshold");
+    assert!(cache.stats().flusher_runs > 3, "the flusher was awake and chose not to write");
+}
+
+#[test]
+fn background_threshold_starts_writeback() {
+    let budget = 8u64 << 20;
+    let cache = Cache::builder()
+        .budget(budget)
+        .writeback(Duration::from_secs(3600), Duration::from_secs(3600))
+        .dirty_ratios(10, 40)
+        .build()
+        .unwrap();
+    let mem = Arc::new(MemPager::new());
+    let f = cache.open(mem.clone(), Access::ReadWrite).unwrap();
+    f.write_at(&vec![7u8; 3 << 20], 0).unwrap(); // 37% of the budget: above the background threshold
+    eventually("background writeback brings unclean memory below 10%", || cache.stats().unclean_bytes <= budget / 10);
+    assert!(mem.stored_bytes() >= 2 << 20, "data reached the store without sync or expiry");
+}
+
+#[test]
+fn throttling_keeps_unclean_memory_within_its_limit() {
+    let budget = 4u64 << 20;
+    let cache = Cache::builder().budget(budget).dirty_ratios(10, 30).max_put(64 << 10).build().unwrap();
+    let mem = Arc::new(MemPager::new());
+    let slow = Arc::new(FaultPager::new(mem.clone()));
+    // A store much slower than memory: 64 KiB per 20 ms per I/O thread (~13 MB/s).
+    slow.set_delay(Duration::from_millis(20));
+    let f = Arc::new(cache.open(slow.clone(), Access::ReadWrite).unwrap());
+    let limit = cache.stats().dirty_limit_bytes;
+    assert_eq!(limit, budget * 30 / 100 / 4096 * 4096);
+    let stop = Arc::new(AtomicBool::new(false));
+    let max_unclean = Arc::new(AtomicU64::new(0));
+    let sampler = {
+        let (cache, stop, max_unclean) = (cache.clone(), stop.clone(), max_unclean.clone());
+        std::thread::spawn(move || {
+            let param = libc::sched_param { sched_priority: 10 };
+            // SAFETY: plain syscall on this thread (real-time sampling, best effort).
+            let _ = unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) };
+            while !stop.load(SeqCst) {
+                max_unclean.fetch_max(cache.stats().unclean_bytes, SeqCst);
+                std::thread::sleep(Duration::from_micros(500));
+            }
+        })
+    };
+    // Two writers, 4x the budget between them, in 64 KiB writes.
+    let writers: Vec<_> = (0..2u64)
+        .map(|w| {
+            let f = f.clone();
+            std::thread::spawn(move || {
+                for i in 0..64u64 {
+                    let off = (w * 64 + i) * (128 << 10);
+                    f.write_at(&pattern(w, off, 128 << 10), off).unwrap();
+                }
+            })
+        })
+        .collect();
+    for w in writers {
+        w.join().unwrap();
+    }
+    stop.store(true, SeqCst);
+    sampler.join().unwrap();
+    let st = cache.stats();
+    println!("max unclean {} of limit {limit}; throttled {} ms", max_unclean.load(SeqCst), st.throttled_ms);
+    assert!(max_unclean.load(SeqCst) <= limit, "unclean {} passed the limit {limit}", max_unclean.load(SeqCst));
+    assert!(max_unclean.load(SeqCst) > limit / 2, "the writers did reach the throttling zone");
+    assert!(st.throttled_ms > 0, "writers were paused");
+    f.sync().unwrap();
+    let mut want = vec![];
+    for w in 0..2u64 {
+        for i in 0..64u64 {
+            let off = (w * 64 + i) * (128 << 10);
+            want.extend(pattern(w, off, 128 << 10));
+        }
+    }
+    assert_same(&store_contents(&*mem), &want, "every byte arrived");
+}
+
+#[test]
+fn a_failing_store_at_the_dirty_limit_returns_an_error_not_a_hang() {
+    let cache = Cache::builder().budget(2 << 20).build().unwrap();
+    let mem = Arc::new(MemPager::new());
+    let fault = Arc::new(FaultPager::new(mem.clone()));
+    fault.fail_writes(Some(libc::ENOSPC));
+    let f = cache.open(fault.clone(), Access::ReadWrite).unwrap();
+    let mut err = None;
+    for i in 0..64u64 {
+        if let Err(e) = f.write_at(&[9u8; 64 << 10], i << 16) {
+            err = Some(e);
+            break;
+        }
+    }
+    let e = err.expect("the writer must learn that writeback cannot make room");
+    assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "{e}");
+    // Nothing written so far is lost: heal and sync.
+    let len = f.len().unwrap();
+    fault.heal();
+    f.sync().unwrap();
+    assert_eq!(mem.len().unwrap(), len);
+    assert!(store_contents(&*mem).iter().all(|&b| b == 9));
+}
+
+/// A pager that counts how many put_pages calls are in flight at once.
+struct Concurrency {
+    inner: MemPager,
+    now: AtomicU64,
+    max: AtomicU64,
+}
+
+impl Pager for Concurrency {
+    fn get_pages(&self, o: u64, b: &mut [u8]) -> std::io::Result<ubc::Fill> {
+        self.inner.get_pages(o, b)
+    }
+    fn put_pages(&self, o: u64, d: &[u8]) -> std::io::Result<()> {
+        let n = self.now.fetch_add(1, SeqCst) + 1;
+        self.max.fetch_max(n, SeqCst);
+        std::thread::sleep(Duration::from_millis(10)); // a slow device: requests overlap
+        self.now.fetch_sub(1, SeqCst);
+        self.inner.put_pages(o, d)
+    }
+    fn len(&self) -> std::io::Result<u64> {
+        self.inner.len()
+    }
+    fn set_len(&self, l: u64) -> std::io::Result<()> {
+        self.inner.set_len(l)
+    }
+    fn sync(&self) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn describe(&self) -> String {
+        "concurrency".into()
+    }
+}
+
+#[test]
+fn sync_keeps_several_writes_in_flight() {
+    let cache = Cache::builder().budget(64 << 20).max_put(64 << 10).io_threads(4).build().unwrap();
+    let p = Arc::new(Concurrency { inner: MemPager::new(), now: AtomicU64::new(0), max: AtomicU64::new(0) });
+    let f = cache.open(p.clone(), Access::ReadWrite).unwrap();
+    f.write_at(&vec![3u8; 4 << 20], 0).unwrap(); // 64 runs of 64 KiB
+    f.sync().unwrap();
+    let max = p.max.load(SeqCst);
+    println!("max put_pages in flight: {max}");
+    assert!(max >= 3, "sync's runs were not in flight together (max {max})");
+    assert_same(&store_contents(&p.inner), &vec![3u8; 4 << 20], "store");
+}
