@@ -23,7 +23,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -49,6 +49,8 @@ pub struct CacheBuilder {
     dirty_expire: Duration,
     dirty_background_percent: u64,
     dirty_limit_percent: u64,
+    userfaultfd: bool,
+    fault_threads: usize,
 }
 
 impl Default for CacheBuilder {
@@ -73,6 +75,8 @@ impl Default for CacheBuilder {
             dirty_expire: Duration::from_secs(30),
             dirty_background_percent: 10,
             dirty_limit_percent: 30,
+            userfaultfd: true,
+            fault_threads: 2,
         }
     }
 }
@@ -172,6 +176,19 @@ impl CacheBuilder {
         self
     }
 
+    /// Serve memory mappings with userfaultfd (default) or, with `false`, by populating and
+    /// pinning each mapping's pages (the fallback used when userfaultfd is missing).
+    pub fn userfaultfd(mut self, on: bool) -> Self {
+        self.userfaultfd = on;
+        self
+    }
+
+    /// Threads resolving faults on mappings (default 2; started on the first `map`).
+    pub fn fault_threads(mut self, n: usize) -> Self {
+        self.fault_threads = n.max(1);
+        self
+    }
+
     /// Check the settings and start the cache (and its page daemon).
     pub fn build(self) -> Result<Cache> {
         let sys_page = rustix::param::page_size();
@@ -228,6 +245,9 @@ impl CacheBuilder {
                 budget_pages * self.dirty_background_percent / 100,
                 (budget_pages * self.dirty_limit_percent / 100).max(2),
             ),
+            maps: OnceLock::new(),
+            use_uffd: self.userfaultfd,
+            fault_threads: self.fault_threads,
             policy_name: self.policy.to_string(),
             policy: Mutex::new(self.policy.build(budget_pages as usize)),
             registry: RwLock::new(Registry::default()),
@@ -313,6 +333,10 @@ pub(crate) struct CacheCore {
     pub(crate) resident: AtomicU64,
     /// Write-behind: the flusher thread, dirty thresholds and the unclean page count.
     pub(crate) flusher: crate::writeback::Flusher,
+    /// Memory mappings: fault handling and the mapping table (made on first `map`).
+    pub(crate) maps: OnceLock<Arc<crate::map::MapService>>,
+    use_uffd: bool,
+    fault_threads: usize,
     pub(crate) policy: Mutex<Box<dyn EvictionPolicy>>,
     policy_name: String,
     pub(crate) registry: RwLock<Registry>,
@@ -410,6 +434,11 @@ impl CacheCore {
             st.kick = true;
             self.daemon.cv.notify_one();
         }
+    }
+
+    /// The mapping service, started on first use.
+    pub(crate) fn map_service(&self) -> &Arc<crate::map::MapService> {
+        self.maps.get_or_init(|| crate::map::MapService::start(self.use_uffd, self.fault_threads))
     }
 
     /// Free up to `want` pages: the policy picks victims, dirty ones are written back and
@@ -573,6 +602,12 @@ impl CacheCore {
             dirty_limit_bytes: self.flusher.limit << self.page_shift,
             throttled_ms: self.flusher.throttled_us.load(Relaxed) / 1000,
             flusher_runs: self.flusher.runs.load(Relaxed),
+            map_mode: self.maps.get().map_or_else(|| "none yet".to_string(), |m| m.mode.clone()),
+            mappings: self.maps.get().map_or(0, |m| m.live()),
+            map_faults: self.maps.get().map_or(0, |m| m.faults.load(Relaxed)),
+            map_fault_pages: self.maps.get().map_or(0, |m| m.fault_pages.load(Relaxed)),
+            map_sigbus: self.maps.get().map_or(0, |m| m.sigbus.load(Relaxed)),
+            map_dirty_found: self.maps.get().map_or(0, |m| m.scan_dirty.load(Relaxed)),
         }
     }
 
@@ -601,6 +636,10 @@ impl CacheCore {
             let _ = t.join();
         }
         self.flusher.stop();
+        if let Some(m) = self.maps.get() {
+            // No mapping is left: each holds a file handle, so the cache outlives them.
+            m.stop();
+        }
         // Write back before stopping the I/O threads (writeback uses them). Best effort:
         // errors here have no caller left to receive them; `sync` before dropping the last
         // handle is how to learn about them.

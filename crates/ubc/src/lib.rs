@@ -23,6 +23,7 @@ mod error;
 mod file;
 mod io;
 mod map;
+mod mapping;
 mod memfd;
 mod object;
 mod page;
@@ -40,6 +41,7 @@ pub mod evict {
 pub use cache::{Cache, CacheBuilder};
 pub use error::{Error, PagerOp, Result};
 pub use file::{Access, File, Window, WindowMut};
+pub use mapping::{Mapping, Sharing};
 pub use pager::{Fill, Identity, IoMode, Pager};
 pub use stats::{CacheStats, Stats};
 

@@ -33,6 +33,23 @@ impl Memfd {
             .map_err(|e| Error::os("fallocate(PUNCH_HOLE)", e))
     }
 
+    /// Allocate zeroed memory for the holes in `offset..offset+len` (existing pages stay).
+    pub(crate) fn allocate(&self, offset: u64, len: u64) -> Result<()> {
+        rustix::fs::fallocate(&self.fd, FallocateFlags::KEEP_SIZE, offset, len)
+            .map_err(|e| Error::os("fallocate(memfd)", e))
+    }
+
+    /// A user mapping of `len` bytes at `offset`: shared or private (copy-on-write),
+    /// writable or not.
+    pub(crate) fn map_user(&self, offset: u64, len: usize, shared: bool, writable: bool) -> Result<*mut u8> {
+        let prot = if writable { ProtFlags::READ | ProtFlags::WRITE } else { ProtFlags::READ };
+        let flags = if shared { MapFlags::SHARED } else { MapFlags::PRIVATE };
+        // SAFETY: a fresh mapping at a kernel-chosen address; it aliases no Rust object.
+        let p = unsafe { rustix::mm::mmap(std::ptr::null_mut(), len, prot, flags, self.fd.as_fd(), offset) }
+            .map_err(|e| Error::os("mmap(user mapping)", e))?;
+        Ok(p as *mut u8)
+    }
+
     /// Bytes of memory the memfd holds (allocated pages), from `fstat`.
     pub(crate) fn allocated_bytes(&self) -> u64 {
         rustix::fs::fstat(&self.fd).map(|st| st.st_blocks as u64 * 512).unwrap_or(0)

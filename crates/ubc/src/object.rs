@@ -10,6 +10,7 @@
 //! * the cache's policy mutex — only on fills, truncation and reclaim, never on hits.
 
 use crate::cache::CacheCore;
+use crate::map::UserMap;
 use crate::error::{Error, PagerOp, Result};
 use crate::evict::{Admission, PageKey};
 use crate::memfd::Memfd;
@@ -60,13 +61,22 @@ pub(crate) struct Object {
     /// The registry key this object is filed under.
     pub(crate) key: crate::cache::ObjectKey,
     name: String,
+    /// User mappings of this object (`File::map`), and how many there are (checked on every
+    /// fill, so kept apart from the lock).
+    pub(crate) maps: RwLock<Vec<Arc<UserMap>>>,
+    pub(crate) nmaps: AtomicUsize,
+    /// Serializes finding stores through mappings (a scan takes the written state and
+    /// re-protects): eviction holds it from zapping its pages to punching them, so a store
+    /// found by another scan meanwhile is never lost with the page.
+    scan_lock: Mutex<()>,
 }
 
 /// A page a writer holds between copying into it and publishing it (lock coupling).
 enum Held<'a> {
-    /// A resident page in WRITING state; `true` if an unclean slot was reserved for it
-    /// (it was clean).
-    Writing(&'a state::PageState, bool),
+    /// A resident page in WRITING state, marked DIRTY when it was taken. Like every held
+    /// page, its unclean slot is counted *held*, not published, until the writer lets it go
+    /// (see `dirty_held`).
+    Writing(&'a state::PageState),
     /// A freshly filled page still BUSY: (chunk, page index).
     Filled(&'a Chunk, u64),
 }
@@ -92,6 +102,9 @@ impl Object {
             dirty: AtomicU64::new(0),
             dirtied_at: AtomicU64::new(0),
             counters: Counters::default(),
+            maps: RwLock::new(Vec::new()),
+            nmaps: AtomicUsize::new(0),
+            scan_lock: Mutex::new(()),
         }))
     }
 
@@ -178,6 +191,24 @@ impl Object {
         self.core.page_shift
     }
 
+    pub(crate) fn page_shift(&self) -> u32 {
+        self.core.page_shift
+    }
+
+    /// The memfd holding this object's pages (made on first use).
+    pub(crate) fn memfd_for_map(&self) -> Result<&Memfd> {
+        self.memfd()
+    }
+
+    /// Allocate (zeroed) memfd memory for `offset..offset+len` of a valid page that is a hole
+    /// (counted resident, never written), so it can be mapped into a user mapping.
+    /// => caller holds the page.
+    pub(crate) fn materialize(&self, offset: u64, len: u64) {
+        if let Ok(m) = self.memfd() {
+            let _ = m.allocate(offset, len);
+        }
+    }
+
     /// Chunk index and slot of a page.
     #[inline]
     pub(crate) fn locate(&self, page: u64) -> (u64, usize) {
@@ -214,12 +245,16 @@ impl Object {
         }
         let locked = &chunk.pages[s0..s0 + n as usize];
         if let Err(e) = self.core.reserve(n) {
-            locked.iter().for_each(|p| p.release_empty());
+            locked.iter().for_each(|p| {
+                p.release_empty();
+            });
             return Err(e);
         }
         if let Err(e) = self.fill_locked(chunk, first, n) {
             self.core.unreserve(n);
-            locked.iter().for_each(|p| p.release_empty());
+            locked.iter().for_each(|p| {
+                p.release_empty();
+            });
             return Err(e);
         }
         self.publish_filled(chunk, first, n, false, pin, admission, None);
@@ -269,6 +304,15 @@ impl Object {
             let mut pol = self.core.policy.lock();
             for p in first..first + n {
                 pol.insert(self.key(p), admission);
+            }
+        }
+        // Map the new pages into every user mapping while we still hold them BUSY with their
+        // final contents: resident pages never trap, and no mapping sees a half-made page.
+        if self.nmaps.load(SeqCst) > 0 {
+            if let Some(svc) = self.core.maps.get() {
+                for m in self.maps.read().iter() {
+                    svc.map_pages(self, m, first, first + n, false);
+                }
             }
         }
         for p in first..first + n {
@@ -412,16 +456,11 @@ impl Object {
         match st.begin_write() {
             WriteLock::Resident => {
                 bump(&self.counters.mine().hits, 1);
-                // DIRTY cannot change while we hold WRITING, so this tells whether our write
-                // makes a clean page dirty (which needs an unclean slot: the dirty limit).
-                let clean = st.load() & DIRTY == 0;
-                if clean {
-                    if let Err(e) = self.core.reserve_dirty(self) {
-                        st.abort_write();
-                        return Err(e);
-                    }
+                if let Err(e) = self.dirty_held(st) {
+                    st.abort_write();
+                    return Err(e);
                 }
-                Ok(Held::Writing(st, clean))
+                Ok(Held::Writing(st))
             }
             WriteLock::Empty => {
                 bump(&self.counters.mine().misses, 1);
@@ -449,15 +488,40 @@ impl Object {
         }
     }
 
-    /// Give back a page a writer held without having written it: a resident page is left as
-    /// it was; a new one is discarded (its contents may never have been produced).
+    /// Mark a page the caller holds WRITING dirty before changing it, taking an unclean slot
+    /// (the dirty limit) if it was clean. Dirty from the start of the write, not its end: a
+    /// store through a mapping found meanwhile (which also sets DIRTY) then needs no
+    /// reconciling with the writer's reservation.
+    /// The page's unclean slot is *held* by the caller until it lets the page go
+    /// (`release_written` / `abort_held` publish it): a page held WRITING cannot be cleaned,
+    /// so a writer waiting at the dirty limit must not count it as something writeback
+    /// could clean. An already dirty page's published slot moves to held.
+    fn dirty_held(&self, st: &state::PageState) -> Result<()> {
+        // Nobody else clears DIRTY while we hold the page WRITING (writeback cannot begin).
+        if st.load() & DIRTY != 0 {
+            self.core.flusher.hold(1);
+            return Ok(());
+        }
+        self.core.reserve_dirty(self)?;
+        if st.mark_dirty() {
+            self.note_dirtied(1);
+        } else {
+            // A store found through a mapping dirtied it first and published its slot.
+            self.core.unreserve_dirty();
+            self.core.flusher.hold(1);
+        }
+        Ok(())
+    }
+
+    /// Give back a page a writer held without having written it: a resident page stays (it
+    /// may stay marked dirty: a needless writeback, never a lost one); a new one is
+    /// discarded (its contents may never have been produced).
     fn abort_held(&self, h: Held<'_>) {
         match h {
-            Held::Writing(st, reserved) => {
+            Held::Writing(st) => {
+                // The page stays dirty (marked when taken): its slot becomes a published one.
                 st.abort_write();
-                if reserved {
-                    self.core.unreserve_dirty();
-                }
+                self.core.flusher.publish(1);
             }
             Held::Filled(chunk, page) => {
                 if let Some(m) = self.memfd.get() {
@@ -473,12 +537,10 @@ impl Object {
     /// Publish a page a writer held: it is now valid and dirty.
     fn release_written(&self, h: Held<'_>) {
         match h {
-            Held::Writing(st, reserved) => {
+            Held::Writing(st) => {
                 let was_clean = st.end_write();
-                debug_assert_eq!(was_clean, reserved);
-                if was_clean {
-                    self.publish_dirtied(1);
-                }
+                debug_assert!(!was_clean, "a held page is dirty from the start of the write");
+                self.core.flusher.publish(1);
             }
             Held::Filled(chunk, page) => self.publish_filled(chunk, page, 1, true, false, Admission::Demand, None),
         }
@@ -492,6 +554,9 @@ impl Object {
         let end = checked_end(offset, buf.len())?;
         if buf.is_empty() {
             return Ok(0);
+        }
+        if self.core.maps.get().is_some_and(|svc| svc.overlaps(buf.as_ptr() as usize, buf.len())) {
+            return self.write_bounced(buf, offset);
         }
         let ps = self.ps();
         // Smooth dirty throttling happens here, before any page is held.
@@ -550,6 +615,26 @@ impl Object {
         }
     }
 
+    /// `write` from a buffer that lies in a user mapping of this cache (UBC's deadlock: the
+    /// copy could fault on a page we hold). Copy it out first, a piece at a time, while
+    /// holding nothing, so its faults are resolved like any other.
+    fn write_bounced(&self, buf: &[u8], offset: u64) -> Result<usize> {
+        const PIECE: usize = 1 << 20;
+        let mut bounce = vec![0u8; PIECE.min(buf.len())];
+        let mut done = 0;
+        for piece in buf.chunks(PIECE) {
+            let b = &mut bounce[..piece.len()];
+            b.copy_from_slice(piece);
+            match self.write(b, offset + done as u64) {
+                Ok(n) if n == piece.len() => done += n,
+                Ok(n) => return Ok(done + n),
+                Err(_) if done > 0 => return Ok(done),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(done)
+    }
+
     /// Take every page of `first..=last` (one chunk) for writing, filling partial ones, for
     /// a writable window over bytes `from..to`. Returns the chunk's window address.
     /// => caller holds `size_lock` shared until `unlock_range_written`.
@@ -586,10 +671,7 @@ impl Object {
             let (_, slot) = self.locate(page);
             let st = &chunk.pages[slot];
             if st.load() & VALID != 0 {
-                // Only our write can have set DIRTY since we took the page; a clean page
-                // was given an unclean slot when we took it.
-                let reserved = st.load() & DIRTY == 0;
-                self.release_written(Held::Writing(st, reserved));
+                self.release_written(Held::Writing(st));
             } else {
                 self.release_written(Held::Filled(chunk, page));
             }
@@ -618,6 +700,14 @@ impl Object {
             }
         } else {
             self.len.store(new, SeqCst);
+            if new > old && self.nmaps.load(SeqCst) > 0 {
+                // Touches past the old end were answered with SIGBUS markers: clear them.
+                if let Some(svc) = self.core.maps.get() {
+                    for m in self.maps.read().iter() {
+                        svc.unpoison(m, old.div_ceil(1 << ps), new.div_ceil(1 << ps), ps);
+                    }
+                }
+            }
         }
         if new != old {
             let pager = self.pager();
@@ -638,12 +728,9 @@ impl Object {
         }
         match st.begin_write() {
             WriteLock::Resident => {
-                let clean = st.load() & DIRTY == 0;
-                if clean {
-                    if let Err(e) = self.core.reserve_dirty(self) {
-                        st.abort_write();
-                        return Err(e);
-                    }
+                if let Err(e) = self.dirty_held(st) {
+                    st.abort_write();
+                    return Err(e);
                 }
                 let r = self.memfd().and_then(|m| self.core.windows.address(chunk, m));
                 if let Ok(win) = r {
@@ -652,7 +739,7 @@ impl Object {
                     // SAFETY: page held WRITING; window maps the chunk.
                     unsafe { std::ptr::write_bytes(win.add(from), 0, to - from) };
                 }
-                self.release_written(Held::Writing(st, clean));
+                self.release_written(Held::Writing(st));
                 r.map(|_| ())
             }
             // Evicted meanwhile: nothing cached to zero.
@@ -709,8 +796,14 @@ impl Object {
                     }
                 }
             }
+            let mut late_dirty = 0;
             for &p in &dropped {
-                chunk.pages[(p - base) as usize].release_empty();
+                // A store through a mapping found at the last moment dirtied it: dropped too.
+                late_dirty += u64::from(chunk.pages[(p - base) as usize].release_empty() & DIRTY != 0);
+            }
+            if late_dirty > 0 {
+                self.dirty.fetch_sub(late_dirty, Relaxed);
+                self.core.flusher.cleaned(late_dirty);
             }
             let n = dropped.len() as u64;
             self.resident.fetch_sub(n, Relaxed);
@@ -818,7 +911,14 @@ impl Object {
     /// `sync`: every dirty page reaches the pager, the stored length matches, then the
     /// pager's own sync. On error the pages stay dirty and the error is returned.
     pub(crate) fn sync(&self) -> Result<()> {
+        self.harvest(0, u64::MAX, true);
         self.writeback(0, u64::MAX, true, true)?;
+        self.sync_pager()
+    }
+
+    /// The stored length matches ours, then the pager's own sync (the durable half of
+    /// `sync`). => dirty pages were written back.
+    pub(crate) fn sync_pager(&self) -> Result<()> {
         let pager = self.pager();
         let len = self.len();
         let stored = pager.len().map_err(|e| self.io_err(PagerOp::Len, 0, e))?;
@@ -841,6 +941,41 @@ impl Object {
     /// forgotten by the policy). `pages` sorted ascending.
     pub(crate) fn release_evicted(&self, pages: &[u64]) {
         let ps = self.ps();
+        // Pages that may be mapped: zap them out of the tracked mappings first (a store now
+        // traps and waits for us), then look for stores made before; a page found written
+        // stays, dirty. The scan lock keeps another scan from taking those stores meanwhile.
+        let _scan = (self.nmaps.load(SeqCst) > 0).then(|| self.scan_lock.lock());
+        let kept_back;
+        let pages = if _scan.is_some() {
+            let mut found = Vec::new();
+            if let Some(svc) = self.core.maps.get() {
+                for m in self.maps.read().iter().filter(|m| m.tracked) {
+                    for (a, b) in runs(pages) {
+                        svc.zap(m, a, b, ps);
+                        svc.take_written(m, a, b, ps, &mut found);
+                    }
+                }
+            }
+            crate::map::dedup_pages(&mut found);
+            self.mark_found_dirty(&found);
+            let (keep, go): (Vec<u64>, Vec<u64>) =
+                pages.iter().partition(|&&p| self.page_state(p).is_some_and(|st| st.load() & DIRTY != 0));
+            if !keep.is_empty() {
+                let mut pol = self.core.policy.lock();
+                for &p in &keep {
+                    pol.insert(self.key(p), Admission::Demand);
+                }
+            }
+            for &p in &keep {
+                if let Some(st) = self.page_state(p) {
+                    st.cancel_evict();
+                }
+            }
+            kept_back = go;
+            &kept_back[..]
+        } else {
+            pages
+        };
         if let Some(m) = self.memfd.get() {
             for (a, b) in runs(pages) {
                 // A failed punch would leave memory allocated that we no longer account; it
@@ -861,6 +996,131 @@ impl Object {
         let sh = self.counters.mine();
         bump(&sh.evictions, n);
         bump(&sh.readahead_waste, waste);
+    }
+}
+
+// ---------------------------------------------------------------- mappings
+
+impl Object {
+    /// Mark the valid pages in `found` dirty (stores found through mappings) and count the
+    /// ones that were clean. They took no unclean slot: the stores happened already, so the
+    /// dirty limit cannot hold them back; the flusher is kicked if they pass the threshold.
+    fn mark_found_dirty(&self, found: &[u64]) -> u64 {
+        let mut n = 0;
+        for &p in found {
+            if self.page_state(p).is_some_and(|st| st.mark_dirty()) {
+                n += 1;
+            }
+        }
+        if n > 0 {
+            self.core.flusher.add_unclean(n);
+            self.note_dirtied(n);
+            if let Some(svc) = self.core.maps.get() {
+                svc.scan_dirty.fetch_add(n, Relaxed);
+            }
+        }
+        n
+    }
+
+    /// Find stores made through this object's mappings to pages `[a, b)` since the last
+    /// scan, and mark those pages dirty. `explicit`: a sync or flush (in populate mode, where
+    /// stores cannot be seen, every page of a writable shared mapping counts as written then;
+    /// the flusher's periodic scans find nothing there). Returns pages newly dirty.
+    pub(crate) fn harvest(&self, a: u64, b: u64, explicit: bool) -> u64 {
+        if self.nmaps.load(SeqCst) == 0 {
+            return 0;
+        }
+        let Some(svc) = self.core.maps.get() else { return 0 };
+        let ps = self.ps();
+        let _g = self.scan_lock.lock();
+        let mut found = Vec::new();
+        for m in self.maps.read().iter().filter(|m| m.tracked) {
+            if svc.kernel.is_some() {
+                svc.take_written(m, a, b, ps, &mut found);
+            } else if explicit {
+                let r = m.pages(ps);
+                let end = self.len().div_ceil(1 << ps);
+                found.extend(r.start.max(a)..r.end.min(b).min(end));
+            }
+        }
+        crate::map::dedup_pages(&mut found);
+        self.mark_found_dirty(&found)
+    }
+
+    /// Pin the valid pages from `page` up to `last` (within one chunk), filling `page` (and
+    /// a cluster after it) if needed, for the fault handler. Returns the chunk and how many
+    /// pages are pinned (at least one). => `page` lies within the file.
+    pub(crate) fn pin_for_fault(&self, page: u64, last: u64) -> Result<(&Chunk, u64)> {
+        let (ci, _) = self.locate(page);
+        let chunk = self.table.get_or_create(ci);
+        let chunk_last = ((ci + 1) << self.core.chunk_shift) - 1;
+        let n = self.pin_run(chunk, page, last.min(chunk_last), None)?;
+        Ok((chunk, n))
+    }
+
+    pub(crate) fn unpin_fault(&self, chunk: &Chunk, page: u64, n: u64) {
+        self.unpin_run(chunk, page, n);
+    }
+
+    /// Map every page of `[a, b)` resident now into the new mapping `m` (so resident pages
+    /// never trap). Pages being filled are waited for; their filler may map them first.
+    pub(crate) fn map_resident(&self, svc: &crate::map::MapService, m: &UserMap, a: u64, b: u64) {
+        let cs = self.core.chunk_shift;
+        self.table.for_each(a >> cs, (b >> cs).saturating_add(1), |chunk| {
+            let base = chunk.index << cs;
+            let (lo, hi) = (a.max(base), b.min(base + (1 << cs)));
+            let mut p = lo;
+            while p < hi {
+                let mut n = 0;
+                while p + n < hi {
+                    let st = &chunk.pages[(p + n - base) as usize];
+                    if st.load() & (VALID | BUSY) == 0 || !matches!(st.pin(), Pin::Pinned { .. }) {
+                        break;
+                    }
+                    n += 1;
+                }
+                if n > 0 {
+                    svc.map_pages(self, m, p, p + n, true);
+                    self.unpin_run(chunk, p, n);
+                }
+                p += n + 1;
+            }
+        });
+    }
+
+    /// Populate mode (no userfaultfd): pin every page of `[a, b)` within the file, filling
+    /// them, for the life of a mapping. Returns the pinned runs (chunk index, first, last).
+    pub(crate) fn pin_all(&self, a: u64, b: u64) -> Result<Vec<(u64, u64, u64)>> {
+        let cs = self.core.chunk_shift;
+        let b = b.min(self.len().div_ceil(1 << self.ps()));
+        if b.saturating_sub(a) > self.core.budget_pages / 2 {
+            return Err(Error::BudgetExceeded {
+                needed: (b - a) << self.ps(),
+                budget: self.core.budget_pages << self.ps(),
+            });
+        }
+        let mut runs = Vec::new();
+        let mut p = a;
+        while p < b {
+            let ci = p >> cs;
+            let last = (b - 1).min(((ci + 1) << cs) - 1);
+            let chunk = self.table.get_or_create(ci);
+            if let Err(e) = self.pin_range(chunk, p, last) {
+                self.unpin_all(&runs);
+                return Err(e);
+            }
+            runs.push((ci, p, last));
+            p = last + 1;
+        }
+        Ok(runs)
+    }
+
+    pub(crate) fn unpin_all(&self, runs: &[(u64, u64, u64)]) {
+        for &(ci, first, last) in runs {
+            if let Some(chunk) = self.table.get(ci) {
+                self.unpin_range(chunk, first, last);
+            }
+        }
     }
 }
 

@@ -78,7 +78,10 @@ impl Object {
         }
     }
 
-    /// Queue pages `start..end` for asynchronous filling, marking `start`.
+    /// Queue pages `start..end` for asynchronous filling, marking `start`. The empty pages
+    /// are taken BUSY here, before the I/O is queued (as Linux adds read-ahead pages to the
+    /// page cache locked before submitting): a reader that catches up with a window still
+    /// in the queue waits for that read instead of issuing its own.
     fn readahead_submit(&self, start: u64, end: u64, size: u64) {
         let Some(me) = self.me.upgrade() else { return };
         {
@@ -90,53 +93,55 @@ impl Object {
         }
         let cs = self.core.chunk_shift;
         let piece = self.core.max_fill_pages;
-        let mut a = start;
-        while a < end {
-            // Pieces end at chunk boundaries (one window mapping per fill) and max_fill.
-            let chunk_end = ((a >> cs) + 1) << cs;
-            let b = end.min(chunk_end).min(a + piece);
-            let obj: Arc<Object> = me.clone();
-            let mark = (a == start).then_some(start);
-            self.core.io.submit(move || obj.readahead_fill(a, b, mark));
-            a = b;
-        }
-    }
-
-    /// Fill the empty pages of `a..b` (within one chunk) as read-ahead; runs on an I/O thread.
-    fn readahead_fill(&self, a: u64, b: u64, mark: Option<u64>) {
-        let (ci, _) = self.locate(a);
-        let chunk = self.table.get_or_create(ci);
-        let base = ci << self.core.chunk_shift;
-        let mut p = a;
-        while p < b {
+        let mut p = start;
+        while p < end {
+            let (ci, _) = self.locate(p);
+            let chunk = self.table.get_or_create(ci);
+            let base = ci << cs;
             let st = &chunk.pages[(p - base) as usize];
             if !st.try_lock_empty() {
-                if Some(p) == mark {
+                if p == start {
                     st.set_ra_mark();
                 }
                 p += 1;
                 continue;
             }
+            // A run of empty pages, ending at the chunk boundary (one window per fill) and
+            // at max_fill.
+            let stop = end.min((ci + 1) << cs).min(p + piece);
             let mut n = 1;
-            while p + n < b && chunk.pages[(p + n - base) as usize].try_lock_empty() {
+            while p + n < stop && chunk.pages[(p + n - base) as usize].try_lock_empty() {
                 n += 1;
             }
-            let locked = &chunk.pages[(p - base) as usize..(p + n - base) as usize];
             if self.core.try_reserve(n).is_err() {
-                locked.iter().for_each(|s| s.release_empty());
+                chunk.pages[(p - base) as usize..(p + n - base) as usize].iter().for_each(|s| {
+                    s.release_empty();
+                });
                 return; // no room without waiting: read-ahead is optional
             }
-            if self.fill_locked(chunk, p, n).is_err() {
-                // A read error is reported to whoever reads the page on demand.
-                self.core.unreserve(n);
-                locked.iter().for_each(|s| s.release_empty());
-                return;
-            }
-            let m = mark.filter(|&m| m >= p && m < p + n);
-            self.publish_filled(chunk, p, n, false, false, Admission::ReadAhead, m);
-            bump(&self.counters.mine().readahead_pages, n);
+            let obj: Arc<Object> = me.clone();
+            let mark = (p == start).then_some(start);
+            let first = p;
+            self.core.io.submit(move || obj.readahead_fill(ci, first, n, mark));
             p += n;
         }
+    }
+
+    /// Fill pages `first..first+n` of chunk `ci`, taken BUSY with budget reserved by
+    /// `readahead_submit`, as read-ahead; runs on an I/O thread.
+    fn readahead_fill(&self, ci: u64, first: u64, n: u64, mark: Option<u64>) {
+        let chunk = self.table.get(ci).expect("chunk of pages taken for read-ahead");
+        let base = ci << self.core.chunk_shift;
+        if self.fill_locked(chunk, first, n).is_err() {
+            // A read error is reported to whoever reads the page on demand.
+            self.core.unreserve(n);
+            chunk.pages[(first - base) as usize..(first + n - base) as usize].iter().for_each(|s| {
+                s.release_empty();
+            });
+            return;
+        }
+        self.publish_filled(chunk, first, n, false, false, Admission::ReadAhead, mark);
+        bump(&self.counters.mine().readahead_pages, n);
     }
 
     /// Index of the last page of the file, if it is not empty.

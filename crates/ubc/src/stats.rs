@@ -95,6 +95,18 @@ pub struct CacheStats {
     /// Total time writers were paused by dirty throttling, and flusher rounds.
     pub throttled_ms: u64,
     pub flusher_runs: u64,
+    /// How mappings are served: "userfaultfd", or "populate (<why not userfaultfd>)";
+    /// "none yet" before the first `map`.
+    pub map_mode: String,
+    /// User mappings alive now.
+    pub mappings: u64,
+    /// Faults resolved by the cache, pages they mapped, and faults answered with SIGBUS
+    /// (past the end of the file, or a pager error).
+    pub map_faults: u64,
+    pub map_fault_pages: u64,
+    pub map_sigbus: u64,
+    /// Pages found dirty by scanning mappings for stores.
+    pub map_dirty_found: u64,
 }
 
 impl std::fmt::Display for CacheStats {
@@ -109,6 +121,7 @@ impl std::fmt::Display for CacheStats {
         writeln!(f, "evictions     {:>10}       writebacks {}   page daemon runs {} (freed {})", t.evictions, t.writebacks, self.daemon_runs, self.daemon_evictions)?;
         writeln!(f, "read-ahead    {:>10} pages  used {}   wasted {}", t.readahead_pages, t.readahead_hits, t.readahead_waste)?;
         writeln!(f, "write-behind  {:>10.1} MiB unclean (limit {:.1} MiB)   writers throttled {} ms   flusher rounds {}", mib(self.unclean_bytes), mib(self.dirty_limit_bytes), self.throttled_ms, self.flusher_runs)?;
+        writeln!(f, "mappings      {:>10}       faults {} ({} pages)   SIGBUS {}   dirty found by scans {}   mode {}", self.mappings, self.map_faults, self.map_fault_pages, self.map_sigbus, self.map_dirty_found, self.map_mode)?;
         write!(f, "objects       {:>10}       windows {} (mapped {}, retired {})", self.objects, self.windows, self.window_maps, self.window_retires)
     }
 }

@@ -24,8 +24,9 @@
 //!   first, until they are below it again. Writeback is clustered (runs of up to `max_put`)
 //!   and spread over the I/O pool, so several requests are in flight.
 //! * A writer stuck at the limit for long (writeback makes no progress: the store fails or
-//!   hangs) writes back its own object's dirty pages itself, so a persistent I/O error reaches
-//!   it instead of blocking it forever.
+//!   hangs) writes back its own object's dirty pages itself, then other objects' (the unclean
+//!   pages may all belong to another file whose store fails), so a persistent I/O error
+//!   reaches it instead of blocking it forever.
 
 use crate::cache::CacheCore;
 use crate::error::Result;
@@ -124,9 +125,23 @@ impl Flusher {
         Self::split(self.counts.load(SeqCst)).0
     }
 
+    /// `n` published unclean pages were taken by writers: count them held until `publish`.
+    pub(crate) fn hold(&self, n: u64) {
+        self.counts.fetch_add((n << 32).wrapping_sub(n), SeqCst);
+    }
+
     /// `n` reserved slots became dirty pages (their writers published them).
     pub(crate) fn publish(&self, n: u64) {
         self.counts.fetch_add(n.wrapping_sub(n << 32), SeqCst);
+    }
+
+    /// `n` pages became dirty without a reservation (stores found through mappings: they
+    /// happened already). Kicks the flusher if that passes the background threshold.
+    pub(crate) fn add_unclean(&self, n: u64) {
+        let old = self.counts.fetch_add(n, SeqCst);
+        if Self::split(old).0 + n > self.background {
+            self.kick();
+        }
     }
 
     /// A reserved slot was not used.
@@ -195,6 +210,25 @@ impl CacheCore {
                 // No progress for a while: write back our own pages; an I/O error that keeps
                 // the cache at its limit is returned to the writer instead of blocking it.
                 obj.writeback(0, u64::MAX, false, false)?;
+                // Our own pages were not what kept the cache at its limit (they may all be
+                // held by us, or clean): the published unclean pages belong to other objects
+                // whose store is failing or hung. Write those back too, oldest first, so a
+                // persistent error reaches this writer instead of blocking it forever. The
+                // error names the object it came from.
+                if f.unclean() >= f.limit && f.published() > 0 {
+                    let mut others: Vec<(u64, Arc<Object>)> = self
+                        .registry
+                        .read()
+                        .by_id
+                        .values()
+                        .filter(|o| o.id != obj.id && o.dirty_pages() > 0)
+                        .map(|o| (o.dirtied_at(), o.clone()))
+                        .collect();
+                    others.sort_by_key(|d| d.0);
+                    for (_, o) in others {
+                        o.writeback(0, u64::MAX, false, false)?;
+                    }
+                }
             }
             let mut w = f.waiters.lock();
             *w += 1;
@@ -260,6 +294,12 @@ impl CacheCore {
             f.runs.fetch_add(1, Relaxed);
             let now = f.now_ms();
             let expire_ms = f.expire.as_millis() as u64;
+            // Stores through mappings are found by scanning (cheap when nothing was written).
+            let mapped: Vec<Arc<Object>> =
+                self.registry.read().by_id.values().filter(|o| o.nmaps.load(Relaxed) > 0).cloned().collect();
+            for o in mapped {
+                o.harvest(0, u64::MAX, false);
+            }
             let mut dirty: Vec<(u64, Arc<Object>)> = self
                 .registry
                 .read()

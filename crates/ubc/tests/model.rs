@@ -206,3 +206,32 @@ fn regression_failing_writes_under_tiny_budget() {
         2 << 20,
     );
 }
+
+/// A writable window over pages that are already dirty, at the dirty limit, with the store
+/// failing: the window's own dirty pages are the only unclean ones and nobody can clean them
+/// while it holds them, so waiting for writeback would never end. (It hung: held dirty pages
+/// were counted as cleanable.) Run under a watchdog so a regression fails instead of hanging.
+#[test]
+fn regression_window_over_own_dirty_pages_at_the_dirty_limit() {
+    use Op::*;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        run(
+            vec![
+                Write { off: 0, len: 8192, seed: 1 },
+                FailWrites(true),
+                WindowMut { off: 0, len: 12288, seed: 2 },
+                Write { off: 4096, len: 12288, seed: 3 },
+                WindowMut { off: 100, len: 16000, seed: 4 },
+            ],
+            8,
+            16384,
+        );
+        tx.send(()).unwrap();
+    });
+    match rx.recv_timeout(std::time::Duration::from_secs(60)) {
+        Ok(()) => {}
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => panic!("writer stuck at the dirty limit"),
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => panic!("the run panicked (see above)"),
+    }
+}

@@ -63,10 +63,13 @@
 //! with `EAGAIN` meanwhile — so with them enabled, the fault thread must never madvise or
 //! unmap a registered range itself (it would wait for itself).
 
-#![allow(dead_code, unused_imports)] // the cache does not call this layer yet
+#![allow(dead_code, unused_imports)] // parts of the kernel layer serve only its tests
 
 mod pagemap;
+mod service;
 mod uffd;
+
+pub(crate) use service::{MapService, UserMap, dedup_pages};
 
 #[cfg(test)]
 mod tests;

@@ -195,10 +195,13 @@ impl PageState {
 
     /// Give up a BUSY page: it becomes empty again (failed fill, eviction, truncation).
     /// => caller holds the page BUSY.
-    pub(crate) fn release_empty(&self) {
+    /// Returns the prior state (DIRTY tells a caller dropping data whether a store found
+    /// through a mapping dirtied it at the last moment).
+    pub(crate) fn release_empty(&self) -> u32 {
         let old = self.0.swap(0, SeqCst);
         debug_assert!(old & BUSY != 0, "release_empty on {old:#x}");
         self.wake_if(old);
+        old
     }
 
     /// Take a valid, clean, unpinned, idle page for eviction (VALID|BUSY).
@@ -315,6 +318,33 @@ impl PageState {
             if self.0.compare_exchange(s, s | BUSY, SeqCst, SeqCst).is_ok() {
                 return s;
             }
+        }
+    }
+
+    /// Set DIRTY on a valid page, whatever else holds it: a store found through a user
+    /// mapping, or a writer holding WRITING. Returns whether this call set it (the caller
+    /// counts one more dirty page). A page under WRITEBACK ends up dirty again.
+    pub(crate) fn mark_dirty(&self) -> bool {
+        let mut s = self.0.load(SeqCst);
+        loop {
+            if s & VALID == 0 || s & DIRTY != 0 {
+                return false;
+            }
+            match self.0.compare_exchange_weak(s, s | DIRTY, SeqCst, SeqCst) {
+                Ok(_) => return true,
+                Err(cur) => s = cur,
+            }
+        }
+    }
+
+    /// Give back a page taken with `try_lock_for_evict` without evicting it (a store through
+    /// a mapping was found): VALID stays, and DIRTY if it was set meanwhile.
+    /// => caller holds the page BUSY from `try_lock_for_evict`.
+    pub(crate) fn cancel_evict(&self) {
+        let old = self.0.fetch_and(!(BUSY | WAITERS), SeqCst);
+        debug_assert!(old & (BUSY | VALID) == BUSY | VALID, "cancel_evict on {old:#x}");
+        if old & WAITERS != 0 {
+            atomic_wait::wake_all(&self.0);
         }
     }
 

@@ -1,19 +1,118 @@
 //! The local-file pager: positional I/O on a host file (the vnode pager of a local file
 //! system).
+//!
+//! # No double caching: direct and buffered modes
+//!
+//! ubc holds a file's pages itself; if the kernel kept its own copy in the page cache, every
+//! page would be cached twice. So a `FilePager` moves pages with `O_DIRECT` where the host
+//! file system allows it ([`IoMode::Direct`]), and otherwise uses buffered I/O and tells the
+//! kernel to drop its copy after each transfer ([`IoMode::Buffered`]).
+//!
+//! * **Opening.** The pager reopens the file through `/proc/self/fd/N` with `O_DIRECT` (or by
+//!   path, for [`FilePager::open`]/[`FilePager::create`] without `/proc`) and, if that
+//!   works, closes the buffered descriptor: a pager holds one descriptor in either mode
+//!   (many cached files must not cost twice the descriptors). `len`, `set_len` and `sync`
+//!   work on the direct descriptor; unaligned tails use a short-lived buffered one. The
+//!   required alignment comes from `statx(STATX_DIOALIGN)` (Linux 6.1+); when the file
+//!   system does not report it, 4096 bytes (or the file system block size, if larger and at
+//!   most 64 KiB). Direct I/O is not used when the file system reports zero alignment (no
+//!   direct I/O), when the open is refused (`EINVAL`, e.g. older tmpfs), or on tmpfs/ramfs,
+//!   where the page cache *is* the storage and `O_DIRECT` (accepted since Linux 6.6) is a
+//!   copy through it. If a direct transfer with aligned arguments fails with `EINVAL` (some
+//!   FUSE file systems accept the open and refuse the I/O) and the same transfer then
+//!   succeeds buffered, the pager switches to buffered I/O for good (keeping a buffered
+//!   descriptor from then on). [`FilePager::buffered`] forces buffered I/O.
+//!   [`Pager::io_mode`] reports the mode actually in use.
+//! * **Direct transfers.** The cache's buffers are page-aligned windows, so they go to the
+//!   kernel as they are. A caller buffer whose address is not aligned to the memory
+//!   alignment goes through an aligned bounce buffer (at most 1 MiB at a time).
+//!   Reads of a final partial block go through a one-block bounce buffer (the kernel returns
+//!   a short read at end of file; the rest of the caller's buffer is zeroed, and a read that
+//!   finds nothing at all is a [`Fill::Hole`]). A write whose length is not a multiple of the
+//!   offset alignment (the cache clips the last run at the file's length) writes its aligned
+//!   prefix directly and the tail through a buffered descriptor, then writes that tail out
+//!   (`sync_file_range`) and drops it (`POSIX_FADV_DONTNEED`).
+//! * **Buffered transfers.** Kernel read-ahead is turned off (`POSIX_FADV_RANDOM`: ubc reads
+//!   ahead itself). After a read the range read is dropped (`POSIX_FADV_DONTNEED`); after a
+//!   write the range is written out and waited for (`sync_file_range(WAIT_BEFORE | WRITE |
+//!   WAIT_AFTER)`, since `DONTNEED` only drops clean pages) and then dropped. So writeback
+//!   in buffered mode is synchronous with the device, like direct I/O; `sync` still issues
+//!   `fdatasync` for metadata and the device cache, and drops whatever is left of the file.
+//!   `DONTNEED` cannot drop pages that someone else has mapped or dirtied.
+//!
+//! **Coherence between direct and buffered transfers** (to the same inode). This
+//! relies on Linux's direct I/O rules: before a direct write the kernel writes back and
+//! invalidates the page-cache pages of the range (and invalidates them again after), and
+//! before a direct read it writes back dirty pages of the range. So a tail written buffered
+//! and later overwritten or read directly is seen correctly, and no stale page-cache copy
+//! survives a direct write. Within one `put_pages` call the direct prefix is written before
+//! the buffered tail, so a kernel page shared by both (alignment below the page size) is
+//! read back from disk with the new prefix. The cache never transfers the same page in two
+//! calls at once. The kernel cannot invalidate pages that another process has mapped and
+//! dirtied; like any cache, ubc is not coherent with outside writers of the file.
 
 use super::{Fill, Identity, IoMode, Pager};
+use rustix::fs::{Advice, AtFlags, Mode, OFlags, StatxFlags};
+use std::alloc::Layout;
 use std::fs::{File, OpenOptions};
 use std::io;
+use std::num::NonZeroU64;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 
-/// Pages of a host file, read and written with `pread`/`pwrite`.
+/// Largest bounce buffer used for one direct transfer from or to an unaligned caller buffer.
+const BOUNCE_MAX: usize = 1 << 20;
+
+const TMPFS_MAGIC: u64 = 0x0102_1994;
+const RAMFS_MAGIC: u64 = 0x8584_58f6;
+
+/// Pages of a host file, read and written with `pread`/`pwrite`, with `O_DIRECT` where the
+/// file system allows it (see the module documentation).
 #[derive(Debug)]
 pub struct FilePager {
+    /// The one descriptor held all the time: opened with `O_DIRECT` when `align` is set,
+    /// buffered otherwise. Metadata, `set_len` and `sync` use it in both modes.
     file: File,
+    /// Alignment of direct I/O on `file`, if it was opened with `O_DIRECT`.
+    align: Option<Align>,
+    /// False once direct I/O was refused at run time (`EINVAL`): buffered for good.
+    direct_on: AtomicBool,
+    /// The buffered descriptor kept after such a refusal.
+    fallback: OnceLock<File>,
+    /// Where to reopen the file if `/proc/self/fd` is not available (`open`/`create` only).
+    reopen_path: Option<PathBuf>,
     path: PathBuf,
     writable: bool,
-    identity: Identity,
+    dev: u64,
+    ino: u64,
+}
+
+/// Alignment required by direct I/O.
+#[derive(Debug, Clone, Copy)]
+struct Align {
+    /// Of buffer addresses.
+    mem: usize,
+    /// Of file offsets and transfer lengths.
+    offset: usize,
+}
+
+/// A buffered descriptor: the pager's own, or a short-lived one for a transfer.
+enum Fd<'a> {
+    Borrowed(&'a File),
+    Owned(File),
+}
+
+impl std::ops::Deref for Fd<'_> {
+    type Target = File;
+    fn deref(&self) -> &File {
+        match self {
+            Fd::Borrowed(f) => f,
+            Fd::Owned(f) => f,
+        }
+    }
 }
 
 impl FilePager {
@@ -21,47 +120,236 @@ impl FilePager {
     pub fn open(path: impl AsRef<Path>, writable: bool) -> io::Result<FilePager> {
         let path = path.as_ref();
         let file = OpenOptions::new().read(true).write(writable).open(path)?;
-        FilePager::from_file(file, path, writable)
+        FilePager::new(file, path, writable, true)
     }
 
     /// Open a host file read-write, creating it if it does not exist.
     pub fn create(path: impl AsRef<Path>) -> io::Result<FilePager> {
         let path = path.as_ref();
         let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path)?;
-        FilePager::from_file(file, path, true)
+        FilePager::new(file, path, true, true)
     }
 
-    /// Wrap an already open host file. `path` is only used in messages.
+    /// Wrap an already open host file. `path` is only used in messages. Direct I/O is tried
+    /// by reopening the file through `/proc/self/fd` (a new open file description, so other
+    /// duplicates of `file` are not affected); `file` itself is then closed.
     pub fn from_file(file: File, path: impl AsRef<Path>, writable: bool) -> io::Result<FilePager> {
+        FilePager::new(file, path.as_ref(), writable, false)
+    }
+
+    fn new(file: File, path: &Path, writable: bool, path_is_real: bool) -> io::Result<FilePager> {
         let meta = file.metadata()?;
         if !meta.is_file() {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "not a regular file"));
         }
+        let (dev, ino) = (meta.dev(), meta.ino());
+        let reopen_path = path_is_real.then(|| path.to_path_buf());
+        // In direct mode the buffered descriptor is closed: one descriptor per pager.
+        let (file, align) = match open_direct(&file, reopen_path.as_deref(), writable, dev, ino) {
+            Some((direct, align)) => (direct, Some(align)),
+            None => {
+                no_readahead(&file);
+                (file, None)
+            }
+        };
         Ok(FilePager {
-            identity: Identity::HostFile { dev: meta.dev(), ino: meta.ino() },
+            direct_on: AtomicBool::new(align.is_some()),
+            align,
             file,
-            path: path.as_ref().to_path_buf(),
+            fallback: OnceLock::new(),
+            reopen_path,
+            path: path.to_path_buf(),
             writable,
+            dev,
+            ino,
         })
+    }
+
+    /// Use buffered I/O only (dropping pages from the kernel's cache after each transfer),
+    /// even where `O_DIRECT` would work: `FilePager::open(path, true)?.buffered()`.
+    pub fn buffered(mut self) -> FilePager {
+        if self.align.take().is_some() {
+            // Our own open file description (never shared): clear O_DIRECT on it.
+            if let Ok(fl) = rustix::fs::fcntl_getfl(&self.file) {
+                let _ = rustix::fs::fcntl_setfl(&self.file, fl - OFlags::DIRECT);
+            }
+            no_readahead(&self.file);
+        }
+        if let Some(f) = self.fallback.take() {
+            self.file = f;
+        }
+        self.direct_on.store(false, Relaxed);
+        self
     }
 
     /// The host path this pager was opened with.
     pub fn path(&self) -> &Path {
         &self.path
     }
-}
 
-impl Pager for FilePager {
-    fn get_pages(&self, offset: u64, buf: &mut [u8]) -> io::Result<Fill> {
+    /// `(memory, offset)` alignment of direct I/O, or `None` in buffered mode.
+    pub fn direct_alignment(&self) -> Option<(usize, usize)> {
+        self.direct_io().map(|a| (a.mem, a.offset))
+    }
+
+    fn direct_io(&self) -> Option<Align> {
+        self.align.filter(|_| self.direct_on.load(Relaxed))
+    }
+
+    /// A buffered descriptor: the pager's own in buffered mode; in direct mode a short-lived
+    /// one for an unaligned tail, or the one kept after direct I/O was refused.
+    fn buffered_fd(&self) -> io::Result<Fd<'_>> {
+        if self.align.is_none() {
+            return Ok(Fd::Borrowed(&self.file));
+        }
+        if let Some(f) = self.fallback.get() {
+            return Ok(Fd::Borrowed(f));
+        }
+        let flags = if self.writable { OFlags::RDWR } else { OFlags::RDONLY } | OFlags::CLOEXEC;
+        let f = reopen(&self.file, self.reopen_path.as_deref(), flags, self.dev, self.ino)?;
+        if self.direct_on.load(Relaxed) {
+            return Ok(Fd::Owned(f));
+        }
+        no_readahead(&f);
+        Ok(Fd::Borrowed(self.fallback.get_or_init(|| f)))
+    }
+
+    /// Run `buffered` after a direct transfer failed with `EINVAL`; if it works, direct I/O
+    /// was refused by the file system: stay buffered from now on.
+    fn after_refusal<T>(&self, e: io::Error, buffered: impl FnOnce() -> io::Result<T>) -> io::Result<T> {
+        if e.raw_os_error() != Some(libc::EINVAL) {
+            return Err(e);
+        }
+        let r = buffered()?;
+        self.direct_on.store(false, Relaxed);
+        Ok(r)
+    }
+
+    /// Buffered read until `buf` is full or end of file; drops the range from the page
+    /// cache. Returns the bytes read.
+    fn read_buffered(&self, offset: u64, buf: &mut [u8]) -> io::Result<usize> {
+        let f = self.buffered_fd()?;
         let mut done = 0;
         while done < buf.len() {
-            match self.file.read_at(&mut buf[done..], offset + done as u64) {
-                Ok(0) => break, // end of file: the rest reads as zeros
+            match f.read_at(&mut buf[done..], offset + done as u64) {
+                Ok(0) => break, // end of file
                 Ok(n) => done += n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }
         }
+        if done > 0 {
+            self.drop_cached(offset, done as u64);
+        }
+        Ok(done)
+    }
+
+    /// Buffered write, written out to the device and dropped from the page cache.
+    fn write_buffered(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        let f = self.buffered_fd()?;
+        f.write_all_at(data, offset)?;
+        let (start, len) = page_span(offset, data.len() as u64);
+        let flags = libc::SYNC_FILE_RANGE_WAIT_BEFORE | libc::SYNC_FILE_RANGE_WRITE | libc::SYNC_FILE_RANGE_WAIT_AFTER;
+        // SAFETY: plain syscall on an open descriptor.
+        let r = unsafe { libc::sync_file_range(f.as_raw_fd(), start as i64, len as i64, flags) };
+        if r != 0 {
+            let e = io::Error::last_os_error();
+            // A write error is the caller's to see (the pages stay dirty in the cache); a
+            // file system without sync_file_range only keeps its pages cached.
+            match e.raw_os_error() {
+                Some(libc::EINVAL | libc::ENOSYS | libc::ESPIPE | libc::EOPNOTSUPP) => {}
+                _ => return Err(e),
+            }
+        }
+        self.drop_cached(offset, data.len() as u64);
+        Ok(())
+    }
+
+    /// `POSIX_FADV_DONTNEED` on the pages covering `offset..offset+len` (the kernel keeps
+    /// partial pages at the ends of the range, so it is widened to whole pages).
+    fn drop_cached(&self, offset: u64, len: u64) {
+        let (start, len) = page_span(offset, len);
+        if let Some(len) = NonZeroU64::new(len) {
+            let _ = rustix::fs::fadvise(&self.file, start, Some(len), Advice::DontNeed);
+        }
+    }
+
+    /// Direct read into `buf`; returns the bytes read (fewer at end of file).
+    fn read_direct(&self, a: Align, offset: u64, buf: &mut [u8]) -> io::Result<usize> {
+        let (ma, oa) = (a.mem, a.offset);
+        let len = buf.len();
+        let mut done = 0;
+        let mut bounce: Option<AlignedBuf> = None;
+        while done < len {
+            let pos = offset + done as u64;
+            if !pos.is_multiple_of(oa as u64) {
+                break; // a short read ended mid-block (end of file): finish buffered below
+            }
+            let want = len - done;
+            let n = if want >= oa && (buf.as_ptr() as usize + done).is_multiple_of(ma) {
+                // Straight into the caller's buffer (the cache's page-aligned windows).
+                let k = want / oa * oa;
+                retry(|| self.file.read_at(&mut buf[done..done + k], pos))?
+            } else {
+                let b = bounce
+                    .get_or_insert_with(|| AlignedBuf::new(want.next_multiple_of(oa).min(BOUNCE_MAX), ma.max(oa)));
+                let k = want.next_multiple_of(oa).min(b.len());
+                let n = retry(|| self.file.read_at(&mut b.as_mut()[..k], pos))?.min(want);
+                buf[done..done + n].copy_from_slice(&b.as_mut()[..n]);
+                n
+            };
+            if n == 0 {
+                return Ok(done); // end of file
+            }
+            done += n;
+        }
+        if done < len {
+            // Unaligned position after a short read: normally end of file (this then reads
+            // nothing and caches nothing).
+            done += self.read_buffered(offset + done as u64, &mut buf[done..])?;
+        }
+        Ok(done)
+    }
+
+    /// Direct write of the aligned prefix of `data`, buffered write of the rest.
+    fn write_direct(&self, a: Align, offset: u64, data: &[u8]) -> io::Result<()> {
+        let (ma, oa) = (a.mem, a.offset);
+        let len = data.len();
+        let mut done = 0;
+        let mut bounce: Option<AlignedBuf> = None;
+        while len - done >= oa && (offset + done as u64).is_multiple_of(oa as u64) {
+            let pos = offset + done as u64;
+            let k = (len - done) / oa * oa;
+            let n = if (data.as_ptr() as usize + done).is_multiple_of(ma) {
+                retry(|| self.file.write_at(&data[done..done + k], pos))?
+            } else {
+                let b = bounce.get_or_insert_with(|| AlignedBuf::new(k.min(BOUNCE_MAX), ma.max(oa)));
+                let k = k.min(b.len());
+                b.as_mut()[..k].copy_from_slice(&data[done..done + k]);
+                retry(|| self.file.write_at(&b.as_mut()[..k], pos))?
+            };
+            if n == 0 {
+                return Err(io::Error::new(io::ErrorKind::WriteZero, "direct write wrote nothing"));
+            }
+            done += n;
+        }
+        if done < len {
+            // The unaligned tail (the file ends there).
+            self.write_buffered(offset + done as u64, &data[done..])?;
+        }
+        Ok(())
+    }
+}
+
+impl Pager for FilePager {
+    fn get_pages(&self, offset: u64, buf: &mut [u8]) -> io::Result<Fill> {
+        let done = match self.direct_io() {
+            Some(a) => match self.read_direct(a, offset, buf) {
+                Ok(n) => n,
+                Err(e) => self.after_refusal(e, || self.read_buffered(offset, buf))?,
+            },
+            None => self.read_buffered(offset, buf)?,
+        };
         if done == 0 {
             // Entirely past the end: nothing to copy, the cache zero-fills.
             return Ok(Fill::Hole);
@@ -71,7 +359,13 @@ impl Pager for FilePager {
     }
 
     fn put_pages(&self, offset: u64, data: &[u8]) -> io::Result<()> {
-        self.file.write_all_at(data, offset)
+        match self.direct_io() {
+            Some(a) => match self.write_direct(a, offset, data) {
+                Ok(()) => Ok(()),
+                Err(e) => self.after_refusal(e, || self.write_buffered(offset, data)),
+            },
+            None => self.write_buffered(offset, data),
+        }
     }
 
     fn len(&self) -> io::Result<u64> {
@@ -83,11 +377,16 @@ impl Pager for FilePager {
     }
 
     fn sync(&self) -> io::Result<()> {
-        self.file.sync_data()
+        self.file.sync_data()?;
+        if self.direct_io().is_none() {
+            // Everything is clean now: drop whatever the kernel still holds of the file.
+            let _ = rustix::fs::fadvise(&self.file, 0, None, Advice::DontNeed);
+        }
+        Ok(())
     }
 
     fn identity(&self) -> Option<Identity> {
-        Some(self.identity.clone())
+        Some(Identity::HostFile { dev: self.dev, ino: self.ino })
     }
 
     fn is_writable(&self) -> bool {
@@ -99,6 +398,112 @@ impl Pager for FilePager {
     }
 
     fn io_mode(&self) -> IoMode {
-        IoMode::Buffered
+        if self.direct_io().is_some() { IoMode::Direct } else { IoMode::Buffered }
+    }
+}
+
+/// Open an `O_DIRECT` descriptor on the same inode as `file`, with its alignment, or `None`
+/// if the file system does not support (or does not benefit from) direct I/O.
+fn open_direct(file: &File, path: Option<&Path>, writable: bool, dev: u64, ino: u64) -> Option<(File, Align)> {
+    let fs_type = rustix::fs::fstatfs(file).ok()?.f_type as u64 & 0xffff_ffff;
+    if fs_type == TMPFS_MAGIC || fs_type == RAMFS_MAGIC {
+        return None; // the page cache is the storage: O_DIRECT would copy through it anyway
+    }
+    let (mem, offset) = match rustix::fs::statx(file, "", AtFlags::EMPTY_PATH, StatxFlags::DIOALIGN) {
+        Ok(sx) if sx.stx_mask & StatxFlags::DIOALIGN.bits() != 0 => {
+            if sx.stx_dio_mem_align == 0 || sx.stx_dio_offset_align == 0 {
+                return None; // the file system says: no direct I/O on this file
+            }
+            (sx.stx_dio_mem_align as usize, sx.stx_dio_offset_align as usize)
+        }
+        Ok(sx) => {
+            let bs = sx.stx_blksize as usize;
+            let oa = if bs.is_power_of_two() && (4096..=1 << 16).contains(&bs) { bs } else { 4096 };
+            (4096, oa)
+        }
+        Err(_) => (4096, 4096),
+    };
+    if !mem.is_power_of_two() || !offset.is_power_of_two() || offset > BOUNCE_MAX {
+        return None;
+    }
+    let flags = if writable { OFlags::RDWR } else { OFlags::RDONLY } | OFlags::DIRECT | OFlags::CLOEXEC;
+    // EINVAL: O_DIRECT refused.
+    let direct = reopen(file, path, flags, dev, ino).ok()?;
+    Some((direct, Align { mem, offset }))
+}
+
+/// Open `file` again (a new open file description) with `flags`, through `/proc/self/fd`,
+/// or else by `path` if it still names the same file.
+fn reopen(file: &File, path: Option<&Path>, flags: OFlags, dev: u64, ino: u64) -> io::Result<File> {
+    let proc_path = format!("/proc/self/fd/{}", file.as_raw_fd());
+    let fd = match rustix::fs::open(proc_path.as_str(), flags, Mode::empty()) {
+        Ok(fd) => fd,
+        Err(e) if e == rustix::io::Errno::INVAL => return Err(e.into()),
+        Err(e) => match path {
+            Some(p) => rustix::fs::open(p, flags, Mode::empty())?,
+            None => return Err(e.into()),
+        },
+    };
+    let st = rustix::fs::fstat(&fd)?;
+    if st.st_dev as u64 != dev || st.st_ino as u64 != ino {
+        return Err(io::Error::other("the file was replaced while reopening it"));
+    }
+    Ok(File::from(fd))
+}
+
+/// ubc reads ahead itself; kernel read-ahead through a buffered descriptor would only leave
+/// pages behind in the page cache.
+fn no_readahead(f: &File) {
+    let _ = rustix::fs::fadvise(f, 0, None, Advice::Random);
+}
+
+/// The whole pages covering `offset..offset+len`: `(start, len)`.
+fn page_span(offset: u64, len: u64) -> (u64, u64) {
+    let ps = rustix::param::page_size() as u64;
+    let start = offset / ps * ps;
+    let end = offset.saturating_add(len).saturating_add(ps - 1) / ps * ps;
+    (start, end - start)
+}
+
+/// Retry a transfer interrupted by a signal.
+fn retry(mut f: impl FnMut() -> io::Result<usize>) -> io::Result<usize> {
+    loop {
+        match f() {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            r => return r,
+        }
+    }
+}
+
+/// A zeroed heap buffer with a given alignment, for direct transfers from or to unaligned
+/// caller buffers.
+struct AlignedBuf {
+    ptr: std::ptr::NonNull<u8>,
+    layout: Layout,
+}
+
+impl AlignedBuf {
+    fn new(len: usize, align: usize) -> AlignedBuf {
+        let layout = Layout::from_size_align(len.max(1), align).expect("bounce buffer layout");
+        // SAFETY: the layout has a nonzero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = std::ptr::NonNull::new(ptr).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        AlignedBuf { ptr, layout }
+    }
+
+    fn len(&self) -> usize {
+        self.layout.size()
+    }
+
+    fn as_mut(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` owns `len` initialised (zeroed) bytes, borrowed mutably through self.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size()) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
     }
 }

@@ -1,0 +1,397 @@
+//! The mapping service: the cache's fault handler threads and the table of user mappings
+//! (NetBSD's `uvm_fault.c` and the map entries it looks faults up in).
+//!
+//! Made the first time a file of the cache is mapped (a cache that never maps costs
+//! nothing). One userfaultfd serves every mapping of the cache; `threads` handler threads
+//! read it, so faults on different files (or different pages) are resolved in parallel: the
+//! only shared lock on the fault path is the read side of the address table.
+//!
+//! The scheme (see `mod.rs` and `../shared/DESIGN.md`), as the cache uses it:
+//! * user mappings are registered MISSING + MINOR (+ WP for shared writable ones): a page
+//!   reaches a user page table only through [`MapService::map_pages`] (`UFFDIO_CONTINUE`),
+//!   called by someone holding the page (pinned, or BUSY at the end of a fill). The kernel
+//!   never maps a memfd page behind the cache's back, so eviction can zap a page out of
+//!   every mapping, find its stores, and punch it, without a store slipping in between.
+//! * every fill maps its pages into the object's mappings before they become valid, and a
+//!   new mapping maps every resident page at once: resident pages never trap.
+//! * a fault on a page that is not resident fills a cluster (16 pages, doubling on
+//!   sequential faults up to 256) through the ordinary read path, maps it, wakes.
+//! * a fault past the end of the file, or a pager error, poisons the page in that mapping:
+//!   the access gets SIGBUS (EFAULT for a kernel access), like the kernel's own mmap.
+
+use super::{Event, FillMode, Mode, Pagemap, Ready, Uffd, UffdMsg, Waker, feature};
+use crate::error::{Error, Result};
+use crate::object::Object;
+use parking_lot::{Mutex, RwLock};
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+
+/// First fault-around cluster, and its largest size after sequential faults (pages).
+const CLUSTER_INIT: u64 = 16;
+const CLUSTER_MAX: u64 = 256;
+
+/// The kernel half: present when userfaultfd and `PAGEMAP_SCAN` can run the scheme.
+pub(crate) struct Kernel {
+    pub(crate) uffd: Uffd,
+    pub(crate) pagemap: Pagemap,
+    waker: Waker,
+}
+
+pub(crate) struct MapService {
+    /// `None`: mappings are populated and pinned instead (the reason is in `mode`).
+    pub(crate) kernel: Option<Kernel>,
+    /// "userfaultfd" or "populate: <why userfaultfd cannot be used>".
+    pub(crate) mode: String,
+    /// Live user mappings by start address.
+    table: RwLock<BTreeMap<usize, Arc<UserMap>>>,
+    live: AtomicU64,
+    stopping: AtomicBool,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    pub(crate) faults: AtomicU64,
+    pub(crate) fault_pages: AtomicU64,
+    pub(crate) sigbus: AtomicU64,
+    pub(crate) scan_dirty: AtomicU64,
+}
+
+/// One user mapping of an object: its address range and how it was registered.
+pub(crate) struct UserMap {
+    pub(crate) addr: usize,
+    pub(crate) len: usize,
+    /// File (and memfd) offset of `addr`; a multiple of the cache page size.
+    pub(crate) offset: u64,
+    pub(crate) obj: Weak<Object>,
+    /// MAP_SHARED and writable: stores reach the file and are tracked (WP_ASYNC).
+    pub(crate) tracked: bool,
+    /// MAP_SHARED (else MAP_PRIVATE: stores are copied on write, the file never sees them).
+    pub(crate) shared: bool,
+    /// Set false (under the write lock) before the address range is unmapped: whoever maps
+    /// pages into it, poisons or wakes holds the read lock and checks it first, so nothing is
+    /// ever placed at an address that a later mmap may have reused.
+    pub(crate) alive: RwLock<bool>,
+    /// Fault-around: the page after the last cluster, and the current cluster size.
+    next: AtomicU64,
+    cluster: AtomicU64,
+}
+
+impl UserMap {
+    pub(crate) fn new(addr: usize, len: usize, offset: u64, obj: Weak<Object>, shared: bool, tracked: bool) -> UserMap {
+        UserMap {
+            addr,
+            len,
+            offset,
+            obj,
+            tracked,
+            shared,
+            alive: RwLock::new(true),
+            next: AtomicU64::new(u64::MAX),
+            cluster: AtomicU64::new(CLUSTER_INIT),
+        }
+    }
+
+    /// File pages `[first, end)` this mapping covers, for a page shift `ps`.
+    pub(crate) fn pages(&self, ps: u32) -> Range<u64> {
+        self.offset >> ps..(self.offset + self.len as u64) >> ps
+    }
+
+    /// Address of file page `page` in this mapping. => `page` within `pages()`.
+    pub(crate) fn addr_of(&self, page: u64, ps: u32) -> usize {
+        self.addr + ((page << ps) - self.offset) as usize
+    }
+
+    /// The part of file pages `[a, b)` inside this mapping, as an address range.
+    pub(crate) fn span(&self, a: u64, b: u64, ps: u32) -> Option<(usize, usize)> {
+        let r = self.pages(ps);
+        let (a, b) = (a.max(r.start), b.min(r.end));
+        (a < b).then(|| (self.addr_of(a, ps), ((b - a) << ps) as usize))
+    }
+}
+
+impl MapService {
+    /// Probe the kernel and start `threads` handler threads; without userfaultfd (or with
+    /// `use_uffd` false), a service in populate mode.
+    pub(crate) fn start(use_uffd: bool, threads: usize) -> Arc<MapService> {
+        let kernel = if use_uffd { open_kernel() } else { Err("userfaultfd disabled by CacheBuilder::userfaultfd(false)".into()) };
+        let mode = match &kernel {
+            Ok(_) => "userfaultfd".to_string(),
+            Err(why) => format!("populate ({why})"),
+        };
+        let svc = Arc::new(MapService {
+            kernel: kernel.ok(),
+            mode,
+            table: RwLock::new(BTreeMap::new()),
+            live: AtomicU64::new(0),
+            stopping: AtomicBool::new(false),
+            threads: Mutex::new(Vec::new()),
+            faults: AtomicU64::new(0),
+            fault_pages: AtomicU64::new(0),
+            sigbus: AtomicU64::new(0),
+            scan_dirty: AtomicU64::new(0),
+        });
+        if svc.kernel.is_some() {
+            let mut ts = svc.threads.lock();
+            for i in 0..threads.max(1) {
+                let s = svc.clone();
+                match std::thread::Builder::new().name(format!("ubc-fault-{i}")).spawn(move || s.handler_loop()) {
+                    Ok(t) => ts.push(t),
+                    Err(e) if i == 0 => panic!("cannot start the ubc fault handler thread: {e}"),
+                    Err(_) => break,
+                }
+            }
+        }
+        svc
+    }
+
+    /// Stop the handler threads. => no user mapping is left (each holds the cache open).
+    pub(crate) fn stop(&self) {
+        self.stopping.store(true, SeqCst);
+        if let Some(k) = &self.kernel {
+            k.waker.wake();
+        }
+        for t in self.threads.lock().drain(..) {
+            let _ = t.join();
+        }
+    }
+
+    pub(crate) fn live(&self) -> u64 {
+        self.live.load(Relaxed)
+    }
+
+    /// Register a new user mapping `m` (already mmapped) with the kernel and the table.
+    pub(crate) fn register(&self, m: &Arc<UserMap>) -> Result<()> {
+        if let Some(k) = &self.kernel {
+            let mode = Mode { missing: true, minor: true, wp: m.tracked };
+            k.uffd.register(m.addr, m.len, mode).map_err(|e| Error::os("userfaultfd register", e))?;
+            if m.tracked {
+                // Protect at once: it leaves markers in empty ptes, so every page mapped later
+                // arrives protected and the first scan does not see the whole range written.
+                k.uffd.writeprotect(m.addr, m.len, true).map_err(|e| Error::os("userfaultfd writeprotect", e))?;
+            }
+        }
+        self.table.write().insert(m.addr, m.clone());
+        self.live.fetch_add(1, Relaxed);
+        Ok(())
+    }
+
+    /// Forget a user mapping: after this nobody maps pages into it. => it is still mapped.
+    pub(crate) fn unregister(&self, m: &UserMap) {
+        *m.alive.write() = false;
+        self.table.write().remove(&m.addr);
+        self.live.fetch_sub(1, Relaxed);
+    }
+
+    /// Whether `ptr..ptr+len` overlaps any user mapping of this cache.
+    pub(crate) fn overlaps(&self, ptr: usize, len: usize) -> bool {
+        if self.live() == 0 || len == 0 {
+            return false;
+        }
+        let t = self.table.read();
+        t.range(..ptr + len).next_back().is_some_and(|(_, m)| m.addr + m.len > ptr)
+    }
+
+    /// Map file pages `[a, b)` (held by the caller: pinned, or BUSY with their final
+    /// contents) into `m`. With `materialize`, a valid page the memfd does not hold yet (a
+    /// hole never written) is allocated (zeroed) and mapped; without, it is skipped (it
+    /// will trap once). Errors are ignored: a page not mapped now traps and is mapped then.
+    pub(crate) fn map_pages(&self, obj: &Object, m: &UserMap, a: u64, b: u64, materialize: bool) {
+        let Some(k) = &self.kernel else { return };
+        let ps = obj.page_shift();
+        let Some((start, len)) = m.span(a, b, ps) else { return };
+        let alive = m.alive.read();
+        if !*alive {
+            return;
+        }
+        let sys = super::page_size();
+        let mode = FillMode { dontwake: true, wp: m.tracked };
+        let mut off = 0;
+        let mut tries = 0;
+        while off < len {
+            match k.uffd.continue_(start + off, len - off, mode) {
+                Ok(()) => break,
+                Err(e) if e.done > 0 => {
+                    off += e.done;
+                    tries = 0;
+                }
+                Err(e) if e.errno == libc::EFAULT && materialize && tries == 0 => {
+                    // Not in the memfd: a valid hole. Allocate the zero page and retry.
+                    let file_off = m.offset + (start + off - m.addr) as u64;
+                    obj.materialize(file_off, sys as u64);
+                    tries += 1;
+                }
+                Err(e) if e.errno == libc::EAGAIN && tries < 8 => tries += 1,
+                Err(_) => {
+                    // EEXIST (mapped already) or a page we cannot map now: skip it.
+                    off += sys;
+                    tries = 0;
+                }
+            }
+        }
+    }
+
+    /// Find the written pages of `m` within file pages `[a, b)` and protect them again.
+    /// Returns their file page indexes (ascending, may repeat when pages are larger than the
+    /// system page). => caller holds the object's scan lock.
+    pub(crate) fn take_written(&self, m: &UserMap, a: u64, b: u64, ps: u32, out: &mut Vec<u64>) {
+        let Some(k) = &self.kernel else { return };
+        if !m.tracked {
+            return;
+        }
+        let Some((start, len)) = m.span(a, b, ps) else { return };
+        let alive = m.alive.read();
+        if !*alive {
+            return;
+        }
+        let mut runs = Vec::new();
+        if k.pagemap.take_written(start, len, &mut runs).is_err() {
+            // Cannot happen for a range registered WP on a WP_ASYNC uffd; if it did, the
+            // safe answer is that every page may be written.
+            runs = vec![start..start + len];
+        }
+        for r in runs {
+            let first = (m.offset + (r.start - m.addr) as u64) >> ps;
+            let end = (m.offset + (r.end - m.addr) as u64).div_ceil(1 << ps);
+            out.extend(first..end);
+        }
+    }
+
+    /// Zap file pages `[a, b)` out of `m`'s page table (eviction: afterwards a store traps
+    /// instead of reaching the page). The written state of the ptes survives for the scan.
+    pub(crate) fn zap(&self, m: &UserMap, a: u64, b: u64, ps: u32) {
+        let Some((start, len)) = m.span(a, b, ps) else { return };
+        let alive = m.alive.read();
+        if *alive {
+            // SAFETY: MADV_DONTNEED on a shared memfd mapping only drops ptes; the memfd keeps
+            // its pages, so no memory a Rust reference points to changes.
+            unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_DONTNEED) };
+        }
+    }
+
+    /// After the file grew: clear poison (SIGBUS markers left by touches past the old end)
+    /// from file pages `[a, b)` of `m`.
+    pub(crate) fn unpoison(&self, m: &UserMap, a: u64, b: u64, ps: u32) {
+        let Some(k) = &self.kernel else { return };
+        let Some((start, len)) = m.span(a, b, ps) else { return };
+        let alive = m.alive.read();
+        if *alive {
+            if m.tracked {
+                let _ = super::clear_poison(&k.uffd, start, len);
+            } else {
+                // SAFETY: as in `zap`; for a private mapping this also drops private copies,
+                // but pages past the old end held none (touching them raised SIGBUS).
+                unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_DONTNEED) };
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- fault handling
+
+    fn handler_loop(self: Arc<Self>) {
+        let k = self.kernel.as_ref().expect("handler threads run only with userfaultfd");
+        let mut msgs = [UffdMsg::ZERO; 16];
+        loop {
+            match k.uffd.wait(Some(&k.waker), None) {
+                Ok(Ready::Woken) if self.stopping.load(SeqCst) => return,
+                Ok(_) => {}
+                Err(_) => {
+                    if self.stopping.load(SeqCst) {
+                        return;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                    continue;
+                }
+            }
+            let events: Vec<Event> = match k.uffd.read_events(&mut msgs) {
+                Ok(evs) => evs.collect(),
+                Err(_) => continue,
+            };
+            for ev in events {
+                if let Event::PageFault { addr, .. } = ev {
+                    self.serve_fault(k, addr);
+                }
+            }
+        }
+    }
+
+    /// Resolve one fault at `addr`: fill and map a cluster, or poison the page. Always wakes.
+    fn serve_fault(&self, k: &Kernel, addr: usize) {
+        self.faults.fetch_add(1, Relaxed);
+        let sys = super::page_size();
+        let addr = addr & !(sys - 1);
+        let m = {
+            let t = self.table.read();
+            t.range(..=addr).next_back().filter(|(_, m)| addr < m.addr + m.len).map(|(_, m)| m.clone())
+        };
+        let Some(m) = m else {
+            // Unmapped meanwhile (the faulting access is gone with it); wake to be safe.
+            let _ = k.uffd.wake(addr, sys);
+            return;
+        };
+        let Some(obj) = m.obj.upgrade() else {
+            let _ = k.uffd.wake(addr, sys);
+            return;
+        };
+        let ps = obj.page_shift();
+        let page = (m.offset + (addr - m.addr) as u64) >> ps;
+        let end = obj.len().div_ceil(1 << ps).min(m.pages(ps).end);
+        if page >= end {
+            self.poison(k, &m, addr, sys);
+            return;
+        }
+        // Fault-around, growing on sequential faults like read-ahead.
+        let c = if m.next.load(Relaxed) == page { (m.cluster.load(Relaxed) * 2).min(CLUSTER_MAX) } else { CLUSTER_INIT };
+        m.cluster.store(c, Relaxed);
+        let last = (page + c - 1).min(end - 1);
+        match obj.pin_for_fault(page, last) {
+            Ok((chunk, n)) => {
+                self.fault_pages.fetch_add(n, Relaxed);
+                self.map_pages(&obj, &m, page, page + n, true);
+                {
+                    let alive = m.alive.read();
+                    if *alive {
+                        if let Some((start, len)) = m.span(page, page + n, ps) {
+                            let _ = k.uffd.wake(start, len);
+                        }
+                        let _ = k.uffd.wake(addr, sys);
+                    }
+                }
+                obj.unpin_fault(chunk, page, n);
+                m.next.store(page + n, Relaxed);
+            }
+            Err(_) => self.poison(k, &m, addr, sys),
+        }
+    }
+
+    /// Make the access at `addr` fail with SIGBUS (and wake it so it does).
+    fn poison(&self, k: &Kernel, m: &UserMap, addr: usize, sys: usize) {
+        self.sigbus.fetch_add(1, Relaxed);
+        let alive = m.alive.read();
+        if !*alive {
+            return;
+        }
+        if m.tracked {
+            // POISON refuses a pte holding a WP marker.
+            let _ = k.uffd.writeprotect(addr, sys, false);
+        }
+        if k.uffd.poison(addr, sys, false).is_err() {
+            // Something is mapped there after all (the file grew meanwhile): let it retry.
+            let _ = k.uffd.wake(addr, sys);
+        }
+    }
+}
+
+/// Open the uffd with the features the scheme needs and check `PAGEMAP_SCAN`.
+fn open_kernel() -> std::result::Result<Kernel, String> {
+    super::probe().map_err(|u| u.reason)?;
+    let uffd = Uffd::open(feature::SCHEME | feature::MINOR_SHMEM, 0).map_err(|u| u.reason)?;
+    let pagemap = Pagemap::open().map_err(|e| format!("open /proc/self/pagemap: {e}"))?;
+    let waker = Waker::new().map_err(|e| format!("eventfd: {e}"))?;
+    Ok(Kernel { uffd, pagemap, waker })
+}
+
+/// Written pages → ascending unique list.
+pub(crate) fn dedup_pages(v: &mut Vec<u64>) {
+    v.sort_unstable();
+    v.dedup();
+}

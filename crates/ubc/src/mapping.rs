@@ -1,0 +1,199 @@
+//! Memory mappings served by the cache (`File::map`): the object's own pages mapped into
+//! the caller's address space, so a store through a mapping is at once visible to `read_at`
+//! and every other mapping, and a `write_at` at once visible through every mapping — one copy,
+//! coherent by construction (UBC: "So what is UBC anyway?"; Mach's `map_fd`).
+//!
+//! Shared mappings map the object's memfd `MAP_SHARED`; private mappings `MAP_PRIVATE` (Mach's
+//! virtual copy: copy-on-write, the file never sees their stores). Pages arrive on demand
+//! through the cache's fault handler (`map/service.rs`); stores are found by write-protect
+//! tracking and written back by [`Mapping::flush`], `File::sync`, the flusher and eviction.
+//!
+//! Without userfaultfd (or with `CacheBuilder::userfaultfd(false)`) a mapping is populated
+//! at creation and its pages stay pinned until it is dropped; stores cannot be seen, so a
+//! flush or sync writes back every page of a writable shared mapping. `CacheStats::map_mode`
+//! tells which mode is in use and why.
+
+use crate::error::{Error, Result};
+use crate::file::File;
+use crate::map::UserMap;
+use crate::object::{Object, checked_end};
+use std::ops::{Deref, DerefMut, Range};
+use std::sync::Arc;
+
+/// Whether stores through a mapping reach the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sharing {
+    /// `MAP_SHARED`: the cache's pages themselves; stores reach the file.
+    Shared,
+    /// `MAP_PRIVATE`: copy-on-write; stores stay in this mapping. Pages not yet stored to
+    /// show the file's current contents.
+    Private,
+}
+
+/// A mapping of a range of a cached file (see [`File::map`]).
+///
+/// The slice it derefs to aliases memory that other threads, `write_at` and other mappings
+/// may change at any time (like any shared mapping, or `memmap2`): read it as a snapshot of
+/// bytes, not as memory Rust owns exclusively. Touching a page past the end of the file
+/// raises `SIGBUS`, as with the kernel's own `mmap`; so does a page the pager cannot read
+/// (the error is counted in `CacheStats::map_sigbus`).
+pub struct Mapping {
+    map: Arc<UserMap>,
+    obj: Arc<Object>,
+    /// Keeps the file (and the cache) open for as long as the mapping exists.
+    _file: File,
+    /// The caller's range within the mapping (which starts at a page boundary).
+    ptr: *mut u8,
+    len: usize,
+    offset: u64,
+    writable: bool,
+    /// Populate mode: the pinned runs to release on drop.
+    pinned: Vec<(u64, u64, u64)>,
+}
+
+// SAFETY: the mapping is process memory shared by design; all cache state it refers to is
+// thread-safe.
+unsafe impl Send for Mapping {}
+// SAFETY: as above; `&Mapping` only hands out shared slices and thread-safe calls.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Map `range` of `file`. => `file` is open.
+    pub(crate) fn new(file: &File, obj: &Arc<Object>, range: Range<u64>, writable: bool, sharing: Sharing) -> Result<Mapping> {
+        if range.end <= range.start {
+            return Err(Error::InvalidArgument(format!("cannot map an empty range {range:?}")));
+        }
+        checked_end(range.start, 0)?;
+        let len = usize::try_from(range.end - range.start)
+            .map_err(|_| Error::InvalidArgument("mapping larger than the address space".into()))?;
+        checked_end(range.start, len)?;
+        let ps = obj.page_shift();
+        let start = range.start >> ps << ps;
+        let end = range.end.div_ceil(1 << ps) << ps;
+        let map_len = (end - start) as usize;
+        let shared = sharing == Sharing::Shared;
+        let svc = obj.core.map_service().clone();
+        let memfd = obj.memfd_for_map()?;
+        let addr = memfd.map_user(start, map_len, shared, writable)? as usize;
+        let unmap = || {
+            // SAFETY: our fresh mapping; nothing refers to it yet.
+            unsafe { crate::memfd::unmap(addr as *mut u8, map_len) }
+        };
+        let tracked = shared && writable;
+        let um = Arc::new(UserMap::new(addr, map_len, start, Arc::downgrade(obj), shared, tracked));
+        let (a, b) = (start >> ps, end >> ps);
+        let mut pinned = Vec::new();
+        if svc.kernel.is_some() {
+            if let Err(e) = svc.register(&um) {
+                unmap();
+                return Err(e);
+            }
+            // Listed before populating: a fill from now on maps its pages here itself, and
+            // a fill already running is waited for by `map_resident`.
+            obj.maps.write().push(um.clone());
+            obj.nmaps.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            obj.map_resident(&svc, &um, a, b);
+        } else {
+            match obj.pin_all(a, b) {
+                Ok(runs) => pinned = runs,
+                Err(e) => {
+                    unmap();
+                    return Err(e);
+                }
+            }
+            svc.register(&um)?;
+            obj.maps.write().push(um.clone());
+            obj.nmaps.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        let delta = (range.start - start) as usize;
+        Ok(Mapping {
+            map: um,
+            obj: obj.clone(),
+            _file: file.try_clone()?,
+            ptr: (addr + delta) as *mut u8,
+            len,
+            offset: range.start,
+            writable,
+            pinned,
+        })
+    }
+
+    /// The first mapped byte (file offset [`Mapping::offset`]).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+
+    /// The first mapped byte, for stores (a read-only mapping faults on them).
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Bytes mapped.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// File offset of the first mapped byte.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// `msync(MS_SYNC)`: stores made through this mapping (and any other dirty page of the
+    /// range) reach the pager, then the pager's sync. On error the pages stay dirty.
+    pub fn flush(&self) -> Result<()> {
+        let ps = self.obj.page_shift();
+        let (a, b) = (self.offset >> ps, (self.offset + self.len as u64).div_ceil(1 << ps));
+        self.obj.harvest(a, b, true);
+        self.obj.writeback(a, b, true, true)?;
+        self.obj.sync_pager()
+    }
+}
+
+impl Deref for Mapping {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `ptr..ptr+len` is mapped for as long as `self` lives (see the type's note
+        // on concurrent changes).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl DerefMut for Mapping {
+    /// Panics if the mapping is read-only (a store would be a segmentation fault).
+    fn deref_mut(&mut self) -> &mut [u8] {
+        assert!(self.writable, "ubc::Mapping: mutable access to a read-only mapping");
+        // SAFETY: as in `deref`; writable.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        let ps = self.obj.page_shift();
+        let (a, b) = (self.map.offset >> ps, (self.map.offset + self.map.len as u64) >> ps);
+        // Stores made through this mapping are found before it goes (munmap forgets them).
+        self.obj.harvest(a, b, true);
+        if let Some(svc) = self.obj.core.maps.get() {
+            svc.unregister(&self.map);
+        }
+        {
+            let mut maps = self.obj.maps.write();
+            maps.retain(|m| !Arc::ptr_eq(m, &self.map));
+            self.obj.nmaps.store(maps.len(), std::sync::atomic::Ordering::SeqCst);
+        }
+        // SAFETY: nobody maps pages into it any more (unregistered under its `alive` lock);
+        // the caller gave the mapping up.
+        unsafe { crate::memfd::unmap(self.map.addr as *mut u8, self.map.len) };
+        self.obj.unpin_all(&self.pinned);
+    }
+}
+
+impl std::fmt::Debug for Mapping {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mapping").field("offset", &self.offset).field("len", &self.len).field("writable", &self.writable).finish()
+    }
+}
