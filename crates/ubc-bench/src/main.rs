@@ -31,7 +31,11 @@ struct Args {
 fn machine() -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
         .unwrap_or_default();
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let mem = std::fs::read_to_string("/proc/meminfo")
@@ -42,12 +46,43 @@ fn machine() -> String {
     format!("Machine: {cpu}, {cores} cores, {} GiB RAM, Linux {}", mem >> 20, kernel.trim())
 }
 
+/// The 1-minute load average (other work on the machine skews the timings).
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().map(String::from))
+        .unwrap_or_default()
+}
+
+/// The file system holding `dir` (longest matching mount point): "ext4 on /dev/vda".
+fn file_system(dir: &std::path::Path) -> String {
+    let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    mounts
+        .lines()
+        .filter_map(|l| {
+            let (pre, post) = l.split_once(" - ")?;
+            let mp = pre.split_whitespace().nth(4)?;
+            let mut p = post.split_whitespace();
+            let (fs, src) = (p.next()?, p.next()?);
+            dir.starts_with(mp).then(|| (mp.len(), format!("{fs} on {src}")))
+        })
+        .max_by_key(|x| x.0)
+        .map_or_else(|| "unknown file system".into(), |x| x.1)
+}
+
 fn main() {
+    // The memory-limited kernel baseline of `zipf_mixed` runs in a child process.
+    if let Ok(spec) = std::env::var(benches::zipf::CHILD_ENV) {
+        benches::zipf::child_main(&spec);
+        return;
+    }
     let args = Args::parse();
     let runs = args.runs.unwrap_or(if args.quick { 3 } else { 5 });
     let dir = args.dir.unwrap_or_else(|| args.out.join("scratch"));
     std::fs::create_dir_all(&dir).expect("scratch directory");
     let ctx = benches::Ctx { dir: dir.clone(), quick: args.quick, runs };
+    let load_start = loadavg();
     let mut records = vec![];
     for (name, f) in benches::all() {
         if !args.only.is_empty() && !args.only.iter().any(|o| name.contains(o.as_str())) {
@@ -56,12 +91,23 @@ fn main() {
         eprintln!("== {name}");
         let t = std::time::Instant::now();
         for r in f(&ctx) {
-            eprintln!("   {:<28} ubc {:>12.4} vs {:>12.4} {:<10} ratio {:>6.2}x  ({})", r.bench, r.ubc, r.baseline, r.metric, r.ratio, r.note);
+            eprintln!(
+                "   {:<28} ubc {:>12.4} vs {:>12.4} {:<10} ratio {:>6.2}x  ({})",
+                r.bench, r.ubc, r.baseline, r.metric, r.ratio, r.note
+            );
             records.push(r);
         }
         eprintln!("   ({:.1} s)", t.elapsed().as_secs_f64());
     }
-    let m = machine();
+    let m = format!(
+        "{}; scratch files on {} ({}); load average {} at the start, {} at the end{}",
+        machine(),
+        file_system(&dir),
+        dir.display(),
+        load_start,
+        loadavg(),
+        if args.quick { "; --quick" } else { "" }
+    );
     report::write(&args.out, &records, &m).expect("write report");
     let _ = std::fs::remove_dir_all(&dir);
     eprintln!("wrote {}/report.json and report.md", args.out.display());

@@ -2,7 +2,8 @@
 //!
 //! File data from any backing store ([`Pager`]) is cached once, in one pool of pages under
 //! one memory budget ([`Cache`]), and that copy serves `read_at`/`write_at`, zero-copy
-//! [`Window`]s and (later) memory mappings. See `docs/design.md` for the architecture and the
+//! [`Window`]s and memory [`Mapping`]s ([`File::map`]: faults resolved by the cache through
+//! userfaultfd). See `docs/design.md` for the architecture and the
 //! sources each mechanism comes from (NetBSD UBC, Mach external pagers, Linux `mm/`).
 //!
 //! ```no_run

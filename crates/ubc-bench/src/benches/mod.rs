@@ -3,6 +3,10 @@
 
 pub mod cached;
 pub mod policy;
+pub mod seq;
+pub mod table1;
+pub mod tlpi;
+pub mod zipf;
 
 use crate::report::Record;
 use std::path::PathBuf;
@@ -25,5 +29,12 @@ pub type BenchFn = fn(&Ctx) -> Vec<Record>;
 
 /// Every benchmark, by name.
 pub fn all() -> Vec<(&'static str, BenchFn)> {
-    vec![("cached", cached::run as BenchFn), ("policy", policy::run as BenchFn)]
+    vec![
+        ("cached", cached::run as BenchFn),
+        ("cached_seq", seq::run as BenchFn),
+        ("table1", table1::run as BenchFn),
+        ("tlpi", tlpi::run as BenchFn),
+        ("zipf", zipf::run as BenchFn),
+        ("policy", policy::run as BenchFn),
+    ]
 }
