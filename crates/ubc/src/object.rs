@@ -894,15 +894,22 @@ impl Object {
             })
         };
         let ok = r.is_ok();
+        let mut redirtied = 0;
         for p in first..first + n {
-            chunk.pages[(p - base) as usize].end_writeback(ok);
+            redirtied += chunk.pages[(p - base) as usize].end_writeback(ok) as u64;
         }
         if ok {
             bump(&sh.written_bytes, bytes as u64);
             bump(&sh.writebacks, n);
             self.core.flusher.cleaned(n);
         } else {
-            self.note_dirtied(n);
+            // Each page is dirty again, counted once: pages re-dirtied meanwhile (by a store
+            // found through a mapping) were counted dirty and unclean when found, so their
+            // writeback's unclean slot goes.
+            self.note_dirtied(n - redirtied);
+            if redirtied > 0 {
+                self.core.flusher.cleaned(redirtied);
+            }
             bump(&sh.writeback_errors, 1);
         }
         r

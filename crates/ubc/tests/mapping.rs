@@ -510,3 +510,37 @@ fn mixed_stores_writes_and_reads_under_eviction_match_a_model() {
     assert_same(&std::fs::read(&path).unwrap(), &want, "host file after sync");
     assert_same(&m, &want, "mapping after sync");
 }
+
+/// A store found through a mapping while its page is under a writeback that then fails:
+/// the page is dirty once, not twice. (The unclean count leaked one page per such event,
+/// and a writer at the dirty limit later waited forever for pages that did not exist.)
+#[test]
+fn a_store_found_during_a_failing_writeback_is_counted_once() {
+    let cache = Cache::builder().budget(16 << 20).build().unwrap();
+    let mem = Arc::new(MemPager::new());
+    ubc::Pager::put_pages(&*mem, 0, &vec![1u8; 64 << 10]).unwrap();
+    let pager = Arc::new(FaultPager::new(mem.clone()));
+    let f = cache.open(pager.clone(), Access::ReadWrite).unwrap();
+    let mut m = f.map(0..64 << 10, Access::ReadWrite, Sharing::Shared).unwrap();
+    m[100] = 2;
+    pager.set_delay(std::time::Duration::from_millis(300));
+    pager.fail_writes(Some(libc::EIO));
+    let ptr = m.as_mut_ptr() as usize;
+    let first = std::thread::spawn({
+        let f = f.try_clone().unwrap();
+        move || f.sync()
+    });
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    // SAFETY: the mapping lives until the end of the test.
+    unsafe { std::ptr::write_volatile((ptr + 100) as *mut u8, 3) };
+    // This sync's scan finds the store while the page is under the first writeback.
+    assert!(f.sync().is_err());
+    assert!(first.join().unwrap().is_err());
+    pager.set_delay(std::time::Duration::ZERO);
+    pager.heal();
+    f.sync().unwrap();
+    assert_eq!(store_contents(&*mem)[100], 3);
+    assert_eq!(f.stats().dirty_bytes, 0);
+    assert_eq!(cache.stats().unclean_bytes, 0, "every unclean page was cleaned and counted clean once");
+    drop(m);
+}

@@ -2,6 +2,7 @@
 //! `runs` times, and reports medians.
 
 pub mod cached;
+pub mod map;
 pub mod policy;
 pub mod seq;
 pub mod table1;
@@ -36,5 +37,6 @@ pub fn all() -> Vec<(&'static str, BenchFn)> {
         ("tlpi", tlpi::run as BenchFn),
         ("zipf", zipf::run as BenchFn),
         ("policy", policy::run as BenchFn),
+        ("map", map::run as BenchFn),
     ]
 }

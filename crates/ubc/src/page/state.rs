@@ -289,7 +289,10 @@ impl PageState {
 
     /// Finish a writeback. On failure the page is dirty again (nothing is dropped).
     /// => caller started the writeback.
-    pub(crate) fn end_writeback(&self, ok: bool) {
+    /// Returns whether the page was dirty again already (a store through a mapping was found
+    /// while it was written): such a page was counted dirty anew when it was found, so on
+    /// failure the caller must not count it a second time.
+    pub(crate) fn end_writeback(&self, ok: bool) -> bool {
         let mut s = self.0.load(SeqCst);
         loop {
             debug_assert!(s & WRITEBACK != 0);
@@ -302,7 +305,7 @@ impl PageState {
                     if s & WAITERS != 0 {
                         atomic_wait::wake_all(&self.0);
                     }
-                    return;
+                    return s & DIRTY != 0;
                 }
                 Err(cur) => s = cur,
             }
