@@ -853,6 +853,15 @@ impl Cache {
         self.core().sync_all()
     }
 
+    /// Forget the cached object of the data with `identity`: later opens of that identity
+    /// get a new object (handles already open keep theirs). For a store whose identities
+    /// are reused — a host file was removed and its inode number may be given to a new
+    /// file — so that the new file never sees the old one's pages.
+    pub fn forget(&self, identity: &Identity) {
+        let mut reg = self.core().registry.write();
+        reg.by_identity.remove(&ObjectKey::Data(identity.clone()));
+    }
+
     /// Write back and evict everything that is not in use; returns bytes freed.
     /// (For tests and benchmarks that need a cold cache.)
     pub fn evict_all(&self) -> Result<u64> {

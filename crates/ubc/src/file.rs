@@ -101,6 +101,23 @@ impl File {
         self.live()?.sync()
     }
 
+    /// Write back the dirty pages in byte `range` — stores through mappings included — and
+    /// wait for them (Mach's `pager_clean_request`; `msync(MS_SYNC)` without the pager's
+    /// sync). On error the pages stay dirty.
+    pub fn clean(&self, range: std::ops::Range<u64>) -> Result<()> {
+        self.live()?.clean(range.start, range.end)
+    }
+
+    /// Clean byte `range`, then drop its pages from the cache and from every mapping of the
+    /// file, so the next access reads the pager again (Mach's `pager_flush_request`;
+    /// `msync(MS_INVALIDATE)`). Used when the stored data changed underneath the cache —
+    /// by the stack's cache manager when another layer wrote the same file. With
+    /// `reload_len` the file's length is re-read from the pager too. A store through a
+    /// mapping racing the drop may be lost; writers through this cache wait.
+    pub fn invalidate(&self, range: std::ops::Range<u64>, reload_len: bool) -> Result<()> {
+        self.live()?.invalidate(range.start, range.end, reload_len)
+    }
+
     /// Close the handle: later calls on it fail with [`Error::Closed`]. Like `close(2)`,
     /// it does not sync; cached data stays in the cache for other handles and later opens.
     pub fn close(&self) -> Result<()> {
@@ -122,6 +139,17 @@ impl File {
         let o = self.live()?;
         o.handles.fetch_add(1, SeqCst);
         Ok(File::new(self.obj.clone(), self.cache.clone(), self.writable))
+    }
+
+    /// Another handle on the same file with `access`: a writable handle from a read-only
+    /// one if the file's pager can write ([`Error::ReadOnly`] otherwise).
+    pub fn reopen(&self, access: Access) -> Result<File> {
+        let o = self.live()?;
+        if access == Access::ReadWrite && !o.pager().is_writable() {
+            return Err(Error::ReadOnly);
+        }
+        o.handles.fetch_add(1, SeqCst);
+        Ok(File::new(self.obj.clone(), self.cache.clone(), access == Access::ReadWrite))
     }
 
     /// Map bytes `range` of the file into memory (`mmap(2)` served by the cache): the
@@ -150,6 +178,17 @@ impl File {
     /// Statistics of this file's cached object (shared by all its handles).
     pub fn stats(&self) -> Stats {
         self.obj.stats()
+    }
+
+    /// Identity of the stored data (from the pager), if it has one: two opens with the same
+    /// identity share one cached object.
+    pub fn identity(&self) -> Option<crate::pager::Identity> {
+        self.obj.pager().identity()
+    }
+
+    /// Whether this handle may modify the file.
+    pub fn is_writable(&self) -> bool {
+        self.writable
     }
 
     /// The cache this file lives in.

@@ -812,6 +812,50 @@ impl Object {
         err
     }
 
+    // ---------------------------------------------------------------- coherence
+
+    /// Mach's `pager_clean_request`: write back the dirty pages in bytes `from..to`
+    /// (stores through mappings included) and wait for writebacks in flight there. On error
+    /// the pages stay dirty and the first error is returned.
+    pub(crate) fn clean(&self, from: u64, to: u64) -> Result<()> {
+        let ps = self.ps();
+        let (a, b) = (from >> ps, to.div_ceil(1 << ps).max(from >> ps));
+        self.harvest(a, b, true);
+        self.writeback(a, b, true, true)
+    }
+
+    /// Mach's `pager_flush_request`: clean bytes `from..to`, then drop their cached pages
+    /// from the cache and from every mapping (a mapping re-faults them from the pager).
+    /// With `reload_len`, the length is then taken from the pager again (the stored data
+    /// changed underneath: a restore through a lower layer). Writers on this object wait.
+    /// A store through a mapping that lands between the clean and the drop is lost: the
+    /// caller (the cache manager) invalidates only ranges another domain is about to
+    /// overwrite or has overwritten.
+    pub(crate) fn invalidate(&self, from: u64, to: u64, reload_len: bool) -> Result<()> {
+        self.clean(from, to)?;
+        let _size = self.size_lock.write();
+        let ps = self.ps();
+        self.drop_pages(from >> ps, to.div_ceil(1 << ps).max(from >> ps))?;
+        if reload_len {
+            let old = self.len();
+            let new = self.pager().len().map_err(|e| self.io_err(PagerOp::Len, 0, e))?;
+            if new != old {
+                self.len.store(new, SeqCst);
+                if new < old {
+                    // Pages past the new end read as SIGBUS in mappings, as after set_len.
+                    self.drop_pages(new.div_ceil(1 << ps), u64::MAX)?;
+                } else if self.nmaps.load(SeqCst) > 0 {
+                    if let Some(svc) = self.core.maps.get() {
+                        for m in self.maps.read().iter() {
+                            svc.unpoison(m, old.div_ceil(1 << ps), new.div_ceil(1 << ps), ps);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     // ---------------------------------------------------------------- writeback
 
     /// Write back dirty pages with index in `from..to`, clustered into contiguous runs of at

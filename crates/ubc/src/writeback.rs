@@ -26,7 +26,9 @@
 //! * A writer stuck at the limit for long (writeback makes no progress: the store fails or
 //!   hangs) writes back its own object's dirty pages itself, then other objects' (the unclean
 //!   pages may all belong to another file whose store fails), so a persistent I/O error
-//!   reaches it instead of blocking it forever.
+//!   reaches it instead of blocking it forever. If, even so, nothing is cleaned anywhere for
+//!   2 s and no error comes back, it passes the limit by its one page (liveness over the
+//!   limit: a hung store, or an accounting error, must not deadlock writers).
 
 use crate::cache::CacheCore;
 use crate::error::Result;
@@ -40,6 +42,9 @@ use std::time::{Duration, Instant};
 const MAX_PAUSE: Duration = Duration::from_millis(200);
 /// How long a writer waits at the limit before it writes back its own pages.
 const HELP_AFTER: Duration = Duration::from_millis(50);
+/// How long a writer waits at the limit while nothing at all is cleaned cache-wide, and its
+/// own writeback finds nothing to write and no error, before it passes the limit.
+const GIVE_UP_AFTER: Duration = Duration::from_secs(2);
 
 /// Write-behind settings and state, part of the cache core.
 pub(crate) struct Flusher {
@@ -187,6 +192,7 @@ impl CacheCore {
     pub(crate) fn reserve_dirty(&self, obj: &Object) -> Result<()> {
         let f = &self.flusher;
         let mut waited: Option<Instant> = None;
+        let cleaned_at_start = f.cleaned.load(SeqCst);
         loop {
             let c = f.counts.load(SeqCst);
             let (published, held) = Flusher::split(c);
@@ -228,6 +234,15 @@ impl CacheCore {
                     for (_, o) in others {
                         o.writeback(0, u64::MAX, false, false)?;
                     }
+                }
+                // Backstop for liveness: nothing was cleaned anywhere for a long time and no
+                // writeback returned an error — the unclean pages are held by other writers,
+                // or a store hangs, or the count is wrong. Pass the limit by one page rather
+                // than wait forever (the memory budget still bounds the cache).
+                if start.elapsed() > GIVE_UP_AFTER && f.cleaned.load(SeqCst) == cleaned_at_start {
+                    f.counts.fetch_add(1 << 32, SeqCst);
+                    f.throttled_us.fetch_add(start.elapsed().as_micros() as u64, Relaxed);
+                    return Ok(());
                 }
             }
             let mut w = f.waiters.lock();

@@ -1,0 +1,619 @@
+//! The cache manager: one coherent truth for a file used through several layers at once.
+//!
+//! This is the coherence framework of Heidemann & Popek, "Performance of Cache Coherence in
+//! Stackable Filing" (SOSP '95, `../shared/seeds/001_…`), with two changes the paper could
+//! not make on SunOS: simply-named layers *share* their lower file's cache object (page
+//! sharing — "we were unable to explore this optimization"), and tokens have reader and
+//! writer modes ("Reader/writer tokens allow multiple read-only copies of pages to exist in
+//! the stack concurrently … We chose not to implement this optimization").
+//!
+//! ## Model
+//!
+//! A file reached through a stack has one [`Group`] (the paper's *file token*, issued by the
+//! bottom layer and inherited by simply-named layers). Its cached data lives in a chain of
+//! *domains*: domain 0 is the stored file (bytes as the bottom layer keeps them); each
+//! general layer above (compression, encryption) adds a domain with its own naming of the
+//! bytes (cleartext). Each domain is one `ubc` cache object; a general layer's pager reads
+//! and writes the domain below *through the cache* (raw, without tokens).
+//!
+//! Because every write goes down through the caches below it, a lower domain's cache is
+//! never stale: it is only *behind* while an upper domain holds dirty pages. An upper
+//! domain's cache goes stale when a lower domain is written. So there are two actions:
+//!
+//! * **flush** (Mach `pager_clean_request`): push an upper domain's dirty pages (stores
+//!   through mappings included) down, domain by domain, before anyone below reads or writes
+//!   the same bytes;
+//! * **invalidate** (Mach `pager_flush_request`): drop an upper domain's cached pages —
+//!   from every mapping too, which re-faults them — when a domain below writes those bytes.
+//!
+//! Tokens say when an action is needed, so that an operation whose domain already holds a
+//! token for its range (the common case: one layer in use) does nothing extra (Figure 6b,
+//! step 1). A **read** token on a range lets a domain use cached pages there; a **write**
+//! token also lets it dirty them. Writers exclude everyone else; readers share. Granting:
+//!
+//! | request in `d` | holder `e` above `d` | holder `e` below `d` |
+//! |---|---|---|
+//! | read  | `e` writes: flush `e` down to `d`; `e` keeps a read token | `e` writes: `e` keeps a read token |
+//! | write | flush `e` if it writes, invalidate `e`; `e` loses its tokens | `e` loses its tokens |
+//!
+//! Uncontended requests get the whole file ("the cache manager grants ownership of the
+//! entire file immediately"); contended ones get the requested range.
+//!
+//! Memory mappings are *sticky* holders: pages are faulted and stored without asking the
+//! manager, so a mapping's token cannot be taken away. An operation conflicting with one
+//! runs under the file lock with the actions done before and, for invalidations, again after
+//! it (a mapping may re-fault meanwhile), and gets no token to keep.
+//!
+//! Ranges move between domains through each general layer's [`Translate`]. A layer that
+//! cannot say which bytes map where (compression) answers "the whole file".
+//!
+//! Locking: `Group::lock` (the paper's whole-file stack lock) serializes slow paths and
+//! actions. An operation holds its domain's token lock shared for its duration; actions on
+//! a domain take it exclusively, so no operation on that domain is in flight. Operations
+//! never take the file lock while holding a token lock; pagers never take either.
+
+use parking_lot::{Condvar, Mutex, RwLock};
+use std::ops::Range;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+/// The whole file, as a range.
+pub(crate) const ALL: Range<u64> = 0..u64::MAX;
+
+/// How a general layer maps byte ranges between its domain (upper) and the one below.
+pub trait Translate: Send + Sync {
+    /// Stored bytes of the lower domain that hold upper bytes `upper`. `write`: also the
+    /// metadata a write of these bytes may update (a header with the length).
+    fn down(&self, upper: Range<u64>, write: bool) -> Vec<Range<u64>>;
+    /// Upper bytes whose data lies in lower bytes `lower`; `None` if they touch metadata
+    /// (the whole upper file must be treated as changed and its state reloaded).
+    fn up(&self, lower: Range<u64>) -> Option<Range<u64>>;
+    /// Re-read in-memory state (index, header) after the lower domain changed underneath.
+    fn reload(&self) -> std::io::Result<()>;
+}
+
+/// Token modes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Read,
+    Write,
+}
+
+/// A set of disjoint, sorted, non-adjacent half-open ranges.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct RangeSet(Vec<(u64, u64)>);
+
+impl RangeSet {
+    pub(crate) fn insert(&mut self, r: Range<u64>) {
+        if r.start >= r.end {
+            return;
+        }
+        let (mut a, mut b) = (r.start, r.end);
+        let mut out = Vec::with_capacity(self.0.len() + 1);
+        let mut placed = false;
+        for &(s, e) in &self.0 {
+            if e < a {
+                out.push((s, e));
+            } else if s > b {
+                if !placed {
+                    out.push((a, b));
+                    placed = true;
+                }
+                out.push((s, e));
+            } else {
+                a = a.min(s);
+                b = b.max(e);
+            }
+        }
+        if !placed {
+            out.push((a, b));
+        }
+        self.0 = out;
+    }
+
+    pub(crate) fn remove(&mut self, r: Range<u64>) {
+        if r.start >= r.end {
+            return;
+        }
+        let mut out = Vec::with_capacity(self.0.len() + 1);
+        for &(s, e) in &self.0 {
+            if e <= r.start || s >= r.end {
+                out.push((s, e));
+                continue;
+            }
+            if s < r.start {
+                out.push((s, r.start));
+            }
+            if e > r.end {
+                out.push((r.end, e));
+            }
+        }
+        self.0 = out;
+    }
+
+    pub(crate) fn covers(&self, r: &Range<u64>) -> bool {
+        r.start >= r.end || self.0.iter().any(|&(s, e)| s <= r.start && r.end <= e)
+    }
+
+    pub(crate) fn overlaps(&self, r: &Range<u64>) -> bool {
+        r.start < r.end && self.0.iter().any(|&(s, e)| s < r.end && r.start < e)
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// A mapping's hold on a range of its domain (see the module docs: sticky).
+#[derive(Clone, Debug)]
+struct Sticky {
+    id: u64,
+    range: Range<u64>,
+    write: bool,
+}
+
+#[derive(Default, Debug)]
+pub(crate) struct Tokens {
+    read: RangeSet,
+    /// Subset of `read`.
+    write: RangeSet,
+    sticky: Vec<Sticky>,
+}
+
+impl Tokens {
+    fn allows(&self, mode: Mode, r: &Range<u64>) -> bool {
+        match mode {
+            Mode::Read => self.read.covers(r),
+            Mode::Write => self.write.covers(r),
+        }
+    }
+    fn sticky_overlaps(&self, r: &Range<u64>, write_only: bool) -> bool {
+        self.sticky.iter().any(|s| (s.write || !write_only) && s.range.start < r.end && r.start < s.range.end)
+    }
+}
+
+/// One domain of a file: a cache object and how to reach the domain below it.
+pub(crate) struct Domain {
+    pub(crate) file: ubc::File,
+    /// `None` for domain 0 (the stored bytes).
+    pub(crate) xlate: Option<Arc<dyn Translate>>,
+    tokens: RwLock<Tokens>,
+}
+
+/// Counters of coherence work, for statistics and benchmarks.
+#[derive(Default, Debug)]
+pub(crate) struct Counters {
+    pub(crate) fast: AtomicU64,
+    pub(crate) slow: AtomicU64,
+    pub(crate) flushes: AtomicU64,
+    pub(crate) invalidations: AtomicU64,
+}
+
+/// Coherence statistics of a stack.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CoherenceStats {
+    /// Operations whose domain already held a token (no manager call).
+    pub fast_path: u64,
+    /// Operations that registered with the manager.
+    pub slow_path: u64,
+    /// Flush actions (dirty data pushed down for another domain).
+    pub flushes: u64,
+    /// Invalidate actions (cached pages dropped because a lower domain wrote).
+    pub invalidations: u64,
+}
+
+/// A file of the stack: its token ("file token"), whole-file lock and domains.
+pub(crate) struct Group {
+    /// Whole-file stack lock, around every coherence action.
+    lock: Mutex<()>,
+    domains: RwLock<Vec<Arc<Domain>>>,
+    next_sticky: AtomicU64,
+    counters: Arc<Counters>,
+    /// Coherence off (benchmark baseline only): every domain acts alone, as in a stack
+    /// without a manager.
+    disabled: bool,
+    /// Advisory byte-range locks, in domain-0 bytes.
+    locks: Mutex<Vec<RangeLock>>,
+    locks_cv: Condvar,
+}
+
+#[derive(Clone, Debug)]
+struct RangeLock {
+    owner: u64,
+    range: Range<u64>,
+    exclusive: bool,
+}
+
+/// Invalidate domain `.0` over ranges `.1` (reloading its state if `.2`) after an operation.
+type PostAction = (usize, Vec<Range<u64>>, bool);
+
+/// An operation's permission: keep it alive for the duration of the operation.
+pub(crate) enum Permit<'a> {
+    /// The domain holds a token: its lock is held shared.
+    Token(#[allow(dead_code)] parking_lot::RwLockReadGuard<'a, Tokens>),
+    /// A conflict with a mapping: the file lock is held; invalidations run again on drop.
+    Once { group: &'a Group, _lock: parking_lot::MutexGuard<'a, ()>, post: Vec<PostAction> },
+    /// Coherence is off.
+    Off,
+}
+
+impl Drop for Permit<'_> {
+    fn drop(&mut self) {
+        if let Permit::Once { group, post, .. } = self {
+            let doms = group.domains.read().clone();
+            for (e, ranges, reload) in post.drain(..) {
+                // Best effort: an error here (a failing writeback of a mapping's stores)
+                // stays with the pages, which remain dirty; it is reported at sync.
+                let _t = doms[e].tokens.write();
+                let _ = group.invalidate_locked(&doms[e], &ranges, reload);
+            }
+        }
+    }
+}
+
+impl Group {
+    pub(crate) fn new(counters: Arc<Counters>, disabled: bool) -> Group {
+        Group {
+            lock: Mutex::new(()),
+            domains: RwLock::new(Vec::new()),
+            next_sticky: AtomicU64::new(1),
+            counters,
+            disabled,
+            locks: Mutex::new(Vec::new()),
+            locks_cv: Condvar::new(),
+        }
+    }
+
+    /// The domain at `index`, if opened.
+    pub(crate) fn domain(&self, index: usize) -> Option<Arc<Domain>> {
+        self.domains.read().get(index).cloned()
+    }
+
+    pub(crate) fn depth(&self) -> usize {
+        self.domains.read().len()
+    }
+
+    /// Add the domain at `index` (domains are added bottom-up, each once) and return it, or
+    /// the one already there. => domain `index - 1` exists.
+    pub(crate) fn add_domain(&self, index: usize, make: impl FnOnce() -> crate::error::Result<(ubc::File, Option<Arc<dyn Translate>>)>) -> crate::error::Result<Arc<Domain>> {
+        if let Some(d) = self.domain(index) {
+            return Ok(d);
+        }
+        let _g = self.lock.lock();
+        if let Some(d) = self.domain(index) {
+            return Ok(d);
+        }
+        let (file, xlate) = make()?;
+        let d = Arc::new(Domain { file, xlate, tokens: RwLock::new(Tokens::default()) });
+        let mut v = self.domains.write();
+        assert_eq!(v.len(), index, "domains are added bottom-up");
+        v.push(d.clone());
+        Ok(d)
+    }
+
+    /// Translate `r` from domain `from` to domain `to`. `write`: a write's range (includes
+    /// metadata below). Returns `None` when the translation loses precision upward
+    /// ("whole file, reload").
+    fn translate(doms: &[Arc<Domain>], from: usize, to: usize, r: Range<u64>, write: bool) -> (Vec<Range<u64>>, bool) {
+        let mut cur = vec![r];
+        let mut reload = false;
+        if to < from {
+            for k in (to + 1..=from).rev() {
+                let x = doms[k].xlate.as_ref().expect("an upper domain translates");
+                cur = cur.into_iter().flat_map(|r| x.down(r, write)).collect();
+            }
+        } else {
+            for k in from + 1..=to {
+                let x = doms[k].xlate.as_ref().expect("an upper domain translates");
+                let mut next = Vec::new();
+                for r in cur {
+                    match x.up(r) {
+                        Some(u) => next.push(u),
+                        None => {
+                            next = vec![ALL];
+                            reload = true;
+                            break;
+                        }
+                    }
+                }
+                cur = next;
+                if reload {
+                    // Everything above is whole-file too.
+                    cur = vec![ALL];
+                }
+            }
+        }
+        (cur, reload)
+    }
+
+    /// Permission for an operation in domain `d` on bytes `r` (in `d`'s naming).
+    /// Figure 6b: use the token if held; else register, revoking conflicting holders.
+    pub(crate) fn acquire(&self, d: usize, r: Range<u64>, mode: Mode) -> ubc::Result<Permit<'_>> {
+        if self.disabled {
+            return Ok(Permit::Off);
+        }
+        loop {
+            let dom = self.domain(d).expect("domain open");
+            {
+                // SAFETY of the lifetime: `dom` is kept alive by `self.domains` (domains are
+                // never removed while the group lives).
+                let dom_ref: &Domain = unsafe { &*Arc::as_ptr(&dom) };
+                let t = dom_ref.tokens.read();
+                if t.allows(mode, &r) {
+                    self.counters.fast.fetch_add(1, Relaxed);
+                    return Ok(Permit::Token(t));
+                }
+            }
+            self.counters.slow.fetch_add(1, Relaxed);
+            let g = self.lock.lock();
+            let doms = self.domains.read().clone();
+            let sticky_post = self.revoke(&doms, d, r.clone(), mode)?;
+            match sticky_post {
+                None => {
+                    // Grant: the whole file if nobody else holds anything, else the range.
+                    let alone = doms.iter().enumerate().all(|(e, x)| {
+                        e == d || {
+                            let t = x.tokens.read();
+                            t.read.is_empty() && t.sticky.is_empty()
+                        }
+                    });
+                    let grant = if alone { ALL } else { r.clone() };
+                    let mut t = doms[d].tokens.write();
+                    t.read.insert(grant.clone());
+                    if mode == Mode::Write {
+                        t.write.insert(grant);
+                    }
+                    drop(t);
+                    drop(g);
+                    // Loop: take the token shared (it may be revoked again meanwhile).
+                }
+                Some(post) => return Ok(Permit::Once { group: self, _lock: g, post }),
+            }
+        }
+    }
+
+    /// Revoke what conflicts with (`d`, `r`, `mode`). Returns `Some(post-actions)` when a
+    /// mapping conflicts (no token may be granted), else `None`. => file lock held.
+    fn revoke(&self, doms: &[Arc<Domain>], d: usize, r: Range<u64>, mode: Mode) -> ubc::Result<Option<Vec<PostAction>>> {
+        let n = doms.len();
+        let write = mode == Mode::Write;
+        let mut sticky = false;
+        let mut post = Vec::new();
+        let mut post_top: Option<usize> = None;
+
+        // 1. Domains above d holding dirty data (a write token, or a writable mapping) push
+        //    it down, top first: flushing e puts its data into e-1, flushed next, and so on
+        //    to d. A general layer's flush includes its metadata (header, index) — its
+        //    pager's sync — or the bytes below would not be a complete file.
+        let mut flush_from: Option<usize> = None;
+        for e in (d + 1..n).rev() {
+            let (re, _) = Self::translate(doms, d, e, r.clone(), write);
+            let t = doms[e].tokens.read();
+            let dirty = re.iter().any(|x| t.write.overlaps(x) || t.sticky_overlaps(x, true));
+            sticky |= re.iter().any(|x| t.sticky_overlaps(x, true) || write && t.sticky_overlaps(x, false));
+            drop(t);
+            if dirty && flush_from.is_none() {
+                flush_from = Some(e);
+            }
+        }
+        if let Some(top) = flush_from {
+            for e in (d + 1..=top).rev() {
+                let (re, _) = Self::translate(doms, d, e, r.clone(), write);
+                let mut t = doms[e].tokens.write();
+                for x in &re {
+                    doms[e].file.clean(x.clone())?;
+                    // Readers below now see the data: e keeps only a read token.
+                    t.write.remove(x.clone());
+                }
+                if doms[e].xlate.is_some() {
+                    doms[e].file.sync()?;
+                }
+                self.counters.flushes.fetch_add(1, Relaxed);
+            }
+        }
+
+        // 2. A write in d makes the domains above stale where it writes: drop their pages
+        //    and tokens (bottom first, so a layer reloading its metadata reads a lower
+        //    domain that is already current). Mappings there are invalidated again after
+        //    the write (they may re-fault meanwhile).
+        if write {
+            for e in d + 1..n {
+                let (re, reload) = Self::translate(doms, d, e, r.clone(), true);
+                let t = doms[e].tokens.read();
+                let cached = re.iter().any(|x| t.read.overlaps(x) || t.sticky_overlaps(x, false));
+                let mapped = re.iter().any(|x| t.sticky_overlaps(x, false));
+                drop(t);
+                if cached || reload {
+                    let mut t = doms[e].tokens.write();
+                    self.invalidate_locked(&doms[e], &re, reload)?;
+                    for x in &re {
+                        t.read.remove(x.clone());
+                        t.write.remove(x.clone());
+                    }
+                }
+                if mapped {
+                    post_top = Some(e);
+                }
+            }
+            // After the write, every domain from d up to the highest mapping is stale
+            // again (a mapping re-faults through the domains between): bottom first.
+            if let Some(top) = post_top {
+                for e in d + 1..=top {
+                    let (re, reload) = Self::translate(doms, d, e, r.clone(), true);
+                    post.push((e, re, reload));
+                }
+            }
+        }
+
+        // 3. Domains below d lose what conflicts (no data action: their caches are updated
+        //    in place when d's data comes down). If one of them *wrote* there (a write token
+        //    or a writable mapping), every domain from it up to d may cache bytes — or
+        //    metadata — from before that write: invalidate them, bottom first.
+        let mut stale_from: Option<(usize, Vec<Range<u64>>)> = None;
+        for e in 0..d {
+            let (re, _) = Self::translate(doms, d, e, r.clone(), write);
+            let mut t = doms[e].tokens.write();
+            let wrote = re.iter().any(|x| t.write.overlaps(x));
+            let maps_w = re.iter().any(|x| t.sticky_overlaps(x, true));
+            for x in &re {
+                if write {
+                    t.read.remove(x.clone());
+                }
+                t.write.remove(x.clone());
+            }
+            drop(t);
+            sticky |= maps_w;
+            if (wrote || maps_w) && stale_from.is_none() {
+                stale_from = Some((e, re));
+            }
+        }
+        if let Some((e, re)) = stale_from {
+            for k in e + 1..=d {
+                let mut reload = false;
+                let mut rk = Vec::new();
+                for x in &re {
+                    let (v, rl) = Self::translate(doms, e, k, x.clone(), true);
+                    reload |= rl;
+                    rk.extend(v);
+                }
+                let mut t = doms[k].tokens.write();
+                self.invalidate_locked(&doms[k], &rk, reload)?;
+                if k < d {
+                    for x in &rk {
+                        t.read.remove(x.clone());
+                        t.write.remove(x.clone());
+                    }
+                }
+            }
+        }
+        if sticky {
+            return Ok(Some(post));
+        }
+        Ok(None)
+    }
+
+    /// Drop domain `e`'s cached pages in `ranges` (after cleaning them). With `reload`, the
+    /// layer re-reads its state and the length. => file lock held, `e`'s tokens held.
+    fn invalidate_locked(&self, e: &Domain, ranges: &[Range<u64>], reload: bool) -> ubc::Result<()> {
+        self.counters.invalidations.fetch_add(1, Relaxed);
+        if reload {
+            e.file.invalidate(ALL, false)?;
+            if let Some(x) = &e.xlate {
+                x.reload().map_err(|source| ubc::Error::Io {
+                    op: ubc::PagerOp::Len,
+                    offset: 0,
+                    object: "layer state".into(),
+                    source,
+                })?;
+            }
+            // Pages a mapping re-faulted with the old state in between go too.
+            return e.file.invalidate(ALL, true);
+        }
+        for r in ranges {
+            e.file.invalidate(r.clone(), false)?;
+        }
+        Ok(())
+    }
+
+    /// Register a mapping of `r` in domain `d` (after acquiring a token for it). Returns
+    /// the id to give to [`Group::unmap`].
+    pub(crate) fn map(&self, d: usize, r: Range<u64>, write: bool) -> u64 {
+        let id = self.next_sticky.fetch_add(1, Relaxed);
+        if !self.disabled {
+            let dom = self.domain(d).expect("domain open");
+            dom.tokens.write().sticky.push(Sticky { id, range: r, write });
+        }
+        id
+    }
+
+    pub(crate) fn unmap(&self, d: usize, id: u64) {
+        if let Some(dom) = self.domain(d) {
+            dom.tokens.write().sticky.retain(|s| s.id != id);
+        }
+    }
+
+    /// Flush every domain above `d` down to it (for `sync` at `d`: data written through
+    /// upper layers is part of the file at `d`). => no permit held by the caller.
+    pub(crate) fn flush_above(&self, d: usize) -> crate::error::Result<()> {
+        if self.disabled {
+            return Ok(());
+        }
+        let _g = self.lock.lock();
+        let doms = self.domains.read().clone();
+        for e in (d + 1..doms.len()).rev() {
+            let mut t = doms[e].tokens.write();
+            doms[e].file.clean(ALL)?;
+            t.write = RangeSet::default();
+        }
+        Ok(())
+    }
+
+    // ------------------------------------------------------------ byte-range locks
+
+    /// Translate `r` in domain `d` down to domain 0 (where all layers' locks meet).
+    fn lock_range(&self, d: usize, r: Range<u64>) -> Vec<Range<u64>> {
+        let doms = self.domains.read().clone();
+        Self::translate(&doms, d, 0, r, false).0
+    }
+
+    /// Take an advisory lock (fcntl `F_SETLK(W)`-style) on bytes `r` of domain `d`. Locks
+    /// of different owners conflict if they overlap in the stored bytes and one is
+    /// exclusive; an owner's own locks never conflict. With `wait`, blocks until granted;
+    /// else returns `false` on conflict.
+    pub(crate) fn lock(&self, owner: u64, d: usize, r: Range<u64>, exclusive: bool, wait: bool) -> bool {
+        let ranges = self.lock_range(d, r);
+        let mut l = self.locks.lock();
+        loop {
+            let conflict = l.iter().any(|x| {
+                x.owner != owner && (x.exclusive || exclusive) && ranges.iter().any(|r| x.range.start < r.end && r.start < x.range.end)
+            });
+            if !conflict {
+                for r in ranges {
+                    l.push(RangeLock { owner, range: r, exclusive });
+                }
+                return true;
+            }
+            if !wait {
+                return false;
+            }
+            self.locks_cv.wait(&mut l);
+        }
+    }
+
+    /// Release `owner`'s locks overlapping bytes `r` of domain `d` (whole locks).
+    pub(crate) fn unlock(&self, owner: u64, d: usize, r: Range<u64>) {
+        let ranges = self.lock_range(d, r);
+        let mut l = self.locks.lock();
+        l.retain(|x| x.owner != owner || !ranges.iter().any(|r| x.range.start < r.end && r.start < x.range.end));
+        self.locks_cv.notify_all();
+    }
+
+    /// Release every lock of `owner` (its file handle closed).
+    pub(crate) fn unlock_all(&self, owner: u64) {
+        let mut l = self.locks.lock();
+        l.retain(|x| x.owner != owner);
+        self.locks_cv.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn range_set_merges_splits_and_covers() {
+        let mut s = RangeSet::default();
+        s.insert(10..20);
+        s.insert(30..40);
+        s.insert(20..30);
+        assert_eq!(s.0, vec![(10, 40)]);
+        s.remove(15..25);
+        assert_eq!(s.0, vec![(10, 15), (25, 40)]);
+        assert!(s.covers(&(25..40)) && !s.covers(&(14..26)));
+        assert!(s.overlaps(&(14..16)) && !s.overlaps(&(15..25)));
+        s.insert(0..100);
+        assert_eq!(s.0, vec![(0, 100)]);
+        s.remove(ALL);
+        assert!(s.is_empty());
+    }
+}

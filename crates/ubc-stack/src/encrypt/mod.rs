@@ -1,0 +1,623 @@
+//! The aead layer: a file's cleartext stored encrypted and authenticated, block by block, in a
+//! *lower* `ubc::File` (a host file, memory, or another layer).
+//!
+//! # Why this shape
+//!
+//! * **Per-block AEAD (XChaCha20-Poly1305), 4096-byte cleartext blocks.** The cache moves
+//!   whole pages at page-aligned offsets, so a page maps onto whole blocks and a read or
+//!   write never needs a read-modify-write of a neighbour. Each block is sealed on its own
+//!   so random access costs one block, not the file.
+//! * **A fresh random 24-byte nonce on every write.** Blocks are rewritten in place any
+//!   number of times; with XChaCha's 192-bit nonces random choice is safe (no counter to
+//!   persist, nothing to go wrong after a crash or a restore), and a reused nonce is
+//!   never produced by a rewrite.
+//! * **AAD = domain ‖ file id ‖ block index.** The tag then covers *where* a block belongs:
+//!   a block moved to another index or copied from another file fails authentication just
+//!   like a modified one. The file id is 16 random bytes chosen when the file is created.
+//! * **An authenticated header carrying the cleartext length.** Without it, cutting blocks
+//!   off the end (truncation) would be invisible. The header is sealed with the same key
+//!   (an AEAD tag over the header fields, fresh nonce per header write), so a wrong key is
+//!   reported at open, before any block is read.
+//! * **Every block inside the length exists and is full-size on store.** Holes are written
+//!   as encrypted zero blocks (when `set_len` grows the file or a write lands past the
+//!   end), so a run of zero bytes in the store can never pass for cleartext zeros, and the
+//!   last, partial block is padded with encrypted zeros to the full block size: the position
+//!   and size of every stored block is a function of its index only, which keeps blocks
+//!   decryptable whatever a crash did to the header's length. Cost: a hole costs its full
+//!   stored size (4136 bytes per 4096 cleartext bytes) and a file's tail up to 4095 bytes.
+//!
+//! The exact bytes are in `docs/formats-aead.md`.
+//!
+//! # Concurrency
+//!
+//! The cache calls `get_pages`/`put_pages` from several threads for different ranges. Reads
+//! and writes inside the current length run in parallel under a shared lock; a write that
+//! extends the file, `set_len`, `sync` and `reload` take the lock exclusively, so the
+//! zero-filling of a gap can never overwrite data another thread is putting there, and no
+//! reader sees a half-written gap block.
+//!
+//! # Crashes
+//!
+//! The length in the header is brought up to date by `sync` and `set_len` (writes that
+//! extend the file only move the in-memory length). Between syncs the lower file may be
+//! left with blocks newer than the header: after a crash, data written past the header's
+//! length is not visible (the file has its last synced length); a block whose store was
+//! torn fails authentication (`AuthError`), never reads as garbage; a truncation whose
+//! header reached the store but whose shortened data did not is harmless, the reverse
+//! reads the missing blocks as `AuthError` (indistinguishable from a truncation attack).
+//!
+//! # Limitations (by design)
+//!
+//! Rolling back the *whole* file to an older complete ciphertext is accepted (the stack
+//! restores old versions on purpose). Rolling back a *single block* to an older version of
+//! itself (same file, same index) is not detected: there is no per-block version or Merkle
+//! tree. Copying a stored file copies its file id, so blocks can be exchanged between the
+//! copies undetected. Lengths and the positions of writes are visible to whoever sees the
+//! store.
+
+mod key;
+
+pub use key::{ARGON2_M_COST_KIB, ARGON2_P_COST, ARGON2_T_COST, Key};
+
+use chacha20poly1305::{AeadInOut, KeyInit, Tag, XChaCha20Poly1305, XNonce};
+use parking_lot::{Mutex, RecursiveRwLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+use std::io;
+use std::ops::Range;
+use std::sync::Arc;
+use ubc::{Fill, Identity, IoMode, Pager};
+use zeroize::Zeroize;
+
+/// Cleartext bytes per block.
+pub const BLOCK: u64 = 4096;
+/// Nonce bytes at the start of each stored block.
+pub const NONCE_LEN: usize = 24;
+/// Tag bytes at the end of each stored block.
+pub const TAG_LEN: usize = 16;
+/// Stored bytes per block: nonce ‖ ciphertext (always `BLOCK` bytes) ‖ tag.
+pub const STORED_BLOCK: u64 = NONCE_LEN as u64 + BLOCK + TAG_LEN as u64;
+/// Stored bytes of the header; block `i` is stored at `HEADER_LEN + i * STORED_BLOCK`.
+pub const HEADER_LEN: u64 = 80;
+/// Magic bytes at offset 0 of every stored file.
+pub const MAGIC: &[u8; 8] = b"UBC-AEAD";
+/// Format version in the header.
+pub const VERSION: u32 = 1;
+
+const B: usize = BLOCK as usize;
+const S: usize = STORED_BLOCK as usize;
+const H: usize = HEADER_LEN as usize;
+/// Length of the header fields the header tag covers (magic .. length).
+const HEADER_FIELDS: usize = 40;
+const BLOCK_DOMAIN: &[u8; 16] = b"ubc-aead1 block\0";
+const HEADER_DOMAIN: &[u8; 16] = b"ubc-aead1 header";
+
+/// What failed authentication (see [`AuthError`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// The store ends before the data the authenticated length says it holds.
+    Truncated,
+    /// The header does not start with the magic bytes: not an aead file.
+    BadMagic,
+    /// Unknown format version or block size.
+    BadVersion,
+    /// The tag does not match: modified, moved to another index or file, or a wrong key.
+    BadTag,
+    /// The stored block is all zero bytes: a hole or zeroed store, never authentic.
+    Zeroed,
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Failure::Truncated => "stored data is shorter than the authenticated length (truncated)",
+            Failure::BadMagic => "not an aead file (bad magic)",
+            Failure::BadVersion => "unsupported format version or block size",
+            Failure::BadTag => "authentication failed (tampered, moved, from another file, or wrong key)",
+            Failure::Zeroed => "stored block is all zeros (a hole or zeroed data cannot be authentic)",
+        })
+    }
+}
+
+/// An authentication failure. Returned as an `io::Error` of kind `InvalidData` whose inner
+/// error is this type: `err.get_ref().and_then(|e| e.downcast_ref::<AuthError>())`.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum AuthError {
+    /// The header failed (wrong key, tampering, truncation, not an aead file).
+    #[error("aead header: {0}")]
+    Header(Failure),
+    /// Block `index` (cleartext bytes `index * 4096 ..`) failed.
+    #[error("aead block {index}: {failure}")]
+    Block { index: u64, failure: Failure },
+}
+
+impl AuthError {
+    /// Find an `AuthError` anywhere in `err`'s source chain (through `ubc::Error` and
+    /// `io::Error` wrappers).
+    pub fn find<'a>(err: &'a (dyn std::error::Error + 'static)) -> Option<&'a AuthError> {
+        let mut cur: Option<&'a (dyn std::error::Error + 'static)> = Some(err);
+        while let Some(e) = cur {
+            if let Some(a) = e.downcast_ref::<AuthError>() {
+                return Some(a);
+            }
+            if let Some(io) = e.downcast_ref::<io::Error>() {
+                if let Some(inner) = io.get_ref() {
+                    if let Some(a) = AuthError::find(inner) {
+                        return Some(a);
+                    }
+                }
+            }
+            cur = e.source();
+        }
+        None
+    }
+}
+
+impl From<AuthError> for io::Error {
+    fn from(e: AuthError) -> io::Error {
+        io::Error::new(io::ErrorKind::InvalidData, e)
+    }
+}
+
+/// In-memory state of one stored file. `len`, `header_len` and `header_on_store` are atomics
+/// so that puts under the shared lock can move them; `file_id` changes only under the
+/// exclusive lock (reload).
+struct State {
+    /// Random id bound into every block's AAD.
+    file_id: [u8; 16],
+    /// Whether the lower file holds a header (false for a new, empty lower file).
+    header_on_store: AtomicBool,
+    /// The cleartext length: authoritative.
+    len: AtomicU64,
+    /// The length in the stored header (differs from `len` until the next header write).
+    header_len: AtomicU64,
+}
+
+/// A [`Pager`] storing a file's cleartext encrypted per block in a lower `ubc::File`.
+pub struct EncryptPager {
+    lower: ubc::File,
+    cipher: XChaCha20Poly1305,
+    writable: bool,
+    /// Shared: reads, puts that start inside the stored blocks, header writes. Exclusive:
+    /// puts that leave a gap (zero-fill), `set_len`, `reload`. Shared acquisitions are
+    /// recursive (`RecursiveRwLock`: readers never queue behind a waiting writer): a lower write may re-enter this pager from the same
+    /// thread through the cache's writeback (see the report on throttling).
+    state: RecursiveRwLock<State>,
+    /// Serializes header writes made under the shared lock.
+    header_lock: Mutex<()>,
+}
+
+fn ubc_io(e: ubc::Error) -> io::Error {
+    io::Error::from(e)
+}
+
+fn random(buf: &mut [u8]) -> io::Result<()> {
+    getrandom::fill(buf).map_err(|e| io::Error::other(format!("OS random number generator: {e}")))
+}
+
+fn cipher_for(key: &Key) -> XChaCha20Poly1305 {
+    let mut k = chacha20poly1305::Key::from(*key.bytes());
+    let c = XChaCha20Poly1305::new(&k);
+    k.as_mut_slice().zeroize();
+    c
+}
+
+fn block_aad(file_id: &[u8; 16], index: u64) -> [u8; 40] {
+    let mut a = [0u8; 40];
+    a[..16].copy_from_slice(BLOCK_DOMAIN);
+    a[16..32].copy_from_slice(file_id);
+    a[32..].copy_from_slice(&index.to_le_bytes());
+    a
+}
+
+fn header_aad(fields: &[u8]) -> [u8; 16 + HEADER_FIELDS] {
+    let mut a = [0u8; 16 + HEADER_FIELDS];
+    a[..16].copy_from_slice(HEADER_DOMAIN);
+    a[16..].copy_from_slice(&fields[..HEADER_FIELDS]);
+    a
+}
+
+/// Where block `index` is stored.
+fn slot(index: u64) -> u64 {
+    HEADER_LEN + index * STORED_BLOCK
+}
+
+/// Number of blocks holding `len` cleartext bytes.
+fn blocks(len: u64) -> u64 {
+    len.div_ceil(BLOCK)
+}
+
+/// Read as much of `buf` as the file holds at `offset`; returns the bytes read.
+fn read_full(f: &ubc::File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        let n = f.read_at(&mut buf[done..], offset + done as u64).map_err(ubc_io)?;
+        if n == 0 {
+            break;
+        }
+        done += n;
+    }
+    Ok(done)
+}
+
+fn write_all(f: &ubc::File, buf: &[u8], offset: u64) -> io::Result<()> {
+    let n = f.write_at(buf, offset).map_err(ubc_io)?;
+    if n != buf.len() {
+        return Err(io::Error::new(io::ErrorKind::WriteZero, format!("lower file took {n} of {} bytes at {offset}", buf.len())));
+    }
+    Ok(())
+}
+
+/// Read and authenticate the header of `lower`: `Ok(None)` for an empty lower file,
+/// else `(file id, length)`.
+fn read_header(lower: &ubc::File, cipher: &XChaCha20Poly1305) -> io::Result<Option<([u8; 16], u64)>> {
+    let stored = lower.len().map_err(ubc_io)?;
+    if stored == 0 {
+        return Ok(None);
+    }
+    let mut h = [0u8; H];
+    let got = read_full(lower, &mut h, 0)?;
+    if h[..got.min(8)] != MAGIC[..got.min(8)] {
+        return Err(AuthError::Header(Failure::BadMagic).into());
+    }
+    if got < H {
+        return Err(AuthError::Header(Failure::Truncated).into());
+    }
+    let nonce = XNonce::try_from(&h[40..64]).expect("24 bytes");
+    let tag = Tag::try_from(&h[64..80]).expect("16 bytes");
+    if cipher.decrypt_inout_detached(&nonce, &header_aad(&h), (&mut [][..]).into(), &tag).is_err() {
+        return Err(AuthError::Header(Failure::BadTag).into());
+    }
+    // Authenticated from here on: the fields were written by a holder of the key.
+    let version = u32::from_le_bytes(h[8..12].try_into().unwrap());
+    let block = u32::from_le_bytes(h[12..16].try_into().unwrap());
+    if version != VERSION || block as u64 != BLOCK {
+        return Err(AuthError::Header(Failure::BadVersion).into());
+    }
+    let id: [u8; 16] = h[16..32].try_into().unwrap();
+    let len = u64::from_le_bytes(h[32..40].try_into().unwrap());
+    if len > i64::MAX as u64 {
+        return Err(AuthError::Header(Failure::BadVersion).into());
+    }
+    Ok(Some((id, len)))
+}
+
+impl EncryptPager {
+    /// Open the encrypted file stored in `lower`. An empty lower file is an empty file (a new
+    /// random file id is chosen; the header is written on the first put/set_len/sync).
+    /// Otherwise the header is read and authenticated: a wrong key or a damaged header is an
+    /// `InvalidData` error carrying [`AuthError::Header`]. Read-only if `lower` is.
+    pub fn open(lower: ubc::File, key: Arc<Key>) -> io::Result<EncryptPager> {
+        let cipher = cipher_for(&key);
+        let state = Self::load(&lower, &cipher)?;
+        let writable = lower.is_writable();
+        Ok(EncryptPager { lower, cipher, writable, state: RecursiveRwLock::new(state), header_lock: Mutex::new(()) })
+    }
+
+    fn load(lower: &ubc::File, cipher: &XChaCha20Poly1305) -> io::Result<State> {
+        Ok(match read_header(lower, cipher)? {
+            Some((file_id, len)) => State { file_id, header_on_store: AtomicBool::new(true), len: AtomicU64::new(len), header_len: AtomicU64::new(len) },
+            None => {
+                let mut file_id = [0u8; 16];
+                random(&mut file_id)?;
+                State { file_id, header_on_store: AtomicBool::new(false), len: AtomicU64::new(0), header_len: AtomicU64::new(0) }
+            }
+        })
+    }
+
+    /// Cleartext length of the file stored in `lower` (0 for an empty lower file). Reads and
+    /// authenticates the header; it does not check that the blocks are present.
+    pub fn logical_len(lower: &ubc::File, key: &Key) -> io::Result<u64> {
+        Ok(read_header(lower, &cipher_for(key))?.map_or(0, |(_, len)| len))
+    }
+
+    /// Forget the in-memory header, file id and length and read them again from the lower
+    /// file (it was changed underneath, e.g. an old ciphertext restored). Unsynced length
+    /// changes are dropped. Precondition: no `get_pages`/`put_pages` in flight, and the
+    /// upper file's cached pages are invalidated by the caller afterwards.
+    pub fn reload(&self) -> io::Result<()> {
+        let mut st = self.state.write();
+        *st = Self::load(&self.lower, &self.cipher)?;
+        Ok(())
+    }
+
+    /// The lower file holding the ciphertext.
+    pub fn lower(&self) -> &ubc::File {
+        &self.lower
+    }
+
+    /// The stored bytes holding cleartext bytes `upper`: whole blocks, header excluded.
+    /// An empty `upper` maps to an empty range.
+    pub fn lower_range(&self, upper: Range<u64>) -> Range<u64> {
+        if upper.end <= upper.start {
+            let s = slot(upper.start / BLOCK);
+            return s..s;
+        }
+        slot(upper.start / BLOCK)..slot(blocks(upper.end))
+    }
+
+    /// The cleartext range whose blocks overlap stored bytes `lower` (whole blocks; not
+    /// clipped to the length). `None` if `lower` touches the header: then the file id or
+    /// length may have changed and the whole file must be treated as changed.
+    pub fn upper_range(&self, lower: Range<u64>) -> Option<Range<u64>> {
+        if lower.end <= lower.start {
+            let b = lower.start.saturating_sub(HEADER_LEN) / STORED_BLOCK * BLOCK;
+            return Some(b..b);
+        }
+        if lower.start < HEADER_LEN {
+            return None;
+        }
+        let first = (lower.start - HEADER_LEN) / STORED_BLOCK;
+        let last = (lower.end - HEADER_LEN).div_ceil(STORED_BLOCK);
+        Some(first * BLOCK..last * BLOCK)
+    }
+
+    /// Seal and write the header with the current length. => the state lock held, either
+    /// exclusively or shared together with `header_lock` (header writers never overlap).
+    fn write_header(&self, st: &State) -> io::Result<()> {
+        let len = st.len.load(SeqCst);
+        let mut h = [0u8; H];
+        h[..8].copy_from_slice(MAGIC);
+        h[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        h[12..16].copy_from_slice(&(BLOCK as u32).to_le_bytes());
+        h[16..32].copy_from_slice(&st.file_id);
+        h[32..40].copy_from_slice(&len.to_le_bytes());
+        random(&mut h[40..64])?;
+        let nonce = XNonce::try_from(&h[40..64]).expect("24 bytes");
+        let tag = self.cipher.encrypt_inout_detached(&nonce, &header_aad(&h), (&mut [][..]).into()).map_err(|_| io::Error::other("aead: sealing the header failed"))?;
+        h[64..80].copy_from_slice(&tag);
+        write_all(&self.lower, &h, 0)?;
+        st.header_len.store(len, SeqCst);
+        st.header_on_store.store(true, SeqCst);
+        Ok(())
+    }
+
+    fn header_stale(st: &State) -> bool {
+        !st.header_on_store.load(SeqCst) || st.header_len.load(SeqCst) != st.len.load(SeqCst)
+    }
+
+    /// Write the header if it is missing or its length is stale. => shared state lock held.
+    /// With `wait == false`, skip if another thread is writing it (it or the next `sync`
+    /// brings it up to date; never waiting here keeps a re-entered put from deadlocking).
+    fn flush_header(&self, st: &State, wait: bool) -> io::Result<()> {
+        let _g = if wait {
+            self.header_lock.lock()
+        } else {
+            match self.header_lock.try_lock() {
+                Some(g) => g,
+                None => return Ok(()),
+            }
+        };
+        if Self::header_stale(st) {
+            self.write_header(st)?;
+        }
+        Ok(())
+    }
+
+    /// Seal `plain` (cleartext from block `first` on; the last block is padded with zeros
+    /// to a full block) and write it to the store. => lock held (shared suffices if the
+    /// blocks lie inside the length).
+    fn write_blocks(&self, file_id: &[u8; 16], first: u64, plain: &[u8]) -> io::Result<()> {
+        let n = plain.len().div_ceil(B);
+        let mut out = vec![0u8; n * S];
+        let mut nonces = vec![0u8; n * NONCE_LEN];
+        random(&mut nonces)?;
+        for k in 0..n {
+            let s = &mut out[k * S..(k + 1) * S];
+            s[..NONCE_LEN].copy_from_slice(&nonces[k * NONCE_LEN..(k + 1) * NONCE_LEN]);
+            let src = &plain[k * B..((k + 1) * B).min(plain.len())];
+            let (head, tag_dst) = s.split_at_mut(NONCE_LEN + B);
+            let (nonce_bytes, ct) = head.split_at_mut(NONCE_LEN);
+            ct[..src.len()].copy_from_slice(src); // the rest stays zero: padding
+            let nonce = XNonce::try_from(&*nonce_bytes).expect("24 bytes");
+            let tag = self.cipher.encrypt_inout_detached(&nonce, &block_aad(file_id, first + k as u64), (&mut *ct).into()).map_err(|_| io::Error::other("aead: sealing a block failed"))?;
+            tag_dst.copy_from_slice(&tag);
+        }
+        write_all(&self.lower, &out, slot(first))
+    }
+
+    /// Write encrypted zero blocks `from..to`, in batches. => exclusive lock held.
+    fn write_zero_blocks(&self, file_id: &[u8; 16], from: u64, to: u64) -> io::Result<()> {
+        const BATCH: u64 = 256;
+        let zeros = vec![0u8; (BATCH.min(to.saturating_sub(from)) as usize) * B];
+        let mut i = from;
+        while i < to {
+            let n = BATCH.min(to - i);
+            self.write_blocks(file_id, i, &zeros[..n as usize * B])?;
+            i += n;
+        }
+        Ok(())
+    }
+
+    /// Read and open block `index` into `out` (a full block). => lock held.
+    fn read_block(&self, file_id: &[u8; 16], index: u64, out: &mut [u8; B]) -> io::Result<()> {
+        let mut s = vec![0u8; S];
+        let got = read_full(&self.lower, &mut s, slot(index))?;
+        self.open_slot(file_id, index, &s, got == S, out)
+    }
+
+    /// Authenticate and decrypt one stored block `s` into `out` (`out.len() <= BLOCK`;
+    /// a shorter `out` takes the first bytes). `complete`: the store held all of `s`.
+    fn open_slot(&self, file_id: &[u8; 16], index: u64, s: &[u8], complete: bool, out: &mut [u8]) -> io::Result<()> {
+        if !complete {
+            return Err(AuthError::Block { index, failure: Failure::Truncated }.into());
+        }
+        let nonce = XNonce::try_from(&s[..NONCE_LEN]).expect("24 bytes");
+        let tag = Tag::try_from(&s[NONCE_LEN + B..]).expect("16 bytes");
+        let aad = block_aad(file_id, index);
+        let ok = if out.len() == B {
+            out.copy_from_slice(&s[NONCE_LEN..NONCE_LEN + B]);
+            self.cipher.decrypt_inout_detached(&nonce, &aad, out.into(), &tag).is_ok()
+        } else {
+            let mut tmp = [0u8; B];
+            tmp.copy_from_slice(&s[NONCE_LEN..NONCE_LEN + B]);
+            let ok = self.cipher.decrypt_inout_detached(&nonce, &aad, (&mut tmp[..]).into(), &tag).is_ok();
+            if ok {
+                let n = out.len();
+                out.copy_from_slice(&tmp[..n]);
+            }
+            tmp.zeroize();
+            ok
+        };
+        if ok {
+            return Ok(());
+        }
+        out.fill(0);
+        let failure = if s.iter().all(|&b| b == 0) { Failure::Zeroed } else { Failure::BadTag };
+        Err(AuthError::Block { index, failure }.into())
+    }
+
+    fn check_aligned(offset: u64) -> io::Result<()> {
+        if offset % BLOCK != 0 {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("aead: offset {offset} is not a multiple of the {BLOCK}-byte block")));
+        }
+        Ok(())
+    }
+
+    fn check_writable(&self) -> io::Result<()> {
+        if !self.writable {
+            return Err(io::Error::new(io::ErrorKind::PermissionDenied, "aead: the lower file is read-only"));
+        }
+        Ok(())
+    }
+}
+
+impl Pager for EncryptPager {
+    /// Precondition: `offset` is a multiple of 4096 (the cache's pages are). Any `buf`
+    /// length works. Every block of the range inside the length is authenticated; one
+    /// failing block fails the call with its [`AuthError`].
+    fn get_pages(&self, offset: u64, buf: &mut [u8]) -> io::Result<Fill> {
+        Self::check_aligned(offset)?;
+        let st = self.state.read();
+        let len = st.len.load(SeqCst);
+        if offset >= len || buf.is_empty() {
+            return Ok(Fill::Hole);
+        }
+        let data = ((len - offset).min(buf.len() as u64)) as usize;
+        let n = data.div_ceil(B);
+        let first = offset / BLOCK;
+        let mut stored = vec![0u8; n * S];
+        let got = read_full(&self.lower, &mut stored, slot(first))?;
+        for k in 0..n {
+            let out_end = ((k + 1) * B).min(buf.len());
+            self.open_slot(&st.file_id, first + k as u64, &stored[k * S..(k + 1) * S], got >= (k + 1) * S, &mut buf[k * B..out_end])?;
+        }
+        // Past the end reads as zero (the padding is zero already; the rest of `buf` is not
+        // ours to assume).
+        buf[data..].fill(0);
+        Ok(Fill::Data)
+    }
+
+    /// Precondition: `offset` is a multiple of 4096; `data` runs to a block boundary or is
+    /// clipped at the file's length. A write past the end fills the gap with encrypted zero
+    /// blocks (cost: the gap's full stored size) and moves the in-memory length; the header
+    /// follows at the next `sync`/`set_len`.
+    fn put_pages(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        self.check_writable()?;
+        Self::check_aligned(offset)?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        let end = offset.checked_add(data.len() as u64).ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "aead: offset overflow"))?;
+        let first = offset / BLOCK;
+        {
+            // Starting at or before the end of the stored blocks leaves no gap: every block
+            // below `first` exists, so this put needs no zero-fill and runs shared.
+            let st = self.state.read();
+            if first <= blocks(st.len.load(SeqCst)) {
+                self.write_blocks(&st.file_id, first, data)?;
+                // A failed put leaves the length alone (the cache retries it).
+                st.len.fetch_max(end, SeqCst);
+                if !st.header_on_store.load(SeqCst) {
+                    self.flush_header(&st, false)?;
+                }
+                return Ok(());
+            }
+        }
+        // A gap between the stored blocks and this put: fill it with encrypted zero blocks
+        // (a hole must not read as unauthenticated zeros), exclusively so that no other put
+        // into the gap can be overwritten by the zeros and no reader sees a gap half-filled.
+        let st = self.state.write();
+        self.write_zero_blocks(&st.file_id, blocks(st.len.load(SeqCst)), first)?;
+        self.write_blocks(&st.file_id, first, data)?;
+        st.len.fetch_max(end, SeqCst);
+        if !st.header_on_store.load(SeqCst) {
+            self.write_header(&st)?;
+        }
+        Ok(())
+    }
+
+    fn len(&self) -> io::Result<u64> {
+        Ok(self.state.read().len.load(SeqCst))
+    }
+
+    /// Growing writes encrypted zero blocks for the new range; shrinking to the middle of a
+    /// block re-encrypts that block with its tail zeroed (so a later extension reads zeros),
+    /// which fails with its `AuthError` if the block is damaged. The header is written.
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.check_writable()?;
+        if len > i64::MAX as u64 {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "aead: length past 2^63"));
+        }
+        let st = self.state.write();
+        let id = st.file_id;
+        let old = st.len.load(SeqCst);
+        if len > old {
+            // Blocks past `old` are new: the last old block's tail is already zero.
+            self.write_zero_blocks(&id, blocks(old), blocks(len))?;
+            st.len.store(len, SeqCst);
+            self.write_header(&st)?;
+        } else if len < old {
+            if len % BLOCK != 0 {
+                let index = len / BLOCK;
+                let mut b = Box::new([0u8; B]);
+                let r = self.read_block(&id, index, &mut b).and_then(|()| {
+                    b[(len % BLOCK) as usize..].fill(0);
+                    self.write_blocks(&id, index, &b[..])
+                });
+                b.zeroize();
+                r?;
+            }
+            // Header first: a crash after it leaves extra blocks (ignored), not missing ones.
+            st.len.store(len, SeqCst);
+            self.write_header(&st)?;
+            self.lower.set_len(slot(blocks(len))).map_err(ubc_io)?;
+        } else if Self::header_stale(&st) {
+            self.write_header(&st)?;
+        }
+        Ok(())
+    }
+
+    /// Write the header if the length changed since it was last written, then sync the
+    /// lower file (durability goes down the stack).
+    fn sync(&self) -> io::Result<()> {
+        if self.writable {
+            let st = self.state.read();
+            if Self::header_stale(&st) {
+                self.flush_header(&st, true)?;
+            }
+        }
+        self.lower.sync().map_err(ubc_io)
+    }
+
+    fn identity(&self) -> Option<Identity> {
+        self.lower.identity().map(|id| Identity::Named { kind: "aead", name: format!("{:?}", Some(id)) })
+    }
+
+    fn is_writable(&self) -> bool {
+        self.writable
+    }
+
+    fn describe(&self) -> String {
+        format!("aead over {:?}", self.lower)
+    }
+
+    fn io_mode(&self) -> IoMode {
+        self.lower.stats().io_mode
+    }
+}
+
+impl std::fmt::Debug for EncryptPager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EncryptPager").field("lower", &self.lower).field("writable", &self.writable).finish_non_exhaustive()
+    }
+}

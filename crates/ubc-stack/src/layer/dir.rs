@@ -1,0 +1,182 @@
+//! `dir`: a host directory. Files are host files reached through the local-file pager
+//! (`O_DIRECT` where the file system allows, so the kernel keeps no second copy).
+//!
+//! Paths never leave the root: `..` is refused by [`norm`](super::norm), and symbolic links
+//! are not followed when opening or stat-ing (`O_NOFOLLOW`, `lstat`), so a link planted in
+//! the directory cannot lead the stack outside it.
+
+use super::{Attr, Below, DirEntry, Kind, Layer, Opened, SetAttr};
+use crate::error::{Error, Result};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// A layer over a host directory.
+pub struct Dir {
+    root: PathBuf,
+}
+
+impl Dir {
+    /// A layer over the existing directory `root`.
+    pub fn new(root: impl Into<PathBuf>) -> Result<Dir> {
+        let root = root.into();
+        let md = std::fs::metadata(&root).map_err(|e| Error::io(&root.display().to_string(), e))?;
+        if !md.is_dir() {
+            return Err(Error::NotDir(root.display().to_string()));
+        }
+        Ok(Dir { root })
+    }
+
+    /// The host directory.
+    pub fn root(&self) -> &std::path::Path {
+        &self.root
+    }
+
+    fn host(&self, path: &str) -> PathBuf {
+        if path.is_empty() { self.root.clone() } else { self.root.join(path) }
+    }
+
+    /// Reject a path whose intermediate components are symbolic links (a link to `/etc`
+    /// inside the directory must not make `etc-link/passwd` reachable).
+    fn check_components(&self, path: &str) -> Result<()> {
+        let mut cur = self.root.clone();
+        let comps: Vec<&str> = path.split('/').filter(|c| !c.is_empty()).collect();
+        for c in comps.iter().take(comps.len().saturating_sub(1)) {
+            cur.push(c);
+            match std::fs::symlink_metadata(&cur) {
+                Ok(md) if md.file_type().is_symlink() => {
+                    return Err(Error::Invalid(format!("{path}: path goes through a symbolic link")));
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+pub(crate) fn attr_of(md: &std::fs::Metadata) -> Attr {
+    let ft = md.file_type();
+    Attr {
+        kind: if ft.is_dir() {
+            Kind::Dir
+        } else if ft.is_symlink() {
+            Kind::Symlink
+        } else {
+            Kind::File
+        },
+        ino: md.ino(),
+        mode: md.mode() & 0o7777,
+        size: md.len(),
+        mtime: md.modified().unwrap_or(std::time::UNIX_EPOCH),
+        atime: md.accessed().unwrap_or(std::time::UNIX_EPOCH),
+    }
+}
+
+impl Layer for Dir {
+    fn spec(&self) -> String {
+        format!("dir:{}", self.root.display())
+    }
+
+    fn lower(&self) -> Option<&Arc<dyn Layer>> {
+        None
+    }
+
+    fn getattr(&self, path: &str) -> Result<Attr> {
+        self.check_components(path)?;
+        let md = std::fs::symlink_metadata(self.host(path)).map_err(|e| Error::io(path, e))?;
+        Ok(attr_of(&md))
+    }
+
+    fn setattr(&self, path: &str, set: &SetAttr) -> Result<()> {
+        self.check_components(path)?;
+        let p = self.host(path);
+        if let Some(mode) = set.mode {
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).map_err(|e| Error::io(path, e))?;
+        }
+        if set.mtime.is_some() || set.atime.is_some() {
+            let f = std::fs::File::options().write(false).read(true).custom_flags(libc::O_NOFOLLOW).open(&p);
+            let f = match f {
+                Ok(f) => f,
+                Err(e) => return Err(Error::io(path, e)),
+            };
+            let mut t = std::fs::FileTimes::new();
+            if let Some(m) = set.mtime {
+                t = t.set_modified(m);
+            }
+            if let Some(a) = set.atime {
+                t = t.set_accessed(a);
+            }
+            f.set_times(t).map_err(|e| Error::io(path, e))?;
+        }
+        if let Some(size) = set.size {
+            // Only reached for files not open through the stack (the stack resizes open
+            // files through the cache).
+            let f = std::fs::File::options().write(true).custom_flags(libc::O_NOFOLLOW).open(&p).map_err(|e| Error::io(path, e))?;
+            f.set_len(size).map_err(|e| Error::io(path, e))?;
+        }
+        Ok(())
+    }
+
+    fn readdir(&self, path: &str) -> Result<Vec<DirEntry>> {
+        self.check_components(path)?;
+        let mut out = Vec::new();
+        for e in std::fs::read_dir(self.host(path)).map_err(|e| Error::io(path, e))? {
+            let e = e.map_err(|e| Error::io(path, e))?;
+            let ft = e.file_type().map_err(|e| Error::io(path, e))?;
+            let kind = if ft.is_dir() {
+                Kind::Dir
+            } else if ft.is_symlink() {
+                Kind::Symlink
+            } else {
+                Kind::File
+            };
+            out.push(DirEntry { name: e.file_name().to_string_lossy().into_owned(), kind });
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+
+    fn create(&self, path: &str, mode: u32) -> Result<()> {
+        self.check_components(path)?;
+        std::fs::File::options()
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(self.host(path))
+            .map(|_| ())
+            .map_err(|e| Error::io(path, e))
+    }
+
+    fn mkdir(&self, path: &str, mode: u32) -> Result<()> {
+        self.check_components(path)?;
+        std::fs::DirBuilder::new().mode(mode).create(self.host(path)).map_err(|e| Error::io(path, e))
+    }
+
+    fn remove(&self, path: &str) -> Result<()> {
+        self.check_components(path)?;
+        std::fs::remove_file(self.host(path)).map_err(|e| Error::io(path, e))
+    }
+
+    fn rmdir(&self, path: &str) -> Result<()> {
+        self.check_components(path)?;
+        std::fs::remove_dir(self.host(path)).map_err(|e| Error::io(path, e))
+    }
+
+    fn rename(&self, from: &str, to: &str) -> Result<()> {
+        self.check_components(from)?;
+        self.check_components(to)?;
+        std::fs::rename(self.host(from), self.host(to)).map_err(|e| Error::io(from, e))
+    }
+
+    fn open(&self, path: &str, writable: bool, _below: &dyn Below) -> Result<Opened> {
+        self.check_components(path)?;
+        let f = std::fs::File::options()
+            .read(true)
+            .write(writable)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(self.host(path))
+            .map_err(|e| Error::io(path, e))?;
+        let pager = ubc::pager::FilePager::from_file(f, self.host(path), writable).map_err(|e| Error::io(path, e))?;
+        Ok(Opened::Store(Arc::new(pager)))
+    }
+}

@@ -1,0 +1,157 @@
+//! The `Layer` trait: one stackable filing layer (the paper's vnode operations).
+//!
+//! A layer offers namespace operations and, per open file, a way to reach the file's data:
+//!
+//! * a *store* layer (dir, mem, a union's upper branch) owns the bytes: it gives a
+//!   [`ubc::Pager`] and the file becomes a new coherence group (a new file token);
+//! * a *simply-named* layer (null) changes nothing about the bytes: the file is the lower
+//!   layer's file — same cache object, same domain (page sharing);
+//! * a *general* layer (zstd, aead) renames the bytes: it gives a pager over the lower
+//!   layer's file and a [`Translate`] for byte ranges, and the file gets a new domain in the
+//!   lower file's group.
+//!
+//! Paths are `/`-separated and relative to the stack's root ("" or "/" is the root);
+//! [`norm`] checks them. File names are the same in every layer (the aead layer keeps names
+//! in the clear), which is what lets name-cache invalidations be broadcast by path.
+
+pub mod dir;
+pub mod general;
+pub mod mem;
+pub mod null;
+pub mod union;
+
+use crate::coherence::Translate;
+use crate::error::{Error, Result};
+use std::sync::Arc;
+use std::time::SystemTime;
+
+/// What kind of object a name refers to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    File,
+    Dir,
+    Symlink,
+}
+
+/// File attributes. Grouped as the paper's cache manager groups them: `kind` and `ino`
+/// never change; `mode` sometimes; `size` and the times often.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Attr {
+    pub kind: Kind,
+    pub ino: u64,
+    pub mode: u32,
+    pub size: u64,
+    pub mtime: SystemTime,
+    pub atime: SystemTime,
+}
+
+/// Changes for [`Layer::setattr`]; `None` leaves a field alone.
+#[derive(Clone, Debug, Default)]
+pub struct SetAttr {
+    pub size: Option<u64>,
+    pub mode: Option<u32>,
+    pub mtime: Option<SystemTime>,
+    pub atime: Option<SystemTime>,
+}
+
+/// One directory entry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DirEntry {
+    pub name: String,
+    pub kind: Kind,
+}
+
+/// What a layer gives for an open file.
+pub enum Opened {
+    /// This layer stores the bytes (a new file token).
+    Store(Arc<dyn ubc::Pager>),
+    /// The file is the lower layer's file (simply named).
+    Lower,
+    /// The file is the lower layer's file under another naming of its bytes: the stack
+    /// opens the lower file and calls [`Layer::wrap`].
+    Wrap,
+}
+
+/// How a layer's open reaches the layer below (given by the stack).
+pub trait Below {
+    /// Open `path` in the layer below; the handle is writable if `writable`.
+    fn open_lower(&self, path: &str, writable: bool) -> Result<ubc::File>;
+}
+
+/// A stackable layer.
+///
+/// Namespace operations forward to `lower()` by default, so a layer overrides only what it
+/// changes. Implementations must be thread-safe.
+pub trait Layer: Send + Sync {
+    /// Spec form of this layer (`"dir:/data"`, `"zstd:level=3"`).
+    fn spec(&self) -> String;
+
+    /// The layer this one is stacked on (`None` for a bottom layer).
+    fn lower(&self) -> Option<&Arc<dyn Layer>>;
+
+    /// Whether [`Layer::open`] answers [`Opened::Wrap`] (the file size seen here differs
+    /// from the lower layer's and is taken from the opened file).
+    fn is_general(&self) -> bool {
+        false
+    }
+
+    fn getattr(&self, path: &str) -> Result<Attr> {
+        self.below()?.getattr(path)
+    }
+    fn setattr(&self, path: &str, set: &SetAttr) -> Result<()> {
+        self.below()?.setattr(path, set)
+    }
+    fn readdir(&self, path: &str) -> Result<Vec<DirEntry>> {
+        self.below()?.readdir(path)
+    }
+    fn create(&self, path: &str, mode: u32) -> Result<()> {
+        self.below()?.create(path, mode)
+    }
+    fn mkdir(&self, path: &str, mode: u32) -> Result<()> {
+        self.below()?.mkdir(path, mode)
+    }
+    fn remove(&self, path: &str) -> Result<()> {
+        self.below()?.remove(path)
+    }
+    fn rmdir(&self, path: &str) -> Result<()> {
+        self.below()?.rmdir(path)
+    }
+    fn rename(&self, from: &str, to: &str) -> Result<()> {
+        self.below()?.rename(from, to)
+    }
+
+    /// Open the data of regular file `path`. => the file exists (the stack checked).
+    fn open(&self, path: &str, writable: bool, below: &dyn Below) -> Result<Opened>;
+
+    /// A general layer's pager over the lower layer's file (opened writable when the
+    /// lower store allows it), and how ranges translate between the two namings.
+    fn wrap(&self, lower: ubc::File) -> Result<(Arc<dyn ubc::Pager>, Arc<dyn Translate>)> {
+        let _ = lower;
+        Err(Error::Invalid(format!("layer {} does not wrap files", self.spec())))
+    }
+
+    /// The lower layer or an error for a bottom layer that forgot to override.
+    fn below(&self) -> Result<&Arc<dyn Layer>> {
+        self.lower().ok_or_else(|| Error::Invalid(format!("layer {} has no lower layer", self.spec())))
+    }
+}
+
+/// Check and normalize a stack path: no `..`, no empty or `.` components; returns it
+/// without leading/trailing slashes ("" is the root).
+pub fn norm(path: &str) -> Result<String> {
+    let mut out = Vec::new();
+    for c in path.split('/') {
+        match c {
+            "" | "." => continue,
+            ".." => return Err(Error::Invalid(format!("{path}: `..` is not allowed in stack paths"))),
+            c if c.contains('\0') => return Err(Error::Invalid(format!("{path:?}: NUL in path"))),
+            c => out.push(c),
+        }
+    }
+    Ok(out.join("/"))
+}
+
+/// Parent directory of a normalized path ("" for top-level names).
+pub(crate) fn parent(path: &str) -> &str {
+    path.rfind('/').map_or("", |i| &path[..i])
+}

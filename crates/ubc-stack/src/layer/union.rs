@@ -1,0 +1,270 @@
+//! `union`: a writable upper directory over the read-only layer below (union mounts,
+//! overlayfs). Names in the upper hide the same names below; the first write to a lower
+//! file copies it up; removing a lower name leaves a *whiteout* (`.wh.<name>` in the upper
+//! directory); a directory made where a lower one was removed is *opaque* (`.wh..opq`).
+//! Listings merge both, upper first.
+//!
+//! Files in the upper directory are stores of their own (a new file token). Files only
+//! below are the lower layer's files (simply named: same cache object). A handle opened
+//! read-only *before* a copy-up keeps reading the lower file (as overlayfs did before
+//! Linux 4.19); handles opened after see the upper copy.
+
+use super::dir::Dir;
+use super::{parent, Attr, Below, DirEntry, Kind, Layer, Opened, SetAttr};
+use crate::error::{Error, Result};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::sync::Arc;
+
+const WH: &str = ".wh.";
+const OPAQUE: &str = ".wh..opq";
+
+/// A union of a writable host directory over the layer below.
+pub struct Union {
+    lower: Arc<dyn Layer>,
+    upper: Dir,
+}
+
+fn name_of(path: &str) -> &str {
+    path.rsplit('/').next().unwrap_or(path)
+}
+
+fn join(dir: &str, name: &str) -> String {
+    if dir.is_empty() { name.to_string() } else { format!("{dir}/{name}") }
+}
+
+fn whiteout_of(path: &str) -> String {
+    join(parent(path), &format!("{WH}{}", name_of(path)))
+}
+
+impl Union {
+    pub fn new(lower: Arc<dyn Layer>, upper: Dir) -> Union {
+        Union { lower, upper }
+    }
+
+    fn in_upper(&self, path: &str) -> Option<Attr> {
+        self.upper.getattr(path).ok()
+    }
+
+    /// Whether `path` or one of its ancestors is hidden by a whiteout or an opaque directory.
+    fn hidden(&self, path: &str) -> bool {
+        let comps: Vec<&str> = path.split('/').filter(|c| !c.is_empty()).collect();
+        let mut cur = String::new();
+        for c in comps {
+            if self.in_upper(&join(&cur, &format!("{WH}{c}"))).is_some() {
+                return true;
+            }
+            if !cur.is_empty() && self.in_upper(&join(&cur, OPAQUE)).is_some() && self.in_upper(&join(&cur, c)).is_none() {
+                return true;
+            }
+            cur = join(&cur, c);
+        }
+        false
+    }
+
+    fn in_lower(&self, path: &str) -> Option<Attr> {
+        if self.hidden(path) {
+            return None;
+        }
+        self.lower.getattr(path).ok()
+    }
+
+    /// Make the directories of `path`'s parent exist in the upper directory.
+    fn upper_parents(&self, path: &str) -> Result<()> {
+        let mut cur = String::new();
+        let p = parent(path);
+        if p.is_empty() {
+            return Ok(());
+        }
+        for c in p.split('/') {
+            cur = join(&cur, c);
+            if self.in_upper(&cur).is_none() {
+                let mode = self.lower.getattr(&cur).map(|a| a.mode).unwrap_or(0o755);
+                self.upper.mkdir(&cur, mode)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn clear_whiteout(&self, path: &str) -> Result<bool> {
+        let wh = whiteout_of(path);
+        if self.in_upper(&wh).is_some() {
+            self.upper.remove(&wh)?;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    fn make_whiteout(&self, path: &str) -> Result<()> {
+        self.upper_parents(path)?;
+        let wh = whiteout_of(path);
+        if self.in_upper(&wh).is_none() {
+            self.upper.create(&wh, 0o600)?;
+        }
+        Ok(())
+    }
+
+    /// Copy a lower file up (data read through the stack below, so it is current).
+    fn copy_up(&self, path: &str, below: &dyn Below) -> Result<()> {
+        let attr = self.lower.getattr(path)?;
+        if attr.kind != Kind::File {
+            return Err(Error::Invalid(format!("{path}: only regular files are copied up")));
+        }
+        self.upper_parents(path)?;
+        let src = below.open_lower(path, false)?;
+        let tmp = join(parent(path), &format!(".ubc-copyup.{}", name_of(path)));
+        let host_tmp = self.upper.root().join(&tmp);
+        let mut out = std::fs::File::create(&host_tmp).map_err(|e| Error::io(path, e))?;
+        let mut buf = vec![0u8; 1 << 20];
+        let mut off = 0u64;
+        loop {
+            let n = src.read_at(&mut buf, off)?;
+            if n == 0 {
+                break;
+            }
+            out.write_all(&buf[..n]).map_err(|e| Error::io(path, e))?;
+            off += n as u64;
+        }
+        out.sync_all().map_err(|e| Error::io(path, e))?;
+        drop(out);
+        self.upper.setattr(&tmp, &SetAttr { mode: Some(attr.mode), ..Default::default() })?;
+        self.upper.rename(&tmp, path)
+    }
+}
+
+impl Layer for Union {
+    fn spec(&self) -> String {
+        format!("union:upper={}", self.upper.root().display())
+    }
+    fn lower(&self) -> Option<&Arc<dyn Layer>> {
+        Some(&self.lower)
+    }
+    fn getattr(&self, path: &str) -> Result<Attr> {
+        if let Some(a) = self.in_upper(path) {
+            return Ok(a);
+        }
+        self.in_lower(path).ok_or_else(|| Error::NotFound(path.into()))
+    }
+    fn setattr(&self, path: &str, set: &SetAttr) -> Result<()> {
+        if self.in_upper(path).is_none() {
+            return Err(Error::ReadOnly(format!("{path} (copy it up by opening it for writing first)")));
+        }
+        self.upper.setattr(path, set)
+    }
+    fn readdir(&self, path: &str) -> Result<Vec<DirEntry>> {
+        let mut out: BTreeMap<String, DirEntry> = BTreeMap::new();
+        let up = self.in_upper(path);
+        let mut whiteouts = Vec::new();
+        if let Some(a) = &up {
+            if a.kind != Kind::Dir {
+                return Err(Error::NotDir(path.into()));
+            }
+            for e in self.upper.readdir(path)? {
+                if let Some(n) = e.name.strip_prefix(WH) {
+                    whiteouts.push(n.to_string());
+                } else if !e.name.starts_with(".ubc-copyup.") {
+                    out.insert(e.name.clone(), e);
+                }
+            }
+        }
+        let opaque = up.is_some() && self.in_upper(&join(path, OPAQUE)).is_some();
+        if !opaque {
+            if let Some(a) = self.in_lower(path) {
+                if a.kind == Kind::Dir {
+                    for e in self.lower.readdir(path)? {
+                        if !whiteouts.contains(&e.name) && !out.contains_key(&e.name) {
+                            out.insert(e.name.clone(), e);
+                        }
+                    }
+                }
+            } else if up.is_none() {
+                return Err(Error::NotFound(path.into()));
+            }
+        }
+        Ok(out.into_values().collect())
+    }
+    fn create(&self, path: &str, mode: u32) -> Result<()> {
+        if self.getattr(path).is_ok() {
+            return Err(Error::Exists(path.into()));
+        }
+        self.upper_parents(path)?;
+        self.clear_whiteout(path)?;
+        self.upper.create(path, mode)
+    }
+    fn mkdir(&self, path: &str, mode: u32) -> Result<()> {
+        if self.getattr(path).is_ok() {
+            return Err(Error::Exists(path.into()));
+        }
+        self.upper_parents(path)?;
+        let was_removed = self.clear_whiteout(path)?;
+        self.upper.mkdir(path, mode)?;
+        if was_removed {
+            self.upper.create(&join(path, OPAQUE), 0o600)?;
+        }
+        Ok(())
+    }
+    fn remove(&self, path: &str) -> Result<()> {
+        let a = self.getattr(path)?;
+        if a.kind == Kind::Dir {
+            return Err(Error::IsDir(path.into()));
+        }
+        if self.in_upper(path).is_some() {
+            self.upper.remove(path)?;
+        }
+        if self.in_lower(path).is_some() {
+            self.make_whiteout(path)?;
+        }
+        Ok(())
+    }
+    fn rmdir(&self, path: &str) -> Result<()> {
+        let a = self.getattr(path)?;
+        if a.kind != Kind::Dir {
+            return Err(Error::NotDir(path.into()));
+        }
+        if !self.readdir(path)?.is_empty() {
+            return Err(Error::NotEmpty(path.into()));
+        }
+        if self.in_upper(path).is_some() {
+            for e in self.upper.readdir(path)? {
+                self.upper.remove(&join(path, &e.name))?; // whiteouts and the opaque marker
+            }
+            self.upper.rmdir(path)?;
+        }
+        if self.in_lower(path).is_some() {
+            self.make_whiteout(path)?;
+        }
+        Ok(())
+    }
+    fn rename(&self, from: &str, to: &str) -> Result<()> {
+        let a = self.getattr(from)?;
+        if self.in_upper(from).is_none() {
+            if a.kind != Kind::File {
+                return Err(Error::Invalid(format!("{from}: renaming a lower directory is not supported (EXDEV)")));
+            }
+            return Err(Error::Invalid(format!("{from}: a lower file must be copied up before a rename (the stack does this)")));
+        }
+        if a.kind == Kind::Dir && self.in_lower(from).is_some() {
+            return Err(Error::Invalid(format!("{from}: renaming a merged directory is not supported (EXDEV)")));
+        }
+        self.upper_parents(to)?;
+        self.clear_whiteout(to)?;
+        self.upper.rename(from, to)?;
+        if self.in_lower(from).is_some() {
+            self.make_whiteout(from)?;
+        }
+        Ok(())
+    }
+    fn open(&self, path: &str, writable: bool, below: &dyn Below) -> Result<Opened> {
+        if self.in_upper(path).is_some() {
+            return self.upper.open(path, writable, below);
+        }
+        if self.in_lower(path).is_none() {
+            return Err(Error::NotFound(path.into()));
+        }
+        if writable {
+            self.copy_up(path, below)?;
+            return self.upper.open(path, writable, below);
+        }
+        Ok(Opened::Lower)
+    }
+}

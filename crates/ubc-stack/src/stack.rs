@@ -1,0 +1,657 @@
+//! Stacks: an ordered set of layers over one cache, every layer reachable, every file kept
+//! coherent across layers by the cache manager ([`crate::coherence`]).
+
+use crate::coherence::{CoherenceStats, Counters, Group, Mode, ALL};
+use crate::error::{Error, Result};
+use crate::layer::{self, norm, Attr, Below, DirEntry, Kind, Layer, Opened, SetAttr};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+/// What identifies a file's group: the bottom store's identity (the file token).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum GroupKey {
+    Data(ubc::Identity),
+    /// A store without identity: by layer and path.
+    Path(usize, String),
+}
+
+/// The attributes the paper groups as never and sometimes changing, cached per layer
+/// (the name-lookup cache: a hit means the name exists). The often-changing group (size,
+/// times) is not cached: it comes from the layer, or from the open file, every time.
+#[derive(Clone, Debug)]
+struct Cached {
+    kind: Kind,
+    ino: u64,
+    mode: u32,
+}
+
+struct Inner {
+    cache: ubc::Cache,
+    layers: Vec<Arc<dyn Layer>>,
+    groups: Mutex<HashMap<GroupKey, Arc<Group>>>,
+    counters: Arc<Counters>,
+    coherence: bool,
+    /// Per layer: path → cached attributes.
+    names: Vec<Mutex<HashMap<String, Cached>>>,
+    name_hits: AtomicU64,
+    name_invalidations: AtomicU64,
+    next_owner: AtomicU64,
+}
+
+/// A stack of layers over one cache. Cheap to clone (shared).
+#[derive(Clone)]
+pub struct Stack {
+    inner: Arc<Inner>,
+}
+
+/// Builds a [`Stack`] bottom-up.
+pub struct StackBuilder {
+    cache: ubc::Cache,
+    layers: Vec<Arc<dyn Layer>>,
+    coherence: bool,
+}
+
+impl StackBuilder {
+    /// Add a layer on top; `make` gets the current top (None for the bottom).
+    pub fn push(mut self, make: impl FnOnce(Option<Arc<dyn Layer>>) -> Result<Arc<dyn Layer>>) -> Result<Self> {
+        let l = make(self.layers.last().cloned())?;
+        self.layers.push(l);
+        Ok(self)
+    }
+
+    /// Turn the cache manager off: every layer caches on its own, as in a stack without
+    /// coherence. Only for measuring the manager's overhead — data through different
+    /// layers is then *not* coherent.
+    pub fn without_coherence(mut self) -> Self {
+        self.coherence = false;
+        self
+    }
+
+    pub fn build(self) -> Result<Stack> {
+        Stack::from_layers(self.cache, self.layers, self.coherence)
+    }
+}
+
+/// Options for [`LayerRef::open_with`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct OpenOptions {
+    pub write: bool,
+    pub create: bool,
+    pub truncate: bool,
+}
+
+impl Stack {
+    /// Build a stack from a spec: layers bottom first, separated by `|`:
+    ///
+    /// * `dir:PATH` — a host directory; `mem` — an in-memory tree
+    /// * `null` — pass-through
+    /// * `zstd[:level=N][,chunk=BYTES]` — compression (level 3, 64 KiB chunks by default)
+    /// * `aead:keyfile=PATH` or `aead:passphrase-file=PATH,salt=HEX32` — encryption
+    /// * `union:upper=PATH` — a writable host directory over the layers below
+    ///
+    /// e.g. `dir:/data | zstd:level=3 | aead:keyfile=/etc/k`.
+    pub fn open(spec: &str, cache: ubc::Cache) -> Result<Stack> {
+        let layers = crate::spec::parse(spec)?;
+        Stack::from_layers(cache, layers, true)
+    }
+
+    /// [`Stack::open`] with the cache manager off: each domain caches on its own and views
+    /// through different layers are *not* coherent. A baseline for measuring the manager
+    /// (`coherence_overhead`) and for showing what it prevents; not for real use.
+    pub fn open_without_coherence(spec: &str, cache: ubc::Cache) -> Result<Stack> {
+        let layers = crate::spec::parse(spec)?;
+        Stack::from_layers(cache, layers, false)
+    }
+
+    /// A builder for stacks made in code.
+    pub fn builder(cache: ubc::Cache) -> StackBuilder {
+        StackBuilder { cache, layers: Vec::new(), coherence: true }
+    }
+
+    /// A stack of `layers` (bottom first; each layer's `lower()` must be the one before).
+    pub fn from_layers(cache: ubc::Cache, layers: Vec<Arc<dyn Layer>>, coherence: bool) -> Result<Stack> {
+        if layers.is_empty() {
+            return Err(Error::Spec("a stack needs at least one layer".into()));
+        }
+        for (i, l) in layers.iter().enumerate() {
+            let ok = match (i, l.lower()) {
+                (0, None) => true,
+                (0, Some(_)) => false,
+                (_, Some(lo)) => Arc::ptr_eq(lo, &layers[i - 1]),
+                (_, None) => false,
+            };
+            if !ok {
+                return Err(Error::Spec(format!("layer {i} ({}) is not stacked on layer {}", l.spec(), i.saturating_sub(1))));
+            }
+        }
+        let names = layers.iter().map(|_| Mutex::new(HashMap::new())).collect();
+        Ok(Stack {
+            inner: Arc::new(Inner {
+                cache,
+                layers,
+                groups: Mutex::new(HashMap::new()),
+                counters: Arc::new(Counters::default()),
+                coherence,
+                names,
+                name_hits: AtomicU64::new(0),
+                name_invalidations: AtomicU64::new(0),
+                next_owner: AtomicU64::new(1),
+            }),
+        })
+    }
+
+    /// Number of layers.
+    pub fn depth(&self) -> usize {
+        self.inner.layers.len()
+    }
+
+    /// Layer `i` (0 is the bottom).
+    pub fn layer(&self, i: usize) -> Result<LayerRef> {
+        if i >= self.depth() {
+            return Err(Error::Invalid(format!("layer {i}: the stack has {} layers", self.depth())));
+        }
+        Ok(LayerRef { stack: self.clone(), level: i })
+    }
+
+    /// The top layer.
+    pub fn top(&self) -> LayerRef {
+        LayerRef { stack: self.clone(), level: self.depth() - 1 }
+    }
+
+    /// The spec of this stack (keys are named by where they come from, never shown).
+    pub fn spec(&self) -> String {
+        self.inner.layers.iter().map(|l| l.spec()).collect::<Vec<_>>().join(" | ")
+    }
+
+    pub fn cache(&self) -> &ubc::Cache {
+        &self.inner.cache
+    }
+
+    /// Coherence statistics.
+    pub fn coherence_stats(&self) -> CoherenceStats {
+        let c = &self.inner.counters;
+        CoherenceStats {
+            fast_path: c.fast.load(Relaxed),
+            slow_path: c.slow.load(Relaxed),
+            flushes: c.flushes.load(Relaxed),
+            invalidations: c.invalidations.load(Relaxed),
+        }
+    }
+
+    /// Name-cache statistics: (hits, invalidations broadcast).
+    pub fn name_cache_stats(&self) -> (u64, u64) {
+        (self.inner.name_hits.load(Relaxed), self.inner.name_invalidations.load(Relaxed))
+    }
+
+    /// Write every dirty page of every file down through the stack and sync the stores.
+    pub fn sync_all(&self) -> Result<()> {
+        let groups: Vec<Arc<Group>> = self.inner.groups.lock().values().cloned().collect();
+        for g in groups {
+            g.flush_above(0)?;
+        }
+        Ok(self.inner.cache.sync_all()?)
+    }
+}
+
+impl Inner {
+    /// Open the data of `path` at `level`: the file's group, its domain there, and a handle.
+    fn open_node(self: &Arc<Self>, level: usize, path: &str, writable: bool) -> Result<Node> {
+        let access = if writable { ubc::Access::ReadWrite } else { ubc::Access::ReadOnly };
+        let below = BelowImpl { inner: self, level };
+        match self.layers[level].open(path, writable, &below)? {
+            Opened::Store(pager) => {
+                if writable && !pager.is_writable() {
+                    return Err(Error::ReadOnly(path.into()));
+                }
+                let file = self.cache.open(pager, access)?;
+                let key = match file.identity() {
+                    Some(i) => GroupKey::Data(i),
+                    None => GroupKey::Path(level, path.to_string()),
+                };
+                let group = self
+                    .groups
+                    .lock()
+                    .entry(key)
+                    .or_insert_with(|| Arc::new(Group::new(self.counters.clone(), !self.coherence)))
+                    .clone();
+                group.add_domain(0, || Ok((file.reopen(ubc::Access::ReadOnly)?, None)))?;
+                Ok(Node { file, group, domain: 0 })
+            }
+            Opened::Lower => {
+                if level == 0 {
+                    return Err(Error::Invalid(format!("bottom layer {} has no lower layer", self.layers[0].spec())));
+                }
+                self.open_node(level - 1, path, writable)
+            }
+            Opened::Wrap => {
+                if level == 0 {
+                    return Err(Error::Invalid(format!("bottom layer {} has no lower layer", self.layers[0].spec())));
+                }
+                // The domain's pager writes through a writable lower handle when the lower
+                // store allows it, whoever opens first.
+                let lower = match self.open_node(level - 1, path, true) {
+                    Ok(n) => n,
+                    Err(Error::ReadOnly(_)) | Err(Error::Cache(ubc::Error::ReadOnly)) if !writable => self.open_node(level - 1, path, false)?,
+                    Err(e) => return Err(e),
+                };
+                let idx = lower.domain + 1;
+                let layer = self.layers[level].clone();
+                let cache = self.cache.clone();
+                let lower_file = lower.file;
+                let dom = lower.group.add_domain(idx, move || {
+                    let lw = lower_file.is_writable();
+                    let (pager, xlate) = layer.wrap(lower_file)?;
+                    let acc = if lw { ubc::Access::ReadWrite } else { ubc::Access::ReadOnly };
+                    Ok((cache.open(pager, acc)?, Some(xlate)))
+                })?;
+                let file = dom.file.reopen(access).map_err(|e| match e {
+                    ubc::Error::ReadOnly => Error::ReadOnly(path.into()),
+                    e => e.into(),
+                })?;
+                Ok(Node { file, group: lower.group, domain: idx })
+            }
+        }
+    }
+
+    fn invalidate_names(&self, path: &str) {
+        self.name_invalidations.fetch_add(1, Relaxed);
+        let prefix = format!("{path}/");
+        for m in &self.names {
+            m.lock().retain(|p, _| p != path && !p.starts_with(&prefix));
+        }
+    }
+
+    /// The file token of `path` as seen at `level`, if the file has an open group.
+    fn group_of(self: &Arc<Self>, level: usize, path: &str) -> Option<(Arc<Group>, Option<ubc::Identity>)> {
+        let node = self.open_node(level, path, false).ok()?;
+        Some((node.group.clone(), node.file.identity()))
+    }
+}
+
+struct Node {
+    file: ubc::File,
+    group: Arc<Group>,
+    domain: usize,
+}
+
+struct BelowImpl<'a> {
+    inner: &'a Arc<Inner>,
+    level: usize,
+}
+
+impl Below for BelowImpl<'_> {
+    fn open_lower(&self, path: &str, writable: bool) -> Result<ubc::File> {
+        if self.level == 0 {
+            return Err(Error::Invalid("the bottom layer has nothing below".into()));
+        }
+        // Through the stack's File (not the raw node) so the read is coherent with layers above.
+        let f = LayerRef { stack: Stack { inner: self.inner.clone() }, level: self.level - 1 }.open_with(
+            path,
+            OpenOptions { write: writable, ..Default::default() },
+        )?;
+        // Make layers above flush first: the copy must see their data.
+        f.group.flush_above(f.domain)?;
+        Ok(f.inner.reopen(if writable { ubc::Access::ReadWrite } else { ubc::Access::ReadOnly })?)
+    }
+}
+
+/// One layer of a stack: namespace operations and opens at that layer.
+#[derive(Clone)]
+pub struct LayerRef {
+    stack: Stack,
+    level: usize,
+}
+
+impl LayerRef {
+    /// Index of this layer (0 is the bottom).
+    pub fn index(&self) -> usize {
+        self.level
+    }
+
+    /// This layer's spec.
+    pub fn spec(&self) -> String {
+        self.layer().spec()
+    }
+
+    fn layer(&self) -> &Arc<dyn Layer> {
+        &self.stack.inner.layers[self.level]
+    }
+
+    fn inner(&self) -> &Arc<Inner> {
+        &self.stack.inner
+    }
+
+    /// Attributes of `path` as this layer shows them (a general layer shows its own size).
+    pub fn getattr(&self, path: &str) -> Result<Attr> {
+        let p = norm(path)?;
+        let names = &self.inner().names[self.level];
+        let cached = names.lock().get(&p).cloned();
+        let mut a = match cached {
+            Some(c) => {
+                self.inner().name_hits.fetch_add(1, Relaxed);
+                // Often-changing attributes are read each time; the lookup itself is cached.
+                let mut a = self.layer().getattr(&p)?;
+                a.kind = c.kind;
+                a.ino = c.ino;
+                a.mode = c.mode;
+                a
+            }
+            None => {
+                let a = self.layer().getattr(&p)?;
+                names.lock().insert(p.clone(), Cached { kind: a.kind, ino: a.ino, mode: a.mode });
+                a
+            }
+        };
+        if a.kind == Kind::File && (self.layer().is_general() || self.level_is_above_general()) {
+            a.size = self.open_with(&p, OpenOptions::default())?.len()?;
+        }
+        Ok(a)
+    }
+
+    /// Whether a general layer lies below this one (sizes then come from the open file).
+    fn level_is_above_general(&self) -> bool {
+        self.inner().layers[..self.level].iter().any(|l| l.is_general())
+    }
+
+    /// Change attributes. A size change goes through the cache (and the layers below).
+    pub fn setattr(&self, path: &str, set: &SetAttr) -> Result<()> {
+        let p = norm(path)?;
+        if let Some(size) = set.size {
+            self.open_with(&p, OpenOptions { write: true, ..Default::default() })?.set_len(size)?;
+        }
+        let rest = SetAttr { size: None, ..set.clone() };
+        if rest.mode.is_some() || rest.mtime.is_some() || rest.atime.is_some() {
+            self.layer().setattr(&p, &rest)?;
+        }
+        self.inner().invalidate_names(&p);
+        Ok(())
+    }
+
+    pub fn readdir(&self, path: &str) -> Result<Vec<DirEntry>> {
+        self.layer().readdir(&norm(path)?)
+    }
+
+    pub fn mkdir(&self, path: &str) -> Result<()> {
+        let p = norm(path)?;
+        self.layer().mkdir(&p, 0o755)?;
+        self.inner().invalidate_names(&p);
+        Ok(())
+    }
+
+    /// Remove a file. Cached lookups of it in every layer go at once, and its cached data
+    /// (in every domain) is dropped: a new file that reuses the inode starts clean.
+    pub fn remove(&self, path: &str) -> Result<()> {
+        let p = norm(path)?;
+        let doomed = self.inner().group_of(self.level, &p);
+        self.layer().remove(&p)?;
+        self.inner().invalidate_names(&p);
+        if let Some((g, id)) = doomed {
+            // Still reachable? (a union remove may leave nothing but a whiteout — the lower
+            // file lives on.) Only forget the data when the store's file is gone.
+            if self.layer().getattr(&p).is_err() {
+                self.forget_group(&g, id);
+            }
+        }
+        Ok(())
+    }
+
+    fn forget_group(&self, g: &Arc<Group>, id: Option<ubc::Identity>) {
+        let mut groups = self.inner().groups.lock();
+        groups.retain(|_, x| !Arc::ptr_eq(x, g));
+        drop(groups);
+        for d in 0..g.depth() {
+            if let Some(dom) = g.domain(d) {
+                if let Some(i) = dom.file.identity() {
+                    self.inner().cache.forget(&i);
+                }
+            }
+        }
+        if let Some(i) = id {
+            self.inner().cache.forget(&i);
+        }
+    }
+
+    pub fn rmdir(&self, path: &str) -> Result<()> {
+        let p = norm(path)?;
+        self.layer().rmdir(&p)?;
+        self.inner().invalidate_names(&p);
+        Ok(())
+    }
+
+    /// Rename `from` to `to` (replacing a file at `to`). Lookups of both names, and of
+    /// everything under them, are invalidated in every layer.
+    pub fn rename(&self, from: &str, to: &str) -> Result<()> {
+        let (f, t) = (norm(from)?, norm(to)?);
+        if self.layer().spec().starts_with("union:") {
+            if let Ok(a) = self.layer().getattr(&f) {
+                if a.kind == Kind::File {
+                    // Copy a lower file up first: the union renames only upper files.
+                    drop(self.open_with(&f, OpenOptions { write: true, ..Default::default() })?);
+                }
+            }
+        }
+        let replaced = self.inner().group_of(self.level, &t);
+        self.layer().rename(&f, &t)?;
+        self.inner().invalidate_names(&f);
+        self.inner().invalidate_names(&t);
+        if let Some((g, id)) = replaced {
+            self.forget_group(&g, id);
+        }
+        Ok(())
+    }
+
+    /// Open an existing file read-only.
+    pub fn open(&self, path: &str) -> Result<File> {
+        self.open_with(path, OpenOptions::default())
+    }
+
+    /// Create (or truncate) a file and open it read-write.
+    pub fn create(&self, path: &str) -> Result<File> {
+        self.open_with(path, OpenOptions { write: true, create: true, truncate: true })
+    }
+
+    pub fn open_with(&self, path: &str, opts: OpenOptions) -> Result<File> {
+        let p = norm(path)?;
+        match self.layer().getattr(&p) {
+            Ok(a) if a.kind == Kind::Dir => return Err(Error::IsDir(p)),
+            Ok(_) => {}
+            Err(Error::NotFound(_)) if opts.create => {
+                self.layer().create(&p, 0o644)?;
+                self.inner().invalidate_names(&p);
+            }
+            Err(e) => return Err(e),
+        }
+        let node = self.inner().open_node(self.level, &p, opts.write)?;
+        let f = File {
+            inner: node.file,
+            group: node.group,
+            domain: node.domain,
+            owner: self.inner().next_owner.fetch_add(1, Relaxed),
+            path: p,
+            level: self.level,
+        };
+        if opts.truncate && opts.write {
+            f.set_len(0)?;
+        }
+        Ok(f)
+    }
+}
+
+/// A file opened at one layer of a stack. Positional calls are thread-safe and coherent
+/// with every other layer's view of the same file, mappings included.
+pub struct File {
+    inner: ubc::File,
+    group: Arc<Group>,
+    domain: usize,
+    owner: u64,
+    path: String,
+    level: usize,
+}
+
+/// Kind of an advisory byte-range lock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LockKind {
+    Shared,
+    Exclusive,
+}
+
+fn span(offset: u64, len: usize) -> Result<Range<u64>> {
+    match offset.checked_add(len as u64) {
+        Some(end) if end <= i64::MAX as u64 => Ok(offset..end.max(offset + 1)),
+        _ => Err(Error::Cache(ubc::Error::OffsetOverflow { offset, len: len as u64 })),
+    }
+}
+
+impl File {
+    /// The path this file was opened by.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// The layer this file was opened at.
+    pub fn layer_index(&self) -> usize {
+        self.level
+    }
+
+    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        let _p = self.group.acquire(self.domain, span(offset, buf.len())?, Mode::Read)?;
+        Ok(self.inner.read_at(buf, offset)?)
+    }
+
+    pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        let _p = self.group.acquire(self.domain, span(offset, buf.len())?, Mode::Read)?;
+        Ok(self.inner.read_exact_at(buf, offset)?)
+    }
+
+    pub fn write_at(&self, buf: &[u8], offset: u64) -> Result<usize> {
+        let _p = self.group.acquire(self.domain, span(offset, buf.len())?, Mode::Write)?;
+        Ok(self.inner.write_at(buf, offset)?)
+    }
+
+    /// Length as this layer sees it (data written through layers above included).
+    pub fn len(&self) -> Result<u64> {
+        let _p = self.group.acquire(self.domain, ALL, Mode::Read)?;
+        Ok(self.inner.len()?)
+    }
+
+    pub fn is_empty(&self) -> Result<bool> {
+        Ok(self.len()? == 0)
+    }
+
+    pub fn set_len(&self, len: u64) -> Result<()> {
+        let cur = self.inner.len()?;
+        let _p = self.group.acquire(self.domain, cur.min(len)..u64::MAX, Mode::Write)?;
+        Ok(self.inner.set_len(len)?)
+    }
+
+    /// Data written through layers above this one is pushed down, then everything reaches
+    /// the store and is made durable (through every layer below).
+    pub fn sync(&self) -> Result<()> {
+        self.group.flush_above(self.domain)?;
+        Ok(self.inner.sync()?)
+    }
+
+    /// Map bytes `range` (see [`ubc::File::map`]). The mapping is coherent with every
+    /// layer: writes through another layer invalidate its pages (they re-fault), and its
+    /// stores are written down before another layer reads those bytes.
+    pub fn map(&self, range: Range<u64>, access: ubc::Access, sharing: ubc::Sharing) -> Result<Mapping> {
+        let write = access == ubc::Access::ReadWrite && sharing == ubc::Sharing::Shared;
+        let mode = if write { Mode::Write } else { Mode::Read };
+        // Registered first, so that conflicting operations in other domains see it from
+        // the moment pages can be faulted.
+        let id = self.group.map(self.domain, range.clone(), write);
+        let m = self
+            .group
+            .acquire(self.domain, range.clone(), mode)
+            .and_then(|_p| self.inner.map(range.clone(), access, sharing));
+        match m {
+            Ok(m) => Ok(Mapping { inner: Some(m), group: self.group.clone(), domain: self.domain, id }),
+            Err(e) => {
+                self.group.unmap(self.domain, id);
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Take an advisory byte-range lock (like `fcntl(F_SETLK)`/`F_SETLKW` with `wait`)
+    /// on bytes `range`. Locks hold across layers: they are compared in the stored bytes
+    /// of the bottom layer. Returns whether the lock was taken (always true with `wait`).
+    pub fn lock(&self, range: Range<u64>, kind: LockKind, wait: bool) -> bool {
+        self.group.lock(self.owner, self.domain, range, kind == LockKind::Exclusive, wait)
+    }
+
+    /// Release this handle's locks overlapping `range`.
+    pub fn unlock(&self, range: Range<u64>) {
+        self.group.unlock(self.owner, self.domain, range)
+    }
+
+    /// Statistics of this layer's cached object for the file.
+    pub fn stats(&self) -> ubc::Stats {
+        self.inner.stats()
+    }
+
+    /// The cache-level handle (no coherence: for diagnostics and tests).
+    pub fn cache_file(&self) -> &ubc::File {
+        &self.inner
+    }
+}
+
+impl Drop for File {
+    fn drop(&mut self) {
+        self.group.unlock_all(self.owner);
+    }
+}
+
+impl std::fmt::Debug for File {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("File").field("path", &self.path).field("layer", &self.level).field("domain", &self.domain).finish()
+    }
+}
+
+/// A memory mapping of a stack file (see [`File::map`]).
+pub struct Mapping {
+    inner: Option<ubc::Mapping>,
+    group: Arc<Group>,
+    domain: usize,
+    id: u64,
+}
+
+impl Mapping {
+    /// Write the mapping's stores down to the layer's store (not through layers below).
+    pub fn flush(&self) -> Result<()> {
+        Ok(self.inner.as_ref().expect("live").flush()?)
+    }
+}
+
+impl std::ops::Deref for Mapping {
+    type Target = ubc::Mapping;
+    fn deref(&self) -> &ubc::Mapping {
+        self.inner.as_ref().expect("live")
+    }
+}
+
+impl std::ops::DerefMut for Mapping {
+    fn deref_mut(&mut self) -> &mut ubc::Mapping {
+        self.inner.as_mut().expect("live")
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        drop(self.inner.take());
+        self.group.unmap(self.domain, self.id);
+    }
+}
+
+#[allow(unused)]
+fn _assert_send_sync() {
+    fn f<T: Send + Sync>() {}
+    f::<Stack>();
+    f::<File>();
+}
+
+#[allow(unused)]
+use layer::parent as _parent;

@@ -1,0 +1,375 @@
+//! Stacks of real layers over real directories: every layer usable at once, one truth.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+use ubc_stack::encrypt::Key;
+use ubc_stack::{Error, Stack};
+
+struct Fixture {
+    _tmp: tempfile::TempDir,
+    data: std::path::PathBuf,
+    keyfile: std::path::PathBuf,
+}
+
+fn fixture() -> Fixture {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let keyfile = tmp.path().join("key");
+    Key::generate().write_file(&keyfile).unwrap();
+    Fixture { data, keyfile, _tmp: tmp }
+}
+
+fn cache() -> ubc::Cache {
+    ubc::Cache::new(64 << 20).unwrap()
+}
+
+/// dir | zstd | aead: layer 0 ciphertext-compressed bytes on disk, 1 ciphertext, 2 cleartext.
+fn full_stack(fx: &Fixture, cache: ubc::Cache) -> Stack {
+    Stack::open(&format!("dir:{} | zstd:level=3 | aead:keyfile={}", fx.data.display(), fx.keyfile.display()), cache).unwrap()
+}
+
+/// Read a whole file through a layer.
+fn read_all(f: &ubc_stack::File) -> Vec<u8> {
+    let n = f.len().unwrap() as usize;
+    let mut v = vec![0u8; n];
+    f.read_exact_at(&mut v, 0).unwrap();
+    v
+}
+
+/// Decrypt stored bytes "offline": a fresh cache and a fresh stack over a copy of them.
+fn offline_cleartext(fx: &Fixture, name: &str, stored: &[u8]) -> Vec<u8> {
+    let copy = tempfile::tempdir().unwrap();
+    std::fs::write(copy.path().join(name), stored).unwrap();
+    let s = Stack::open(&format!("dir:{} | zstd | aead:keyfile={}", copy.path().display(), fx.keyfile.display()), cache()).unwrap();
+    read_all(&s.top().open(name).unwrap())
+}
+
+fn pattern(seed: u8, n: usize) -> Vec<u8> {
+    (0..n).map(|i| seed.wrapping_mul(31).wrapping_add((i % 253) as u8)).collect()
+}
+
+#[test]
+fn cleartext_written_at_the_top_is_the_ciphertext_read_at_the_bottom_at_once() {
+    let fx = fixture();
+    let s = full_stack(&fx, cache());
+    let top = s.top().create("a.txt").unwrap();
+    let v1 = pattern(1, 300_000);
+    top.write_at(&v1, 0).unwrap();
+    // No sync: reading the bottom must see the data written at the top.
+    let bottom = s.layer(0).unwrap().open("a.txt").unwrap();
+    let stored = read_all(&bottom);
+    assert!(!stored.windows(64).any(|w| w == &v1[1000..1064]), "cleartext reached the disk layer");
+    assert_eq!(offline_cleartext(&fx, "a.txt", &stored), v1);
+    // And again after an in-place update in the middle.
+    top.write_at(b"UPDATED IN PLACE", 123_456).unwrap();
+    let mut v2 = v1.clone();
+    v2[123_456..123_456 + 16].copy_from_slice(b"UPDATED IN PLACE");
+    assert_eq!(offline_cleartext(&fx, "a.txt", &read_all(&bottom)), v2);
+    // The middle layer (ciphertext, uncompressed) is current too.
+    let mid = s.layer(1).unwrap().open("a.txt").unwrap();
+    let ct = read_all(&mid);
+    assert!(ct.len() as u64 > v2.len() as u64, "ciphertext carries a header and tags");
+    assert!(s.coherence_stats().flushes > 0);
+}
+
+/// The negative control: the same steps with the manager off leave the bottom stale (so
+/// the test above can fail).
+#[test]
+fn without_the_manager_the_bottom_is_stale() {
+    let fx = fixture();
+    let spec = format!("dir:{} | zstd:level=3 | aead:keyfile={}", fx.data.display(), fx.keyfile.display());
+    let s = Stack::open_without_coherence(&spec, cache()).unwrap();
+    let top = s.top().create("a.txt").unwrap();
+    top.write_at(&pattern(1, 300_000), 0).unwrap();
+    let stored = read_all(&s.layer(0).unwrap().open("a.txt").unwrap());
+    assert!(stored.len() < 1000, "without coherence the unsynced data is not below yet ({} bytes)", stored.len());
+}
+
+#[test]
+fn a_restore_at_the_bottom_is_what_the_top_and_its_mapping_show_next() {
+    let fx = fixture();
+    let s = full_stack(&fx, cache());
+    let top = s.top().create("r.bin").unwrap();
+    let old = pattern(7, 64 * 1024);
+    top.write_at(&old, 0).unwrap();
+    top.sync().unwrap();
+    let bottom = s.layer(0).unwrap().open_with("r.bin", ubc_stack::OpenOptions { write: true, ..Default::default() }).unwrap();
+    let backup = read_all(&bottom);
+
+    let new = pattern(9, 64 * 1024);
+    top.write_at(&new, 0).unwrap();
+    top.sync().unwrap();
+    let map = top.map(0..64 * 1024, ubc::Access::ReadOnly, ubc::Sharing::Shared).unwrap();
+    assert_eq!(&map[..], &new[..]);
+    let mut buf = vec![0u8; new.len()];
+    top.read_exact_at(&mut buf, 0).unwrap();
+    assert_eq!(buf, new);
+
+    // Restore the old ciphertext through the bottom layer.
+    bottom.set_len(0).unwrap();
+    bottom.write_at(&backup, 0).unwrap();
+
+    top.read_exact_at(&mut buf, 0).unwrap();
+    assert_eq!(buf, old, "top read after restore");
+    assert_eq!(&map[..], &old[..], "top mapping after restore");
+    assert!(s.coherence_stats().invalidations > 0);
+}
+
+#[test]
+fn remove_and_rename_at_the_bottom_are_seen_by_the_top_at_once() {
+    let fx = fixture();
+    let s = full_stack(&fx, cache());
+    for n in ["x", "y"] {
+        let f = s.top().create(n).unwrap();
+        f.write_at(b"hello", 0).unwrap();
+        f.sync().unwrap();
+    }
+    // Prime the top's lookup cache.
+    assert_eq!(s.top().getattr("x").unwrap().size, 5);
+    assert_eq!(s.top().getattr("y").unwrap().size, 5);
+    let (hits0, _) = s.name_cache_stats();
+    assert_eq!(s.top().getattr("x").unwrap().size, 5);
+    assert!(s.name_cache_stats().0 > hits0, "second lookup is a name-cache hit");
+
+    s.layer(0).unwrap().remove("x").unwrap();
+    assert!(matches!(s.top().getattr("x"), Err(Error::NotFound(_))));
+    assert!(matches!(s.top().open("x"), Err(Error::NotFound(_))));
+
+    s.layer(0).unwrap().rename("y", "z").unwrap();
+    assert!(matches!(s.top().getattr("y"), Err(Error::NotFound(_))));
+    assert_eq!(s.top().getattr("z").unwrap().size, 5);
+    let mut b = [0u8; 5];
+    s.top().open("z").unwrap().read_exact_at(&mut b, 0).unwrap();
+    assert_eq!(&b, b"hello");
+    let names: Vec<String> = s.top().readdir("").unwrap().into_iter().map(|e| e.name).collect();
+    assert_eq!(names, vec!["z".to_string()]);
+
+    // A new file that may reuse the removed inode starts clean.
+    let f = s.layer(0).unwrap().create("w").unwrap();
+    assert_eq!(f.len().unwrap(), 0);
+}
+
+#[test]
+fn a_corrupted_block_is_an_authentication_error_and_nothing_else_is_lost() {
+    let fx = fixture();
+    // dir | aead: blocks are at fixed places in the stored file.
+    let spec = format!("dir:{} | aead:keyfile={}", fx.data.display(), fx.keyfile.display());
+    let v = pattern(3, 10 * 4096);
+    {
+        let s = Stack::open(&spec, cache()).unwrap();
+        let f = s.top().create("c").unwrap();
+        f.write_at(&v, 0).unwrap();
+        f.sync().unwrap();
+    }
+    // Flip one byte of block 4's ciphertext on disk.
+    let path = fx.data.join("c");
+    let mut raw = std::fs::read(&path).unwrap();
+    let at = (ubc_stack::encrypt::HEADER_LEN + 4 * ubc_stack::encrypt::STORED_BLOCK + 100) as usize;
+    raw[at] ^= 0x40;
+    std::fs::write(&path, &raw).unwrap();
+
+    let s = Stack::open(&spec, cache()).unwrap();
+    let f = s.top().open("c").unwrap();
+    let mut b = vec![0u8; 4096];
+    let e = f.read_exact_at(&mut b, 4 * 4096).unwrap_err();
+    assert!(e.is_auth(), "expected an authentication error, got {e}");
+    for blk in [0usize, 1, 2, 3, 5, 6, 7, 8, 9] {
+        f.read_exact_at(&mut b, blk as u64 * 4096).unwrap();
+        assert_eq!(b, v[blk * 4096..(blk + 1) * 4096], "block {blk}");
+    }
+}
+
+#[test]
+fn null_layers_share_one_cached_copy() {
+    let fx = fixture();
+    let s = Stack::open(&format!("dir:{} | null | null", fx.data.display()), cache()).unwrap();
+    let a = s.layer(2).unwrap().create("n").unwrap();
+    a.write_at(&pattern(5, 1 << 20), 0).unwrap();
+    let b = s.layer(0).unwrap().open("n").unwrap();
+    let mut buf = vec![0u8; 1 << 20];
+    b.read_exact_at(&mut buf, 0).unwrap();
+    assert_eq!(buf, pattern(5, 1 << 20));
+    // One object: the same statistics, no second copy, no coherence action.
+    assert_eq!(a.stats().resident_bytes, b.stats().resident_bytes);
+    assert_eq!(s.cache().stats().totals.resident_bytes, a.stats().resident_bytes);
+    assert_eq!(s.coherence_stats().flushes + s.coherence_stats().invalidations, 0);
+}
+
+#[test]
+fn byte_range_locks_hold_across_layers() {
+    let fx = fixture();
+    let s = Stack::open(&format!("dir:{} | aead:keyfile={}", fx.data.display(), fx.keyfile.display()), cache()).unwrap();
+    let top = s.top().create("l").unwrap();
+    top.write_at(&[1u8; 3 * 4096], 0).unwrap();
+    let bottom = s.layer(0).unwrap().open("l").unwrap();
+    assert!(top.lock(4096..8192, ubc_stack::LockKind::Exclusive, false));
+    // Cleartext block 1 is stored in ciphertext block 1: the bottom's range conflicts.
+    let b1 = ubc_stack::encrypt::HEADER_LEN + ubc_stack::encrypt::STORED_BLOCK;
+    assert!(!bottom.lock(b1..b1 + 10, ubc_stack::LockKind::Shared, false));
+    // Block 2 is free.
+    let b2 = b1 + ubc_stack::encrypt::STORED_BLOCK;
+    assert!(bottom.lock(b2..b2 + 10, ubc_stack::LockKind::Shared, false));
+    top.unlock(4096..8192);
+    assert!(bottom.lock(b1..b1 + 10, ubc_stack::LockKind::Shared, false));
+}
+
+#[test]
+fn union_copies_up_whites_out_and_merges() {
+    let fx = fixture();
+    let upper = fx._tmp.path().join("upper");
+    std::fs::create_dir(&upper).unwrap();
+    std::fs::write(fx.data.join("lower.txt"), b"from below").unwrap();
+    std::fs::write(fx.data.join("gone.txt"), b"remove me").unwrap();
+    let s = Stack::open(&format!("dir:{} | union:upper={}", fx.data.display(), upper.display()), cache()).unwrap();
+    let u = s.top();
+    let f = u.open_with("lower.txt", ubc_stack::OpenOptions { write: true, ..Default::default() }).unwrap();
+    f.write_at(b"FROM", 0).unwrap();
+    f.sync().unwrap();
+    assert_eq!(std::fs::read(fx.data.join("lower.txt")).unwrap(), b"from below", "lower untouched");
+    assert_eq!(std::fs::read(upper.join("lower.txt")).unwrap(), b"FROM below", "copied up");
+    u.remove("gone.txt").unwrap();
+    assert!(fx.data.join("gone.txt").exists());
+    assert!(matches!(u.getattr("gone.txt"), Err(Error::NotFound(_))));
+    u.create("new.txt").unwrap();
+    let names: Vec<String> = u.readdir("").unwrap().into_iter().map(|e| e.name).collect();
+    assert_eq!(names, vec!["lower.txt", "new.txt"]);
+    assert!(matches!(u.open("../etc/passwd"), Err(Error::Invalid(_))));
+}
+
+/// Writers and readers on different layers of one file at once — threads and a mapping —
+/// never see a byte no write produced, and the final contents match the model.
+#[test]
+fn concurrent_layers_never_show_a_byte_no_write_produced() {
+    const BLOCKS: usize = 32;
+    const BS: usize = 4096;
+    let fx = fixture();
+    let s = Stack::open(&format!("dir:{} | aead:keyfile={}", fx.data.display(), fx.keyfile.display()), cache()).unwrap();
+    let top = Arc::new(s.top().create("m").unwrap());
+    // Every block starts as value 1; block b's writes use values 1..=ROUNDS+1 (whole blocks).
+    top.write_at(&vec![1u8; BLOCKS * BS], 0).unwrap();
+    top.sync().unwrap();
+    // The bottom writer owns blocks 0..4: it captures their ciphertext for value 1, so that
+    // writing it back through the bottom layer sets them to 1 again.
+    let bottom = Arc::new(s.layer(0).unwrap().open_with("m", ubc_stack::OpenOptions { write: true, ..Default::default() }).unwrap());
+    let stored = |b: usize| ubc_stack::encrypt::HEADER_LEN + b as u64 * ubc_stack::encrypt::STORED_BLOCK;
+    let mut captured = Vec::new();
+    for b in 0..4 {
+        let mut c = vec![0u8; ubc_stack::encrypt::STORED_BLOCK as usize];
+        bottom.read_exact_at(&mut c, stored(b)).unwrap();
+        captured.push(c);
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let rounds = 60u8;
+    let mut hs = Vec::new();
+    // Two top writers: blocks 4.. split by parity; the last value of every block is rounds.
+    for w in 0..2usize {
+        let top = top.clone();
+        hs.push(std::thread::spawn(move || {
+            for v in 2..=rounds {
+                for b in (4 + w..BLOCKS).step_by(2) {
+                    top.write_at(&[v; BS], (b * BS) as u64).unwrap();
+                }
+            }
+        }));
+    }
+    // Bottom writer: alternately top-writes value 2 into its blocks and restores value 1
+    // through the bottom; it ends with the restore.
+    {
+        let (top, bottom) = (top.clone(), bottom.clone());
+        hs.push(std::thread::spawn(move || {
+            for _ in 0..20 {
+                for b in 0..4 {
+                    top.write_at(&[2u8; BS], (b * BS) as u64).unwrap();
+                }
+                for (b, c) in captured.iter().enumerate() {
+                    bottom.write_at(c, stored(b)).unwrap();
+                }
+            }
+        }));
+    }
+    // Readers: the top through read_at and through a mapping; the bottom raw (whatever it
+    // reads must be a consistent file when it is decrypted at the end).
+    let bad = Arc::new(AtomicBool::new(false));
+    let check = move |blk: &[u8]| blk.iter().all(|&x| (1..=rounds).contains(&x));
+    let mut readers = Vec::new();
+    {
+        let (top, stop, bad) = (top.clone(), stop.clone(), bad.clone());
+        readers.push(std::thread::spawn(move || {
+            let mut buf = vec![0u8; BS];
+            let mut n = 0u64;
+            while !stop.load(SeqCst) {
+                let b = (n as usize * 7) % BLOCKS;
+                top.read_exact_at(&mut buf, (b * BS) as u64).unwrap();
+                if !check(&buf) {
+                    bad.store(true, SeqCst);
+                }
+                n += 1;
+            }
+        }));
+    }
+    {
+        let (top, stop, bad) = (top.clone(), stop.clone(), bad.clone());
+        readers.push(std::thread::spawn(move || {
+            let m = top.map(0..(BLOCKS * BS) as u64, ubc::Access::ReadOnly, ubc::Sharing::Shared).unwrap();
+            while !stop.load(SeqCst) {
+                for b in 0..BLOCKS {
+                    if !check(&m[b * BS..(b + 1) * BS]) {
+                        bad.store(true, SeqCst);
+                    }
+                }
+            }
+        }));
+    }
+    {
+        let (bottom, stop) = (bottom.clone(), stop.clone());
+        readers.push(std::thread::spawn(move || {
+            let mut buf = vec![0u8; 64 * 1024];
+            while !stop.load(SeqCst) {
+                let _ = bottom.read_at(&mut buf, 0).unwrap();
+            }
+        }));
+    }
+    for h in hs {
+        h.join().unwrap();
+    }
+    stop.store(true, SeqCst);
+    for r in readers {
+        r.join().unwrap();
+    }
+    assert!(!bad.load(SeqCst), "a reader saw a byte no write produced");
+    let mut want = vec![rounds; BLOCKS * BS];
+    want[..4 * BS].fill(1);
+    assert_eq!(read_all(&top), want, "final cleartext at the top");
+    // The stored bytes, decrypted offline, are the same file.
+    let stored_now = read_all(&s.layer(0).unwrap().open("m").unwrap());
+    let copy = tempfile::tempdir().unwrap();
+    std::fs::write(copy.path().join("m"), &stored_now).unwrap();
+    let s2 = Stack::open(&format!("dir:{} | aead:keyfile={}", copy.path().display(), fx.keyfile.display()), cache()).unwrap();
+    assert_eq!(read_all(&s2.top().open("m").unwrap()), want, "stored bytes decrypt to the model");
+}
+
+#[test]
+fn spec_errors_are_clear() {
+    let c = cache();
+    for (spec, needle) in [
+        ("", "empty"),
+        ("zstd", "needs a layer below"),
+        ("mem | bogus", "unknown layer `bogus`"),
+        ("mem | zstd:level=99", "outside"),
+        ("mem | zstd:chunk=1000", "power of two"),
+        ("mem | aead", "exactly one of"),
+        ("mem | aead:keyfile=/nonexistent/k", "/nonexistent/k"),
+        ("mem | dir:/tmp", "bottom"),
+    ] {
+        let e = Stack::open(spec, c.clone()).err().unwrap_or_else(|| panic!("{spec} should fail"));
+        assert!(e.to_string().contains(needle), "{spec}: {e}");
+    }
+    let s = Stack::open("mem | null | zstd", c).unwrap();
+    assert_eq!(s.depth(), 3);
+    let f = s.top().create("f").unwrap();
+    f.write_at(b"in memory", 0).unwrap();
+    let mut b = [0u8; 9];
+    s.layer(2).unwrap().open("f").unwrap().read_exact_at(&mut b, 0).unwrap();
+    assert_eq!(&b, b"in memory");
+}
