@@ -55,7 +55,31 @@ fn bytes(seed: u8, len: usize) -> Vec<u8> {
     (0..len).map(|i| seed.wrapping_add((i % 251) as u8) | 1).collect()
 }
 
+/// Fails the whole test binary (printing the case) if one case runs past a minute: a hang
+/// must fail CI with the operations that caused it, not stall it.
+struct Watchdog(std::sync::mpsc::Sender<()>);
+
+impl Watchdog {
+    fn arm(case: String) -> Watchdog {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(std::time::Duration::from_secs(60)) {
+                eprintln!("model case hung for 60 s: {case}");
+                std::process::abort();
+            }
+        });
+        Watchdog(tx)
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        let _ = self.0.send(());
+    }
+}
+
 fn run(ops: Vec<Op>, budget_pages: u64, window: usize) {
+    let _watchdog = Watchdog::arm(format!("budget_pages={budget_pages} window={window} ops={ops:?}"));
     let cache = Cache::builder().budget(budget_pages * 4096).window_size(window).daemon(budget_pages > 4).build().unwrap();
     let mem = Arc::new(MemPager::new());
     let fault = Arc::new(FaultPager::new(mem.clone()));
