@@ -174,7 +174,6 @@ impl Stack {
     pub fn coherence_stats(&self) -> CoherenceStats {
         let c = &self.inner.counters;
         CoherenceStats {
-            fast_path: c.fast.load(Relaxed),
             slow_path: c.slow.load(Relaxed),
             flushes: c.flushes.load(Relaxed),
             invalidations: c.invalidations.load(Relaxed),
@@ -243,7 +242,8 @@ impl Inner {
                 let lower_file = lower.file;
                 let dom = lower.group.add_domain(idx, move || {
                     let lw = lower_file.is_writable();
-                    let (pager, xlate) = layer.wrap(lower_file)?;
+                    // Internal: the pager's lower file must not keep the cache running.
+                    let (pager, xlate) = layer.wrap(lower_file.internal())?;
                     let acc = if lw { ubc::Access::ReadWrite } else { ubc::Access::ReadOnly };
                     Ok((cache.open(pager, acc)?, Some(xlate)))
                 })?;
@@ -465,8 +465,10 @@ impl LayerRef {
             Err(e) => return Err(e),
         }
         let node = self.inner().open_node(self.level, &p, opts.write)?;
+        let dom = node.group.domain(node.domain).expect("opened domain");
         let f = File {
             inner: node.file,
+            dom,
             group: node.group,
             domain: node.domain,
             owner: self.inner().next_owner.fetch_add(1, Relaxed),
@@ -485,6 +487,7 @@ impl LayerRef {
 pub struct File {
     inner: ubc::File,
     group: Arc<Group>,
+    dom: Arc<crate::coherence::Domain>,
     domain: usize,
     owner: u64,
     path: String,
@@ -517,23 +520,23 @@ impl File {
     }
 
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
-        let _p = self.group.acquire(self.domain, span(offset, buf.len())?, Mode::Read)?;
+        let _p = self.group.acquire(&self.dom, self.domain, span(offset, buf.len())?, Mode::Read)?;
         Ok(self.inner.read_at(buf, offset)?)
     }
 
     pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        let _p = self.group.acquire(self.domain, span(offset, buf.len())?, Mode::Read)?;
+        let _p = self.group.acquire(&self.dom, self.domain, span(offset, buf.len())?, Mode::Read)?;
         Ok(self.inner.read_exact_at(buf, offset)?)
     }
 
     pub fn write_at(&self, buf: &[u8], offset: u64) -> Result<usize> {
-        let _p = self.group.acquire(self.domain, span(offset, buf.len())?, Mode::Write)?;
+        let _p = self.group.acquire(&self.dom, self.domain, span(offset, buf.len())?, Mode::Write)?;
         Ok(self.inner.write_at(buf, offset)?)
     }
 
     /// Length as this layer sees it (data written through layers above included).
     pub fn len(&self) -> Result<u64> {
-        let _p = self.group.acquire(self.domain, ALL, Mode::Read)?;
+        let _p = self.group.acquire(&self.dom, self.domain, ALL, Mode::Read)?;
         Ok(self.inner.len()?)
     }
 
@@ -543,7 +546,7 @@ impl File {
 
     pub fn set_len(&self, len: u64) -> Result<()> {
         let cur = self.inner.len()?;
-        let _p = self.group.acquire(self.domain, cur.min(len)..u64::MAX, Mode::Write)?;
+        let _p = self.group.acquire(&self.dom, self.domain, cur.min(len)..u64::MAX, Mode::Write)?;
         Ok(self.inner.set_len(len)?)
     }
 
@@ -565,7 +568,7 @@ impl File {
         let id = self.group.map(self.domain, range.clone(), write);
         let m = self
             .group
-            .acquire(self.domain, range.clone(), mode)
+            .acquire(&self.dom, self.domain, range.clone(), mode)
             .and_then(|_p| self.inner.map(range.clone(), access, sharing));
         match m {
             Ok(m) => Ok(Mapping { inner: Some(m), group: self.group.clone(), domain: self.domain, id }),

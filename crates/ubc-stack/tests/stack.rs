@@ -438,3 +438,4 @@ fn compressed_file_used_through_two_layers_at_once_stays_exact() {
     let s2 = Stack::open(&format!("dir:{} | zstd", copy.path().display()), cache()).unwrap();
     assert_eq!(read_all(&s2.top().open("z").unwrap()), want);
 }
+

@@ -267,7 +267,7 @@ impl CacheBuilder {
             *core.daemon.thread.lock() = Some(t);
         }
         core.flusher.start(core.clone());
-        Ok(Cache { handle: Arc::new(Handle { core }) })
+        Ok(Cache { core: core.clone(), _handle: Some(Arc::new(Handle { core })) })
     }
 }
 
@@ -750,7 +750,16 @@ struct Handle {
 
 impl Drop for Handle {
     fn drop(&mut self) {
-        self.core.shutdown();
+        // The last handle can go away on one of the cache's own threads (a layer's pager
+        // owns a file of this cache, and an I/O job dropped the last reference to it):
+        // shutdown joins those threads, so it must run elsewhere.
+        let own = std::thread::current().name().is_some_and(|n| n.starts_with("ubc-"));
+        if own {
+            let core = self.core.clone();
+            let _ = std::thread::Builder::new().name("cache-shutdown".into()).spawn(move || core.shutdown());
+        } else {
+            self.core.shutdown();
+        }
     }
 }
 
@@ -762,7 +771,10 @@ impl Drop for Handle {
 /// call [`File::sync`] or [`Cache::sync_all`] to see errors) and memory is released.
 #[derive(Clone)]
 pub struct Cache {
-    handle: Arc<Handle>,
+    core: Arc<CacheCore>,
+    /// `None` for an internal reference (see [`File::internal`](crate::File::internal)):
+    /// it does not keep the cache running.
+    _handle: Option<Arc<Handle>>,
 }
 
 impl Cache {
@@ -777,7 +789,7 @@ impl Cache {
     }
 
     pub(crate) fn core(&self) -> &Arc<CacheCore> {
-        &self.handle.core
+        &self.core
     }
 
     /// Open a file served by `pager`. Two pagers with the same [`Identity`] share one cached
@@ -851,6 +863,11 @@ impl Cache {
     /// Write back every dirty page of every cached file and sync their pagers.
     pub fn sync_all(&self) -> Result<()> {
         self.core().sync_all()
+    }
+
+    /// The same cache, as a reference that does not keep it running. => crate-internal.
+    pub(crate) fn internal(&self) -> Cache {
+        Cache { core: self.core.clone(), _handle: None }
     }
 
     /// Forget the cached object of the data with `identity`: later opens of that identity

@@ -141,6 +141,19 @@ impl File {
         Ok(File::new(self.obj.clone(), self.cache.clone(), self.writable))
     }
 
+    /// This handle, made *internal*: it no longer keeps the cache running. For a file that
+    /// a pager of the same cache owns (a layer's lower file): otherwise the cache would
+    /// hold its objects, which hold their pagers, which hold the cache — and never shut
+    /// down. When the last user handle goes, the cache shuts down (writing back every
+    /// object, this file's included) and drops its objects, and with them this handle;
+    /// using it after that is not supported.
+    pub fn internal(self) -> File {
+        let mut f = self;
+        f.cache = f.cache.internal();
+        f
+    }
+
+    /// Another handle on the same file with `access`:
     /// Another handle on the same file with `access`: a writable handle from a read-only
     /// one if the file's pager can write ([`Error::ReadOnly`] otherwise).
     pub fn reopen(&self, access: Access) -> Result<File> {

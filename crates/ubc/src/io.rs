@@ -6,6 +6,14 @@
 //! object store tomorrow) behind a synchronous trait, so a pool is the only mechanism that
 //! works for all of them. Jobs are closures; a [`Batch`] lets a caller wait for a group of
 //! jobs and collect the first error.
+//!
+//! The pool is elastic: when a job is queued and no thread is idle, an extra thread is
+//! started (up to [`MAX_EXTRA`]); extra threads leave after [`EXTRA_IDLE`] without work.
+//! Layers need this: a layer's pager (compression, encryption) reads its lower file through
+//! this same cache from an I/O thread, and that read may wait for a lower page whose fill
+//! is a job still queued — with a fixed pool, jobs that wait for queued jobs can fill every
+//! thread and deadlock (found by the stack benchmarks: four zstd read-ahead fills waiting
+//! for the dir layer's read-ahead queued behind them).
 
 use crate::error::Error;
 use parking_lot::{Condvar, Mutex};
@@ -14,6 +22,11 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 type Job = Box<dyn FnOnce() + Send>;
+
+/// Most extra threads started on demand beyond the base pool.
+pub(crate) const MAX_EXTRA: usize = 64;
+/// How long an extra thread waits for work before it exits.
+const EXTRA_IDLE: std::time::Duration = std::time::Duration::from_secs(2);
 
 pub(crate) struct IoPool {
     shared: Arc<Shared>,
@@ -28,18 +41,22 @@ struct Shared {
 struct Queue {
     jobs: VecDeque<Job>,
     shutdown: bool,
+    /// Threads waiting for a job.
+    idle: usize,
+    /// Extra threads alive.
+    extra: usize,
 }
 
 impl IoPool {
     /// Start `n` I/O threads (at least one).
     pub(crate) fn new(n: usize) -> IoPool {
-        let shared = Arc::new(Shared { queue: Mutex::new(Queue { jobs: VecDeque::new(), shutdown: false }), cv: Condvar::new() });
+        let shared = Arc::new(Shared { queue: Mutex::new(Queue { jobs: VecDeque::new(), shutdown: false, idle: 0, extra: 0 }), cv: Condvar::new() });
         let threads = (0..n.max(1))
             .map(|i| {
                 let s = shared.clone();
                 std::thread::Builder::new()
                     .name(format!("ubc-io-{i}"))
-                    .spawn(move || worker(s))
+                    .spawn(move || worker(s, false))
                     .expect("spawn ubc I/O thread")
             })
             .collect();
@@ -56,7 +73,25 @@ impl IoPool {
             return;
         }
         q.jobs.push_back(Box::new(job));
+        // Every thread busy (perhaps waiting for this very job): add one.
+        let grow = q.idle == 0 && q.extra < MAX_EXTRA;
+        if grow {
+            q.extra += 1;
+        }
         drop(q);
+        if grow {
+            let s = self.shared.clone();
+            let spawned = std::thread::Builder::new().name("ubc-io-x".into()).spawn(move || worker(s, true));
+            match spawned {
+                Ok(h) => {
+                    let mut t = self.threads.lock();
+                    t.retain(|h| !h.is_finished());
+                    t.push(h);
+                }
+                // No thread to be had: the base pool will get to the job.
+                Err(_) => self.shared.queue.lock().extra -= 1,
+            }
+        }
         self.shared.cv.notify_one();
     }
 
@@ -79,7 +114,7 @@ pub(crate) fn on_io_thread() -> bool {
     IO_THREAD.with(|t| t.get())
 }
 
-fn worker(s: Arc<Shared>) {
+fn worker(s: Arc<Shared>, extra: bool) {
     IO_THREAD.with(|t| t.set(true));
     loop {
         let job = {
@@ -89,9 +124,23 @@ fn worker(s: Arc<Shared>) {
                     break j;
                 }
                 if q.shutdown {
+                    if extra {
+                        q.extra -= 1;
+                    }
                     return;
                 }
-                s.cv.wait(&mut q);
+                q.idle += 1;
+                let timed_out = if extra {
+                    s.cv.wait_for(&mut q, EXTRA_IDLE).timed_out()
+                } else {
+                    s.cv.wait(&mut q);
+                    false
+                };
+                q.idle -= 1;
+                if timed_out && q.jobs.is_empty() {
+                    q.extra -= 1;
+                    return;
+                }
             }
         };
         // A panicking job (a pager is user code) must not take the thread with it: the pool

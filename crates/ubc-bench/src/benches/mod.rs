@@ -5,6 +5,7 @@ pub mod cached;
 pub mod map;
 pub mod policy;
 pub mod seq;
+pub mod stack;
 pub mod table1;
 pub mod tlpi;
 pub mod zipf;
@@ -38,5 +39,6 @@ pub fn all() -> Vec<(&'static str, BenchFn)> {
         ("zipf", zipf::run as BenchFn),
         ("policy", policy::run as BenchFn),
         ("map", map::run as BenchFn),
+        ("stack", stack::run as BenchFn),
     ]
 }
