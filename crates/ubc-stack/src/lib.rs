@@ -6,15 +6,23 @@
 //! the bottom is what the top reads next, mappings included — because all layers share one
 //! cache and the cache manager ([`coherence`]) keeps their views coherent.
 //!
-//! ```no_run
-//! use ubc_stack::Stack;
-//! let cache = ubc::Cache::new(256 << 20)?;
-//! let stack = Stack::open("dir:/tmp/data | zstd | aead:keyfile=/tmp/key", cache)?;
-//! let f = stack.top().create("notes.txt")?;
-//! f.write_at(b"secret", 0)?;
-//! f.sync()?;
-//! let stored = stack.layer(0)?.open("notes.txt")?; // the ciphertext, current
-//! # Ok::<(), ubc_stack::Error>(())
+//! ```
+//! use ubc_stack::{encrypt::Key, Stack};
+//! # let tmp = tempfile::tempdir().unwrap();
+//! # let dir = tmp.path();
+//! # let data = dir.join("data");
+//! # std::fs::create_dir(&data).unwrap();
+//! Key::generate().write_file(&dir.join("key"))?;
+//! let spec = format!("dir:{} | zstd:level=3 | aead:keyfile={}", data.display(), dir.join("key").display());
+//! let stack = Stack::open(&spec, ubc::Cache::new(256 << 20)?)?;
+//! let top = stack.top().create("notes.txt")?;          // cleartext at the top
+//! top.write_at(b"meet at noon", 0)?;                     // no sync
+//! let disk = stack.layer(0)?.open("notes.txt")?;         // the bytes the dir layer stores
+//! let mut stored = vec![0u8; disk.len()? as usize];
+//! disk.read_exact_at(&mut stored, 0)?;                   // current: compressed ciphertext
+//! assert!(!stored.windows(4).any(|w| w == b"noon"));     // and no cleartext reaches the disk
+//! # assert!(stored.len() > 12);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
 pub mod coherence;

@@ -468,7 +468,7 @@ impl Object {
                     st.release_empty();
                     return Err(e);
                 }
-                if let Err(e) = self.core.reserve_dirty(self) {
+                if let Err(e) = self.core.reserve_dirty(self, None) {
                     self.core.unreserve(1);
                     st.release_empty();
                     return Err(e);
@@ -502,7 +502,11 @@ impl Object {
             self.core.flusher.hold(1);
             return Ok(());
         }
-        self.core.reserve_dirty(self)?;
+        if !self.core.reserve_dirty(self, Some(st))? {
+            // A store through a mapping dirtied it while we waited and published its slot.
+            self.core.flusher.hold(1);
+            return Ok(());
+        }
         if st.mark_dirty() {
             self.note_dirtied(1);
         } else {
@@ -694,10 +698,14 @@ impl Object {
             // clip to it), then drop pages (waiting for writebacks in flight), then truncate
             // the pager, so no writeback can re-extend the stored file.
             self.len.store(new, SeqCst);
-            self.drop_pages(new.div_ceil(1 << ps), u64::MAX)?;
-            if new % (1 << ps) != 0 {
-                self.zero_tail(new)?;
-            }
+            let dropped = self.drop_pages(new.div_ceil(1 << ps), u64::MAX);
+            let zeroed = if new % (1 << ps) != 0 { self.zero_tail(new) } else { Ok(()) };
+            // The store is truncated whatever happened above: its bytes past the new end
+            // must not come back when the file grows again.
+            let pager = self.pager();
+            pager.set_len(new).map_err(|e| self.io_err(PagerOp::SetLen, new, e))?;
+            dropped?;
+            return zeroed;
         } else {
             self.len.store(new, SeqCst);
             if new > old && self.nmaps.load(SeqCst) > 0 {
@@ -728,9 +736,19 @@ impl Object {
         }
         match st.begin_write() {
             WriteLock::Resident => {
-                if let Err(e) = self.dirty_held(st) {
-                    st.abort_write();
-                    return Err(e);
+                // Dirty without waiting at the dirty limit: a truncation must not stop
+                // half-way (its length is published already) because other pages cannot be
+                // written back — that left old bytes past the new end, in the cache and in
+                // the store, to reappear when the file grew again (found by the long model
+                // run). One page over the limit, like a store found through a mapping.
+                if st.load() & DIRTY != 0 {
+                    self.core.flusher.hold(1);
+                } else if st.mark_dirty() {
+                    self.core.flusher.add_unclean(1);
+                    self.note_dirtied(1);
+                    self.core.flusher.hold(1);
+                } else {
+                    self.core.flusher.hold(1); // a found store dirtied it meanwhile
                 }
                 let r = self.memfd().and_then(|m| self.core.windows.address(chunk, m));
                 if let Ok(win) = r {

@@ -189,11 +189,20 @@ impl CacheCore {
     /// Reserve an unclean slot for a clean page the caller is about to dirty, waiting while
     /// the cache is at its dirty limit. => the caller holds the page (WRITING or BUSY) and at
     /// most one other page of `obj`.
-    pub(crate) fn reserve_dirty(&self, obj: &Object) -> Result<()> {
+    ///
+    /// `page`: the held page, if it is valid. A store through a mapping found while we wait
+    /// marks it dirty and publishes a slot for it — the very slot we wait for, on a page
+    /// nobody can clean while we hold it. So we stop waiting then and return `Ok(false)`
+    /// (nothing reserved: the caller moves that published slot to held). `Ok(true)`: a slot
+    /// was reserved.
+    pub(crate) fn reserve_dirty(&self, obj: &Object, page: Option<&crate::page::state::PageState>) -> Result<bool> {
         let f = &self.flusher;
         let mut waited: Option<Instant> = None;
         let cleaned_at_start = f.cleaned.load(SeqCst);
         loop {
+            if page.is_some_and(|st| st.load() & crate::page::state::DIRTY != 0) {
+                return Ok(false);
+            }
             let c = f.counts.load(SeqCst);
             let (published, held) = Flusher::split(c);
             // Below the limit, or nothing that writeback could clean (see module docs).
@@ -205,7 +214,7 @@ impl CacheCore {
                     if let Some(t) = waited {
                         f.throttled_us.fetch_add(t.elapsed().as_micros() as u64, Relaxed);
                     }
-                    return Ok(());
+                    return Ok(true);
                 }
                 continue;
             }
@@ -242,7 +251,7 @@ impl CacheCore {
                 if start.elapsed() > GIVE_UP_AFTER && f.cleaned.load(SeqCst) == cleaned_at_start {
                     f.counts.fetch_add(1 << 32, SeqCst);
                     f.throttled_us.fetch_add(start.elapsed().as_micros() as u64, Relaxed);
-                    return Ok(());
+                    return Ok(true);
                 }
             }
             let mut w = f.waiters.lock();

@@ -177,3 +177,35 @@ fn window_larger_than_budget_is_an_error_not_a_hang() {
     let e = f.window(0, 1 << 20).err().unwrap();
     assert!(matches!(e, Error::BudgetExceeded { .. }), "{e:?}");
 }
+
+/// A truncation while the store fails and the cache is at its dirty limit still zeroes the
+/// tail of the last page and truncates the store: the old bytes past the new end never come
+/// back when the file grows again. (Before: zeroing the tail waited for a dirty slot, got
+/// the store's error, and `set_len` returned before truncating the store.)
+#[test]
+fn truncate_at_the_dirty_limit_with_a_failing_store_loses_no_zeroing() {
+    let cache = Cache::builder().budget(8 * 4096).daemon(false).build().unwrap();
+    let mem = Arc::new(MemPager::new());
+    let fault = Arc::new(ubc::pager::FaultPager::new(mem.clone()));
+    let f = cache.open(fault.clone(), Access::ReadWrite).unwrap();
+    f.write_at(&[0xAA; 3 * 4096], 0).unwrap();
+    f.sync().unwrap();
+    fault.fail_writes(Some(libc::EIO));
+    // Fill the dirty limit (2 pages for an 8-page budget) with pages that cannot be cleaned.
+    f.write_at(&[0xBB; 2 * 4096], 0).unwrap();
+    let cut = 2 * 4096 + 100;
+    let r = f.set_len(cut);
+    // However set_len reports, the length is cut and the bytes past it are gone.
+    assert_eq!(f.len().unwrap(), cut);
+    assert!(mem.len().unwrap() <= 3 * 4096);
+    fault.heal();
+    let _ = r;
+    f.write_at(b"end", 5 * 4096).unwrap();
+    f.sync().unwrap();
+    let mut tail = vec![0xFFu8; 5 * 4096 - cut as usize];
+    f.read_exact_at(&mut tail, cut).unwrap();
+    assert!(tail.iter().all(|&b| b == 0), "old bytes past the cut came back");
+    let mut stored = vec![0u8; 5 * 4096 + 3];
+    mem.get_pages(0, &mut stored[..5 * 4096]).unwrap();
+    assert!(stored[cut as usize..5 * 4096].iter().all(|&b| b == 0), "old bytes past the cut in the store");
+}

@@ -139,12 +139,11 @@ impl AuthError {
             if let Some(a) = e.downcast_ref::<AuthError>() {
                 return Some(a);
             }
-            if let Some(io) = e.downcast_ref::<io::Error>() {
-                if let Some(inner) = io.get_ref() {
-                    if let Some(a) = AuthError::find(inner) {
-                        return Some(a);
-                    }
-                }
+            if let Some(io) = e.downcast_ref::<io::Error>()
+                && let Some(inner) = io.get_ref()
+                && let Some(a) = AuthError::find(inner)
+            {
+                return Some(a);
             }
             cur = e.source();
         }
@@ -467,7 +466,7 @@ impl EncryptPager {
     }
 
     fn check_aligned(offset: u64) -> io::Result<()> {
-        if offset % BLOCK != 0 {
+        if !offset.is_multiple_of(BLOCK) {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("aead: offset {offset} is not a multiple of the {BLOCK}-byte block")));
         }
         Ok(())
@@ -567,7 +566,7 @@ impl Pager for EncryptPager {
             st.len.store(len, SeqCst);
             self.write_header(&st)?;
         } else if len < old {
-            if len % BLOCK != 0 {
+            if !len.is_multiple_of(BLOCK) {
                 let index = len / BLOCK;
                 let mut b = Box::new([0u8; B]);
                 let r = self.read_block(&id, index, &mut b).and_then(|()| {
