@@ -70,6 +70,13 @@ pub trait Translate: Send + Sync {
     fn up(&self, lower: Range<u64>) -> Option<Range<u64>>;
     /// Re-read in-memory state (index, header) after the lower domain changed underneath.
     fn reload(&self) -> std::io::Result<()>;
+    /// Write in-memory metadata (a header's length) into the lower domain without making
+    /// it durable, so that the lower bytes are a complete file for a reader there. Returns
+    /// `false` if the layer cannot do that short of its pager's full `sync` (then the
+    /// manager syncs).
+    fn flush_metadata(&self) -> std::io::Result<bool> {
+        Ok(false)
+    }
 }
 
 /// Token modes.
@@ -398,8 +405,16 @@ impl Group {
                     // Readers below now see the data: e keeps only a read token.
                     t.write.remove(x.clone());
                 }
-                if doms[e].xlate.is_some() {
-                    doms[e].file.sync()?;
+                if let Some(x) = &doms[e].xlate {
+                    let done = x.flush_metadata().map_err(|source| ubc::Error::Io {
+                        op: ubc::PagerOp::PutPages,
+                        offset: 0,
+                        object: "layer metadata".into(),
+                        source,
+                    })?;
+                    if !done {
+                        doms[e].file.sync()?;
+                    }
                 }
                 self.counters.flushes.fetch_add(1, Relaxed);
             }

@@ -280,7 +280,11 @@ impl Object {
         };
         let sh = self.counters.mine();
         bump(&sh.get_calls, 1);
-        match self.pager().get_pages(offset, buf) {
+        let r = {
+            let _in = crate::writeback::InPager::enter();
+            self.pager().get_pages(offset, buf)
+        };
+        match r {
             Ok(Fill::Data) => {
                 bump(&sh.read_bytes, bytes as u64);
                 Ok(())
@@ -952,6 +956,7 @@ impl Object {
                     std::slice::from_raw_parts(win.add((offset - self.chunk_offset(chunk)) as usize), bytes)
                 };
                 bump(&sh.put_calls, 1);
+                let _in = crate::writeback::InPager::enter();
                 self.pager().put_pages(offset, data).map_err(|e| self.io_err(PagerOp::PutPages, offset, e))
             })
         };

@@ -185,6 +185,35 @@ impl Flusher {
     }
 }
 
+thread_local! {
+    static IN_PAGER: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Marks the current thread as inside a pager call (`get_pages`/`put_pages`) for its
+/// lifetime. A layer's pager writes its lower file through this same cache; that write is
+/// *cleaning* memory for the layer above, so it must not be throttled at the dirty limit
+/// nor made to write back other objects — the layer above among them, whose pager is this
+/// very call, perhaps holding its locks (Linux exempts loop devices and FUSE servers the
+/// same way: `PF_LOCAL_THROTTLE`). Such writes may pass the limit; the memory budget still
+/// bounds the cache.
+pub(crate) struct InPager;
+
+impl InPager {
+    pub(crate) fn enter() -> InPager {
+        IN_PAGER.with(|c| c.set(c.get() + 1));
+        InPager
+    }
+    pub(crate) fn active() -> bool {
+        IN_PAGER.with(|c| c.get() > 0)
+    }
+}
+
+impl Drop for InPager {
+    fn drop(&mut self) {
+        IN_PAGER.with(|c| c.set(c.get() - 1));
+    }
+}
+
 impl CacheCore {
     /// Reserve an unclean slot for a clean page the caller is about to dirty, waiting while
     /// the cache is at its dirty limit. => the caller holds the page (WRITING or BUSY) and at
@@ -197,6 +226,10 @@ impl CacheCore {
     /// was reserved.
     pub(crate) fn reserve_dirty(&self, obj: &Object, page: Option<&crate::page::state::PageState>) -> Result<bool> {
         let f = &self.flusher;
+        if InPager::active() {
+            f.counts.fetch_add(1 << 32, SeqCst);
+            return Ok(true);
+        }
         let mut waited: Option<Instant> = None;
         let cleaned_at_start = f.cleaned.load(SeqCst);
         loop {
@@ -272,6 +305,9 @@ impl CacheCore {
     /// proportion to how far unclean memory is above the set-point. Never fails.
     pub(crate) fn balance_dirty(&self, pages: u64) {
         let f = &self.flusher;
+        if InPager::active() {
+            return;
+        }
         let cur = f.unclean();
         if cur <= f.background {
             return;

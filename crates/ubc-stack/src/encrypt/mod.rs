@@ -309,6 +309,20 @@ impl EncryptPager {
         Ok(read_header(lower, &cipher_for(key))?.map_or(0, |(_, len)| len))
     }
 
+    /// Write the header if its length is stale, without syncing the lower file: what the
+    /// cache manager needs to make the stored bytes a complete file for a reader below
+    /// (durability is `sync`'s job). => no `reload` in flight.
+    pub fn flush_metadata(&self) -> io::Result<()> {
+        if !self.writable {
+            return Ok(());
+        }
+        let st = self.state.read();
+        if Self::header_stale(&st) {
+            self.flush_header(&st, true)?;
+        }
+        Ok(())
+    }
+
     /// Forget the in-memory header, file id and length and read them again from the lower
     /// file (it was changed underneath, e.g. an old ciphertext restored). Unsynced length
     /// changes are dropped. Precondition: no `get_pages`/`put_pages` in flight, and the

@@ -25,7 +25,9 @@ impl Zstd {
 }
 
 /// Compressed chunks move when rewritten, so stored ranges say nothing precise about
-/// logical ones: every translation is the whole file.
+/// logical ones: every translation is the whole file. Its index becomes visible only by a
+/// commit, and a commit must follow durable data (crash consistency), so a flush is a full
+/// `sync` (the default of `flush_metadata`).
 struct ZstdXlate(Arc<CompressPager>);
 
 impl Translate for ZstdXlate {
@@ -106,6 +108,9 @@ impl Translate for AeadXlate {
     }
     fn reload(&self) -> std::io::Result<()> {
         self.0.reload()
+    }
+    fn flush_metadata(&self) -> std::io::Result<bool> {
+        self.0.flush_metadata().map(|()| true)
     }
 }
 
