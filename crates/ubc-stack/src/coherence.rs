@@ -249,7 +249,7 @@ impl Drop for Permit<'_> {
                 // Best effort: an error here (a failing writeback of a mapping's stores)
                 // stays with the pages, which remain dirty; it is reported at sync.
                 let _t = doms[e].tokens.write();
-                let _ = group.invalidate_locked(&doms[e], &ranges, reload);
+                let _ = group.invalidate_locked(&doms[e], &ranges, reload, false);
             }
         }
     }
@@ -347,7 +347,7 @@ impl Group {
             self.counters.slow.fetch_add(1, Relaxed);
             let g = self.lock.lock();
             let doms = self.domains.read().clone();
-            let sticky_post = self.revoke(&doms, d, r.clone(), mode)?;
+            let (sticky_post, inherit_write) = self.revoke(&doms, d, r.clone(), mode)?;
             match sticky_post {
                 None => {
                     // Grant: the whole file if nobody else holds anything, else the range.
@@ -360,7 +360,7 @@ impl Group {
                     let grant = if alone { ALL } else { r.clone() };
                     let mut t = doms[d].tokens.write();
                     t.read.insert(grant.clone());
-                    if mode == Mode::Write {
+                    if mode == Mode::Write || inherit_write {
                         t.write.insert(grant);
                     }
                     drop(t);
@@ -374,7 +374,11 @@ impl Group {
 
     /// Revoke what conflicts with (`d`, `r`, `mode`). Returns `Some(post-actions)` when a
     /// mapping conflicts (no token may be granted), else `None`. => file lock held.
-    fn revoke(&self, doms: &[Arc<Domain>], d: usize, r: Range<u64>, mode: Mode) -> ubc::Result<Option<Vec<PostAction>>> {
+    ///
+    /// The `bool` says whether d must take a write token although it asked to read: dirty
+    /// data was flushed into it from above, and the domains below have not seen it — they
+    /// must flush d before they read, as if d had written.
+    fn revoke(&self, doms: &[Arc<Domain>], d: usize, r: Range<u64>, mode: Mode) -> ubc::Result<(Option<Vec<PostAction>>, bool)> {
         let n = doms.len();
         let write = mode == Mode::Write;
         let mut sticky = false;
@@ -420,6 +424,10 @@ impl Group {
             }
         }
 
+        // Dirty data now in d (not the store domain) is news to the domains below.
+        let inherit_write = !write && flush_from.is_some() && d > 0;
+        let write_below = write || inherit_write;
+
         // 2. A write in d makes the domains above stale where it writes: drop their pages
         //    and tokens (bottom first, so a layer reloading its metadata reads a lower
         //    domain that is already current). Mappings there are invalidated again after
@@ -433,7 +441,7 @@ impl Group {
                 drop(t);
                 if cached || reload {
                     let mut t = doms[e].tokens.write();
-                    self.invalidate_locked(&doms[e], &re, reload)?;
+                    self.invalidate_locked(&doms[e], &re, reload, false)?;
                     for x in &re {
                         t.read.remove(x.clone());
                         t.write.remove(x.clone());
@@ -464,7 +472,7 @@ impl Group {
             let wrote = re.iter().any(|x| t.write.overlaps(x));
             let maps_w = re.iter().any(|x| t.sticky_overlaps(x, true));
             for x in &re {
-                if write {
+                if write_below {
                     t.read.remove(x.clone());
                 }
                 t.write.remove(x.clone());
@@ -485,7 +493,10 @@ impl Group {
                     rk.extend(v);
                 }
                 let mut t = doms[k].tokens.write();
-                self.invalidate_locked(&doms[k], &rk, reload)?;
+                // k's own writes (a write token there) are newer than what is below — the
+                // "write" below may be data k itself flushed down — so they go down first.
+                let newer = rk.iter().any(|x| t.write.overlaps(x));
+                self.invalidate_locked(&doms[k], &rk, reload, newer)?;
                 if k < d {
                     for x in &rk {
                         t.read.remove(x.clone());
@@ -495,16 +506,38 @@ impl Group {
             }
         }
         if sticky {
-            return Ok(Some(post));
+            return Ok((Some(post), inherit_write));
         }
-        Ok(None)
+        Ok((None, inherit_write))
     }
 
     /// Drop domain `e`'s cached pages in `ranges` (after cleaning them). With `reload`, the
     /// layer re-reads its state and the length. => file lock held, `e`'s tokens held.
-    fn invalidate_locked(&self, e: &Domain, ranges: &[Range<u64>], reload: bool) -> ubc::Result<()> {
+    ///
+    /// `flush_first`: e holds data newer than the domain below (its own writes): clean it
+    /// and write its metadata down before reloading. Without it, a reload trusts the
+    /// domain below — which was just changed underneath — and e's in-memory state is
+    /// dropped (flushing it would overwrite the new bytes below with stale metadata).
+    fn invalidate_locked(&self, e: &Domain, ranges: &[Range<u64>], reload: bool, flush_first: bool) -> ubc::Result<()> {
         self.counters.invalidations.fetch_add(1, Relaxed);
         if reload {
+            if flush_first {
+                // What this domain holds that is not below yet — dirty pages and the
+                // layer's own metadata (a length only in memory) — goes down first: the
+                // reload would otherwise forget it.
+                e.file.clean(ALL)?;
+                if let Some(x) = &e.xlate {
+                    let done = x.flush_metadata().map_err(|source| ubc::Error::Io {
+                        op: ubc::PagerOp::PutPages,
+                        offset: 0,
+                        object: "layer metadata".into(),
+                        source,
+                    })?;
+                    if !done {
+                        e.file.sync()?;
+                    }
+                }
+            }
             e.file.invalidate(ALL, false)?;
             if let Some(x) = &e.xlate {
                 x.reload().map_err(|source| ubc::Error::Io {
@@ -534,9 +567,22 @@ impl Group {
         id
     }
 
+    /// Remove mapping `id` of domain `d`. A writable mapping's stores stay behind as dirty
+    /// pages: its hold becomes an ordinary write token, so a later reader elsewhere flushes
+    /// them. (While a writable mapping lives, nobody else is granted a token overlapping it,
+    /// so that write token conflicts with no one. A read-only mapping's hold just ends.) => the mapping is already unmapped (its stores
+    /// found and marked dirty).
     pub(crate) fn unmap(&self, d: usize, id: u64) {
         if let Some(dom) = self.domain(d) {
-            dom.tokens.write().sticky.retain(|s| s.id != id);
+            let _g = self.lock.lock();
+            let mut t = dom.tokens.write();
+            if let Some(i) = t.sticky.iter().position(|s| s.id == id) {
+                let s = t.sticky.remove(i);
+                if s.write {
+                    t.read.insert(s.range.clone());
+                    t.write.insert(s.range);
+                }
+            }
         }
     }
 

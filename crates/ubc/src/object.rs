@@ -698,18 +698,21 @@ impl Object {
         let old = self.len();
         let ps = self.ps();
         if new < old {
-            // Order matters: publish the new length first (writebacks that start from now on
-            // clip to it), then drop pages (waiting for writebacks in flight), then truncate
-            // the pager, so no writeback can re-extend the stored file.
+            // Order matters: publish the new length first (writebacks and read-ahead that
+            // start from now on clip to it), then drop pages (waiting for writebacks in
+            // flight), then truncate the pager, so no writeback can re-extend the stored
+            // file, then zero the last page's tail.
             self.len.store(new, SeqCst);
             let dropped = self.drop_pages(new.div_ceil(1 << ps), u64::MAX);
-            let zeroed = if new % (1 << ps) != 0 { self.zero_tail(new) } else { Ok(()) };
             // The store is truncated whatever happened above: its bytes past the new end
             // must not come back when the file grows again.
             let pager = self.pager();
             pager.set_len(new).map_err(|e| self.io_err(PagerOp::SetLen, new, e))?;
             dropped?;
-            return zeroed;
+            // Zero the cached last page's tail only now: a fill of that page in flight
+            // (read-ahead) may have read the store before it was truncated; `zero_tail`
+            // waits for it, and fills that start later read the truncated store.
+            return if new % (1 << ps) != 0 { self.zero_tail(new) } else { Ok(()) };
         } else {
             self.len.store(new, SeqCst);
             if new > old && self.nmaps.load(SeqCst) > 0 {
@@ -735,9 +738,10 @@ impl Object {
         let (ci, slot) = self.locate(page);
         let Some(chunk) = self.table.get(ci) else { return Ok(()) };
         let st = &chunk.pages[slot];
-        if st.load() & VALID == 0 {
-            return Ok(());
+        if st.load() & (VALID | BUSY) == 0 {
+            return Ok(()); // not cached, no fill in flight
         }
+        // Waits for a fill in flight (BUSY) to finish.
         match st.begin_write() {
             WriteLock::Resident => {
                 // Dirty without waiting at the dirty limit: a truncation must not stop

@@ -81,7 +81,7 @@ impl Aead {
 /// Past this, ranges are treated as open-ended (no file is this long: offsets end at 2^63).
 const HUGE: u64 = 1 << 62;
 
-/// Blocks map one to one; the header (with the length) is metadata.
+/// Blocks map one to one; the header (file id, length) is metadata every access depends on.
 struct AeadXlate(Arc<EncryptPager>);
 
 impl Translate for AeadXlate {
@@ -92,12 +92,11 @@ impl Translate for AeadXlate {
         } else {
             self.0.lower_range(upper)
         };
-        if write {
-            let header = 0..self.0.lower_range(0..1).start;
-            vec![header, blocks]
-        } else {
-            vec![blocks]
-        }
+        // Reads depend on the header too (file id, length): a restore underneath that
+        // rewrote it must be seen by readers above, and a write may update it.
+        let _ = write;
+        let header = 0..self.0.lower_range(0..1).start;
+        vec![header, blocks]
     }
     fn up(&self, lower: Range<u64>) -> Option<Range<u64>> {
         if lower.end > HUGE {
