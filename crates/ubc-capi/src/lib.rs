@@ -1,0 +1,1 @@
+//! C API (in progress).
