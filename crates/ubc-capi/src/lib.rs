@@ -1,1 +1,373 @@
-//! C API (in progress).
+//! C API of ubc: caches, stacks, files (`pread`/`pwrite`), mappings, and a stdio-style
+//! buffered API modelled on Mach's mapped stdio (`fopen` maps the file; `fmap` hands out
+//! a pointer to the whole file's data). The C declarations are in `include/ubc.h`.
+//!
+//! Every `extern "C"` function catches panics and checks its pointers: failures return
+//! -1/NULL and set `errno`, and a message (path and cause) is kept per thread for
+//! `ubc_last_error`.
+
+#![allow(clippy::missing_safety_doc)]
+#![allow(non_camel_case_types)]
+
+mod stdio;
+
+use std::cell::RefCell;
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use ::ubc_stack::{File, Mapping, OpenOptions, Stack};
+
+pub use stdio::UbcStdio;
+
+/// A failure: errno and message.
+pub(crate) struct Fail(pub c_int, pub String);
+
+pub(crate) type R<T> = std::result::Result<T, Fail>;
+
+impl Fail {
+    pub(crate) fn inval(msg: impl Into<String>) -> Fail {
+        Fail(libc::EINVAL, msg.into())
+    }
+    /// A stack error, with `ctx` (call and path) in front.
+    pub(crate) fn stack(ctx: &str, e: ::ubc_stack::Error) -> Fail {
+        Fail(e.errno(), format!("{ctx}: {e}"))
+    }
+}
+
+thread_local! {
+    static LAST: RefCell<CString> = RefCell::new(c"no error".to_owned());
+}
+
+fn set_errno(e: c_int) {
+    // SAFETY: errno is thread-local; the location is always valid.
+    unsafe { *libc::__errno_location() = e };
+}
+
+pub(crate) fn record(f: Fail) {
+    let msg = CString::new(f.1.replace('\0', "\\0")).unwrap_or_else(|_| c"error".to_owned());
+    LAST.with(|l| *l.borrow_mut() = msg);
+    set_errno(f.0);
+}
+
+/// Run `body`, turning an error or a panic into `fail` with errno set.
+pub(crate) fn guard<T>(fail: T, body: impl FnOnce() -> R<T>) -> T {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(v)) => v,
+        Ok(Err(f)) => {
+            record(f);
+            fail
+        }
+        Err(p) => {
+            let what = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown".into());
+            record(Fail(libc::EIO, format!("internal error (panic): {what}")));
+            fail
+        }
+    }
+}
+
+pub(crate) unsafe fn cstr<'a>(p: *const c_char, what: &str) -> R<&'a str> {
+    if p.is_null() {
+        return Err(Fail::inval(format!("{what} is NULL")));
+    }
+    // SAFETY: caller promises a NUL-terminated string.
+    unsafe { CStr::from_ptr(p) }.to_str().map_err(|_| Fail::inval(format!("{what} is not UTF-8")))
+}
+
+pub(crate) unsafe fn handle<'a, T>(p: *mut T, what: &str) -> R<&'a mut T> {
+    // SAFETY: caller promises a live handle from this library (or NULL).
+    unsafe { p.as_mut() }.ok_or_else(|| Fail::inval(format!("{what} handle is NULL")))
+}
+
+pub(crate) fn offset(off: libc::off_t, len: usize) -> R<u64> {
+    if off < 0 {
+        return Err(Fail::inval(format!("negative offset {off}")));
+    }
+    if len > isize::MAX as usize {
+        return Err(Fail::inval(format!("length {len} is larger than SSIZE_MAX")));
+    }
+    match (off as u64).checked_add(len as u64) {
+        Some(end) if end <= i64::MAX as u64 => Ok(off as u64),
+        _ => Err(Fail(libc::EFBIG, format!("offset {off} + length {len} is past 2^63-1"))),
+    }
+}
+
+// ---- errors ------------------------------------------------------------------------
+
+#[unsafe(no_mangle)]
+pub extern "C" fn ubc_strerror(err: c_int) -> *const c_char {
+    let s: &'static CStr = match err {
+        0 => c"Success",
+        libc::EPERM => c"Operation not permitted",
+        libc::ENOENT => c"No such file or directory",
+        libc::EIO => c"Input/output error",
+        libc::EBADF => c"Bad file descriptor (handle not open for this access)",
+        libc::ENOMEM => c"Cannot allocate memory (cache budget exceeded)",
+        libc::EACCES => c"Permission denied",
+        libc::EEXIST => c"File exists",
+        libc::ENOTDIR => c"Not a directory",
+        libc::EISDIR => c"Is a directory",
+        libc::EINVAL => c"Invalid argument",
+        libc::EFBIG => c"File too large (offset past 2^63-1)",
+        libc::ENOSPC => c"No space left on device",
+        libc::EROFS => c"Read-only file system (read-only layer)",
+        libc::ENOTEMPTY => c"Directory not empty",
+        libc::EOVERFLOW => c"Value too large for defined data type",
+        libc::EBADMSG => c"Bad message (authentication failed)",
+        libc::ENAMETOOLONG => c"File name too long",
+        _ => c"Unknown error",
+    };
+    s.as_ptr()
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn ubc_last_error() -> *const c_char {
+    // The CString lives in the thread-local until the next failure on this thread.
+    LAST.with(|l| l.borrow().as_ptr())
+}
+
+// ---- caches and stacks -----------------------------------------------------------
+
+pub struct ubc_cache {
+    cache: ubc::Cache,
+}
+
+pub struct ubc_stack {
+    stack: Stack,
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn ubc_cache_new(budget: usize) -> *mut ubc_cache {
+    guard(std::ptr::null_mut(), || {
+        let cache = ubc::Cache::new(budget as u64).map_err(|e| {
+            let msg = format!("cache of {budget} bytes: {e}");
+            let errno = match &e {
+                ubc::Error::InvalidArgument(_) => libc::EINVAL,
+                _ => ::ubc_stack::Error::from(e).errno(),
+            };
+            Fail(errno, msg)
+        })?;
+        Ok(Box::into_raw(Box::new(ubc_cache { cache })))
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ubc_cache_free(cache: *mut ubc_cache) {
+    guard((), || {
+        if !cache.is_null() {
+            // SAFETY: a handle from ubc_cache_new, freed once.
+            drop(unsafe { Box::from_raw(cache) });
+        }
+        Ok(())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ubc_stack_open(cache: *mut ubc_cache, spec: *const c_char) -> *mut ubc_stack {
+    guard(std::ptr::null_mut(), || {
+        let c = unsafe { handle(cache, "cache") }?;
+        let spec = unsafe { cstr(spec, "spec") }?;
+        let stack = Stack::open(spec, c.cache.clone()).map_err(|e| Fail::stack(&format!("stack {spec:?}"), e))?;
+        Ok(Box::into_raw(Box::new(ubc_stack { stack })))
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ubc_stack_depth(stack: *const ubc_stack) -> c_int {
+    guard(-1, || Ok(unsafe { handle(stack as *mut ubc_stack, "stack") }?.stack.depth() as c_int))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ubc_stack_close(stack: *mut ubc_stack) {
+    guard((), || {
+        if !stack.is_null() {
+            // SAFETY: a handle from ubc_stack_open, freed once.
+            drop(unsafe { Box::from_raw(stack) });
+        }
+        Ok(())
+    })
+}
+
+// ---- files ---------------------------------------------------------------------------
+
+pub const UBC_RDONLY: c_int = 0;
+pub const UBC_RDWR: c_int = 2;
+pub const UBC_CREAT: c_int = 0x40;
+pub const UBC_TRUNC: c_int = 0x200;
+pub const UBC_PROT_READ: c_int = 1;
+pub const UBC_PROT_WRITE: c_int = 2;
+
+pub struct ubc_file {
+    file: File,
+}
+
+pub(crate) fn open_file(stack: &Stack, layer: c_int, path: &str, opts: OpenOptions) -> R<File> {
+    let l = if layer == -1 {
+        stack.top()
+    } else if layer < 0 {
+        return Err(Fail::inval(format!("open {path}: layer {layer} (use -1 for the top)")));
+    } else {
+        stack.layer(layer as usize).map_err(|e| Fail::stack(&format!("open {path}"), e))?
+    };
+    l.open_with(path, opts).map_err(|e| Fail::stack(&format!("open {path} at layer {}", l.index()), e))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ubc_open(stack: *mut ubc_stack, layer: c_int, path: *const c_char, flags: c_int) -> *mut ubc_file {
+    guard(std::ptr::null_mut(), || {
+        let s = unsafe { handle(stack, "stack") }?;
+        let path = unsafe { cstr(path, "path") }?;
+        if flags & !(UBC_RDWR | UBC_CREAT | UBC_TRUNC) != 0 {
+            return Err(Fail::inval(format!("open {path}: unknown flags {flags:#x}")));
+        }
+        let write = flags & UBC_RDWR != 0;
+        let truncate = flags & UBC_TRUNC != 0;
+        if truncate && !write {
+            return Err(Fail::inval(format!("open {path}: UBC_TRUNC needs UBC_RDWR")));
+        }
+        let file = open_file(&s.stack, layer, path, OpenOptions { write, create: flags & UBC_CREAT != 0, truncate })?;
+        Ok(Box::into_raw(Box::new(ubc_file { file })))
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ubc_close(file: *mut ubc_file) -> c_int {
+    guard(-1, || {
+        unsafe { handle(file, "file") }?;
+        // SAFETY: a handle from ubc_open, closed once.
+        drop(unsafe { Box::from_raw(file) });
+        Ok(0)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ubc_pread(file: *mut ubc_file, buf: *mut c_void, len: usize, off: libc::off_t) -> isize {
+    guard(-1, || {
+        let f = unsafe { handle(file, "file") }?;
+        let o = offset(off, len)?;
+        if len == 0 {
+            return Ok(0);
+        }
+        if buf.is_null() {
+            return Err(Fail::inval("pread: buffer is NULL"));
+        }
+        // SAFETY: caller promises `len` writable bytes at `buf`.
+        let b = unsafe { std::slice::from_raw_parts_mut(buf as *mut u8, len) };
+        let n = f.file.read_at(b, o).map_err(|e| Fail::stack(&format!("pread {} at {o}", f.file.path()), e))?;
+        Ok(n as isize)
+    })
+}
+
+pub(crate) fn write_all(f: &File, mut b: &[u8], mut o: u64) -> R<()> {
+    while !b.is_empty() {
+        let n = f.write_at(b, o).map_err(|e| Fail::stack(&format!("write {} at {o}", f.path()), e))?;
+        if n == 0 {
+            return Err(Fail(libc::EIO, format!("write {} at {o}: wrote nothing", f.path())));
+        }
+        b = &b[n..];
+        o += n as u64;
+    }
+    Ok(())
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ubc_pwrite(file: *mut ubc_file, buf: *const c_void, len: usize, off: libc::off_t) -> isize {
+    guard(-1, || {
+        let f = unsafe { handle(file, "file") }?;
+        let o = offset(off, len)?;
+        if len == 0 {
+            return Ok(0);
+        }
+        if buf.is_null() {
+            return Err(Fail::inval("pwrite: buffer is NULL"));
+        }
+        // SAFETY: caller promises `len` readable bytes at `buf`.
+        let b = unsafe { std::slice::from_raw_parts(buf as *const u8, len) };
+        write_all(&f.file, b, o)?;
+        Ok(len as isize)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ubc_fsync(file: *mut ubc_file) -> c_int {
+    guard(-1, || {
+        let f = unsafe { handle(file, "file") }?;
+        f.file.sync().map_err(|e| Fail::stack(&format!("fsync {}", f.file.path()), e))?;
+        Ok(0)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ubc_size(file: *mut ubc_file) -> libc::off_t {
+    guard(-1, || {
+        let f = unsafe { handle(file, "file") }?;
+        let n = f.file.len().map_err(|e| Fail::stack(&format!("size {}", f.file.path()), e))?;
+        Ok(n as libc::off_t)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ubc_truncate(file: *mut ubc_file, len: libc::off_t) -> c_int {
+    guard(-1, || {
+        let f = unsafe { handle(file, "file") }?;
+        let l = offset(len, 0)?;
+        f.file.set_len(l).map_err(|e| Fail::stack(&format!("truncate {} to {l}", f.file.path()), e))?;
+        Ok(0)
+    })
+}
+
+// ---- mappings ------------------------------------------------------------------------
+
+pub struct ubc_map {
+    map: Mapping,
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ubc_map(file: *mut ubc_file, off: libc::off_t, len: usize, prot: c_int, addr_out: *mut *mut c_void) -> *mut ubc_map {
+    guard(std::ptr::null_mut(), || {
+        let f = unsafe { handle(file, "file") }?;
+        if addr_out.is_null() {
+            return Err(Fail::inval("map: addr_out is NULL"));
+        }
+        if prot & !(UBC_PROT_READ | UBC_PROT_WRITE) != 0 || prot == 0 {
+            return Err(Fail::inval(format!("map {}: bad prot {prot:#x}", f.file.path())));
+        }
+        if len == 0 {
+            return Err(Fail::inval(format!("map {}: empty range", f.file.path())));
+        }
+        let o = offset(off, len)?;
+        let write = prot & UBC_PROT_WRITE != 0;
+        if write && !f.file.cache_file().is_writable() {
+            return Err(Fail(libc::EBADF, format!("map {}: writable mapping of a read-only handle", f.file.path())));
+        }
+        let access = if write { ubc::Access::ReadWrite } else { ubc::Access::ReadOnly };
+        let map = f
+            .file
+            .map(o..o + len as u64, access, ubc::Sharing::Shared)
+            .map_err(|e| Fail::stack(&format!("map {} [{o}, +{len})", f.file.path()), e))?;
+        // SAFETY: checked non-NULL above.
+        unsafe { *addr_out = map.as_ptr() as *mut c_void };
+        Ok(Box::into_raw(Box::new(ubc_map { map })))
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ubc_msync(map: *mut ubc_map) -> c_int {
+    guard(-1, || {
+        let m = unsafe { handle(map, "map") }?;
+        m.map.flush().map_err(|e| Fail::stack("msync", e))?;
+        Ok(0)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ubc_unmap(map: *mut ubc_map) -> c_int {
+    guard(-1, || {
+        unsafe { handle(map, "map") }?;
+        // SAFETY: a handle from ubc_map, unmapped once.
+        drop(unsafe { Box::from_raw(map) });
+        Ok(0)
+    })
+}

@@ -19,7 +19,7 @@
 //! top.write_at(b"meet at noon", 0)?;                     // no sync
 //! let disk = stack.layer(0)?.open("notes.txt")?;         // the bytes the dir layer stores
 //! let mut stored = vec![0u8; disk.len()? as usize];
-//! disk.read_exact_at(&mut stored, 0)?;                   // current: compressed ciphertext
+//! disk.read_exact_at(&mut stored, 0)?;                   // current ciphertext
 //! assert!(!stored.windows(4).any(|w| w == b"noon"));     // and no cleartext reaches the disk
 //! # assert!(stored.len() > 12);
 //! # Ok::<(), Box<dyn std::error::Error>>(())

@@ -1,0 +1,124 @@
+//! Compiles the C programs in `tests/c/` (and `examples/c/wc.c`) with the system `cc`
+//! against the cdylib `cargo test -p ubc-capi` builds (`target/<profile>/libubc_capi.so`,
+//! the crate being a cdylib too), and runs them.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn crate_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `target/<profile>`: the test binary lives in `target/<profile>/deps`.
+fn lib_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
+    assert!(dir.join("libubc_capi.so").exists(), "{} has no libubc_capi.so", dir.display());
+    dir
+}
+
+/// Compile `src` to `out/name`; returns the executable.
+fn compile(src: &Path, out: &Path, name: &str, opt: &str) -> PathBuf {
+    let exe = out.join(name);
+    let lib = lib_dir();
+    let o = Command::new("cc")
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", opt])
+        .arg("-I")
+        .arg(crate_dir().join("include"))
+        .arg("-I")
+        .arg(crate_dir().join("tests/c"))
+        .arg(src)
+        .arg("-o")
+        .arg(&exe)
+        .arg("-L")
+        .arg(&lib)
+        .arg("-lubc_capi")
+        .arg(format!("-Wl,-rpath,{}", lib.display()))
+        .output()
+        .expect("run cc");
+    assert!(o.status.success(), "cc {} failed:\n{}", src.display(), String::from_utf8_lossy(&o.stderr));
+    exe
+}
+
+fn run(exe: &Path, args: &[&Path]) -> String {
+    let o = Command::new(exe).args(args).output().expect("run test program");
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(o.status.success(), "{} failed ({}):\nstdout:\n{out}\nstderr:\n{}", exe.display(), o.status, String::from_utf8_lossy(&o.stderr));
+    out
+}
+
+#[test]
+fn basic() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let key = tmp.path().join("key");
+    ubc_stack::encrypt::Key::generate().write_file(&key).unwrap();
+    let exe = compile(&crate_dir().join("tests/c/basic.c"), tmp.path(), "basic", "-O1");
+    let out = run(&exe, &[&data, &key]);
+    assert!(out.contains("basic ok"), "{out}");
+    // Nothing readable reached the disk.
+    let stored = std::fs::read(data.join("hello.txt")).unwrap();
+    assert!(!stored.windows(4).any(|w| w == b"meet"));
+}
+
+#[test]
+fn stdio() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let exe = compile(&crate_dir().join("tests/c/stdio.c"), tmp.path(), "stdio", "-O1");
+    let out = run(&exe, &[&data]);
+    assert!(out.contains("stdio ok"), "{out}");
+}
+
+#[test]
+fn table_6_1() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    // 8 MiB of text-like bytes.
+    let mut x: u32 = 0x1234_5678;
+    let bytes: Vec<u8> = (0..8 << 20)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            b"abcdefgh ijklmnop\nqrstuvwxyz 0123"[(x % 32) as usize]
+        })
+        .collect();
+    std::fs::write(data.join("big.txt"), &bytes).unwrap();
+    let exe = compile(&crate_dir().join("tests/c/table61.c"), tmp.path(), "table61", "-O2");
+    let out = run(&exe, &[&data, Path::new("big.txt")]);
+    println!("{out}");
+    assert!(out.contains("checksums agree"), "{out}");
+    let sums: Vec<&str> = out.lines().filter_map(|l| l.split("checksum ").nth(1)).collect();
+    assert_eq!(sums.len(), 6);
+    assert!(sums.iter().all(|s| *s == sums[0]), "{out}");
+}
+
+#[test]
+fn wc_example() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    std::fs::write(data.join("t.txt"), "one two  three\nfour\n\n five six\nseven").unwrap();
+    let src = crate_dir().join("../../examples/c/wc.c");
+    let exe = compile(&src, tmp.path(), "wc", "-O2");
+    let spec = format!("dir:{}", data.display());
+    for extra in [None, Some("--fmap")] {
+        let mut c = Command::new(&exe);
+        c.arg(&spec).arg("t.txt");
+        if let Some(e) = extra {
+            c.arg(e);
+        }
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        assert_eq!(String::from_utf8_lossy(&o.stdout), "4 7 36 t.txt\n");
+    }
+    // A missing file: exit 1 and the path in the message.
+    let o = Command::new(&exe).arg(&spec).arg("missing.txt").output().unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("missing.txt") && err.contains("No such file"), "{err}");
+}
