@@ -3,7 +3,7 @@
 //! Errors are one line on stderr, `ubc: <path>: <cause>`, and the exit status follows
 //! sysexits(3): 64 bad arguments or stack spec (command-line usage errors included),
 //! 65 authentication failure (tampered or wrong-key ciphertext), 66 missing input,
-//! 69 the benchmark script is not found, 73 cannot create the output, 74 I/O error,
+//! 69 the benchmark script is not found or a FUSE mount failed, 73 cannot create the output, 74 I/O error,
 //! 70 anything else.
 
 mod cmd;
@@ -15,7 +15,7 @@ use clap::{Parser, Subcommand};
 #[derive(Parser, Debug)]
 #[command(name = "ubc", version, about = "A user-space unified buffer cache: tour, and files through any layer of a stack")]
 #[command(after_help = "Exit status: 0 ok, 64 usage or bad stack spec, 65 authentication failure, \
-66 missing input, 69 benchmark script not found, 70 internal error, 73 cannot create output, 74 I/O error.")]
+66 missing input, 69 benchmark script not found or mount failed, 70 internal error, 73 cannot create output, 74 I/O error.")]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -37,6 +37,8 @@ enum Cmd {
     Keygen(cmd::keygen::Args),
     /// Run the benchmark suite (./scripts/bench of the repository) with these arguments
     Bench(cmd::bench::Args),
+    /// Serve layers of one stack through FUSE (one mount per --at, all coherent)
+    Mount(cmd::mount::Args),
 }
 
 fn main() {
@@ -56,6 +58,7 @@ fn main() {
         Cmd::Ls(a) => cmd::ls::run(a),
         Cmd::Keygen(a) => cmd::keygen::run(a),
         Cmd::Bench(a) => cmd::bench::run(a),
+        Cmd::Mount(a) => cmd::mount::run(a),
     };
     if let Err(f) = r {
         eprintln!("ubc: {f}");

@@ -5,5 +5,6 @@ pub mod cat;
 pub mod cp;
 pub mod keygen;
 pub mod ls;
+pub mod mount;
 pub mod stat;
 pub mod tour;

@@ -1,0 +1,654 @@
+//! `ubc mount`: serve several layers of ONE stack through FUSE, one mount (and one
+//! thread) per layer, all sharing the same `Stack`, so that unmodified programs see
+//! coherent data through every mount at once.
+//!
+//! Policy: files are opened with `FOPEN_DIRECT_IO` and attributes/entries are not cached
+//! by the kernel (TTL 0), so the kernel keeps no second copy and every read goes to the
+//! stack's one cache. Shared `mmap` of such files needs `FUSE_DIRECT_IO_ALLOW_MMAP`
+//! (Linux >= 6.6), which is requested at init; on older kernels shared mappings fail with
+//! ENODEV (private mappings work).
+//!
+//! `--kernel-cache` keeps the kernel page cache (and 1 s attribute/entry TTLs) instead.
+//! Invalidation across mounts is NOT implemented: a write through one mount is seen
+//! through another only when that file is next opened there (close-to-open, the page
+//! cache is dropped at each open) or the attributes time out.
+//!
+//! Ctrl-C / SIGTERM / SIGHUP unmount every mount; when all sessions have ended (also after
+//! `fusermount3 -u` of each mount) the stack is synced and the command exits 0.
+
+use crate::common::StackArgs;
+use crate::error::{Fail, Result, EX_IOERR, EX_UNAVAILABLE};
+use fuser::{
+    Config, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags, KernelConfig, LockOwner,
+    MountOption, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen,
+    ReplyStatfs, ReplyWrite, Request, Session, SessionUnmounter, TimeOrNow, WriteFlags,
+};
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+use ubc_stack::{Attr, Kind, LayerRef, OpenOptions, SetAttr};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The stack, bottom layer first, e.g. 'dir:/data | zstd | aead:keyfile=/etc/k'
+    #[arg(long, short = 's', value_name = "SPEC")]
+    stack: String,
+    /// Serve layer N at MOUNTPOINT (repeatable; 0 is the bottom layer)
+    #[arg(long = "at", value_name = "LAYER:MOUNTPOINT", required = true)]
+    at: Vec<String>,
+    /// Keep the kernel page cache (no direct I/O). Writes through one mount are then seen
+    /// through another only after a re-open there: cross-mount invalidation is not done
+    #[arg(long)]
+    kernel_cache: bool,
+    /// Cache budget in MiB
+    #[arg(long, value_name = "MiB", default_value_t = 64)]
+    budget: u64,
+}
+
+fn parse_at(s: &str) -> Result<(usize, PathBuf)> {
+    let bad = || Fail::usage(format!("--at {s}"), "expected LAYER:MOUNTPOINT, e.g. 2:/mnt/clear");
+    let (n, p) = s.split_once(':').ok_or_else(bad)?;
+    let n: usize = n.trim().parse().map_err(|_| bad())?;
+    if p.is_empty() {
+        return Err(bad());
+    }
+    Ok((n, PathBuf::from(p)))
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let ats = a.at.iter().map(|s| parse_at(s)).collect::<Result<Vec<_>>>()?;
+    // Block the termination signals before any thread exists (the cache's own threads
+    // included): they inherit the mask, and one thread waits for the signals.
+    let sigs = termination_sigset();
+    unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &sigs, std::ptr::null_mut()) };
+    let sa = StackArgs { stack: a.stack.clone(), layer: None, budget: a.budget };
+    let (stack, _) = sa.open()?;
+    let mut layers = Vec::new();
+    for (n, mp) in &ats {
+        let layer = stack.layer(*n).map_err(|_| {
+            Fail::usage(format!("--at {n}:{}", mp.display()), format!("the stack has {} layers (0..={})", stack.depth(), stack.depth() - 1))
+        })?;
+        match std::fs::metadata(mp) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => return Err(Fail::usage(mp.display().to_string(), "mount point is not a directory")),
+            Err(e) => return Err(Fail::io(crate::error::Side::Input, &mp.display().to_string(), e)),
+        }
+        layers.push((layer, mp.clone()));
+    }
+    let statfs_dir = stack.layer(0).ok().and_then(|l| l.spec().strip_prefix("dir:").map(|p| PathBuf::from(p.trim())));
+
+    let unmounters: Arc<Mutex<Vec<SessionUnmounter>>> = Arc::default();
+    let mut threads = Vec::new();
+    for (layer, mp) in layers {
+        let fs = UbcFs::new(layer, a.kernel_cache, statfs_dir.clone());
+        let mut config = Config::default();
+        config.mount_options = vec![MountOption::FSName("ubc".into()), MountOption::Subtype("ubc".into()), MountOption::DefaultPermissions];
+        config.n_threads = Some(1);
+        let mut session = match Session::new(fs, &mp, &config) {
+            Ok(s) => s,
+            Err(e) => {
+                // Undo the mounts made so far.
+                for u in unmounters.lock().unwrap().iter_mut() {
+                    let _ = u.unmount();
+                }
+                for t in threads {
+                    let _ = std::thread::JoinHandle::join(t);
+                }
+                return Err(Fail::new(EX_UNAVAILABLE, mp.display().to_string(), format!("cannot mount: {}", crate::error::io_cause(&e))));
+            }
+        };
+        unmounters.lock().unwrap().push(session.unmount_callable());
+        let name = format!("ubc-mount-{}", mp.display());
+        let t = std::thread::Builder::new()
+            .name(name)
+            .spawn(move || (mp, session.run()))
+            .map_err(|e| Fail::new(EX_IOERR, "<thread>", e.to_string()))?;
+        threads.push(t);
+    }
+
+    {
+        let unmounters = unmounters.clone();
+        std::thread::spawn(move || {
+            loop {
+                let mut sig = 0;
+                if unsafe { libc::sigwait(&sigs, &mut sig) } != 0 {
+                    return;
+                }
+                for u in unmounters.lock().unwrap().iter_mut() {
+                    if let Err(e) = u.unmount() {
+                        eprintln!("ubc: unmount: {}", crate::error::io_cause(&e));
+                    }
+                }
+            }
+        });
+    }
+
+    let mut fail = None;
+    for t in threads {
+        match t.join() {
+            Ok((_, Ok(()))) => {}
+            Ok((mp, Err(e))) => fail = Some(Fail::new(EX_IOERR, mp.display().to_string(), crate::error::io_cause(&e))),
+            Err(_) => fail = Some(Fail::new(crate::error::EX_SOFTWARE, "<mount thread>", "panicked")),
+        }
+    }
+    if let Err(e) = stack.sync_all() {
+        return Err(Fail::stack(crate::error::Side::Output, &a.stack, e));
+    }
+    fail.map_or(Ok(()), Err)
+}
+
+fn termination_sigset() -> libc::sigset_t {
+    unsafe {
+        let mut s: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut s);
+        libc::sigaddset(&mut s, libc::SIGINT);
+        libc::sigaddset(&mut s, libc::SIGTERM);
+        libc::sigaddset(&mut s, libc::SIGHUP);
+        s
+    }
+}
+
+/// Inode numbers ↔ stack paths ("" is the root, inode 1) of one mount.
+#[derive(Default)]
+struct Inodes {
+    by_ino: HashMap<u64, String>,
+    by_path: HashMap<String, u64>,
+    next: u64,
+}
+
+impl Inodes {
+    fn new() -> Inodes {
+        let mut i = Inodes { next: 2, ..Default::default() };
+        i.by_ino.insert(1, String::new());
+        i.by_path.insert(String::new(), 1);
+        i
+    }
+
+    fn ino(&mut self, path: &str) -> u64 {
+        if let Some(&i) = self.by_path.get(path) {
+            return i;
+        }
+        let i = self.next;
+        self.next += 1;
+        self.by_ino.insert(i, path.to_string());
+        self.by_path.insert(path.to_string(), i);
+        i
+    }
+
+    fn path(&self, ino: u64) -> Option<String> {
+        self.by_ino.get(&ino).cloned()
+    }
+
+    /// Forget `path` and everything under it.
+    fn remove(&mut self, path: &str) {
+        let prefix = format!("{path}/");
+        let doomed: Vec<(String, u64)> =
+            self.by_path.iter().filter(|(p, _)| p.as_str() == path || p.starts_with(&prefix)).map(|(p, i)| (p.clone(), *i)).collect();
+        for (p, i) in doomed {
+            self.by_path.remove(&p);
+            self.by_ino.remove(&i);
+        }
+    }
+
+    /// `from` (and everything under it) is now `to`.
+    fn rename(&mut self, from: &str, to: &str) {
+        self.remove(to);
+        let prefix = format!("{from}/");
+        let moved: Vec<(String, u64)> =
+            self.by_path.iter().filter(|(p, _)| p.as_str() == from || p.starts_with(&prefix)).map(|(p, i)| (p.clone(), *i)).collect();
+        for (p, i) in moved {
+            let np = format!("{to}{}", &p[from.len()..]);
+            self.by_path.remove(&p);
+            self.by_path.insert(np.clone(), i);
+            self.by_ino.insert(i, np);
+        }
+    }
+}
+
+struct Handle {
+    file: ubc_stack::File,
+    append: bool,
+}
+
+/// One mount: one layer of the shared stack.
+struct UbcFs {
+    layer: LayerRef,
+    kernel_cache: bool,
+    ttl: Duration,
+    uid: u32,
+    gid: u32,
+    statfs_dir: Option<PathBuf>,
+    inodes: Mutex<Inodes>,
+    handles: Mutex<HashMap<u64, Arc<Handle>>>,
+    next_fh: AtomicU64,
+}
+
+fn errno(e: &ubc_stack::Error) -> Errno {
+    Errno::from_i32(e.errno())
+}
+
+fn join(parent: &str, name: &OsStr) -> std::result::Result<String, Errno> {
+    let name = name.to_str().ok_or(Errno::EINVAL)?;
+    if name.is_empty() || name == "." || name == ".." || name.contains('/') {
+        return Err(Errno::EINVAL);
+    }
+    Ok(if parent.is_empty() { name.to_string() } else { format!("{parent}/{name}") })
+}
+
+fn file_type(k: Kind) -> FileType {
+    match k {
+        Kind::File => FileType::RegularFile,
+        Kind::Dir => FileType::Directory,
+        Kind::Symlink => FileType::Symlink,
+    }
+}
+
+fn time(t: TimeOrNow) -> SystemTime {
+    match t {
+        TimeOrNow::SpecificTime(t) => t,
+        TimeOrNow::Now => SystemTime::now(),
+    }
+}
+
+impl UbcFs {
+    fn new(layer: LayerRef, kernel_cache: bool, statfs_dir: Option<PathBuf>) -> UbcFs {
+        UbcFs {
+            layer,
+            kernel_cache,
+            ttl: if kernel_cache { Duration::from_secs(1) } else { Duration::ZERO },
+            uid: unsafe { libc::geteuid() },
+            gid: unsafe { libc::getegid() },
+            statfs_dir,
+            inodes: Mutex::new(Inodes::new()),
+            handles: Mutex::default(),
+            next_fh: AtomicU64::new(1),
+        }
+    }
+
+    fn path(&self, ino: INodeNo) -> std::result::Result<String, Errno> {
+        self.inodes.lock().unwrap().path(ino.0).ok_or(Errno::ENOENT)
+    }
+
+    fn handle(&self, fh: FileHandle) -> std::result::Result<Arc<Handle>, Errno> {
+        self.handles.lock().unwrap().get(&fh.0).cloned().ok_or(Errno::EBADF)
+    }
+
+    fn fattr(&self, ino: u64, a: &Attr) -> FileAttr {
+        FileAttr {
+            ino: INodeNo(ino),
+            size: a.size,
+            blocks: a.size.div_ceil(512),
+            atime: a.atime,
+            mtime: a.mtime,
+            ctime: a.mtime,
+            crtime: a.mtime,
+            kind: file_type(a.kind),
+            perm: (a.mode & 0o7777) as u16,
+            nlink: if a.kind == Kind::Dir { 2 } else { 1 },
+            uid: self.uid,
+            gid: self.gid,
+            rdev: 0,
+            blksize: 4096,
+            flags: 0,
+        }
+    }
+
+    /// Attributes of `path`, with its inode number.
+    fn stat(&self, path: &str) -> std::result::Result<FileAttr, Errno> {
+        let a = self.layer.getattr(path).map_err(|e| errno(&e))?;
+        let ino = self.inodes.lock().unwrap().ino(path);
+        Ok(self.fattr(ino, &a))
+    }
+
+    /// Attributes through an open handle (the name may be gone).
+    fn stat_handle(&self, ino: u64, h: &Handle) -> std::result::Result<FileAttr, Errno> {
+        let size = h.file.len().map_err(|e| errno(&e))?;
+        let now = SystemTime::now();
+        let a = Attr { kind: Kind::File, ino, mode: 0o644, size, mtime: now, atime: now };
+        Ok(self.fattr(ino, &a))
+    }
+
+    fn add_handle(&self, file: ubc_stack::File, append: bool) -> FileHandle {
+        let fh = self.next_fh.fetch_add(1, Relaxed);
+        self.handles.lock().unwrap().insert(fh, Arc::new(Handle { file, append }));
+        FileHandle(fh)
+    }
+
+    fn open_flags(&self) -> FopenFlags {
+        if self.kernel_cache { FopenFlags::empty() } else { FopenFlags::FOPEN_DIRECT_IO }
+    }
+}
+
+impl Filesystem for UbcFs {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        if !self.kernel_cache {
+            // Shared mmap of direct-I/O files (Linux >= 6.6); without it MAP_SHARED gives ENODEV.
+            let _ = config.add_capabilities(InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP);
+        }
+        Ok(())
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let r = self.path(parent).and_then(|p| join(&p, name)).and_then(|p| self.stat(&p));
+        match r {
+            Ok(a) => reply.entry(&self.ttl, &a, Generation(0)),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
+        let r = match self.path(ino).and_then(|p| self.stat(&p)) {
+            Ok(a) => Ok(a),
+            Err(e) => match fh.map(|f| self.handle(f)) {
+                Some(Ok(h)) => self.stat_handle(ino.0, &h),
+                _ => Err(e),
+            },
+        };
+        match r {
+            Ok(a) => reply.attr(&self.ttl, &a),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn setattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        mode: Option<u32>,
+        _uid: Option<u32>,
+        _gid: Option<u32>,
+        size: Option<u64>,
+        atime: Option<TimeOrNow>,
+        mtime: Option<TimeOrNow>,
+        _ctime: Option<SystemTime>,
+        fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        let r = (|| {
+            let path = self.path(ino);
+            let h = fh.and_then(|f| self.handle(f).ok());
+            let mut set = SetAttr { size: None, mode: mode.map(|m| m & 0o7777), atime: atime.map(time), mtime: mtime.map(time) };
+            if let Some(s) = size {
+                match (&h, &path) {
+                    (Some(h), _) => h.file.set_len(s).map_err(|e| errno(&e))?,
+                    (None, Ok(_)) => set.size = Some(s),
+                    (None, Err(e)) => return Err(*e),
+                }
+            }
+            match &path {
+                Ok(p) => {
+                    if set.size.is_some() || set.mode.is_some() || set.atime.is_some() || set.mtime.is_some() {
+                        self.layer.setattr(p, &set).map_err(|e| errno(&e))?;
+                    }
+                    match self.stat(p) {
+                        Ok(a) => Ok(a),
+                        Err(e) => h.map_or(Err(e), |h| self.stat_handle(ino.0, &h)),
+                    }
+                }
+                Err(e) => h.map_or(Err(*e), |h| self.stat_handle(ino.0, &h)),
+            }
+        })();
+        match r {
+            Ok(a) => reply.attr(&self.ttl, &a),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn mkdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, reply: ReplyEntry) {
+        let r = (|| {
+            let p = join(&self.path(parent)?, name)?;
+            self.layer.mkdir(&p).map_err(|e| errno(&e))?;
+            let m = mode & !umask & 0o7777;
+            if m != 0o755 {
+                let _ = self.layer.setattr(&p, &SetAttr { mode: Some(m), ..Default::default() });
+            }
+            self.stat(&p)
+        })();
+        match r {
+            Ok(a) => reply.entry(&self.ttl, &a, Generation(0)),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let r = (|| {
+            let p = join(&self.path(parent)?, name)?;
+            self.layer.remove(&p).map_err(|e| errno(&e))?;
+            self.inodes.lock().unwrap().remove(&p);
+            Ok(())
+        })();
+        match r {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let r = (|| {
+            let p = join(&self.path(parent)?, name)?;
+            self.layer.rmdir(&p).map_err(|e| errno(&e))?;
+            self.inodes.lock().unwrap().remove(&p);
+            Ok(())
+        })();
+        match r {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn rename(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        let r = (|| {
+            let from = join(&self.path(parent)?, name)?;
+            let to = join(&self.path(newparent)?, newname)?;
+            if flags.contains(RenameFlags::RENAME_EXCHANGE) || flags.contains(RenameFlags::RENAME_WHITEOUT) {
+                return Err(Errno::EINVAL);
+            }
+            if flags.contains(RenameFlags::RENAME_NOREPLACE) && self.layer.getattr(&to).is_ok() {
+                return Err(Errno::EEXIST);
+            }
+            self.layer.rename(&from, &to).map_err(|e| errno(&e))?;
+            self.inodes.lock().unwrap().rename(&from, &to);
+            Ok(())
+        })();
+        match r {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        let r = (|| {
+            let p = self.path(ino)?;
+            let write = flags.0 & libc::O_ACCMODE != libc::O_RDONLY;
+            let truncate = write && flags.0 & libc::O_TRUNC != 0;
+            let f = self.layer.open_with(&p, OpenOptions { write, create: false, truncate }).map_err(|e| errno(&e))?;
+            Ok(self.add_handle(f, flags.0 & libc::O_APPEND != 0))
+        })();
+        match r {
+            Ok(fh) => reply.opened(fh, self.open_flags()),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn create(&self, _req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, flags: i32, reply: ReplyCreate) {
+        let r = (|| {
+            let p = join(&self.path(parent)?, name)?;
+            if flags & libc::O_EXCL != 0 && self.layer.getattr(&p).is_ok() {
+                return Err(Errno::EEXIST);
+            }
+            let truncate = flags & libc::O_TRUNC != 0;
+            let f = self.layer.open_with(&p, OpenOptions { write: true, create: true, truncate }).map_err(|e| errno(&e))?;
+            let m = mode & !umask & 0o7777;
+            if m != 0o644 {
+                let _ = self.layer.setattr(&p, &SetAttr { mode: Some(m), ..Default::default() });
+            }
+            let a = self.stat(&p)?;
+            Ok((a, self.add_handle(f, flags & libc::O_APPEND != 0)))
+        })();
+        match r {
+            Ok((a, fh)) => reply.created(&self.ttl, &a, Generation(0), fh, self.open_flags()),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        let r = (|| {
+            let h = self.handle(fh)?;
+            let mut buf = vec![0u8; size as usize];
+            let mut n = 0;
+            while n < buf.len() {
+                let k = h.file.read_at(&mut buf[n..], offset + n as u64).map_err(|e| errno(&e))?;
+                if k == 0 {
+                    break;
+                }
+                n += k;
+            }
+            buf.truncate(n);
+            Ok(buf)
+        })();
+        match r {
+            Ok(b) => reply.data(&b),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn write(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _write_flags: WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        let r = (|| {
+            let h = self.handle(fh)?;
+            // The kernel's idea of the size may be stale (other mounts): append at ours.
+            let offset = if h.append { h.file.len().map_err(|e| errno(&e))? } else { offset };
+            let mut n = 0;
+            while n < data.len() {
+                let k = h.file.write_at(&data[n..], offset + n as u64).map_err(|e| errno(&e))?;
+                if k == 0 {
+                    return Err(Errno::EIO);
+                }
+                n += k;
+            }
+            Ok(n as u32)
+        })();
+        match r {
+            Ok(n) => reply.written(n),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn flush(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
+        match self.handle(fh).and_then(|h| h.file.sync().map_err(|e| errno(&e))) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        let h = self.handles.lock().unwrap().remove(&fh.0);
+        match h.map(|h| h.file.sync()) {
+            Some(Err(e)) => reply.error(errno(&e)),
+            _ => reply.ok(),
+        }
+    }
+
+    fn fsync(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+        match self.handle(fh).and_then(|h| h.file.sync().map_err(|e| errno(&e))) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+        let r = (|| {
+            let p = self.path(ino)?;
+            let entries = self.layer.readdir(&p).map_err(|e| errno(&e))?;
+            let mut all = vec![(ino.0, FileType::Directory, ".".to_string()), (1, FileType::Directory, "..".to_string())];
+            let mut inodes = self.inodes.lock().unwrap();
+            for e in entries {
+                let child = if p.is_empty() { e.name.clone() } else { format!("{p}/{}", e.name) };
+                all.push((inodes.ino(&child), file_type(e.kind), e.name));
+            }
+            Ok(all)
+        })();
+        match r {
+            Ok(all) => {
+                for (i, (ino, kind, name)) in all.into_iter().enumerate().skip(offset as usize) {
+                    if reply.add(INodeNo(ino), i as u64 + 1, kind, name) {
+                        break;
+                    }
+                }
+                reply.ok()
+            }
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn fsyncdir(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+        reply.ok()
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        if let Some(d) = &self.statfs_dir {
+            if let Ok(c) = std::ffi::CString::new(d.as_os_str().as_encoded_bytes()) {
+                let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+                if unsafe { libc::statvfs(c.as_ptr(), &mut s) } == 0 {
+                    return reply.statfs(
+                        s.f_blocks as u64,
+                        s.f_bfree as u64,
+                        s.f_bavail as u64,
+                        s.f_files as u64,
+                        s.f_ffree as u64,
+                        s.f_bsize as u32,
+                        255,
+                        s.f_frsize as u32,
+                    );
+                }
+            }
+        }
+        // Not over a host directory: a nominal, empty-looking 1 TiB.
+        reply.statfs(1 << 28, 1 << 28, 1 << 28, 1 << 20, 1 << 20, 4096, 255, 4096)
+    }
+}
