@@ -122,3 +122,16 @@ fn wc_example() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("missing.txt") && err.contains("No such file"), "{err}");
 }
+
+/// The README's C example, compiled and run as written.
+#[test]
+fn readme_example() {
+    let readme = std::fs::read_to_string(crate_dir().join("../../README.md")).unwrap();
+    let start = readme.find("```c\n").expect("a ```c block in the README") + 5;
+    let end = start + readme[start..].find("```").unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("readme.c");
+    std::fs::write(&src, &readme[start..end]).unwrap();
+    let exe = compile(&src, tmp.path(), "readme", "-O1");
+    run(&exe, &[]);
+}

@@ -327,3 +327,13 @@ def test_gil_released(env):
     assert elapsed > 0.05, f"read too fast to judge ({elapsed:.3f}s)"
     inside = [x for x in stamps if t0 < x < t0 + elapsed / 2]
     assert len(inside) >= 5, (len(inside), elapsed)
+
+
+def test_readme_example(tmp_path, monkeypatch):
+    """The README's Python example, run as written."""
+    import pathlib
+    readme = (pathlib.Path(__file__).resolve().parents[3] / "README.md").read_text()
+    start = readme.index("```python\n") + len("```python\n")
+    end = readme.index("```", start)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(readme[start:end], "README.md", "exec"), {})
