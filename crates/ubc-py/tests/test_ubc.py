@@ -337,3 +337,14 @@ def test_readme_example(tmp_path, monkeypatch):
     end = readme.index("```", start)
     monkeypatch.chdir(tmp_path)
     exec(compile(readme[start:end], "README.md", "exec"), {})
+
+
+def test_pandas_reads_a_stack_file():
+    """A stack file is a real binary file object: pandas reads CSV from it directly."""
+    pandas = __import__("pytest").importorskip("pandas")
+    stack = ubc.Stack("mem | zstd")
+    with stack.open("t.csv", "wb") as f:
+        f.write(b"a,b\n1,2\n3,4\n")
+    with stack.open("t.csv") as f:
+        df = pandas.read_csv(f)
+    assert list(df.columns) == ["a", "b"] and int(df["b"].sum()) == 6

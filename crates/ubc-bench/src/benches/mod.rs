@@ -2,6 +2,7 @@
 //! `runs` times, and reports medians.
 
 pub mod cached;
+pub mod mach61;
 pub mod map;
 pub mod policy;
 pub mod seq;
@@ -40,5 +41,6 @@ pub fn all() -> Vec<(&'static str, BenchFn)> {
         ("policy", policy::run as BenchFn),
         ("map", map::run as BenchFn),
         ("stack", stack::run as BenchFn),
+        ("mach61", mach61::run as BenchFn),
     ]
 }
