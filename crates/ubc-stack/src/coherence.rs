@@ -62,9 +62,9 @@ pub(crate) const ALL: Range<u64> = 0..u64::MAX;
 
 /// How a general layer maps byte ranges between its domain (upper) and the one below.
 pub trait Translate: Send + Sync {
-    /// Stored bytes of the lower domain that hold upper bytes `upper`. `write`: also the
-    /// metadata a write of these bytes may update (a header with the length).
-    fn down(&self, upper: Range<u64>, write: bool) -> Vec<Range<u64>>;
+    /// Bytes of the lower domain that upper bytes `upper` depend on: where they are
+    /// stored, and the metadata needed to read or write them (a header with the length).
+    fn down(&self, upper: Range<u64>) -> Vec<Range<u64>>;
     /// Upper bytes whose data lies in lower bytes `lower`; `None` if they touch metadata
     /// (the whole upper file must be treated as changed and its state reloaded).
     fn up(&self, lower: Range<u64>) -> Option<Range<u64>>;
@@ -187,6 +187,28 @@ pub(crate) struct Domain {
     tokens: RwLock<Tokens>,
 }
 
+fn layer_err(what: &str, op: ubc::PagerOp, source: std::io::Error) -> ubc::Error {
+    ubc::Error::Io { op, offset: 0, object: what.into(), source }
+}
+
+impl Domain {
+    /// Push this domain's dirty pages in `ranges` (stores through mappings included) and
+    /// its layer's metadata (a length only in memory) into the domain below, so that the
+    /// bytes below are a complete, current file. A layer that cannot write its metadata
+    /// short of a full `sync` (zstd: its commit must follow durable data) is synced.
+    fn push_down(&self, ranges: &[Range<u64>]) -> ubc::Result<()> {
+        for r in ranges {
+            self.file.clean(r.clone())?;
+        }
+        if let Some(x) = &self.xlate {
+            if !x.flush_metadata().map_err(|e| layer_err("layer metadata", ubc::PagerOp::PutPages, e))? {
+                self.file.sync()?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Counters of coherence work, for statistics and benchmarks.
 #[derive(Default, Debug)]
 pub(crate) struct Counters {
@@ -295,16 +317,15 @@ impl Group {
         Ok(d)
     }
 
-    /// Translate `r` from domain `from` to domain `to`. `write`: a write's range (includes
-    /// metadata below). Returns `None` when the translation loses precision upward
-    /// ("whole file, reload").
-    fn translate(doms: &[Arc<Domain>], from: usize, to: usize, r: Range<u64>, write: bool) -> (Vec<Range<u64>>, bool) {
+    /// Translate `r` from domain `from` to domain `to`. The flag says the translation lost
+    /// precision going up ("whole file": the layers there must reload their state).
+    fn translate(doms: &[Arc<Domain>], from: usize, to: usize, r: Range<u64>) -> (Vec<Range<u64>>, bool) {
         let mut cur = vec![r];
         let mut reload = false;
         if to < from {
             for k in (to + 1..=from).rev() {
                 let x = doms[k].xlate.as_ref().expect("an upper domain translates");
-                cur = cur.into_iter().flat_map(|r| x.down(r, write)).collect();
+                cur = cur.into_iter().flat_map(|r| x.down(r)).collect();
             }
         } else {
             for k in from + 1..=to {
@@ -391,7 +412,7 @@ impl Group {
         //    pager's sync — or the bytes below would not be a complete file.
         let mut flush_from: Option<usize> = None;
         for e in (d + 1..n).rev() {
-            let (re, _) = Self::translate(doms, d, e, r.clone(), write);
+            let (re, _) = Self::translate(doms, d, e, r.clone());
             let t = doms[e].tokens.read();
             let dirty = re.iter().any(|x| t.write.overlaps(x) || t.sticky_overlaps(x, true));
             sticky |= re.iter().any(|x| t.sticky_overlaps(x, true) || write && t.sticky_overlaps(x, false));
@@ -402,23 +423,12 @@ impl Group {
         }
         if let Some(top) = flush_from {
             for e in (d + 1..=top).rev() {
-                let (re, _) = Self::translate(doms, d, e, r.clone(), write);
+                let (re, _) = Self::translate(doms, d, e, r.clone());
                 let mut t = doms[e].tokens.write();
+                doms[e].push_down(&re)?;
                 for x in &re {
-                    doms[e].file.clean(x.clone())?;
                     // Readers below now see the data: e keeps only a read token.
                     t.write.remove(x.clone());
-                }
-                if let Some(x) = &doms[e].xlate {
-                    let done = x.flush_metadata().map_err(|source| ubc::Error::Io {
-                        op: ubc::PagerOp::PutPages,
-                        offset: 0,
-                        object: "layer metadata".into(),
-                        source,
-                    })?;
-                    if !done {
-                        doms[e].file.sync()?;
-                    }
                 }
                 self.counters.flushes.fetch_add(1, Relaxed);
             }
@@ -434,7 +444,7 @@ impl Group {
         //    the write (they may re-fault meanwhile).
         if write {
             for e in d + 1..n {
-                let (re, reload) = Self::translate(doms, d, e, r.clone(), true);
+                let (re, reload) = Self::translate(doms, d, e, r.clone());
                 let t = doms[e].tokens.read();
                 let cached = re.iter().any(|x| t.read.overlaps(x) || t.sticky_overlaps(x, false));
                 let mapped = re.iter().any(|x| t.sticky_overlaps(x, false));
@@ -455,7 +465,7 @@ impl Group {
             // again (a mapping re-faults through the domains between): bottom first.
             if let Some(top) = post_top {
                 for e in d + 1..=top {
-                    let (re, reload) = Self::translate(doms, d, e, r.clone(), true);
+                    let (re, reload) = Self::translate(doms, d, e, r.clone());
                     post.push((e, re, reload));
                 }
             }
@@ -467,7 +477,7 @@ impl Group {
         //    metadata — from before that write: invalidate them, bottom first.
         let mut stale_from: Option<(usize, Vec<Range<u64>>)> = None;
         for e in 0..d {
-            let (re, _) = Self::translate(doms, d, e, r.clone(), write);
+            let (re, _) = Self::translate(doms, d, e, r.clone());
             let mut t = doms[e].tokens.write();
             let wrote = re.iter().any(|x| t.write.overlaps(x));
             let maps_w = re.iter().any(|x| t.sticky_overlaps(x, true));
@@ -488,7 +498,7 @@ impl Group {
                 let mut reload = false;
                 let mut rk = Vec::new();
                 for x in &re {
-                    let (v, rl) = Self::translate(doms, e, k, x.clone(), true);
+                    let (v, rl) = Self::translate(doms, e, k, x.clone());
                     reload |= rl;
                     rk.extend(v);
                 }
@@ -522,30 +532,13 @@ impl Group {
         self.counters.invalidations.fetch_add(1, Relaxed);
         if reload {
             if flush_first {
-                // What this domain holds that is not below yet — dirty pages and the
-                // layer's own metadata (a length only in memory) — goes down first: the
+                // What this domain holds that is not below yet goes down first: the
                 // reload would otherwise forget it.
-                e.file.clean(ALL)?;
-                if let Some(x) = &e.xlate {
-                    let done = x.flush_metadata().map_err(|source| ubc::Error::Io {
-                        op: ubc::PagerOp::PutPages,
-                        offset: 0,
-                        object: "layer metadata".into(),
-                        source,
-                    })?;
-                    if !done {
-                        e.file.sync()?;
-                    }
-                }
+                e.push_down(&[ALL])?;
             }
             e.file.invalidate(ALL, false)?;
             if let Some(x) = &e.xlate {
-                x.reload().map_err(|source| ubc::Error::Io {
-                    op: ubc::PagerOp::Len,
-                    offset: 0,
-                    object: "layer state".into(),
-                    source,
-                })?;
+                x.reload().map_err(|err| layer_err("layer state", ubc::PagerOp::Len, err))?;
             }
             // Pages a mapping re-faulted with the old state in between go too.
             return e.file.invalidate(ALL, true);
@@ -596,7 +589,9 @@ impl Group {
         let doms = self.domains.read().clone();
         for e in (d + 1..doms.len()).rev() {
             let mut t = doms[e].tokens.write();
-            doms[e].file.clean(ALL)?;
+            // Metadata too: syncing d must make what was written above part of the file
+            // at d (an aead length only in memory would otherwise be missing).
+            doms[e].push_down(&[ALL])?;
             t.write = RangeSet::default();
         }
         Ok(())
@@ -607,7 +602,7 @@ impl Group {
     /// Translate `r` in domain `d` down to domain 0 (where all layers' locks meet).
     fn lock_range(&self, d: usize, r: Range<u64>) -> Vec<Range<u64>> {
         let doms = self.domains.read().clone();
-        Self::translate(&doms, d, 0, r, false).0
+        Self::translate(&doms, d, 0, r).0
     }
 
     /// Take an advisory lock (fcntl `F_SETLK(W)`-style) on bytes `r` of domain `d`. Locks

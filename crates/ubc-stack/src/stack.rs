@@ -3,7 +3,7 @@
 
 use crate::coherence::{CoherenceStats, Counters, Group, Mode, ALL};
 use crate::error::{Error, Result};
-use crate::layer::{self, norm, Attr, Below, DirEntry, Kind, Layer, Opened, SetAttr};
+use crate::layer::{norm, Attr, Below, DirEntry, Kind, Layer, Opened, SetAttr};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::ops::Range;
@@ -18,15 +18,13 @@ enum GroupKey {
     Path(usize, String),
 }
 
-/// The attributes the paper groups as never and sometimes changing, cached per layer
-/// (the name-lookup cache: a hit means the name exists). The often-changing group (size,
-/// times) is not cached: it comes from the layer, or from the open file, every time.
-#[derive(Clone, Debug)]
-struct Cached {
-    kind: Kind,
-    ino: u64,
-    mode: u32,
-}
+/// A layer's name cache: the file a path names, once opened through the stack — its group
+/// and domain, whose cached object knows the length as this layer sees it. It spares a
+/// `getattr` of a general layer (whose size is the cleartext length) from opening the file
+/// again. Attributes themselves are read from the layer every time (the often-changing
+/// group — size, times — is most of them); entries are dropped, in every layer at once, when
+/// a name is removed, renamed, created or changed (the paper's tag-and-broadcast).
+type Named = (Arc<Group>, usize);
 
 struct Inner {
     cache: ubc::Cache,
@@ -34,8 +32,8 @@ struct Inner {
     groups: Mutex<HashMap<GroupKey, Arc<Group>>>,
     counters: Arc<Counters>,
     coherence: bool,
-    /// Per layer: path → cached attributes.
-    names: Vec<Mutex<HashMap<String, Cached>>>,
+    /// Per layer: path → the opened file (see [`Named`]).
+    names: Vec<Mutex<HashMap<String, Named>>>,
     name_hits: AtomicU64,
     name_invalidations: AtomicU64,
     next_owner: AtomicU64,
@@ -240,10 +238,15 @@ impl Inner {
                 let layer = self.layers[level].clone();
                 let cache = self.cache.clone();
                 let lower_file = lower.file;
+                let named = path.to_string();
                 let dom = lower.group.add_domain(idx, move || {
                     let lw = lower_file.is_writable();
                     // Internal: the pager's lower file must not keep the cache running.
-                    let (pager, xlate) = layer.wrap(lower_file.internal())?;
+                    // A layer does not know the path: errors get it here.
+                    let (pager, xlate) = layer.wrap(lower_file.internal()).map_err(|e| match e {
+                        Error::Io { source, .. } => Error::Io { path: named, source },
+                        e => e,
+                    })?;
                     let acc = if lw { ubc::Access::ReadWrite } else { ubc::Access::ReadOnly };
                     Ok((cache.open(pager, acc)?, Some(xlate)))
                 })?;
@@ -327,26 +330,17 @@ impl LayerRef {
     /// Attributes of `path` as this layer shows them (a general layer shows its own size).
     pub fn getattr(&self, path: &str) -> Result<Attr> {
         let p = norm(path)?;
-        let names = &self.inner().names[self.level];
-        let cached = names.lock().get(&p).cloned();
-        let mut a = match cached {
-            Some(c) => {
-                self.inner().name_hits.fetch_add(1, Relaxed);
-                // Often-changing attributes are read each time; the lookup itself is cached.
-                let mut a = self.layer().getattr(&p)?;
-                a.kind = c.kind;
-                a.ino = c.ino;
-                a.mode = c.mode;
-                a
-            }
-            None => {
-                let a = self.layer().getattr(&p)?;
-                names.lock().insert(p.clone(), Cached { kind: a.kind, ino: a.ino, mode: a.mode });
-                a
-            }
-        };
+        let mut a = self.layer().getattr(&p)?;
         if a.kind == Kind::File && (self.layer().is_general() || self.level_is_above_general()) {
-            a.size = self.open_with(&p, OpenOptions::default())?.len()?;
+            let named = self.inner().names[self.level].lock().get(&p).cloned();
+            a.size = match named.and_then(|(g, d)| Some((g.domain(d)?, g, d))) {
+                Some((dom, g, d)) => {
+                    self.inner().name_hits.fetch_add(1, Relaxed);
+                    let _p = g.acquire(&dom, d, ALL, Mode::Read)?;
+                    dom.file.len()?
+                }
+                None => self.open_with(&p, OpenOptions::default())?.len()?,
+            };
         }
         Ok(a)
     }
@@ -465,6 +459,7 @@ impl LayerRef {
             Err(e) => return Err(e),
         }
         let node = self.inner().open_node(self.level, &p, opts.write)?;
+        self.inner().names[self.level].lock().insert(p.clone(), (node.group.clone(), node.domain));
         let dom = node.group.domain(node.domain).expect("opened domain");
         let f = File {
             inner: node.file,
@@ -649,12 +644,9 @@ impl Drop for Mapping {
     }
 }
 
-#[allow(unused)]
-fn _assert_send_sync() {
-    fn f<T: Send + Sync>() {}
-    f::<Stack>();
-    f::<File>();
-}
-
-#[allow(unused)]
-use layer::parent as _parent;
+// Stacks and files are shared across threads.
+const _: () = {
+    const fn send_sync<T: Send + Sync>() {}
+    send_sync::<Stack>();
+    send_sync::<File>();
+};

@@ -31,7 +31,7 @@ impl Zstd {
 struct ZstdXlate(Arc<CompressPager>);
 
 impl Translate for ZstdXlate {
-    fn down(&self, _upper: Range<u64>, _write: bool) -> Vec<Range<u64>> {
+    fn down(&self, _upper: Range<u64>) -> Vec<Range<u64>> {
         vec![ALL]
     }
     fn up(&self, _lower: Range<u64>) -> Option<Range<u64>> {
@@ -58,7 +58,7 @@ impl Layer for Zstd {
     fn wrap(&self, lower: ubc::File) -> Result<(Arc<dyn ubc::Pager>, Arc<dyn Translate>)> {
         let p = Arc::new(
             CompressPager::open(lower, CompressOptions { chunk_size: self.chunk_size, level: self.level })
-                .map_err(|e| Error::Io { path: "(zstd)".into(), source: e })?,
+                .map_err(|e| Error::Io { path: String::new(), source: e })?, // the stack adds the path
         );
         Ok((p.clone(), Arc::new(ZstdXlate(p))))
     }
@@ -85,7 +85,7 @@ const HUGE: u64 = 1 << 62;
 struct AeadXlate(Arc<EncryptPager>);
 
 impl Translate for AeadXlate {
-    fn down(&self, upper: Range<u64>, write: bool) -> Vec<Range<u64>> {
+    fn down(&self, upper: Range<u64>) -> Vec<Range<u64>> {
         // Open-ended ranges ("to the end of the file") stay open-ended.
         let blocks = if upper.end > HUGE {
             self.0.lower_range(upper.start.min(HUGE)..upper.start.min(HUGE) + 1).start..u64::MAX
@@ -94,7 +94,6 @@ impl Translate for AeadXlate {
         };
         // Reads depend on the header too (file id, length): a restore underneath that
         // rewrote it must be seen by readers above, and a write may update it.
-        let _ = write;
         let header = 0..self.0.lower_range(0..1).start;
         vec![header, blocks]
     }
@@ -127,7 +126,7 @@ impl Layer for Aead {
         Ok(Opened::Wrap)
     }
     fn wrap(&self, lower: ubc::File) -> Result<(Arc<dyn ubc::Pager>, Arc<dyn Translate>)> {
-        let p = Arc::new(EncryptPager::open(lower, self.key.clone()).map_err(|e| Error::Io { path: "(aead)".into(), source: e })?);
+        let p = Arc::new(EncryptPager::open(lower, self.key.clone()).map_err(|e| Error::Io { path: String::new(), source: e })?);
         Ok((p.clone(), Arc::new(AeadXlate(p))))
     }
 }
