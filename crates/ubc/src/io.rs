@@ -7,9 +7,10 @@
 //! works for all of them. Jobs are closures; a [`Batch`] lets a caller wait for a group of
 //! jobs and collect the first error.
 //!
-//! The pool is elastic: when a job is queued and no thread is idle, an extra thread is
-//! started (up to [`MAX_EXTRA`]); extra threads leave after [`EXTRA_IDLE`] without work.
-//! Layers need this: a layer's pager (compression, encryption) reads its lower file through
+//! The pool grows when it would otherwise deadlock: when every thread is *blocked* (waiting
+//! for a page, see [`blocking`]) and jobs are queued, an extra thread is started (up to
+//! [`MAX_EXTRA`]); extra threads leave after [`EXTRA_IDLE`] without work. Busy threads do not
+//! count — a burst of writeback just queues. Layers need this: a layer's pager (compression, encryption) reads its lower file through
 //! this same cache from an I/O thread, and that read may wait for a lower page whose fill
 //! is a job still queued — with a fixed pool, jobs that wait for queued jobs can fill every
 //! thread and deadlock (found by the stack benchmarks: four zstd read-ahead fills waiting
@@ -30,12 +31,13 @@ const EXTRA_IDLE: std::time::Duration = std::time::Duration::from_secs(2);
 
 pub(crate) struct IoPool {
     shared: Arc<Shared>,
-    threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
 struct Shared {
     queue: Mutex<Queue>,
     cv: Condvar,
+    /// Every thread of the pool (base and extra), joined at shutdown.
+    threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
 struct Queue {
@@ -43,24 +45,35 @@ struct Queue {
     shutdown: bool,
     /// Threads waiting for a job.
     idle: usize,
-    /// Extra threads alive.
+    /// Threads running a job that is waiting for something (a page another job fills).
+    blocked: usize,
+    /// Threads alive, and how many of them are extra.
+    threads: usize,
     extra: usize,
+}
+
+impl Queue {
+    /// Every thread waits while work is queued: only a new thread can make progress.
+    fn stuck(&self) -> bool {
+        !self.jobs.is_empty() && self.idle == 0 && self.blocked >= self.threads && self.extra < MAX_EXTRA && !self.shutdown
+    }
 }
 
 impl IoPool {
     /// Start `n` I/O threads (at least one).
     pub(crate) fn new(n: usize) -> IoPool {
-        let shared = Arc::new(Shared { queue: Mutex::new(Queue { jobs: VecDeque::new(), shutdown: false, idle: 0, extra: 0 }), cv: Condvar::new() });
-        let threads = (0..n.max(1))
-            .map(|i| {
-                let s = shared.clone();
-                std::thread::Builder::new()
-                    .name(format!("ubc-io-{i}"))
-                    .spawn(move || worker(s, false))
-                    .expect("spawn ubc I/O thread")
-            })
-            .collect();
-        IoPool { shared, threads: Mutex::new(threads) }
+        let n = n.max(1);
+        let queue = Queue { jobs: VecDeque::new(), shutdown: false, idle: 0, blocked: 0, threads: n, extra: 0 };
+        let shared = Arc::new(Shared { queue: Mutex::new(queue), cv: Condvar::new(), threads: Mutex::new(Vec::new()) });
+        for i in 0..n {
+            let s = shared.clone();
+            let h = std::thread::Builder::new()
+                .name(format!("ubc-io-{i}"))
+                .spawn(move || worker(s, false))
+                .expect("spawn ubc I/O thread");
+            shared.threads.lock().push(h);
+        }
+        IoPool { shared }
     }
 
     /// Queue a job.
@@ -73,25 +86,10 @@ impl IoPool {
             return;
         }
         q.jobs.push_back(Box::new(job));
-        // Every thread busy (perhaps waiting for this very job): add one.
-        let grow = q.idle == 0 && q.extra < MAX_EXTRA;
-        if grow {
-            q.extra += 1;
+        if q.stuck() {
+            grow(&self.shared, &mut q);
         }
         drop(q);
-        if grow {
-            let s = self.shared.clone();
-            let spawned = std::thread::Builder::new().name("ubc-io-x".into()).spawn(move || worker(s, true));
-            match spawned {
-                Ok(h) => {
-                    let mut t = self.threads.lock();
-                    t.retain(|h| !h.is_finished());
-                    t.push(h);
-                }
-                // No thread to be had: the base pool will get to the job.
-                Err(_) => self.shared.queue.lock().extra -= 1,
-            }
-        }
         self.shared.cv.notify_one();
     }
 
@@ -99,23 +97,57 @@ impl IoPool {
     pub(crate) fn shutdown(&self) {
         self.shared.queue.lock().shutdown = true;
         self.shared.cv.notify_all();
-        for t in self.threads.lock().drain(..) {
+        let threads: Vec<JoinHandle<()>> = self.shared.threads.lock().drain(..).collect();
+        for t in threads {
             let _ = t.join();
         }
     }
 }
 
+/// Start an extra thread. => `q` is `s.queue`, locked, and `q.stuck()`.
+fn grow(s: &Arc<Shared>, q: &mut Queue) {
+    let s2 = s.clone();
+    if let Ok(h) = std::thread::Builder::new().name("ubc-io-x".into()).spawn(move || worker(s2, true)) {
+        q.extra += 1;
+        q.threads += 1;
+        let mut t = s.threads.lock();
+        t.retain(|h| !h.is_finished());
+        t.push(h);
+    }
+    // No thread to be had: the others get to the job when they stop waiting.
+}
+
 thread_local! {
-    static IO_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// The pool of the I/O thread this is, if it is one.
+    static IO_POOL: std::cell::RefCell<Option<Arc<Shared>>> = const { std::cell::RefCell::new(None) };
 }
 
 /// True on a pool thread (which must never wait for other pool jobs: deadlock).
 pub(crate) fn on_io_thread() -> bool {
-    IO_THREAD.with(|t| t.get())
+    IO_POOL.with(|p| p.borrow().is_some())
+}
+
+/// Run `wait`, a wait for something another job may have to do (a page being filled).
+/// On an I/O thread, counts the thread blocked meanwhile, so that the pool grows if every
+/// thread is blocked with jobs queued. Elsewhere just runs `wait`.
+pub(crate) fn blocking<R>(wait: impl FnOnce() -> R) -> R {
+    let Some(s) = IO_POOL.with(|p| p.borrow().clone()) else { return wait() };
+    {
+        let mut q = s.queue.lock();
+        q.blocked += 1;
+        if q.stuck() {
+            grow(&s, &mut q);
+            drop(q);
+            s.cv.notify_one();
+        }
+    }
+    let r = wait();
+    s.queue.lock().blocked -= 1;
+    r
 }
 
 fn worker(s: Arc<Shared>, extra: bool) {
-    IO_THREAD.with(|t| t.set(true));
+    IO_POOL.with(|p| *p.borrow_mut() = Some(s.clone()));
     loop {
         let job = {
             let mut q = s.queue.lock();
@@ -124,6 +156,7 @@ fn worker(s: Arc<Shared>, extra: bool) {
                     break j;
                 }
                 if q.shutdown {
+                    q.threads -= 1;
                     if extra {
                         q.extra -= 1;
                     }
@@ -139,6 +172,7 @@ fn worker(s: Arc<Shared>, extra: bool) {
                 q.idle -= 1;
                 if timed_out && q.jobs.is_empty() {
                     q.extra -= 1;
+                    q.threads -= 1;
                     return;
                 }
             }

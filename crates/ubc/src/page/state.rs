@@ -116,7 +116,9 @@ impl PageState {
             {
                 continue;
             }
-            atomic_wait::wait(&self.0, s | WAITERS);
+            // The page may be filled by a queued I/O job: an I/O thread waiting here lets
+            // the pool know (it grows rather than deadlock).
+            crate::io::blocking(|| atomic_wait::wait(&self.0, s | WAITERS));
         }
     }
 
