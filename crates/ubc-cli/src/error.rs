@@ -51,7 +51,9 @@ impl Fail {
             Error::Spec(s) => (EX_USAGE, format!("bad stack spec: {s}")),
             Error::Invalid(s) => (EX_USAGE, s.clone()),
             Error::Io { source, .. } => (io_code(side, source), source.to_string()),
-            Error::Cache(ubc::Error::Io { .. } | ubc::Error::Open { .. } | ubc::Error::Os { .. }) => (EX_IOERR, e.to_string()),
+            Error::Cache(ubc::Error::Io { .. } | ubc::Error::Open { .. } | ubc::Error::Os { .. } | ubc::Error::WritebackFailed { .. }) => {
+                (EX_IOERR, e.to_string())
+            }
             Error::Cache(c) => (EX_SOFTWARE, c.to_string()),
             _ => (EX_SOFTWARE, e.to_string()),
         };

@@ -552,6 +552,14 @@ impl File {
         Ok(self.inner.sync()?)
     }
 
+    /// Close the handle (see [`ubc::File::close`]): later calls fail, its byte-range locks
+    /// are released, and a writeback failure of the file this handle has not been told
+    /// about is returned (the handle is closed either way).
+    pub fn close(&self) -> Result<()> {
+        self.group.unlock_all(self.owner);
+        Ok(self.inner.close()?)
+    }
+
     /// Map bytes `range` (see [`ubc::File::map`]). The mapping is coherent with every
     /// layer: writes through another layer invalidate its pages (they re-fault), and its
     /// stores are written down before another layer reads those bytes.

@@ -15,6 +15,19 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    /// An earlier writeback of the file failed — in the background, or reported to another
+    /// handle — and this handle had not been told yet (see `errseq.rs`). `lost`: the
+    /// pager's sync failed, so data written before it may not be durable (retrying the sync
+    /// is not enough: write it again). Otherwise the pages are still dirty in the cache and
+    /// will be retried; `sync` to know whether they reach the store.
+    #[error("{object}: {}{op} failed earlier: {source}", if *lost { "data may be lost: " } else { "dirty pages not written back: " })]
+    WritebackFailed {
+        op: PagerOp,
+        object: String,
+        #[source]
+        source: io::Error,
+        lost: bool,
+    },
     /// Opening a host file failed.
     #[error("open {path}: {source}")]
     Open {
@@ -72,7 +85,9 @@ impl Error {
     /// The OS error number behind this error, if there is one (EIO, ENOSPC, ...).
     pub fn raw_os_error(&self) -> Option<i32> {
         match self {
-            Error::Io { source, .. } | Error::Os { source, .. } | Error::Open { source, .. } => source.raw_os_error(),
+            Error::Io { source, .. } | Error::Os { source, .. } | Error::Open { source, .. } | Error::WritebackFailed { source, .. } => {
+                source.raw_os_error()
+            }
             Error::OffsetOverflow { .. } => Some(libc::EFBIG),
             Error::Closed => Some(libc::EBADF),
             Error::ReadOnly => Some(libc::EBADF),
@@ -89,7 +104,9 @@ impl Error {
 impl From<Error> for io::Error {
     fn from(e: Error) -> io::Error {
         let kind = match &e {
-            Error::Io { source, .. } | Error::Os { source, .. } | Error::Open { source, .. } => source.kind(),
+            Error::Io { source, .. } | Error::Os { source, .. } | Error::Open { source, .. } | Error::WritebackFailed { source, .. } => {
+                source.kind()
+            }
             Error::OffsetOverflow { .. } => io::ErrorKind::FileTooLarge,
             Error::Closed => io::ErrorKind::Other,
             Error::ReadOnly => io::ErrorKind::PermissionDenied,

@@ -29,11 +29,14 @@ pub struct File {
     writable: bool,
     closed: AtomicBool,
     pos: u64,
+    /// Which writeback failures of the file this handle has been told about.
+    errors: crate::errseq::Cursor,
 }
 
 impl File {
     pub(crate) fn new(obj: Arc<Object>, cache: Cache, writable: bool) -> File {
-        File { obj, cache, writable, closed: AtomicBool::new(false), pos: 0 }
+        let errors = obj.wb_errors.cursor();
+        File { obj, cache, writable, closed: AtomicBool::new(false), pos: 0, errors }
     }
 
     #[inline]
@@ -97,8 +100,20 @@ impl File {
 
     /// Write every dirty page to the pager, then make it durable (the pager's sync). On error
     /// the pages stay dirty (a later `sync` retries) and the error is returned.
+    ///
+    /// Also fails with [`Error::WritebackFailed`] (`lost: true`) if the pager's sync failed
+    /// since this handle last synced — for whoever called it — even when this sync succeeds:
+    /// data written before that failure may not be durable, and every handle hears of it
+    /// once (Linux's errseq after "fsyncgate"). A failed background writeback whose pages
+    /// this sync wrote successfully is not an error: nothing was lost.
     pub fn sync(&self) -> Result<()> {
-        self.live()?.sync()
+        let o = self.live()?;
+        let r = o.sync();
+        let lost = o.wb_errors.take_lost(&self.errors, o.describe());
+        // This sync retried every dirty page: earlier put failures are settled by `r`.
+        let _ = o.wb_errors.take_retained(&self.errors, o.describe());
+        r?;
+        lost.map_or(Ok(()), Err)
     }
 
     /// Write back the dirty pages in byte `range` — stores through mappings included — and
@@ -120,12 +135,26 @@ impl File {
 
     /// Close the handle: later calls on it fail with [`Error::Closed`]. Like `close(2)`,
     /// it does not sync; cached data stays in the cache for other handles and later opens.
+    ///
+    /// The handle is closed either way, but `close` reports, like `close(2)` on NFS, a
+    /// writeback failure this handle has not been told about ([`Error::WritebackFailed`]):
+    /// a failed pager sync (data may be lost), or — for a writable handle while the file
+    /// still has dirty pages — a failed writeback (the data is not on its way; the pages are
+    /// retried by the flusher and by any `sync`).
     pub fn close(&self) -> Result<()> {
         if self.closed.swap(true, SeqCst) {
             return Err(Error::Closed);
         }
+        let o = &self.obj;
+        let lost = o.wb_errors.take_lost(&self.errors, o.describe());
+        let retained = o.wb_errors.take_retained(&self.errors, o.describe());
+        let pending = self.writable && o.dirty_pages() > 0;
         self.release_handle();
-        Ok(())
+        match (lost, retained) {
+            (Some(e), _) => Err(e),
+            (None, Some(e)) if pending => Err(e),
+            _ => Ok(()),
+        }
     }
 
     fn release_handle(&self) {

@@ -21,6 +21,7 @@
 
 mod cache;
 mod error;
+mod errseq;
 mod file;
 mod io;
 mod map;

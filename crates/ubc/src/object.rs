@@ -69,6 +69,8 @@ pub(crate) struct Object {
     /// re-protects): eviction holds it from zapping its pages to punching them, so a store
     /// found by another scan meanwhile is never lost with the page.
     scan_lock: Mutex<()>,
+    /// Writeback failures, reported to every handle once (see `errseq.rs`).
+    pub(crate) wb_errors: crate::errseq::WbErrors,
 }
 
 /// A page a writer holds between copying into it and publishing it (lock coupling).
@@ -105,6 +107,7 @@ impl Object {
             maps: RwLock::new(Vec::new()),
             nmaps: AtomicUsize::new(0),
             scan_lock: Mutex::new(()),
+            wb_errors: Default::default(),
         }))
     }
 
@@ -961,7 +964,10 @@ impl Object {
                 };
                 bump(&sh.put_calls, 1);
                 let _in = crate::writeback::InPager::enter();
-                self.pager().put_pages(offset, data).map_err(|e| self.io_err(PagerOp::PutPages, offset, e))
+                self.pager().put_pages(offset, data).map_err(|e| {
+                    self.wb_errors.retained(PagerOp::PutPages, &e);
+                    self.io_err(PagerOp::PutPages, offset, e)
+                })
             })
         };
         let ok = r.is_ok();
@@ -1004,7 +1010,10 @@ impl Object {
             let _size = self.size_lock.read();
             pager.set_len(self.len()).map_err(|e| self.io_err(PagerOp::SetLen, len, e))?;
         }
-        pager.sync().map_err(|e| self.io_err(PagerOp::Sync, 0, e))
+        pager.sync().map_err(|e| {
+            self.wb_errors.lost(PagerOp::Sync, &e);
+            self.io_err(PagerOp::Sync, 0, e)
+        })
     }
 
     // ---------------------------------------------------------------- eviction

@@ -209,3 +209,91 @@ fn truncate_at_the_dirty_limit_with_a_failing_store_loses_no_zeroing() {
     mem.get_pages(0, &mut stored[..5 * 4096]).unwrap();
     assert!(stored[cut as usize..5 * 4096].iter().all(|&b| b == 0), "old bytes past the cut in the store");
 }
+
+// ---- every handle hears of a writeback failure (errseq, "fsyncgate") ----
+
+fn is_lost(r: ubc::Result<()>, errno: i32) -> bool {
+    matches!(&r, Err(e @ Error::WritebackFailed { lost: true, .. }) if e.raw_os_error() == Some(errno))
+}
+
+#[test]
+fn a_failed_pager_sync_reaches_every_handle_once() {
+    // The PostgreSQL 2018 case: one fsync fails, the kernel forgets, the next fsync
+    // succeeds. Every handle that may have data in the file must hear of it.
+    let cache = small_cache(1 << 20);
+    let (a, fault, _mem) = faulty_file(&cache);
+    let b = a.try_clone().unwrap();
+    let c = a.reopen(Access::ReadOnly).unwrap();
+    a.write_at(b"first", 0).unwrap();
+    b.write_at(b"second", 4096).unwrap();
+    fault.fail_syncs(Some(libc::EIO));
+    fault.fail_only_next(1);
+    assert!(matches!(a.sync(), Err(Error::Io { op: PagerOp::Sync, .. })), "the caller gets the error itself");
+    assert_eq!(fault.counts().failures, 1);
+    // The pager's sync works again, but b and c were not told: each hears once.
+    let e = b.sync().unwrap_err();
+    assert!(matches!(e, Error::WritebackFailed { lost: true, op: PagerOp::Sync, .. }), "{e:?}");
+    assert!(e.to_string().contains("data may be lost"), "{e}");
+    b.sync().unwrap();
+    assert!(is_lost(c.close(), libc::EIO), "a read-only handle hears of it at close");
+    a.sync().unwrap();
+    // Everyone was told: a new handle starts clean.
+    let d = a.try_clone().unwrap();
+    d.sync().unwrap();
+    d.close().unwrap();
+}
+
+#[test]
+fn a_failed_sync_nobody_was_told_of_reaches_the_next_opener() {
+    let cache = small_cache(1 << 20);
+    let (a, fault, _mem) = faulty_file(&cache);
+    a.write_at(b"data", 0).unwrap();
+    // A cache-wide sync fails: no handle got that error.
+    fault.fail_syncs(Some(libc::EIO));
+    fault.fail_only_next(1);
+    assert!(cache.sync_all().is_err());
+    let b = a.try_clone().unwrap();
+    assert!(is_lost(b.sync(), libc::EIO), "the first handle to look is told");
+    assert!(is_lost(a.sync(), libc::EIO), "and every handle open at the time");
+    let c = a.try_clone().unwrap();
+    c.sync().unwrap();
+}
+
+#[test]
+fn a_background_writeback_failure_is_reported_at_close_while_the_data_is_still_dirty() {
+    let cache = small_cache(1 << 20);
+    let (writer, fault, mem) = faulty_file(&cache);
+    let other = writer.try_clone().unwrap();
+    let reader = writer.reopen(Access::ReadOnly).unwrap();
+    writer.write_at(&pattern(3, 0, 8192), 0).unwrap();
+    fault.fail_writes(Some(libc::ENOSPC));
+    // Someone else's writeback fails (as the flusher's would): the writer was not there.
+    assert!(matches!(other.clean(0..8192), Err(Error::Io { op: PagerOp::PutPages, .. })));
+    assert_eq!(writer.stats().dirty_bytes, 8192, "pages stay dirty");
+    let e = writer.close().unwrap_err();
+    assert!(matches!(e, Error::WritebackFailed { lost: false, op: PagerOp::PutPages, .. }), "{e:?}");
+    assert_eq!(e.raw_os_error(), Some(libc::ENOSPC));
+    assert!(matches!(writer.read_at(&mut [0u8; 1], 0), Err(Error::Closed)), "closed anyway");
+    // A read-only handle cannot have data in the pages: its close is clean.
+    reader.close().unwrap();
+    // Nothing was lost: the disk gets space, a sync writes the pages.
+    fault.heal();
+    other.sync().unwrap();
+    assert_same(&store_contents(&*mem)[..8192], &pattern(3, 0, 8192), "store after recovery");
+}
+
+#[test]
+fn a_writeback_failure_later_retried_successfully_is_not_an_error() {
+    let cache = small_cache(1 << 20);
+    let (a, fault, mem) = faulty_file(&cache);
+    let b = a.try_clone().unwrap();
+    a.write_at(&pattern(4, 0, 4096), 0).unwrap();
+    fault.fail_writes(Some(libc::EIO));
+    fault.fail_only_next(1);
+    assert!(b.clean(0..4096).is_err());
+    // a's sync retries the page and succeeds: nothing was lost, nothing to report.
+    a.sync().unwrap();
+    assert_same(&store_contents(&*mem)[..4096], &pattern(4, 0, 4096), "store");
+    a.close().unwrap();
+    b.close().unwrap();
+}

@@ -15,6 +15,7 @@
 //! in the clear), which is what lets name-cache invalidations be broadcast by path.
 
 pub mod dir;
+pub mod fault;
 pub mod general;
 pub mod mem;
 pub mod null;

@@ -12,7 +12,7 @@ mod fault;
 mod file;
 mod mem;
 
-pub use fault::{FaultCounts, FaultPager};
+pub use fault::{FaultCounts, FaultPager, Faults};
 pub use file::FilePager;
 pub use mem::MemPager;
 

@@ -1,0 +1,183 @@
+//! `fault`: fault injection at any level of a stack, for tests of error paths.
+//!
+//! * [`Fault::over`] stacks a pass-through *general* layer on any layer: each file opened
+//!   through it gets a pager over the lower layer's file (same bytes, identity translation)
+//!   behind a [`ubc::pager::FaultPager`], all driven by one [`Faults`] switchboard. Errors,
+//!   torn transfers, slowness and hangs then happen *between* two layers of the stack — the
+//!   layer above sees its lower file fail the way it would see a disk fail.
+//! * [`Fault::dir`] is a `dir` bottom layer whose host-file pagers are wrapped the same way:
+//!   the store itself fails.
+//!
+//! Not reachable from the spec language: it is for tests and for checking how a program
+//! copes with failing storage (build the stack with [`crate::Stack::builder`]).
+
+use super::{dir::Dir, Below, Layer, Opened};
+use crate::coherence::Translate;
+use crate::error::Result;
+use std::io;
+use std::ops::Range;
+use std::sync::Arc;
+use ubc::pager::{FaultPager, Faults};
+use ubc::{Fill, Identity, IoMode, Pager};
+
+/// A fault-injecting layer (see the module docs).
+pub struct Fault {
+    kind: Kind,
+    faults: Arc<Faults>,
+}
+
+enum Kind {
+    Over(Arc<dyn Layer>),
+    Dir(Dir),
+}
+
+impl Fault {
+    /// A pass-through general layer over `lower` whose files fail as `faults` says.
+    pub fn over(lower: Arc<dyn Layer>, faults: Arc<Faults>) -> Fault {
+        Fault { kind: Kind::Over(lower), faults }
+    }
+
+    /// A `dir` bottom layer over host directory `root` whose stores fail as `faults` says.
+    pub fn dir(root: impl Into<std::path::PathBuf>, faults: Arc<Faults>) -> Result<Fault> {
+        Ok(Fault { kind: Kind::Dir(Dir::new(root)?), faults })
+    }
+
+    /// The switchboard.
+    pub fn faults(&self) -> &Arc<Faults> {
+        &self.faults
+    }
+}
+
+impl Layer for Fault {
+    fn spec(&self) -> String {
+        match &self.kind {
+            Kind::Over(_) => "fault".into(),
+            Kind::Dir(d) => format!("fault-{}", d.spec()),
+        }
+    }
+    fn lower(&self) -> Option<&Arc<dyn Layer>> {
+        match &self.kind {
+            Kind::Over(l) => Some(l),
+            Kind::Dir(_) => None,
+        }
+    }
+    fn is_general(&self) -> bool {
+        matches!(self.kind, Kind::Over(_))
+    }
+
+    // A bottom layer answers the namespace itself; `Over` forwards (the trait defaults).
+    fn getattr(&self, path: &str) -> Result<super::Attr> {
+        match &self.kind {
+            Kind::Dir(d) => d.getattr(path),
+            Kind::Over(l) => l.getattr(path),
+        }
+    }
+    fn setattr(&self, path: &str, set: &super::SetAttr) -> Result<()> {
+        match &self.kind {
+            Kind::Dir(d) => d.setattr(path, set),
+            Kind::Over(l) => l.setattr(path, set),
+        }
+    }
+    fn readdir(&self, path: &str) -> Result<Vec<super::DirEntry>> {
+        match &self.kind {
+            Kind::Dir(d) => d.readdir(path),
+            Kind::Over(l) => l.readdir(path),
+        }
+    }
+    fn create(&self, path: &str, mode: u32) -> Result<()> {
+        match &self.kind {
+            Kind::Dir(d) => d.create(path, mode),
+            Kind::Over(l) => l.create(path, mode),
+        }
+    }
+    fn mkdir(&self, path: &str, mode: u32) -> Result<()> {
+        match &self.kind {
+            Kind::Dir(d) => d.mkdir(path, mode),
+            Kind::Over(l) => l.mkdir(path, mode),
+        }
+    }
+    fn remove(&self, path: &str) -> Result<()> {
+        match &self.kind {
+            Kind::Dir(d) => d.remove(path),
+            Kind::Over(l) => l.remove(path),
+        }
+    }
+    fn rmdir(&self, path: &str) -> Result<()> {
+        match &self.kind {
+            Kind::Dir(d) => d.rmdir(path),
+            Kind::Over(l) => l.rmdir(path),
+        }
+    }
+    fn rename(&self, from: &str, to: &str) -> Result<()> {
+        match &self.kind {
+            Kind::Dir(d) => d.rename(from, to),
+            Kind::Over(l) => l.rename(from, to),
+        }
+    }
+
+    fn open(&self, path: &str, writable: bool, below: &dyn Below) -> Result<Opened> {
+        match &self.kind {
+            Kind::Over(_) => Ok(Opened::Wrap),
+            Kind::Dir(d) => match d.open(path, writable, below)? {
+                Opened::Store(p) => Ok(Opened::Store(Arc::new(FaultPager::with_faults(p, self.faults.clone())))),
+                other => Ok(other),
+            },
+        }
+    }
+
+    fn wrap(&self, lower: ubc::File) -> Result<(Arc<dyn Pager>, Arc<dyn Translate>)> {
+        let p: Arc<dyn Pager> = Arc::new(FaultPager::with_faults(Arc::new(LowerFile(lower)), self.faults.clone()));
+        Ok((p, Arc::new(Identical)))
+    }
+}
+
+/// The bytes are the lower file's, offset for offset.
+struct Identical;
+
+impl Translate for Identical {
+    fn down(&self, upper: Range<u64>) -> Vec<Range<u64>> {
+        vec![upper]
+    }
+    fn up(&self, lower: Range<u64>) -> Option<Range<u64>> {
+        Some(lower)
+    }
+    fn reload(&self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A pager over a lower layer's cached file.
+struct LowerFile(ubc::File);
+
+impl Pager for LowerFile {
+    fn get_pages(&self, offset: u64, buf: &mut [u8]) -> io::Result<Fill> {
+        let n = self.0.read_at(buf, offset)?;
+        buf[n..].fill(0);
+        Ok(Fill::Data)
+    }
+    fn put_pages(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        self.0.write_at(data, offset)?;
+        Ok(())
+    }
+    fn len(&self) -> io::Result<u64> {
+        Ok(self.0.len()?)
+    }
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        Ok(self.0.set_len(len)?)
+    }
+    fn sync(&self) -> io::Result<()> {
+        Ok(self.0.sync()?)
+    }
+    fn identity(&self) -> Option<Identity> {
+        self.0.identity().map(|id| Identity::Named { kind: "fault", name: format!("{id:?}") })
+    }
+    fn is_writable(&self) -> bool {
+        self.0.is_writable()
+    }
+    fn describe(&self) -> String {
+        format!("fault layer over {:?}", self.0)
+    }
+    fn io_mode(&self) -> IoMode {
+        self.0.stats().io_mode
+    }
+}
