@@ -44,6 +44,22 @@ fn hex16(v: &str) -> Result<[u8; 16]> {
     Ok(out)
 }
 
+/// Longest passphrase file read: a passphrase, not a file of any size (`/dev/zero` must not
+/// be read until memory runs out).
+const PASSPHRASE_MAX: u64 = 64 << 10;
+
+fn read_passphrase(p: &str) -> Result<zeroize::Zeroizing<Vec<u8>>> {
+    use std::io::Read;
+    let bad = |e: &dyn std::fmt::Display| Error::Spec(format!("aead: passphrase-file {p}: {e}"));
+    let f = std::fs::File::open(p).map_err(|e| bad(&e))?;
+    let mut pass = zeroize::Zeroizing::new(Vec::new());
+    f.take(PASSPHRASE_MAX + 1).read_to_end(&mut pass).map_err(|e| bad(&e))?;
+    if pass.len() as u64 > PASSPHRASE_MAX {
+        return Err(bad(&format!("longer than {PASSPHRASE_MAX} bytes")));
+    }
+    Ok(pass)
+}
+
 fn unknown(layer: &str, m: &HashMap<String, String>, known: &[&str]) -> Result<()> {
     if let Some(k) = m.keys().find(|k| !known.contains(&k.as_str())) {
         return Err(Error::Spec(format!("{layer}: unknown option `{k}` (known: {})", known.join(", "))));
@@ -113,7 +129,7 @@ pub fn parse(spec: &str) -> Result<Vec<Arc<dyn Layer>>> {
                     }
                     (None, Some(p)) => {
                         let salt = hex16(m.get("salt").ok_or_else(|| Error::Spec("aead: passphrase-file needs salt=<32 hex digits>".into()))?)?;
-                        let pass = std::fs::read(p).map_err(|e| Error::Spec(format!("aead: passphrase-file {p}: {e}")))?;
+                        let pass = read_passphrase(p)?;
                         let pass = pass.strip_suffix(b"\n").unwrap_or(&pass);
                         let salt_hex = m["salt"].clone();
                         (Key::from_passphrase(pass, &salt).map_err(|e| Error::Spec(format!("aead: {e}")))?, format!("passphrase-file={p},salt={salt_hex}"))

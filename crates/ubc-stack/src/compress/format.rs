@@ -198,90 +198,160 @@ pub(crate) fn encode_index<'a>(generation: u64, entries: impl ExactSizeIterator<
     b
 }
 
+/// Decodes and validates an index as it is read, piece by piece (see [`decode_index`] for
+/// the checks). Nothing is trusted before it is checked: the header's magic, generation and
+/// count come first, then each entry as it arrives, then the checksum over everything and
+/// the overlap check. So a superblock claiming a giant index (a sparse lower file, a
+/// forged checksum) fails at the first entry that is not one, after reading a few bytes,
+/// and memory grows only with entries that passed their checks — never with a length
+/// read from the file.
+pub(crate) struct IndexReader<'a> {
+    sb: &'a Superblock,
+    lower_len: u64,
+    crc: crc32fast::Hasher,
+    /// Entries the header announces, and how many were decoded so far.
+    count: u64,
+    seen: u64,
+    prev: Option<u64>,
+    nchunks: u64,
+    max_stored: u64,
+    out: Vec<(u64, Extent)>,
+}
+
+impl<'a> IndexReader<'a> {
+    /// Check the index header (its first [`IDX_HEADER`] bytes).
+    pub fn new(header: &[u8], sb: &'a Superblock, lower_len: u64) -> io::Result<IndexReader<'a>> {
+        let at = sb.index_off;
+        let b = &header[..IDX_HEADER];
+        if b[0..8] != IDX_MAGIC {
+            return Err(invalid(format!("index at lower offset {at}: bad magic")));
+        }
+        let generation = u64_at(b, 8);
+        if generation != sb.generation {
+            return Err(invalid(format!(
+                "index at lower offset {at}: generation {generation}, superblock says {}",
+                sb.generation
+            )));
+        }
+        let count = u64_at(b, 16);
+        let n = (sb.index_len - IDX_HEADER as u64) / IDX_ENTRY as u64;
+        if count != n {
+            return Err(invalid(format!("index at lower offset {at}: count {count} but room for {n} entries")));
+        }
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(b);
+        let cs = 1u64 << sb.chunk_shift;
+        Ok(IndexReader {
+            sb,
+            lower_len,
+            crc,
+            count,
+            seen: 0,
+            prev: None,
+            nchunks: sb.logical_len.div_ceil(cs),
+            max_stored: zstd::zstd_safe::compress_bound(cs as usize) as u64,
+            out: Vec::new(),
+        })
+    }
+
+    /// Entries still to come.
+    pub fn remaining(&self) -> u64 {
+        self.count - self.seen
+    }
+
+    /// Decode and check the next entries: `b` holds whole entries, at most `remaining()`.
+    pub fn entries(&mut self, b: &[u8]) -> io::Result<()> {
+        debug_assert!(b.len().is_multiple_of(IDX_ENTRY) && (b.len() / IDX_ENTRY) as u64 <= self.remaining());
+        self.crc.update(b);
+        let (sb, at) = (self.sb, self.sb.index_off);
+        let cs = 1u64 << sb.chunk_shift;
+        for e in b.chunks_exact(IDX_ENTRY) {
+            let i = self.seen;
+            self.seen += 1;
+            let chunk = u64_at(e, 0);
+            let ext = Extent {
+                off: u64_at(e, 8),
+                stored: u32_at(e, 16),
+                data_len: u32_at(e, 20),
+                crc: u32_at(e, 24),
+                raw: u32_at(e, 28) & FLAG_RAW != 0,
+            };
+            let flags = u32_at(e, 28);
+            let where_ = format!(
+                "index at lower offset {at}: entry {i} (lower offset {}) for chunk {chunk}",
+                at + IDX_HEADER as u64 + i * IDX_ENTRY as u64
+            );
+            if self.prev.is_some_and(|q| chunk <= q) {
+                return Err(invalid(format!("{where_}: chunks not in ascending order")));
+            }
+            self.prev = Some(chunk);
+            if chunk >= self.nchunks {
+                return Err(invalid(format!("{where_}: past the logical end ({} bytes)", sb.logical_len)));
+            }
+            if flags & !FLAG_RAW != 0 {
+                return Err(invalid(format!("{where_}: unknown flags {flags:#x}")));
+            }
+            let room = (sb.logical_len - chunk * cs).min(cs);
+            if ext.data_len == 0 || ext.data_len as u64 > room {
+                return Err(invalid(format!("{where_}: data length {} outside 1..={room}", ext.data_len)));
+            }
+            if ext.stored == 0
+                || (ext.raw && ext.stored != ext.data_len)
+                || (!ext.raw && ext.stored as u64 > self.max_stored)
+            {
+                return Err(invalid(format!("{where_}: stored length {} invalid", ext.stored)));
+            }
+            if ext.off < DATA_START
+                || !ext.off.is_multiple_of(ALIGN)
+                || ext.off.saturating_add(ext.stored as u64) > self.lower_len
+            {
+                return Err(invalid(format!(
+                    "{where_}: extent at lower offset {} (len {}) outside the data region 0x{DATA_START:x}..{}",
+                    ext.off, ext.stored, self.lower_len
+                )));
+            }
+            self.out.push((chunk, ext));
+        }
+        Ok(())
+    }
+
+    /// After every entry: the checksum over the whole index, then no two extents (nor the
+    /// index) may share bytes. Returns the entries in chunk order.
+    pub fn finish(self) -> io::Result<Vec<(u64, Extent)>> {
+        let at = self.sb.index_off;
+        debug_assert_eq!(self.remaining(), 0);
+        if self.crc.finalize() != self.sb.index_crc {
+            return Err(invalid(format!("index at lower offset {at} (len {}): checksum mismatch", self.sb.index_len)));
+        }
+        let mut spans: Vec<(u64, u64)> = self.out.iter().map(|(_, e)| (e.off, e.alloc_len())).collect();
+        spans.push((at, align_up(self.sb.index_len)));
+        spans.sort_unstable();
+        for w in spans.windows(2) {
+            if w[0].0 + w[0].1 > w[1].0 {
+                return Err(invalid(format!(
+                    "index at lower offset {at}: extents at lower offsets {} and {} overlap",
+                    w[0].0, w[1].0
+                )));
+            }
+        }
+        Ok(self.out)
+    }
+}
+
 /// Decode and validate the index `b` read at `sb.index_off` (exactly `sb.index_len` bytes).
-/// Checks: checksum, magic, generation, count; per entry: ascending chunk numbers below the
-/// chunk count of `sb.logical_len`, lengths within the chunk and the file, known flags, and
-/// every extent (and the index itself) inside `DATA_START..lower_len`, aligned, and
-/// non-overlapping. Returns the entries in chunk order.
+/// Checks: magic, generation, count; per entry: ascending chunk numbers below the chunk
+/// count of `sb.logical_len`, lengths within the chunk and the file, known flags, and every
+/// extent inside `DATA_START..lower_len` and aligned; then the checksum, and that no two
+/// extents (nor the index) overlap. Returns the entries in chunk order. (The pager reads
+/// indexes in pieces through [`IndexReader`]; this is the same on one buffer, for tests.)
+#[cfg(test)]
 pub(crate) fn decode_index(b: &[u8], sb: &Superblock, lower_len: u64) -> io::Result<Vec<(u64, Extent)>> {
-    let at = sb.index_off;
-    if crc32fast::hash(b) != sb.index_crc {
-        return Err(invalid(format!("index at lower offset {at} (len {}): checksum mismatch", b.len())));
+    if b.len() < IDX_HEADER || b.len() as u64 != sb.index_len {
+        return Err(invalid(format!("index at lower offset {}: {} bytes, superblock says {}", sb.index_off, b.len(), sb.index_len)));
     }
-    if b[0..8] != IDX_MAGIC {
-        return Err(invalid(format!("index at lower offset {at}: bad magic")));
-    }
-    let generation = u64_at(b, 8);
-    if generation != sb.generation {
-        return Err(invalid(format!(
-            "index at lower offset {at}: generation {generation}, superblock says {}",
-            sb.generation
-        )));
-    }
-    let count = u64_at(b, 16);
-    let n = (b.len() - IDX_HEADER) / IDX_ENTRY;
-    if count != n as u64 {
-        return Err(invalid(format!("index at lower offset {at}: count {count} but room for {n} entries")));
-    }
-    let cs = 1u64 << sb.chunk_shift;
-    let nchunks = sb.logical_len.div_ceil(cs);
-    let max_stored = zstd::zstd_safe::compress_bound(cs as usize) as u64;
-    let mut out = Vec::with_capacity(n);
-    let mut prev: Option<u64> = None;
-    for i in 0..n {
-        let p = IDX_HEADER + i * IDX_ENTRY;
-        let e = &b[p..p + IDX_ENTRY];
-        let chunk = u64_at(e, 0);
-        let ext = Extent {
-            off: u64_at(e, 8),
-            stored: u32_at(e, 16),
-            data_len: u32_at(e, 20),
-            crc: u32_at(e, 24),
-            raw: u32_at(e, 28) & FLAG_RAW != 0,
-        };
-        let flags = u32_at(e, 28);
-        let where_ = format!("index entry {i} (lower offset {}) for chunk {chunk}", at + p as u64);
-        if prev.is_some_and(|q| chunk <= q) {
-            return Err(invalid(format!("{where_}: chunks not in ascending order")));
-        }
-        prev = Some(chunk);
-        if chunk >= nchunks {
-            return Err(invalid(format!("{where_}: past the logical end ({} bytes)", sb.logical_len)));
-        }
-        if flags & !FLAG_RAW != 0 {
-            return Err(invalid(format!("{where_}: unknown flags {flags:#x}")));
-        }
-        let room = (sb.logical_len - chunk * cs).min(cs);
-        if ext.data_len == 0 || ext.data_len as u64 > room {
-            return Err(invalid(format!("{where_}: data length {} outside 1..={room}", ext.data_len)));
-        }
-        if ext.stored == 0
-            || (ext.raw && ext.stored != ext.data_len)
-            || (!ext.raw && ext.stored as u64 > max_stored)
-        {
-            return Err(invalid(format!("{where_}: stored length {} invalid", ext.stored)));
-        }
-        if ext.off < DATA_START || !ext.off.is_multiple_of(ALIGN) || ext.off.saturating_add(ext.stored as u64) > lower_len {
-            return Err(invalid(format!(
-                "{where_}: extent at lower offset {} (len {}) outside the data region 0x{DATA_START:x}..{lower_len}",
-                ext.off, ext.stored
-            )));
-        }
-        out.push((chunk, ext));
-    }
-    // No two extents (nor the index) may share bytes.
-    let mut spans: Vec<(u64, u64)> = out.iter().map(|(_, e)| (e.off, e.alloc_len())).collect();
-    spans.push((sb.index_off, align_up(sb.index_len)));
-    spans.sort_unstable();
-    for w in spans.windows(2) {
-        if w[0].0 + w[0].1 > w[1].0 {
-            return Err(invalid(format!(
-                "index at lower offset {at}: extents at lower offsets {} and {} overlap",
-                w[0].0, w[1].0
-            )));
-        }
-    }
-    Ok(out)
+    let mut r = IndexReader::new(&b[..IDX_HEADER], sb, lower_len)?;
+    r.entries(&b[IDX_HEADER..])?;
+    r.finish()
 }
 
 #[cfg(test)]
@@ -305,5 +375,32 @@ mod tests {
         c[20] ^= 1;
         assert!(matches!(decode_superblock(&c, 1), Slot::Bad(_)));
         assert!(matches!(decode_superblock(&[0u8; SB_LEN], 0), Slot::Empty));
+    }
+
+    #[test]
+    fn index_round_trip_and_early_rejection() {
+        let ext = Extent { off: DATA_START, stored: 100, data_len: 300, crc: 5, raw: false };
+        let b = encode_index(4, [(2u64, &ext)].into_iter());
+        let sb = Superblock {
+            chunk_shift: 12,
+            generation: 4,
+            logical_len: 3 * 4096,
+            index_off: DATA_START + 512,
+            index_len: b.len() as u64,
+            index_crc: crc32fast::hash(&b),
+        };
+        assert_eq!(decode_index(&b, &sb, 1 << 20).unwrap(), vec![(2, ext)]);
+        let mut c = b.clone();
+        c[48] ^= 1; // the entry's chunk checksum: only the index checksum sees it
+        assert!(decode_index(&c, &sb, 1 << 20).unwrap_err().to_string().contains("checksum"));
+        // A header announcing a giant index over zeros (a sparse lower file): the first
+        // entry is refused, whatever the checksum, before anything else is read.
+        let giant = Superblock { index_len: 24 + 32 * (1 << 30), ..sb };
+        let mut h = b[..IDX_HEADER].to_vec();
+        h[16..24].copy_from_slice(&(1u64 << 30).to_le_bytes());
+        let mut r = IndexReader::new(&h, &giant, 1 << 40).unwrap();
+        assert_eq!(r.remaining(), 1 << 30);
+        let e = r.entries(&[0u8; 64]).unwrap_err();
+        assert!(e.to_string().contains("entry 0"), "{e}");
     }
 }

@@ -195,6 +195,9 @@ pub struct CompressPager {
     sync_lock: Mutex<()>,
 }
 
+/// Index entries read and checked per piece at open (1 MiB).
+const INDEX_PIECE_ENTRIES: u64 = (1 << 20) / IDX_ENTRY as u64;
+
 thread_local! {
     static COMPRESSOR: RefCell<Option<(i32, zstd::bulk::Compressor<'static>)>> = const { RefCell::new(None) };
     static DECOMPRESSOR: RefCell<Option<zstd::bulk::Decompressor<'static>>> = const { RefCell::new(None) };
@@ -312,9 +315,21 @@ impl CompressPager {
                 sb.index_off, sb.index_len
             )));
         }
-        let mut raw = vec![0u8; sb.index_len as usize];
-        lower.read_exact_at(&mut raw, sb.index_off).map_err(ubc_err)?;
-        let entries = decode_index(&raw, &sb, lower_len)?;
+        // In pieces, each checked as it comes (see `IndexReader`): the index length is read
+        // from the file, so it must not size an allocation or a read before it is believed.
+        let mut header = [0u8; IDX_HEADER];
+        lower.read_exact_at(&mut header, sb.index_off).map_err(ubc_err)?;
+        let mut reader = IndexReader::new(&header, &sb, lower_len)?;
+        let mut piece = Vec::new();
+        let mut pos = sb.index_off + IDX_HEADER as u64;
+        while reader.remaining() > 0 {
+            let n = reader.remaining().min(INDEX_PIECE_ENTRIES) as usize * IDX_ENTRY;
+            piece.resize(n, 0);
+            lower.read_exact_at(&mut piece, pos).map_err(ubc_err)?;
+            reader.entries(&piece)?;
+            pos += n as u64;
+        }
+        let entries = reader.finish()?;
         st.chunk_shift = sb.chunk_shift;
         st.len = sb.logical_len;
         st.generation = sb.generation;
