@@ -355,3 +355,55 @@ fn kernel_cache_mode_round_trips() {
     assert!(!contains(&std::fs::read(m.stored.join("k")).unwrap(), b"the quick brown fox"));
     m.unmount();
 }
+
+/// `cmd` run as user nobody (65534): (exit ok, stdout, stderr).
+fn as_nobody(args: &[&str]) -> (bool, Vec<u8>, String) {
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .args(args)
+        .output()
+        .unwrap();
+    (out.status.success(), out.stdout, String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn only_the_owner_gets_in_unless_allow_other_and_then_modes_hold() {
+    if !fuse_available() {
+        return;
+    }
+    let setpriv = Command::new("setpriv").arg("--version").output().map(|o| o.status.success()).unwrap_or(false);
+    if unsafe { libc::geteuid() } != 0 || !setpriv {
+        eprintln!("SKIP: needs root and setpriv to act as another user");
+        return;
+    }
+    for allow_other in [false, true] {
+        let mut m = Mounted::start(if allow_other { &["--allow-other"] } else { &[] });
+        use std::os::unix::fs::PermissionsExt;
+        // Let nobody reach the mount points themselves (tempdirs are 0700).
+        std::fs::set_permissions(m.t.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let public = m.clear.join("public.txt");
+        let private = m.clear.join("private.txt");
+        std::fs::write(&public, b"for everyone\n").unwrap();
+        std::fs::write(&private, b"owner only\n").unwrap();
+        std::fs::set_permissions(&public, std::fs::Permissions::from_mode(0o644)).unwrap();
+        std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let (p, s) = (public.to_str().unwrap(), private.to_str().unwrap());
+
+        let (ok, out, err) = as_nobody(&["cat", p]);
+        if allow_other {
+            assert!(ok, "allow_other: nobody reads a 0644 file: {err}");
+            assert_eq!(out, b"for everyone\n");
+        } else {
+            assert!(!ok && err.contains("Permission denied"), "owner-only mount let nobody read: {err}");
+            let (ok, _, err) = as_nobody(&["ls", m.stored.to_str().unwrap()]);
+            assert!(!ok && err.contains("Permission denied"), "owner-only mount let nobody list: {err}");
+        }
+        // Modes hold either way: no reading 0600, no writing 0644.
+        let (ok, _, err) = as_nobody(&["cat", s]);
+        assert!(!ok && err.contains("Permission denied"), "allow_other={allow_other}: nobody read a 0600 file: {err}");
+        let (ok, _, err) = as_nobody(&["sh", "-c", &format!("echo x >> {p}")]);
+        assert!(!ok, "allow_other={allow_other}: nobody appended to a 0644 file: {err}");
+        assert_eq!(std::fs::read(&public).unwrap(), b"for everyone\n");
+        m.unmount();
+    }
+}

@@ -43,6 +43,11 @@ pub struct Args {
     /// through another only after a re-open there: cross-mount invalidation is not done
     #[arg(long)]
     kernel_cache: bool,
+    /// Let other users in (FUSE `allow_other`; non-root mounters need `user_allow_other` in
+    /// /etc/fuse.conf). The kernel then checks file modes (`default_permissions`, always on).
+    /// Without it only the user who mounted can use the mounts — not even root
+    #[arg(long)]
+    allow_other: bool,
     /// Cache budget in MiB
     #[arg(long, value_name = "MiB", default_value_t = 64)]
     budget: u64,
@@ -86,6 +91,9 @@ pub fn run(a: Args) -> Result<()> {
         let fs = UbcFs::new(layer, a.kernel_cache, statfs_dir.clone());
         let mut config = Config::default();
         config.mount_options = vec![MountOption::FSName("ubc".into()), MountOption::Subtype("ubc".into()), MountOption::DefaultPermissions];
+        if a.allow_other {
+            config.acl = fuser::SessionACL::All;
+        }
         config.n_threads = Some(1);
         let mut session = match Session::new(fs, &mp, &config) {
             Ok(s) => s,

@@ -36,6 +36,38 @@ impl Dir {
         if path.is_empty() { self.root.clone() } else { self.root.join(path) }
     }
 
+    /// Open `path` beneath the root without following a symbolic link anywhere in it.
+    /// Race-free where the kernel has openat2(2) (Linux 5.6+: `RESOLVE_BENEATH |
+    /// RESOLVE_NO_SYMLINKS`, resolved against a descriptor of the root); on older kernels
+    /// the components are checked first and the last one is opened `O_NOFOLLOW`, which a
+    /// link swapped into an intermediate component between the two steps could defeat.
+    /// `flags` are open(2) flags besides `O_CLOEXEC|O_NOFOLLOW`; `mode` is for `O_CREAT`.
+    pub(crate) fn open_beneath(&self, path: &str, flags: i32, mode: u32) -> Result<std::fs::File> {
+        use rustix::fs::{Mode, OFlags, ResolveFlags};
+        let root = std::fs::File::options()
+            .read(true)
+            .custom_flags(libc::O_PATH | libc::O_DIRECTORY)
+            .open(&self.root)
+            .map_err(|e| Error::io("", e))?;
+        let oflags = OFlags::from_bits_retain((flags | libc::O_CLOEXEC | libc::O_NOFOLLOW) as u32);
+        let rel = if path.is_empty() { "." } else { path };
+        let resolve = ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS;
+        match rustix::fs::openat2(&root, rel, oflags, Mode::from_bits_truncate(mode), resolve) {
+            Ok(fd) => Ok(std::fs::File::from(fd)),
+            Err(rustix::io::Errno::NOSYS) => {
+                self.check_components(path)?;
+                let fd = rustix::fs::openat(&root, rel, oflags, Mode::from_bits_truncate(mode))
+                    .map_err(|e| Error::io(path, e.into()))?;
+                Ok(std::fs::File::from(fd))
+            }
+            // ELOOP / EXDEV: a link or an escape on the way.
+            Err(e @ (rustix::io::Errno::LOOP | rustix::io::Errno::XDEV)) => {
+                Err(Error::Invalid(format!("{path}: path goes through a symbolic link or leaves the directory ({e})")))
+            }
+            Err(e) => Err(Error::io(path, e.into())),
+        }
+    }
+
     /// Reject a path whose intermediate components are symbolic links (a link to `/etc`
     /// inside the directory must not make `etc-link/passwd` reachable).
     fn check_components(&self, path: &str) -> Result<()> {
@@ -91,7 +123,21 @@ impl Layer for Dir {
         self.check_components(path)?;
         let p = self.host(path);
         if let Some(mode) = set.mode {
-            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).map_err(|e| Error::io(path, e))?;
+            // chmod(2) follows a final symbolic link (and Linux cannot chmod a link itself):
+            // pin the inode without following (O_PATH|O_NOFOLLOW), refuse a link, and chmod
+            // that very inode through /proc/self/fd — no window for a swapped-in link.
+            let pinned = std::fs::File::options()
+                .read(true)
+                .custom_flags(libc::O_PATH | libc::O_NOFOLLOW)
+                .open(&p)
+                .map_err(|e| Error::io(path, e))?;
+            let md = pinned.metadata().map_err(|e| Error::io(path, e))?;
+            if md.file_type().is_symlink() {
+                return Err(Error::Invalid(format!("{path}: is a symbolic link (not followed)")));
+            }
+            use std::os::fd::AsRawFd;
+            let via = PathBuf::from(format!("/proc/self/fd/{}", pinned.as_raw_fd()));
+            std::fs::set_permissions(&via, std::fs::Permissions::from_mode(mode)).map_err(|e| Error::io(path, e))?;
         }
         if set.mtime.is_some() || set.atime.is_some() {
             let f = std::fs::File::options().write(false).read(true).custom_flags(libc::O_NOFOLLOW).open(&p);
@@ -137,14 +183,8 @@ impl Layer for Dir {
     }
 
     fn create(&self, path: &str, mode: u32) -> Result<()> {
-        self.check_components(path)?;
-        std::fs::File::options()
-            .write(true)
-            .create_new(true)
-            .mode(mode)
-            .open(self.host(path))
-            .map(|_| ())
-            .map_err(|e| Error::io(path, e))
+        // O_EXCL: an existing name — a planted link included — is an error, never followed.
+        self.open_beneath(path, libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL, mode).map(|_| ())
     }
 
     fn mkdir(&self, path: &str, mode: u32) -> Result<()> {
@@ -169,13 +209,7 @@ impl Layer for Dir {
     }
 
     fn open(&self, path: &str, writable: bool, _below: &dyn Below) -> Result<Opened> {
-        self.check_components(path)?;
-        let f = std::fs::File::options()
-            .read(true)
-            .write(writable)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(self.host(path))
-            .map_err(|e| Error::io(path, e))?;
+        let f = self.open_beneath(path, if writable { libc::O_RDWR } else { libc::O_RDONLY }, 0)?;
         let pager = ubc::pager::FilePager::from_file(f, self.host(path), writable).map_err(|e| Error::io(path, e))?;
         Ok(Opened::Store(Arc::new(pager)))
     }

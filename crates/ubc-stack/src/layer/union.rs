@@ -113,8 +113,14 @@ impl Union {
         self.upper_parents(path)?;
         let src = below.open_lower(path, false)?;
         let tmp = join(parent(path), &format!(".ubc-copyup.{}", name_of(path)));
-        let host_tmp = self.upper.root().join(&tmp);
-        let mut out = std::fs::File::create(&host_tmp).map_err(|e| Error::io(path, e))?;
+        // A stale temporary (or a link planted under its name) goes; the new one is created
+        // exclusively beneath the upper root, following no link (the parent may itself be a
+        // link someone planted in the upper directory: that is refused, not followed).
+        match self.upper.remove(&tmp) {
+            Ok(()) | Err(Error::NotFound(_)) => {}
+            Err(e) => return Err(e),
+        }
+        let mut out = self.upper.open_beneath(&tmp, libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL, 0o600)?;
         let mut buf = vec![0u8; 1 << 20];
         let mut off = 0u64;
         loop {
