@@ -1,0 +1,261 @@
+//! Contention across layers (issue 7, item 4): many threads reading, writing, truncating,
+//! syncing and storing through shared mappings on many files of two stacks that share one
+//! small cache (working set 4x the budget), while other threads read the ciphertext at the
+//! bottom. Checked against a model of every file; memory sampled every millisecond must stay
+//! within budget + 5%; a watchdog aborts the run if any operation stalls past a bound.
+//!
+//! Short in `cargo test`; at length:
+//! `UBC_STRESS_SECS=600 cargo test --release -p ubc-stack --test stress -- --nocapture`.
+
+use parking_lot::Mutex;
+use rand::{RngExt, SeedableRng};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use ubc_stack::encrypt::Key;
+use ubc_stack::{OpenOptions, Stack};
+
+const FILES_PER_STACK: usize = 6;
+const MAX_FILE: u64 = 2 << 20;
+const BUDGET: u64 = 6 << 20;
+const WORKERS: usize = 6;
+const BOTTOM_READERS: usize = 2;
+/// An operation running longer than this is a hang (debug builds on a loaded 2-core VM
+/// included: a fault-around fill of a cold cluster through zstd+aead is the slowest).
+const STALL: Duration = Duration::from_secs(60);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+enum Op {
+    Read,
+    Write,
+    MapStore,
+    SetLen,
+    Sync,
+    BottomRead,
+}
+
+struct FileState {
+    top: ubc_stack::File,
+    model: Vec<u8>,
+}
+
+/// Per-thread "operation in progress since" (ms after start; 0 = idle), for the watchdog.
+struct Busy {
+    since: Vec<AtomicU64>,
+    what: Vec<Mutex<String>>,
+}
+
+fn fill(rng: &mut rand::rngs::StdRng, n: usize) -> Vec<u8> {
+    let b: u8 = rng.random();
+    let step: u8 = rng.random::<u8>() | 1;
+    (0..n).map(|i| b.wrapping_add((i as u8).wrapping_mul(step))).collect()
+}
+
+#[test]
+fn many_threads_many_files_two_stacks_one_small_cache() {
+    let secs: u64 = std::env::var("UBC_STRESS_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(6);
+    let seed: u64 = std::env::var("UBC_STRESS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| rand::random());
+    println!("stress: {secs} s, seed {seed} (UBC_STRESS_SEED={seed} to replay the schedule of operations)");
+    let tmp = tempfile::tempdir().unwrap();
+    let key = tmp.path().join("key");
+    Key::generate().write_file(&key).unwrap();
+    let cache = ubc::Cache::builder().budget(BUDGET).build().unwrap();
+    let mut specs = Vec::new();
+    for (i, upper) in ["zstd:chunk=16K | aead:keyfile=@KEY", "aead:keyfile=@KEY | null"].iter().enumerate() {
+        let d = tmp.path().join(format!("data{i}"));
+        std::fs::create_dir(&d).unwrap();
+        specs.push(format!("dir:{} | {}", d.display(), upper.replace("@KEY", key.to_str().unwrap())));
+    }
+    let stacks: Vec<Stack> = specs.iter().map(|s| Stack::open(s, cache.clone()).unwrap()).collect();
+    let mut files = Vec::new();
+    for (si, s) in stacks.iter().enumerate() {
+        for i in 0..FILES_PER_STACK {
+            let name = format!("f{i}");
+            let top = s.top().create(&name).unwrap();
+            files.push((si, name, Mutex::new(FileState { top, model: Vec::new() })));
+        }
+    }
+    let files = Arc::new(files);
+    let stacks = Arc::new(stacks);
+    let start = Instant::now();
+    let stop = Arc::new(AtomicBool::new(false));
+    let nthreads = WORKERS + BOTTOM_READERS;
+    let busy = Arc::new(Busy {
+        since: (0..nthreads).map(|_| AtomicU64::new(0)).collect(),
+        what: (0..nthreads).map(|_| Mutex::new(String::new())).collect(),
+    });
+    let ops = Arc::new(AtomicU64::new(0));
+    let latencies = Arc::new(Mutex::new(std::collections::BTreeMap::<Op, (u64, Duration)>::new()));
+
+    // Watchdog: any operation running past STALL fails the whole run, loudly.
+    let wd = {
+        let (busy, stop) = (busy.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(SeqCst) {
+                std::thread::sleep(Duration::from_millis(100));
+                let now = start.elapsed().as_millis() as u64;
+                for (t, s) in busy.since.iter().enumerate() {
+                    let s = s.load(SeqCst);
+                    if s != 0 && now - s > STALL.as_millis() as u64 {
+                        eprintln!("WATCHDOG: thread {t} stuck {} ms in {}", now - s, busy.what[t].lock());
+                        eprintln!("seed {seed}");
+                        std::process::abort();
+                    }
+                }
+            }
+        })
+    };
+    // Memory sampler.
+    let sampler = {
+        let (cache, stop) = (cache.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let (mut max_alloc, mut max_res, mut n) = (0u64, 0u64, 0u64);
+            while !stop.load(SeqCst) {
+                let st = cache.stats();
+                max_alloc = max_alloc.max(st.allocated_bytes);
+                max_res = max_res.max(st.totals.resident_bytes);
+                n += 1;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            (n, max_alloc, max_res)
+        })
+    };
+
+    let mut threads = Vec::new();
+    for t in 0..nthreads {
+        let (files, stacks, stop, busy, ops, lat) = (files.clone(), stacks.clone(), stop.clone(), busy.clone(), ops.clone(), latencies.clone());
+        threads.push(std::thread::spawn(move || {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ (t as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            let bottom_reader = t >= WORKERS;
+            let mut buf = vec![0u8; 256 << 10];
+            while !stop.load(SeqCst) {
+                let fi = rng.random_range(0..files.len());
+                let (si, name, state) = &files[fi];
+                let op = if bottom_reader {
+                    Op::BottomRead
+                } else {
+                    match rng.random_range(0..100) {
+                        0..40 => Op::Read,
+                        40..75 => Op::Write,
+                        75..88 => Op::MapStore,
+                        88..95 => Op::SetLen,
+                        _ => Op::Sync,
+                    }
+                };
+                *busy.what[t].lock() = format!("{op:?} on {name} of stack {si}");
+                busy.since[t].store(start.elapsed().as_millis().max(1) as u64, SeqCst);
+                let t0 = Instant::now();
+                match op {
+                    Op::BottomRead => {
+                        // The ciphertext under a file others are writing: the manager must
+                        // write their pages down first; only errors are checked here.
+                        let f = stacks[*si].layer(0).unwrap().open(name).unwrap();
+                        let len = f.len().unwrap();
+                        let off = rng.random_range(0..=len);
+                        let n = rng.random_range(1..=buf.len());
+                        f.read_at(&mut buf[..n], off).unwrap();
+                    }
+                    _ => {
+                        let mut st = state.lock();
+                        let st = &mut *st;
+                        let len = st.model.len() as u64;
+                        match op {
+                            Op::Read => {
+                                let off = rng.random_range(0..=len);
+                                let n = rng.random_range(1..=buf.len());
+                                let got = st.top.read_at(&mut buf[..n], off).unwrap();
+                                let want = &st.model[off as usize..(off as usize + n).min(st.model.len())];
+                                assert_eq!(got, want.len(), "{name}@{si}: read length at {off}");
+                                assert!(buf[..got] == *want, "{name}@{si}: read at {off}+{n} differs from the model (seed {seed})");
+                            }
+                            Op::Write => {
+                                let off = rng.random_range(0..MAX_FILE - 1);
+                                let n = rng.random_range(1..=(MAX_FILE - off).min(128 << 10)) as usize;
+                                let data = fill(&mut rng, n);
+                                assert_eq!(st.top.write_at(&data, off).unwrap(), n);
+                                let end = off as usize + n;
+                                if st.model.len() < end {
+                                    st.model.resize(end, 0);
+                                }
+                                st.model[off as usize..end].copy_from_slice(&data);
+                            }
+                            Op::MapStore if len >= 4096 => {
+                                let pages = len / 4096;
+                                let p0 = rng.random_range(0..pages);
+                                let np = rng.random_range(1..=(pages - p0).min(16));
+                                let mut m = st.top.map(p0 * 4096..(p0 + np) * 4096, ubc::Access::ReadWrite, ubc::Sharing::Shared).unwrap();
+                                for _ in 0..rng.random_range(1..8) {
+                                    let o = rng.random_range(0..np * 4096) as usize;
+                                    let n = rng.random_range(1..=(np as usize * 4096 - o).min(3000));
+                                    let data = fill(&mut rng, n);
+                                    m[o..o + n].copy_from_slice(&data);
+                                    let mo = (p0 * 4096) as usize + o;
+                                    st.model[mo..mo + n].copy_from_slice(&data);
+                                }
+                                assert!(m[..] == st.model[(p0 * 4096) as usize..((p0 + np) * 4096) as usize], "{name}: mapping shows the model");
+                                if rng.random_bool(0.5) {
+                                    m.flush().unwrap();
+                                }
+                            }
+                            Op::MapStore => {}
+                            Op::SetLen => {
+                                let new = rng.random_range(0..MAX_FILE);
+                                st.top.set_len(new).unwrap();
+                                st.model.resize(new as usize, 0);
+                            }
+                            Op::Sync => st.top.sync().unwrap(),
+                            Op::BottomRead => unreachable!(),
+                        }
+                    }
+                }
+                let dt = t0.elapsed();
+                busy.since[t].store(0, SeqCst);
+                ops.fetch_add(1, Relaxed);
+                let mut l = lat.lock();
+                let e = l.entry(op).or_insert((0, Duration::ZERO));
+                e.0 += 1;
+                e.1 = e.1.max(dt);
+            }
+        }));
+    }
+    std::thread::sleep(Duration::from_secs(secs));
+    stop.store(true, SeqCst);
+    for t in threads {
+        t.join().expect("a worker failed (see its panic above)");
+    }
+    let (samples, max_alloc, max_res) = sampler.join().unwrap();
+    wd.join().unwrap();
+
+    // Everything synced, then read back through fresh stacks with a fresh cache.
+    for (_, _, st) in files.iter() {
+        st.lock().top.sync().unwrap();
+    }
+    let fresh = ubc::Cache::new(64 << 20).unwrap();
+    for (si, name, st) in files.iter() {
+        let s = Stack::open(&specs[*si], fresh.clone()).unwrap();
+        let f = s.top().open_with(name, OpenOptions::default()).unwrap();
+        let model = &st.lock().model;
+        let mut v = vec![0u8; f.len().unwrap() as usize];
+        f.read_exact_at(&mut v, 0).unwrap();
+        assert!(v == *model, "{name}@{si}: stored content differs from the model after sync (seed {seed})");
+    }
+
+    let st = cache.stats();
+    let limit = BUDGET + BUDGET / 20;
+    println!(
+        "stress: {} ops in {:.1} s by {nthreads} threads on {} files; memory samples {samples}, max allocated {:.2} MiB, max resident {:.2} MiB, budget {:.2} MiB; writeback errors {}, evictions {}",
+        ops.load(SeqCst),
+        start.elapsed().as_secs_f64(),
+        files.len(),
+        max_alloc as f64 / 1048576.0,
+        max_res as f64 / 1048576.0,
+        BUDGET as f64 / 1048576.0,
+        st.totals.writeback_errors,
+        st.daemon_evictions,
+    );
+    for (op, (n, max)) in latencies.lock().iter() {
+        println!("stress: {op:?}: {n} ops, longest {:.1} ms", max.as_secs_f64() * 1e3);
+    }
+    assert!(max_alloc <= limit, "allocated {max_alloc} > budget + 5% ({limit})");
+    assert!(max_res <= BUDGET, "resident {max_res} > budget {BUDGET}");
+}
