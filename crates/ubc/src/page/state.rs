@@ -31,7 +31,8 @@
 //! Dekker-style handshake between "pin the page, then read the window address" and "retire
 //! the window address, then check for pins"; see `window.rs`).
 
-use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+use super::sync::{AtomicU32, wait, wake_all};
+use std::sync::atomic::Ordering::SeqCst;
 
 pub(crate) const ACCESS_MASK: u32 = 0b11;
 pub(crate) const VALID: u32 = 1 << 2;
@@ -118,7 +119,7 @@ impl PageState {
             }
             // The page may be filled by a queued I/O job: an I/O thread waiting here lets
             // the pool know (it grows rather than deadlock).
-            crate::io::blocking(|| atomic_wait::wait(&self.0, s | WAITERS));
+            crate::io::blocking(|| wait(&self.0, s | WAITERS));
         }
     }
 
@@ -127,7 +128,7 @@ impl PageState {
     fn wake_if(&self, old: u32) {
         if old & WAITERS != 0 {
             self.0.fetch_and(!WAITERS, SeqCst);
-            atomic_wait::wake_all(&self.0);
+            wake_all(&self.0);
         }
     }
 
@@ -249,7 +250,7 @@ impl PageState {
             match self.0.compare_exchange_weak(s, new, SeqCst, SeqCst) {
                 Ok(_) => {
                     if s & WAITERS != 0 {
-                        atomic_wait::wake_all(&self.0);
+                        wake_all(&self.0);
                     }
                     return s & DIRTY == 0;
                 }
@@ -264,7 +265,7 @@ impl PageState {
         let old = self.0.fetch_and(!(WRITING | WAITERS), SeqCst);
         debug_assert!(old & WRITING != 0);
         if old & WAITERS != 0 {
-            atomic_wait::wake_all(&self.0);
+            wake_all(&self.0);
         }
     }
 
@@ -305,7 +306,7 @@ impl PageState {
             match self.0.compare_exchange_weak(s, new, SeqCst, SeqCst) {
                 Ok(_) => {
                     if s & WAITERS != 0 {
-                        atomic_wait::wake_all(&self.0);
+                        wake_all(&self.0);
                     }
                     return s & DIRTY != 0;
                 }
@@ -349,7 +350,7 @@ impl PageState {
         let old = self.0.fetch_and(!(BUSY | WAITERS), SeqCst);
         debug_assert!(old & (BUSY | VALID) == BUSY | VALID, "cancel_evict on {old:#x}");
         if old & WAITERS != 0 {
-            atomic_wait::wake_all(&self.0);
+            wake_all(&self.0);
         }
     }
 
