@@ -537,12 +537,17 @@ impl Pager for EncryptPager {
             // below `first` exists, so this put needs no zero-fill and runs shared.
             let st = self.state.read();
             if first <= blocks(st.len.load(SeqCst)) {
-                self.write_blocks(&st.file_id, first, data)?;
-                // A failed put leaves the length alone (the cache retries it).
-                st.len.fetch_max(end, SeqCst);
+                // A new file's header goes to the store *before* its first blocks, with the
+                // length from before this put: a crash in between must leave an aead file
+                // showing its last length (found by tests/crash.rs: written after the
+                // blocks, a crash could leave blocks without any header — "not an aead
+                // file" — or a header with a length the file never had).
                 if !st.header_on_store.load(SeqCst) {
                     self.flush_header(&st, false)?;
                 }
+                self.write_blocks(&st.file_id, first, data)?;
+                // A failed put leaves the length alone (the cache retries it).
+                st.len.fetch_max(end, SeqCst);
                 return Ok(());
             }
         }
@@ -550,12 +555,12 @@ impl Pager for EncryptPager {
         // (a hole must not read as unauthenticated zeros), exclusively so that no other put
         // into the gap can be overwritten by the zeros and no reader sees a gap half-filled.
         let st = self.state.write();
+        if !st.header_on_store.load(SeqCst) {
+            self.write_header(&st)?; // first, as above
+        }
         self.write_zero_blocks(&st.file_id, blocks(st.len.load(SeqCst)), first)?;
         self.write_blocks(&st.file_id, first, data)?;
         st.len.fetch_max(end, SeqCst);
-        if !st.header_on_store.load(SeqCst) {
-            self.write_header(&st)?;
-        }
         Ok(())
     }
 
@@ -575,6 +580,11 @@ impl Pager for EncryptPager {
         let id = st.file_id;
         let old = st.len.load(SeqCst);
         if len > old {
+            // A new file's header (with the old length) goes first, as in `put_pages`: zero
+            // blocks without a header on the store would make it "not an aead file".
+            if !st.header_on_store.load(SeqCst) {
+                self.write_header(&st)?;
+            }
             // Blocks past `old` are new: the last old block's tail is already zero.
             self.write_zero_blocks(&id, blocks(old), blocks(len))?;
             st.len.store(len, SeqCst);
