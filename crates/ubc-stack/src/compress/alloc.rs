@@ -53,35 +53,56 @@ impl Alloc {
         self.free_bytes -= len;
     }
 
-    /// Allocate `len` bytes (a multiple of `ALIGN`): the smallest free block that fits, else
-    /// at the end.
-    pub fn alloc(&mut self, len: u64) -> u64 {
-        debug_assert!(len > 0 && len.is_multiple_of(ALIGN));
-        if let Some(&(blen, off)) = self.by_size.range((len, 0)..).next() {
-            self.remove(off, blen);
-            if blen > len {
-                self.insert(off + len, blen - len);
-            }
-            return off;
+    /// Allocate `len` bytes (a multiple of `ALIGN`) at a multiple of `grain` (a power of two,
+    /// at least `ALIGN`) such that the `grain`-sized blocks it touches hold nothing else:
+    /// the smallest free block with room for that, else at the end. With `grain == ALIGN`
+    /// this is plain best fit. (A lower file that rewrites whole blocks — aead — must never
+    /// rewrite a block holding committed extents for a new one: see `CompressPager::grain`.)
+    pub fn alloc(&mut self, len: u64, grain: u64) -> u64 {
+        debug_assert!(len > 0 && len.is_multiple_of(ALIGN) && grain.is_power_of_two() && grain >= ALIGN);
+        let span = len.next_multiple_of(grain);
+        // Smallest first; a block misaligned for `grain` may not fit, so look a little further.
+        let fit = self
+            .by_size
+            .range((len, 0)..)
+            .take(64)
+            .map(|&(blen, off)| (off, blen, off.next_multiple_of(grain)))
+            .find(|&(off, blen, at)| at + span <= off + blen);
+        if let Some((off, blen, at)) = fit {
+            self.take(off, blen, at, len);
+            return at;
         }
-        let off = self.end;
-        self.end += len;
-        off
+        let at = self.end.next_multiple_of(grain);
+        if at > self.end {
+            self.insert(self.end, at - self.end);
+        }
+        self.end = at + len;
+        at
     }
 
-    /// Allocate `len` bytes in the lowest free block that ends at or below `limit`
+    /// Allocate `len` bytes at a multiple of `grain`, its `grain`-sized blocks ending at or
+    /// below `limit` and holding nothing else, in the lowest free block that has room
     /// (relocation towards the start of the file), if there is one.
-    pub fn alloc_below(&mut self, len: u64, limit: u64) -> Option<u64> {
-        let (off, blen) = self
+    pub fn alloc_below(&mut self, len: u64, limit: u64, grain: u64) -> Option<u64> {
+        let span = len.next_multiple_of(grain);
+        let (off, blen, at) = self
             .by_off
             .range(..limit)
-            .map(|(&o, &l)| (o, l))
-            .find(|&(o, l)| l >= len && o + len <= limit)?;
+            .map(|(&o, &l)| (o, l, o.next_multiple_of(grain)))
+            .find(|&(o, l, at)| at + span <= (o + l).min(limit))?;
+        self.take(off, blen, at, len);
+        Some(at)
+    }
+
+    /// Take `at..at+len` out of the free block `off..off+blen`, keeping the rest free.
+    fn take(&mut self, off: u64, blen: u64, at: u64, len: u64) {
         self.remove(off, blen);
-        if blen > len {
-            self.insert(off + len, blen - len);
+        if at > off {
+            self.insert(off, at - off);
         }
-        Some(off)
+        if off + blen > at + len {
+            self.insert(at + len, off + blen - (at + len));
+        }
     }
 
     /// Return a block to free space, merging it with free neighbours.
@@ -118,8 +139,8 @@ mod tests {
         let mut a = Alloc::from_used(8192, vec![(8192, 512), (9216, 1024)]);
         assert_eq!(a.end(), 10240);
         assert_eq!(a.free_bytes(), 512);
-        assert_eq!(a.alloc(512), 8704);
-        assert_eq!(a.alloc(1024), 10240);
+        assert_eq!(a.alloc(512, ALIGN), 8704);
+        assert_eq!(a.alloc(1024, ALIGN), 10240);
         a.free(9216, 1024);
         a.free(8704, 512);
         assert_eq!(a.free_bytes(), 1536);
@@ -127,5 +148,22 @@ mod tests {
         // Everything after 8704 is free: the end came down.
         assert_eq!(a.end(), 8704);
         assert_eq!(a.free_bytes(), 0);
+    }
+
+    #[test]
+    fn grain_keeps_new_blocks_apart_from_used_ones() {
+        // Used: 8192..8704 and 12800..13312 (512-aligned, as an older writer placed them).
+        let mut a = Alloc::from_used(8192, vec![(8192, 512), (12800, 512)]);
+        // 8704..12800 is free but shares 4 KiB blocks with both: not usable at grain 4096.
+        assert_eq!(a.alloc(512, 4096), 16384);
+        assert_eq!(a.end(), 16896);
+        // The next one starts on the next block, the slack stays free.
+        assert_eq!(a.alloc(1024, 4096), 20480);
+        a.free(16384, 512);
+        // A whole free block is reused; the slack after an extent is never handed out.
+        assert_eq!(a.alloc(512, 4096), 16384);
+        assert_eq!(a.alloc_below(512, 20480, 4096), None);
+        assert_eq!(a.alloc_below(512, 8704, ALIGN), None);
+        assert_eq!(a.alloc_below(512, 9216, ALIGN), Some(8704));
     }
 }
