@@ -1183,5 +1183,68 @@ fn spec_passphrase_from_an_endless_file_is_refused() {
     assert!(msg.contains("passphrase-file") && msg.contains("/dev/zero"), "{msg}");
 }
 
+// ------------------------------------------------------------------ cargo-fuzz replays
+
+/// The cargo-fuzz cases themselves (`fuzz/src/lib.rs`), compiled here on stable so the
+/// inputs it found are replayed by `cargo test`.
+#[path = "../../../fuzz/src/lib.rs"]
 #[allow(dead_code)]
-fn _unused(_: &Path) {}
+mod cases;
+
+/// Every input cargo-fuzz found crashing (`tests/fuzz-regressions/TARGET/`), run through
+/// its target's case: none may panic, hang or abort now.
+#[test]
+fn cargo_fuzz_crashes_replay() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fuzz-regressions");
+    let mut n = 0;
+    for target in ["zstd_format", "aead_format", "spec"] {
+        let Ok(dir) = std::fs::read_dir(root.join(target)) else { continue };
+        for e in dir {
+            let p = e.unwrap().path();
+            let data = std::fs::read(&p).unwrap();
+            let t = target.to_string();
+            guarded(format!("{}", p.display()), 60, move || match t.as_str() {
+                "zstd_format" => cases::zstd_case(&data),
+                "aead_format" => cases::aead_case(&data),
+                _ => cases::spec_case(&data),
+            });
+            n += 1;
+        }
+    }
+    assert!(n > 0, "no inputs under {}", root.display());
+}
+
+/// Found by cargo-fuzz (aead_format, crash-76b9a1e0…): a header sealed with the key but
+/// claiming a length near 2^63 opened, and reading its last block asked the lower file for
+/// bytes past the largest offset the cache supports — an `OffsetOverflow`, not an
+/// authentication error. A length whose blocks cannot be stored is now refused at open
+/// (`BadVersion`), and the largest that can (`MAX_LEN`) opens and reads as truncated.
+#[test]
+fn aead_header_length_past_what_can_be_stored() {
+    use ubc_stack::encrypt::{EncryptPager, MAX_LEN};
+    guarded("aead giant length".into(), 60, || {
+        let valid = cases::aead_file(b"hello");
+        let key = std::sync::Arc::new(Key::from_bytes(cases::KEY));
+        let with_len = |len: u64| {
+            let mut b = valid.clone();
+            b[32..40].copy_from_slice(&len.to_le_bytes());
+            cases::reseal_aead_header(&mut b);
+            b
+        };
+        for len in [MAX_LEN + 1, MAX_LEN + 4096, i64::MAX as u64, u64::MAX] {
+            let e = EncryptPager::open(cases::lower_with(&with_len(len)), key.clone()).unwrap_err();
+            assert!(matches!(AuthError::find(&e), Some(AuthError::Header(Failure::BadVersion))), "{len}: {e}");
+        }
+        let p = EncryptPager::open(cases::lower_with(&with_len(MAX_LEN)), key).unwrap();
+        let mut b = [0u8; 4096];
+        let last = (MAX_LEN - 1) / 4096 * 4096;
+        let e = ubc::Pager::get_pages(&p, last, &mut b).unwrap_err();
+        assert!(
+            matches!(AuthError::find(&e), Some(AuthError::Block { failure: Failure::Truncated, .. })),
+            "{e}"
+        );
+        // Growing past it is refused, not attempted.
+        assert_eq!(ubc::Pager::set_len(&p, MAX_LEN + 1).unwrap_err().kind(), io::ErrorKind::InvalidInput);
+        assert_eq!(ubc::Pager::put_pages(&p, MAX_LEN / 4096 * 4096, &b).unwrap_err().kind(), io::ErrorKind::InvalidInput);
+    });
+}

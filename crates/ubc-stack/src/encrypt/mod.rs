@@ -78,6 +78,10 @@ pub const TAG_LEN: usize = 16;
 pub const STORED_BLOCK: u64 = NONCE_LEN as u64 + BLOCK + TAG_LEN as u64;
 /// Stored bytes of the header; block `i` is stored at `HEADER_LEN + i * STORED_BLOCK`.
 pub const HEADER_LEN: u64 = 80;
+/// Largest cleartext length: the stored blocks of a longer file would end past the largest
+/// file offset the cache supports (2^63 - 64 KiB). A header claiming more is refused
+/// (`BadVersion`); growing a file past it is `InvalidInput`.
+pub const MAX_LEN: u64 = ((i64::MAX as u64 & !0xffff) - HEADER_LEN) / STORED_BLOCK * BLOCK;
 /// Magic bytes at offset 0 of every stored file.
 pub const MAGIC: &[u8; 8] = b"UBC-AEAD";
 /// Format version in the header.
@@ -274,7 +278,7 @@ fn read_header(lower: &ubc::File, cipher: &XChaCha20Poly1305) -> io::Result<Opti
     }
     let id: [u8; 16] = h[16..32].try_into().unwrap();
     let len = u64::from_le_bytes(h[32..40].try_into().unwrap());
-    if len > i64::MAX as u64 {
+    if len > MAX_LEN {
         return Err(AuthError::Header(Failure::BadVersion).into());
     }
     Ok(Some((id, len)))
@@ -530,7 +534,10 @@ impl Pager for EncryptPager {
         if data.is_empty() {
             return Ok(());
         }
-        let end = offset.checked_add(data.len() as u64).ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "aead: offset overflow"))?;
+        let end = offset
+            .checked_add(data.len() as u64)
+            .filter(|&e| e <= MAX_LEN)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("aead: write at {offset} past the largest length ({MAX_LEN})")))?;
         let first = offset / BLOCK;
         {
             // Starting at or before the end of the stored blocks leaves no gap: every block
@@ -573,8 +580,8 @@ impl Pager for EncryptPager {
     /// which fails with its `AuthError` if the block is damaged. The header is written.
     fn set_len(&self, len: u64) -> io::Result<()> {
         self.check_writable()?;
-        if len > i64::MAX as u64 {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, "aead: length past 2^63"));
+        if len > MAX_LEN {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("aead: length {len} past the largest ({MAX_LEN})")));
         }
         let st = self.state.write();
         let id = st.file_id;
