@@ -27,6 +27,19 @@ use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+/// Largest window size the builder accepts (1 GiB).
+const MAX_WINDOW: usize = 1 << 30;
+
+/// Physical memory plus swap, in bytes (`u64::MAX` if the host does not say).
+fn machine_memory() -> u64 {
+    // SAFETY: sysinfo only writes the struct we pass.
+    let mut si: libc::sysinfo = unsafe { std::mem::zeroed() };
+    if unsafe { libc::sysinfo(&mut si) } != 0 {
+        return u64::MAX;
+    }
+    (si.totalram as u64).saturating_add(si.totalswap as u64).saturating_mul(si.mem_unit.max(1) as u64)
+}
+
 /// How a cache is set up. Build with [`Cache::builder`].
 #[derive(Debug, Clone)]
 pub struct CacheBuilder {
@@ -82,7 +95,8 @@ impl Default for CacheBuilder {
 }
 
 impl CacheBuilder {
-    /// Memory budget in bytes for all cached pages (default 256 MiB).
+    /// Memory budget in bytes for all cached pages (default 256 MiB): at least two pages,
+    /// at most the machine's memory and swap.
     pub fn budget(mut self, bytes: u64) -> Self {
         self.budget = bytes;
         self
@@ -92,7 +106,8 @@ impl CacheBuilder {
         self.page_size = bytes;
         self
     }
-    /// Bytes mapped by one window: a power of two, a multiple of the page size (default 2 MiB).
+    /// Bytes mapped by one window: a power of two, a multiple of the page size, at most
+    /// 1 GiB (default 2 MiB).
     pub fn window_size(mut self, bytes: usize) -> Self {
         self.window_size = bytes;
         self
@@ -196,19 +211,27 @@ impl CacheBuilder {
         if !self.page_size.is_power_of_two() || self.page_size < sys_page {
             return bad(format!("page size {} must be a power of two >= {sys_page}", self.page_size));
         }
-        if !self.window_size.is_power_of_two() || self.window_size < self.page_size {
-            return bad(format!("window size {} must be a power of two >= the page size", self.window_size));
+        // Each chunk keeps a state word per page of its window: a giant window would make
+        // the first access allocate a giant table.
+        if !self.window_size.is_power_of_two() || self.window_size < self.page_size || self.window_size > MAX_WINDOW {
+            return bad(format!("window size {} must be a power of two from the page size to {MAX_WINDOW}", self.window_size));
         }
         let budget_pages = self.budget / self.page_size as u64;
         if budget_pages < 2 {
             return bad(format!("budget {} B is smaller than two pages of {} B", self.budget, self.page_size));
+        }
+        // The replacement policy sizes its tables by the budget: a budget no machine could
+        // hold would abort on allocation (or overflow) instead of being refused.
+        let memory = machine_memory();
+        if self.budget > memory {
+            return bad(format!("budget {} B is more than the machine's memory and swap ({memory} B)", self.budget));
         }
         let page_shift = self.page_size.trailing_zeros();
         let chunk_shift = (self.window_size / self.page_size).trailing_zeros();
         let pages = |b: usize| ((b / self.page_size).max(1)) as u64;
         let max_windows = self
             .max_windows
-            .unwrap_or_else(|| ((2 * self.budget / self.window_size as u64) as usize).clamp(64, 4096));
+            .unwrap_or_else(|| ((self.budget.saturating_mul(2) / self.window_size as u64) as usize).clamp(64, 4096));
         let low = self.low_watermark.map_or((budget_pages / 64).max(8), |b| b / self.page_size as u64);
         let high = self.high_watermark.map_or((budget_pages / 32).max(16), |b| b / self.page_size as u64);
         let max_objects = self.max_objects.unwrap_or_else(|| {
@@ -537,7 +560,7 @@ impl CacheCore {
             }
         }
         // Bound the queue of stale ids too.
-        if reg.closed.len() > 2 * self.max_objects + 64 {
+        if reg.closed.len() > self.max_objects.saturating_mul(2).saturating_add(64) {
             let Registry { by_id, closed, .. } = &mut *reg;
             closed.retain(|id| by_id.contains_key(id));
         }
