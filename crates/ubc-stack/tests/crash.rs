@@ -386,8 +386,15 @@ struct Hist {
     touched: BTreeSet<u64>,
     /// A mapping flush (msync) was issued since the last completed sync.
     msync: bool,
+    /// States a mapping flush (an msync: a full sync at a general layer) may have committed.
+    commit_points: Vec<usize>,
+    /// `(j, len)`: `states[j]` came from a `set_len(len)`. A truncation reaches the store at
+    /// once, while earlier writes may still be in the cache.
+    cuts: Vec<(usize, u64)>,
     /// The last record is a sync intent that has no "done" record.
     sync_in_flight: bool,
+    /// The writer was closing its files (a clean close commits everything).
+    closing: bool,
 }
 
 impl Hist {
@@ -434,10 +441,12 @@ fn replay(recs: &[Rec]) -> Result<BTreeMap<String, Hist>, String> {
                 s.resize(*len as usize, 0);
                 h.touch(old.min(*len), old.max(*len).max(old.min(*len) + 1));
                 h.states.push(s);
+                h.cuts.push((h.states.len() - 1, *len));
             }
             Rec::MapFlush(f) => {
                 let h = files.get_mut(f).ok_or_else(|| format!("journal: {f} used before created"))?;
                 h.msync = true;
+                h.commit_points.push(h.states.len() - 1);
             }
             Rec::Sync(f) => {
                 for (name, h) in files.iter_mut() {
@@ -453,10 +462,9 @@ fn replay(recs: &[Rec]) -> Result<BTreeMap<String, Hist>, String> {
                     }
                 }
             }
-            // A close commits each file's pages as they are written back: like an msync.
             Rec::Closing => {
                 for h in files.values_mut() {
-                    h.msync = true;
+                    h.closing = true;
                 }
             }
             Rec::Closed => {
@@ -489,6 +497,8 @@ struct Tally {
     absent: u64,
     /// Host-file pages old or new only per direct-I/O sector (dir only).
     sector_torn: u64,
+    /// Pages (blocks) holding an older state's bytes cut by a later truncation.
+    cut_pages: u64,
     /// Blocks failing authentication at the top (dir|aead only; touched blocks).
     auth_blocks: u64,
     /// Blocks failing authentication in a lower aead layer (unreferenced by zstd).
@@ -514,6 +524,24 @@ fn read_blocks(f: &ubc_stack::File, len: u64) -> Vec<Result<Vec<u8>, ubc_stack::
 /// (zero past its end).
 fn same_range(state: &[u8], at: u64, got: &[u8]) -> bool {
     got.iter().enumerate().all(|(i, &b)| state.get(at as usize + i).copied().unwrap_or(0) == b)
+}
+
+/// [`same_range`] against `state` truncated to `cut` (zero from there on).
+fn same_range_cut(state: &[u8], at: u64, got: &[u8], cut: u64) -> bool {
+    got.iter().enumerate().all(|(i, &b)| {
+        let o = at + i as u64;
+        (if o >= cut { 0 } else { state.get(o as usize).copied().unwrap_or(0) }) == b
+    })
+}
+
+/// How `got` (bytes at `at`) relates to the reachable states: `Some(false)` equals some
+/// `S_k`, `Some(true)` equals some `S_k` cut at the length of a later `set_len`, `None` neither.
+fn classify(h: &Hist, at: u64, got: &[u8]) -> Option<bool> {
+    if h.states.iter().any(|s| same_range(s, at, got)) {
+        return Some(false);
+    }
+    let cut = h.states.iter().enumerate().any(|(k, s)| h.cuts.iter().any(|&(j, len)| j > k && same_range_cut(s, at, got, len)));
+    cut.then_some(true)
 }
 
 fn fresh_stack(kind: &Kind, dir: &Path, readahead: bool) -> Stack {
@@ -562,19 +590,24 @@ fn check_file(kind: &Kind, dir: &Path, name: &str, h: &Hist, t: &mut Tally) -> R
         format!("block {b} matches states {ks:?} of {} (len {len}, lens {lens:?}, touched {})", h.states.len(), h.touched.contains(&b))
     };
     match kind.model {
-        Model::Commit if !h.msync => {
-            // Exactly the last commit: the synced state or the one an in-flight sync made.
+        Model::Commit => {
+            // Exactly a commit: the synced state, one a mapping flush committed (a full sync
+            // of the layer), or the newest if a sync or the close was in flight.
             if exact(&h.states[0]) {
                 t.exact_synced += 1;
-            } else if h.sync_in_flight && exact(newest) {
+            } else if (h.sync_in_flight || h.closing) && exact(newest) {
                 t.exact_newest += 1;
+            } else if h.commit_points.iter().any(|&k| exact(&h.states[k])) {
+                t.mixed += 1;
             } else {
                 let bad = (0..blocks.len() as u64).find(|&b| !matches!(&blocks[b as usize], Ok(g) if same_range(&h.states[0], b * PAGE, g)));
                 return Err(format!(
-                    "{name}: not a committed state (len {len}, synced len {}, newest len {}, sync in flight {}); first differing block vs synced: {:?}",
+                    "{name}: not a committed state (len {len}, synced len {}, newest len {}, sync in flight {}, closing {}, msync points {:?}); first differing block vs synced: {:?}",
                     h.states[0].len(),
                     newest.len(),
                     h.sync_in_flight,
+                    h.closing,
+                    h.commit_points,
                     bad.map(describe)
                 ));
             }
@@ -597,18 +630,17 @@ fn check_file(kind: &Kind, dir: &Path, name: &str, h: &Hist, t: &mut Tally) -> R
             for (b, r) in blocks.iter().enumerate() {
                 let b = b as u64;
                 match r {
-                    Ok(got) => {
-                        if !h.states.iter().any(|s| same_range(s, b * PAGE, got)) {
-                            let by_sector = got
-                                .chunks(sector as usize)
-                                .enumerate()
-                                .all(|(i, c)| h.states.iter().any(|s| same_range(s, b * PAGE + i as u64 * sector, c)));
+                    Ok(got) => match classify(h, b * PAGE, got) {
+                        Some(false) => {}
+                        Some(true) => t.cut_pages += 1,
+                        None => {
+                            let by_sector = got.chunks(sector as usize).enumerate().all(|(i, c)| classify(h, b * PAGE + i as u64 * sector, c).is_some());
                             if sector == PAGE || !by_sector {
                                 return Err(format!("{name}: garbage: {}", describe(b)));
                             }
                             t.sector_torn += 1;
                         }
-                    }
+                    },
                     Err(e) if kind.model == Model::Block && is_auth(e) && h.touched.contains(&b) => t.auth_blocks += 1,
                     Err(e) => return Err(format!("{name}: block {b}: {e} ({})", describe(b))),
                 }
@@ -749,7 +781,7 @@ fn run(name: &str) {
     }
     let line = format!(
         "crash {name}: {} iterations (base seed {base}), {} killed, {} completed; {} files checked; ops before kill avg {:.0} (min {}, max {}); \
-         outcomes: {} = synced state, {} = newest/in-flight state, {} mixed old/new, {} unsynced files absent, {} pages torn per sector, {} torn blocks (auth errors, unsynced), \
+         outcomes: {} = synced state, {} = newest (sync or close in flight), {} other valid (an msync's commit; per page/block old or new), {} unsynced files absent, {} pages cut by a later truncation, {} pages torn per sector, {} torn blocks (auth errors, unsynced), \
          {} lower aead blocks torn (unreferenced); {} torn journal tails\n",
         t.iterations,
         t.killed,
@@ -762,6 +794,7 @@ fn run(name: &str) {
         t.exact_newest,
         t.mixed,
         t.absent,
+        t.cut_pages,
         t.sector_torn,
         t.auth_blocks,
         t.lower_auth_blocks,
@@ -931,7 +964,8 @@ fn crash_inspect() {
             }
         };
         let len = f.len().unwrap();
-        println!("   len {len}, state lens {:?}", h.states.iter().map(|s| s.len()).collect::<Vec<_>>());
+        println!("   len {len}, state lens {:?}, cuts {:?}", h.states.iter().map(|s| s.len()).collect::<Vec<_>>(), h.cuts);
+        println!("   check: {:?}", check_file(kind, dir, &fname, &h, &mut Tally::default()));
         for (b, r) in read_blocks(&f, len).into_iter().enumerate() {
             let b = b as u64;
             match r {
@@ -986,3 +1020,4 @@ fn crash_dir_aead_zstd() {
         run("dir|aead|zstd");
     }
 }
+
