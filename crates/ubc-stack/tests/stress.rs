@@ -99,6 +99,7 @@ fn many_threads_many_files_two_stacks_one_small_cache() {
                     if s != 0 && now - s > STALL.as_millis() as u64 {
                         eprintln!("WATCHDOG: thread {t} stuck {} ms in {}", now - s, busy.what[t].lock());
                         eprintln!("seed {seed}");
+                        dump_threads();
                         std::process::abort();
                     }
                 }
@@ -166,7 +167,21 @@ fn many_threads_many_files_two_stacks_one_small_cache() {
                                 let got = st.top.read_at(&mut buf[..n], off).unwrap();
                                 let want = &st.model[off as usize..(off as usize + n).min(st.model.len())];
                                 assert_eq!(got, want.len(), "{name}@{si}: read length at {off}");
-                                assert!(buf[..got] == *want, "{name}@{si}: read at {off}+{n} differs from the model (seed {seed})");
+                                if buf[..got] != *want {
+                                    let first = buf[..got].iter().zip(want).position(|(a, b)| a != b).unwrap();
+                                    let last = buf[..got].iter().zip(want).rposition(|(a, b)| a != b).unwrap();
+                                    let mut again = vec![0u8; got];
+                                    st.top.read_exact_at(&mut again, off).unwrap();
+                                    panic!(
+                                        "{name}@{si}: read at {off}+{n} differs from the model at file bytes {}..={} (seed {seed}); \
+                                         a second read {} the model; got {:02x?} want {:02x?}",
+                                        off + first as u64,
+                                        off + last as u64,
+                                        if again == *want { "matches" } else { "still differs from" },
+                                        &buf[first..(first + 8).min(got)],
+                                        &want[first..(first + 8).min(got)],
+                                    );
+                                }
                             }
                             Op::Write => {
                                 let off = rng.random_range(0..MAX_FILE - 1);
@@ -258,4 +273,34 @@ fn many_threads_many_files_two_stacks_one_small_cache() {
     }
     assert!(max_alloc <= limit, "allocated {max_alloc} > budget + 5% ({limit})");
     assert!(max_res <= BUDGET, "resident {max_res} > budget {BUDGET}");
+}
+
+/// Print every thread's stack before the watchdog aborts: a hang is only useful with the
+/// stacks that show it. Each thread is signalled and prints its own backtrace from the
+/// handler (not async-signal-safe — acceptable on the way to `abort`). gdb cannot be used:
+/// reading a process's memory can fault on a userfaultfd-registered page whose handler
+/// thread gdb has stopped.
+fn dump_threads() {
+    extern "C" fn on_signal(_: libc::c_int) {
+        let bt = std::backtrace::Backtrace::force_capture();
+        let tid = unsafe { libc::syscall(libc::SYS_gettid) };
+        let text = format!("---- thread {tid} ----\n{bt}\n");
+        // One write per thread, so the dumps do not interleave.
+        unsafe { libc::write(2, text.as_ptr().cast(), text.len()) };
+    }
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
+        sa.sa_flags = libc::SA_RESTART;
+        libc::sigaction(libc::SIGUSR2, &sa, std::ptr::null_mut());
+    }
+    let me = unsafe { libc::syscall(libc::SYS_gettid) };
+    for e in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+        let tid: i64 = e.file_name().to_string_lossy().parse().unwrap_or(0);
+        if tid != 0 && tid != me {
+            unsafe { libc::syscall(libc::SYS_tgkill, libc::getpid(), tid, libc::SIGUSR2) };
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    std::thread::sleep(Duration::from_secs(2));
 }
