@@ -52,7 +52,7 @@
 //! a domain take it exclusively, so no operation on that domain is in flight. Operations
 //! never take the file lock while holding a token lock; pagers never take either.
 
-use parking_lot::{Condvar, Mutex, RwLock};
+use crate::sync::{Condvar, Mutex, RwLock, RwLockWriteGuard};
 use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -164,6 +164,11 @@ pub(crate) struct Tokens {
     read: RangeSet,
     /// Subset of `read`.
     write: RangeSet,
+    /// Where this domain may hold data the domains below have not seen (it wrote there,
+    /// or dirty data was flushed into it from above): readers below flush it first.
+    /// Superset of `write`, and kept when a reader above takes the write token away (the
+    /// data is still not below; two meanings in one set lost it — schedules tests).
+    dirty: RangeSet,
     sticky: Vec<Sticky>,
 }
 
@@ -179,9 +184,36 @@ impl Tokens {
     }
 }
 
+/// What the manager does to a domain's cache object: `ubc::File`'s own methods. A trait so
+/// that the protocol can be driven by a model whose actions record what they did (the
+/// `schedules` tests); production code only ever uses `ubc::File` (monomorphized: no cost).
+pub(crate) trait Actions {
+    /// Write back the dirty pages in byte range `r` ([`ubc::File::clean`]).
+    fn clean(&self, r: Range<u64>) -> ubc::Result<()>;
+    /// Write back everything and make it durable ([`ubc::File::sync`]).
+    fn sync(&self) -> ubc::Result<()>;
+    /// Clean, then drop, the pages in `r` ([`ubc::File::invalidate`]).
+    fn invalidate(&self, r: Range<u64>, reload_len: bool) -> ubc::Result<()>;
+}
+
+impl Actions for ubc::File {
+    #[inline]
+    fn clean(&self, r: Range<u64>) -> ubc::Result<()> {
+        ubc::File::clean(self, r)
+    }
+    #[inline]
+    fn sync(&self) -> ubc::Result<()> {
+        ubc::File::sync(self)
+    }
+    #[inline]
+    fn invalidate(&self, r: Range<u64>, reload_len: bool) -> ubc::Result<()> {
+        ubc::File::invalidate(self, r, reload_len)
+    }
+}
+
 /// One domain of a file: a cache object and how to reach the domain below it.
-pub(crate) struct Domain {
-    pub(crate) file: ubc::File,
+pub(crate) struct Domain<F = ubc::File> {
+    pub(crate) file: F,
     /// `None` for domain 0 (the stored bytes).
     pub(crate) xlate: Option<Arc<dyn Translate>>,
     tokens: RwLock<Tokens>,
@@ -191,7 +223,7 @@ fn layer_err(what: &str, op: ubc::PagerOp, source: std::io::Error) -> ubc::Error
     ubc::Error::Io { op, offset: 0, object: what.into(), source }
 }
 
-impl Domain {
+impl<F: Actions> Domain<F> {
     /// Push this domain's dirty pages in `ranges` (stores through mappings included) and
     /// its layer's metadata (a length only in memory) into the domain below, so that the
     /// bytes below are a complete, current file. A layer that cannot write its metadata
@@ -229,10 +261,10 @@ pub struct CoherenceStats {
 }
 
 /// A file of the stack: its token ("file token"), whole-file lock and domains.
-pub(crate) struct Group {
+pub(crate) struct Group<F = ubc::File> {
     /// Whole-file stack lock, around every coherence action.
     lock: Mutex<()>,
-    domains: RwLock<Vec<Arc<Domain>>>,
+    domains: RwLock<Vec<Arc<Domain<F>>>>,
     next_sticky: AtomicU64,
     counters: Arc<Counters>,
     /// Coherence off (benchmark baseline only): every domain acts alone, as in a stack
@@ -254,16 +286,16 @@ struct RangeLock {
 type PostAction = (usize, Vec<Range<u64>>, bool);
 
 /// An operation's permission: keep it alive for the duration of the operation.
-pub(crate) enum Permit<'a> {
+pub(crate) enum Permit<'a, F: Actions = ubc::File> {
     /// The domain holds a token: its lock is held shared.
-    Token(#[allow(dead_code)] parking_lot::RwLockReadGuard<'a, Tokens>),
+    Token(#[allow(dead_code)] crate::sync::RwLockReadGuard<'a, Tokens>),
     /// A conflict with a mapping: the file lock is held; invalidations run again on drop.
-    Once { group: &'a Group, _lock: parking_lot::MutexGuard<'a, ()>, post: Vec<PostAction> },
+    Once { group: &'a Group<F>, _lock: crate::sync::MutexGuard<'a, ()>, post: Vec<PostAction> },
     /// Coherence is off.
     Off,
 }
 
-impl Drop for Permit<'_> {
+impl<F: Actions> Drop for Permit<'_, F> {
     fn drop(&mut self) {
         if let Permit::Once { group, post, .. } = self {
             let doms = group.domains.read().clone();
@@ -279,6 +311,13 @@ impl Drop for Permit<'_> {
 
 impl Group {
     pub(crate) fn new(counters: Arc<Counters>, disabled: bool) -> Group {
+        Group::with_actions(counters, disabled)
+    }
+}
+
+impl<F: Actions> Group<F> {
+    /// A group whose domains' cache objects are `F`s (`ubc::File` but in the model tests).
+    pub(crate) fn with_actions(counters: Arc<Counters>, disabled: bool) -> Group<F> {
         Group {
             lock: Mutex::new(()),
             domains: RwLock::new(Vec::new()),
@@ -291,7 +330,7 @@ impl Group {
     }
 
     /// The domain at `index`, if opened.
-    pub(crate) fn domain(&self, index: usize) -> Option<Arc<Domain>> {
+    pub(crate) fn domain(&self, index: usize) -> Option<Arc<Domain<F>>> {
         self.domains.read().get(index).cloned()
     }
 
@@ -301,7 +340,7 @@ impl Group {
 
     /// Add the domain at `index` (domains are added bottom-up, each once) and return it, or
     /// the one already there. => domain `index - 1` exists.
-    pub(crate) fn add_domain(&self, index: usize, make: impl FnOnce() -> crate::error::Result<(ubc::File, Option<Arc<dyn Translate>>)>) -> crate::error::Result<Arc<Domain>> {
+    pub(crate) fn add_domain(&self, index: usize, make: impl FnOnce() -> crate::error::Result<(F, Option<Arc<dyn Translate>>)>) -> crate::error::Result<Arc<Domain<F>>> {
         if let Some(d) = self.domain(index) {
             return Ok(d);
         }
@@ -319,7 +358,7 @@ impl Group {
 
     /// Translate `r` from domain `from` to domain `to`. The flag says the translation lost
     /// precision going up ("whole file": the layers there must reload their state).
-    fn translate(doms: &[Arc<Domain>], from: usize, to: usize, r: Range<u64>) -> (Vec<Range<u64>>, bool) {
+    fn translate(doms: &[Arc<Domain<F>>], from: usize, to: usize, r: Range<u64>) -> (Vec<Range<u64>>, bool) {
         let mut cur = vec![r];
         let mut reload = false;
         if to < from {
@@ -353,60 +392,67 @@ impl Group {
 
     /// Permission for an operation in domain `d` on bytes `r` (in `d`'s naming).
     /// Figure 6b: use the token if held; else register, revoking conflicting holders.
-    pub(crate) fn acquire<'a>(&'a self, dom: &'a Domain, d: usize, r: Range<u64>, mode: Mode) -> ubc::Result<Permit<'a>> {
+    pub(crate) fn acquire<'a>(&'a self, dom: &'a Domain<F>, d: usize, r: Range<u64>, mode: Mode) -> ubc::Result<Permit<'a, F>> {
         if self.disabled {
             return Ok(Permit::Off);
         }
-        loop {
-            // The fast path: one shared lock and a range check, nothing counted (a shared
-            // counter here would cost more than the rest).
-            let t = dom.tokens.read();
-            if t.allows(mode, &r) {
-                return Ok(Permit::Token(t));
-            }
-            drop(t);
-            self.counters.slow.fetch_add(1, Relaxed);
-            let g = self.lock.lock();
-            let doms = self.domains.read().clone();
-            let (sticky_post, inherit_write) = self.revoke(&doms, d, r.clone(), mode)?;
-            match sticky_post {
-                None => {
-                    // Grant: the whole file if nobody else holds anything, else the range.
-                    let alone = doms.iter().enumerate().all(|(e, x)| {
-                        e == d || {
-                            let t = x.tokens.read();
-                            t.read.is_empty() && t.sticky.is_empty()
-                        }
-                    });
-                    let grant = if alone { ALL } else { r.clone() };
-                    let mut t = doms[d].tokens.write();
-                    t.read.insert(grant.clone());
-                    if mode == Mode::Write || inherit_write {
-                        t.write.insert(grant);
+        // The fast path: one shared lock and a range check, nothing counted (a shared
+        // counter here would cost more than the rest).
+        let t = dom.tokens.read();
+        if t.allows(mode, &r) {
+            return Ok(Permit::Token(t));
+        }
+        drop(t);
+        self.counters.slow.fetch_add(1, Relaxed);
+        let g = self.lock.lock();
+        let doms = self.domains.read().clone();
+        debug_assert!(std::ptr::eq(dom, &*doms[d]), "acquire: dom is domain d");
+        let (sticky_post, inherit_write) = self.revoke(&doms, d, r.clone(), mode)?;
+        match sticky_post {
+            None => {
+                // Grant: the whole file if nobody else holds anything, else the range.
+                let alone = doms.iter().enumerate().all(|(e, x)| {
+                    e == d || {
+                        let t = x.tokens.read();
+                        t.read.is_empty() && t.sticky.is_empty()
                     }
-                    drop(t);
-                    drop(g);
-                    // Loop: take the token shared (it may be revoked again meanwhile).
+                });
+                let grant = if alone { ALL } else { r.clone() };
+                let mut t = dom.tokens.write();
+                t.read.insert(grant.clone());
+                if mode == Mode::Write || inherit_write {
+                    t.dirty.insert(grant.clone());
                 }
-                Some(post) => return Ok(Permit::Once { group: self, _lock: g, post }),
+                if mode == Mode::Write {
+                    t.write.insert(grant);
+                }
+                // Keep the token from the grant on, without a moment unlocked: released and
+                // taken again after the file lock, it could be revoked in between, and two
+                // domains could revoke each other's fresh tokens forever (a livelock the
+                // schedules tests found).
+                let t = RwLockWriteGuard::downgrade(t);
+                drop(g);
+                Ok(Permit::Token(t))
             }
+            Some(post) => Ok(Permit::Once { group: self, _lock: g, post }),
         }
     }
 
     /// Revoke what conflicts with (`d`, `r`, `mode`). Returns `Some(post-actions)` when a
     /// mapping conflicts (no token may be granted), else `None`. => file lock held.
     ///
-    /// The `bool` says whether d must take a write token although it asked to read: dirty
-    /// data was flushed into it from above, and the domains below have not seen it — they
-    /// must flush d before they read, as if d had written.
-    fn revoke(&self, doms: &[Arc<Domain>], d: usize, r: Range<u64>, mode: Mode) -> ubc::Result<(Option<Vec<PostAction>>, bool)> {
+    /// The `bool` says whether d must be marked dirty although it asked to read: dirty data
+    /// was flushed into it from above, and the domains below have not seen it — they must
+    /// flush d before they read, as if d had written. (It gets no write token: its own
+    /// writes must still revoke the readers above.)
+    fn revoke(&self, doms: &[Arc<Domain<F>>], d: usize, r: Range<u64>, mode: Mode) -> ubc::Result<(Option<Vec<PostAction>>, bool)> {
         let n = doms.len();
         let write = mode == Mode::Write;
         let mut sticky = false;
         let mut post = Vec::new();
         let mut post_top: Option<usize> = None;
 
-        // 1. Domains above d holding dirty data (a write token, or a writable mapping) push
+        // 1. Domains above d holding dirty data (`dirty`, or a writable mapping) push
         //    it down, top first: flushing e puts its data into e-1, flushed next, and so on
         //    to d. A general layer's flush includes its metadata (header, index) — its
         //    pager's sync — or the bytes below would not be a complete file.
@@ -414,7 +460,7 @@ impl Group {
         for e in (d + 1..n).rev() {
             let (re, _) = Self::translate(doms, d, e, r.clone());
             let t = doms[e].tokens.read();
-            let dirty = re.iter().any(|x| t.write.overlaps(x) || t.sticky_overlaps(x, true));
+            let dirty = re.iter().any(|x| t.dirty.overlaps(x) || t.sticky_overlaps(x, true));
             sticky |= re.iter().any(|x| t.sticky_overlaps(x, true) || write && t.sticky_overlaps(x, false));
             drop(t);
             if dirty && flush_from.is_none() {
@@ -429,6 +475,7 @@ impl Group {
                 for x in &re {
                     // Readers below now see the data: e keeps only a read token.
                     t.write.remove(x.clone());
+                    t.dirty.remove(x.clone());
                 }
                 self.counters.flushes.fetch_add(1, Relaxed);
             }
@@ -443,22 +490,36 @@ impl Group {
         //    domain that is already current). Mappings there are invalidated again after
         //    the write (they may re-fault meanwhile).
         if write {
-            for e in d + 1..n {
+            // A domain caches pages where it holds a token, and also where a domain above it
+            // does: that one's reads fill the caches below it (raw, without tokens), so
+            // every domain up to the highest holder may be stale (schedules tests).
+            let top_holder = (d + 1..n).rev().find(|&e| {
+                let (re, _) = Self::translate(doms, d, e, r.clone());
+                let t = doms[e].tokens.read();
+                re.iter().any(|x| t.read.overlaps(x) || t.sticky_overlaps(x, false))
+            });
+            // Quiesce the domains to invalidate top first, holding them all: an operation in
+            // flight above a domain fills its cache again (a fill racing its invalidation
+            // kept an old page: schedules tests). Then invalidate bottom first.
+            let mut held = Vec::new();
+            for e in (d + 1..n).rev() {
                 let (re, reload) = Self::translate(doms, d, e, r.clone());
                 let t = doms[e].tokens.read();
-                let cached = re.iter().any(|x| t.read.overlaps(x) || t.sticky_overlaps(x, false));
                 let mapped = re.iter().any(|x| t.sticky_overlaps(x, false));
                 drop(t);
-                if cached || reload {
-                    let mut t = doms[e].tokens.write();
-                    self.invalidate_locked(&doms[e], &re, reload, false)?;
-                    for x in &re {
-                        t.read.remove(x.clone());
-                        t.write.remove(x.clone());
-                    }
-                }
-                if mapped {
+                if mapped && post_top.is_none() {
                     post_top = Some(e);
+                }
+                if top_holder.is_some_and(|h| e <= h) || reload {
+                    held.push((e, re, reload, doms[e].tokens.write()));
+                }
+            }
+            while let Some((e, re, reload, mut t)) = held.pop() {
+                self.invalidate_locked(&doms[e], &re, reload, false)?;
+                for x in &re {
+                    t.read.remove(x.clone());
+                    t.write.remove(x.clone());
+                    t.dirty.remove(x.clone());
                 }
             }
             // After the write, every domain from d up to the highest mapping is stale
@@ -472,9 +533,10 @@ impl Group {
         }
 
         // 3. Domains below d lose what conflicts (no data action: their caches are updated
-        //    in place when d's data comes down). If one of them *wrote* there (a write token
-        //    or a writable mapping), every domain from it up to d may cache bytes — or
-        //    metadata — from before that write: invalidate them, bottom first.
+        //    in place when d's data comes down; what they hold dirty stays marked so, for
+        //    readers below them). If one of them *wrote* there (a write token or a
+        //    writable mapping), every domain from it up to d may cache bytes — or metadata
+        //    — from before that write: invalidate them, bottom first.
         let mut stale_from: Option<(usize, Vec<Range<u64>>)> = None;
         for e in 0..d {
             let (re, _) = Self::translate(doms, d, e, r.clone());
@@ -503,11 +565,14 @@ impl Group {
                     rk.extend(v);
                 }
                 let mut t = doms[k].tokens.write();
-                // k's own writes (a write token there) are newer than what is below — the
-                // "write" below may be data k itself flushed down — so they go down first.
-                let newer = rk.iter().any(|x| t.write.overlaps(x));
+                // k's own dirty data is newer than what is below — the "write" below may be
+                // data k itself flushed down — so it goes down first.
+                let newer = rk.iter().any(|x| t.dirty.overlaps(x));
                 self.invalidate_locked(&doms[k], &rk, reload, newer)?;
                 if k < d {
+                    // `dirty` stays: the invalidation cleaned k's dirty pages into k-1, which
+                    // was invalidated before (bottom first), and readers below must still
+                    // flush them on from there (a flush from k passes through k-1).
                     for x in &rk {
                         t.read.remove(x.clone());
                         t.write.remove(x.clone());
@@ -528,7 +593,7 @@ impl Group {
     /// and write its metadata down before reloading. Without it, a reload trusts the
     /// domain below — which was just changed underneath — and e's in-memory state is
     /// dropped (flushing it would overwrite the new bytes below with stale metadata).
-    fn invalidate_locked(&self, e: &Domain, ranges: &[Range<u64>], reload: bool, flush_first: bool) -> ubc::Result<()> {
+    fn invalidate_locked(&self, e: &Domain<F>, ranges: &[Range<u64>], reload: bool, flush_first: bool) -> ubc::Result<()> {
         self.counters.invalidations.fetch_add(1, Relaxed);
         if reload {
             if flush_first {
@@ -573,6 +638,7 @@ impl Group {
                 let s = t.sticky.remove(i);
                 if s.write {
                     t.read.insert(s.range.clone());
+                    t.dirty.insert(s.range.clone());
                     t.write.insert(s.range);
                 }
             }
@@ -587,12 +653,19 @@ impl Group {
         }
         let _g = self.lock.lock();
         let doms = self.domains.read().clone();
+        let mut pushed = false;
         for e in (d + 1..doms.len()).rev() {
             let mut t = doms[e].tokens.write();
+            pushed |= !t.dirty.is_empty() || t.sticky.iter().any(|s| s.write);
             // Metadata too: syncing d must make what was written above part of the file
             // at d (an aead length only in memory would otherwise be missing).
             doms[e].push_down(&[ALL])?;
             t.write = RangeSet::default();
+            t.dirty = RangeSet::default();
+        }
+        if pushed && d > 0 {
+            // That data is in d now, not below it yet: readers below flush d first.
+            doms[d].tokens.write().dirty.insert(ALL);
         }
         Ok(())
     }
@@ -666,3 +739,7 @@ mod tests {
         assert!(s.is_empty());
     }
 }
+
+/// Randomized-schedule tests of the protocol (`--features shuttle`).
+#[cfg(all(test, feature = "shuttle"))]
+mod schedules;

@@ -32,6 +32,7 @@ mod error;
 pub mod layer;
 mod spec;
 mod stack;
+mod sync;
 
 pub use coherence::{CoherenceStats, Translate};
 pub use error::{Error, Result};

@@ -170,7 +170,7 @@ impl Page {
         let v = self.data.load(SeqCst);
         assert!(v != EMPTY && v != FILLING, "read a page that is not filled ({v:#x})");
         thread::yield_now(); // the copy out
-        assert_eq!(self.data.load(SeqCst) == FILLING, false);
+        assert_ne!(self.data.load(SeqCst), FILLING, "a fill began under a pin");
         self.pins.fetch_sub(1, SeqCst);
         self.st.unpin();
         v
