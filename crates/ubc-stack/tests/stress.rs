@@ -6,6 +6,10 @@
 //!
 //! Short in `cargo test`; at length:
 //! `UBC_STRESS_SECS=600 cargo test --release -p ubc-stack --test stress -- --nocapture`.
+//! Knobs for hunting a failure (defaults unchanged): `UBC_STRESS_SEED`, `UBC_STRESS_STACKS=0|1`
+//! (files on one stack only), `UBC_STRESS_BOTTOM_READERS=n`, `UBC_STRESS_CHECK_MAP=1` (read
+//! back a mapping's pages right after unmapping it). A mismatch prints the file's last
+//! operations.
 
 use parking_lot::Mutex;
 use rand::{RngExt, SeedableRng};
@@ -37,6 +41,19 @@ enum Op {
 struct FileState {
     top: ubc_stack::File,
     model: Vec<u8>,
+    log: std::collections::VecDeque<String>,
+}
+
+impl FileState {
+    fn note(&mut self, s: String) {
+        if self.log.len() >= 300 {
+            self.log.pop_front();
+        }
+        self.log.push_back(s);
+    }
+    fn dump(&self) -> String {
+        self.log.iter().cloned().collect::<Vec<_>>().join("\n")
+    }
 }
 
 /// Per-thread "operation in progress since" (ms after start; 0 = idle), for the watchdog.
@@ -68,18 +85,26 @@ fn many_threads_many_files_two_stacks_one_small_cache() {
     }
     let stacks: Vec<Stack> = specs.iter().map(|s| Stack::open(s, cache.clone()).unwrap()).collect();
     let mut files = Vec::new();
+    // UBC_STRESS_STACKS=0 or =1: files on that stack only (to shorten the hunt for a
+    // failure seen on one); default both.
+    let only: Option<usize> = std::env::var("UBC_STRESS_STACKS").ok().and_then(|s| s.parse().ok());
     for (si, s) in stacks.iter().enumerate() {
+        if only.is_some_and(|o| o != si) {
+            continue;
+        }
         for i in 0..FILES_PER_STACK {
             let name = format!("f{i}");
             let top = s.top().create(&name).unwrap();
-            files.push((si, name, Mutex::new(FileState { top, model: Vec::new() })));
+            files.push((si, name, Mutex::new(FileState { top, model: Vec::new(), log: Default::default() })));
         }
     }
     let files = Arc::new(files);
     let stacks = Arc::new(stacks);
     let start = Instant::now();
     let stop = Arc::new(AtomicBool::new(false));
-    let nthreads = WORKERS + BOTTOM_READERS;
+    // UBC_STRESS_BOTTOM_READERS=n: threads reading the bottom layer (default BOTTOM_READERS).
+    let bottom: usize = std::env::var("UBC_STRESS_BOTTOM_READERS").ok().and_then(|s| s.parse().ok()).unwrap_or(BOTTOM_READERS);
+    let nthreads = WORKERS + bottom;
     let busy = Arc::new(Busy {
         since: (0..nthreads).map(|_| AtomicU64::new(0)).collect(),
         what: (0..nthreads).map(|_| Mutex::new(String::new())).collect(),
@@ -88,10 +113,12 @@ fn many_threads_many_files_two_stacks_one_small_cache() {
     let latencies = Arc::new(Mutex::new(std::collections::BTreeMap::<Op, (u64, Duration)>::new()));
 
     // Watchdog: any operation running past STALL fails the whole run, loudly.
+    let joined = Arc::new(AtomicBool::new(false));
     let wd = {
-        let (busy, stop) = (busy.clone(), stop.clone());
+        let (busy, joined) = (busy.clone(), joined.clone());
         std::thread::spawn(move || {
-            while !stop.load(SeqCst) {
+            // Until every worker is joined: an operation stalled while the run stops counts.
+            while !joined.load(SeqCst) {
                 std::thread::sleep(Duration::from_millis(100));
                 let now = start.elapsed().as_millis() as u64;
                 for (t, s) in busy.since.iter().enumerate() {
@@ -172,6 +199,7 @@ fn many_threads_many_files_two_stacks_one_small_cache() {
                                     let last = buf[..got].iter().zip(want).rposition(|(a, b)| a != b).unwrap();
                                     let mut again = vec![0u8; got];
                                     st.top.read_exact_at(&mut again, off).unwrap();
+                                    eprintln!("HISTORY of {name}@{si}:\n{}", st.dump());
                                     panic!(
                                         "{name}@{si}: read at {off}+{n} differs from the model at file bytes {}..={} (seed {seed}); \
                                          a second read {} the model; got {:02x?} want {:02x?}",
@@ -193,6 +221,7 @@ fn many_threads_many_files_two_stacks_one_small_cache() {
                                     st.model.resize(end, 0);
                                 }
                                 st.model[off as usize..end].copy_from_slice(&data);
+                                st.note(format!("{:?} write {off}..{end} (len {len}->{})", start.elapsed(), st.model.len()));
                             }
                             Op::MapStore if len >= 4096 => {
                                 let pages = len / 4096;
@@ -207,9 +236,28 @@ fn many_threads_many_files_two_stacks_one_small_cache() {
                                     let mo = (p0 * 4096) as usize + o;
                                     st.model[mo..mo + n].copy_from_slice(&data);
                                 }
-                                assert!(m[..] == st.model[(p0 * 4096) as usize..((p0 + np) * 4096) as usize], "{name}: mapping shows the model");
-                                if rng.random_bool(0.5) {
+                                if m[..] != st.model[(p0 * 4096) as usize..((p0 + np) * 4096) as usize] {
+                                    let w = &st.model[(p0 * 4096) as usize..((p0 + np) * 4096) as usize];
+                                    let first = m.iter().zip(w).position(|(a, b)| a != b).unwrap();
+                                    let last = m.iter().zip(w).rposition(|(a, b)| a != b).unwrap();
+                                    eprintln!("HISTORY of {name}@{si}:\n{}", st.dump());
+                                    panic!("{name}@{si}: mapping of pages {p0}+{np} differs at file bytes {}..={}; got {:02x?} want {:02x?}", p0 * 4096 + first as u64, p0 * 4096 + last as u64, &m[first..(first + 8).min(m.len())], &w[first..(first + 8).min(w.len())]);
+                                }
+                                let fl = rng.random_bool(0.5);
+                                if fl {
                                     m.flush().unwrap();
+                                }
+                                drop(m);
+                                st.note(format!("{:?} mapstore pages {p0}+{np} flush {fl}", start.elapsed()));
+                                if std::env::var("UBC_STRESS_CHECK_MAP").is_ok() {
+                                    let w = st.model[(p0 * 4096) as usize..((p0 + np) * 4096) as usize].to_vec();
+                                    let mut g = vec![0u8; w.len()];
+                                    st.top.read_exact_at(&mut g, p0 * 4096).unwrap();
+                                    if g != w {
+                                        let first = g.iter().zip(&w).position(|(a, b)| a != b).unwrap();
+                                        eprintln!("HISTORY of {name}@{si}:\n{}", st.dump());
+                                        panic!("{name}@{si}: right after unmapping, pages {p0}+{np} differ at {}", p0 * 4096 + first as u64);
+                                    }
                                 }
                             }
                             Op::MapStore => {}
@@ -217,8 +265,12 @@ fn many_threads_many_files_two_stacks_one_small_cache() {
                                 let new = rng.random_range(0..MAX_FILE);
                                 st.top.set_len(new).unwrap();
                                 st.model.resize(new as usize, 0);
+                                st.note(format!("set_len {len} -> {new}"));
                             }
-                            Op::Sync => st.top.sync().unwrap(),
+                            Op::Sync => {
+                                st.top.sync().unwrap();
+                                st.note("sync".into());
+                            }
                             Op::BottomRead => unreachable!(),
                         }
                     }
@@ -238,6 +290,7 @@ fn many_threads_many_files_two_stacks_one_small_cache() {
     for t in threads {
         t.join().expect("a worker failed (see its panic above)");
     }
+    joined.store(true, SeqCst);
     let (samples, max_alloc, max_res) = sampler.join().unwrap();
     wd.join().unwrap();
 
