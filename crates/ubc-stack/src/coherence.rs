@@ -434,7 +434,15 @@ impl<F: Actions> Group<F> {
                 drop(g);
                 Ok(Permit::Token(t))
             }
-            Some(post) => Ok(Permit::Once { group: self, _lock: g, post }),
+            Some(post) => {
+                // No token, but what this operation writes (or received from above) is
+                // still not below: readers there must flush it (schedules tests: they did
+                // not, and read old data).
+                if mode == Mode::Write || inherit_write {
+                    dom.tokens.write().dirty.insert(r);
+                }
+                Ok(Permit::Once { group: self, _lock: g, post })
+            }
         }
     }
 

@@ -7,7 +7,7 @@
 //! ```
 //!
 //! `UBC_SCHEDULES` is the number of schedules per scenario and scheduler (random, and PCT at
-//! depth 3). The domains' cache objects are a model ([`Cached`]): per domain a map from
+//! depth 3; default 500, about 20 s in a debug build on 2 cores). The domains' cache objects are a model ([`Cached`]): per domain a map from
 //! block (one byte of the file: the translations are the identity, or "the whole file" like
 //! a compression layer) to value and dirty bit; reading a block missing in domain `d` fills
 //! it from `d - 1` (raw, through that cache, filling it too), as a general layer's pager
@@ -19,8 +19,14 @@
 //! any domain: coherence (a flush happens before the conflicting grant, an invalidation
 //! before a stale page is read again). At the end it checks the token table (no domain
 //! holds a token conflicting with another domain's write token) and that a sync at the
-//! bottom stores every last write. Byte-range locks are checked for exclusion, and
-//! deadlocks (of locks or of the protocol) are reported by shuttle.
+//! bottom stores every last write. Byte-range locks are checked for exclusion and for
+//! wakeups, and deadlocks (of locks or of the protocol) and livelocks (a step bound) are
+//! reported by shuttle. Each bug these tests found has a deterministic replay below.
+//!
+//! Mappings (`Group::map`, stores and loads that bypass the manager) have a test too,
+//! `schedules_mappings`, ignored: it still finds stale reads (see there). Known limit it
+//! does not count: a write in a domain above a mapping reaches the mapping when it is
+//! flushed down, not at once.
 
 use super::*;
 use shuttle::rand::{Rng, thread_rng};
@@ -33,7 +39,7 @@ use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 const BLOCKS: u64 = 2;
 
 fn schedules() -> usize {
-    std::env::var("UBC_SCHEDULES").ok().and_then(|v| v.parse().ok()).unwrap_or(1000)
+    std::env::var("UBC_SCHEDULES").ok().and_then(|v| v.parse().ok()).unwrap_or(500)
 }
 
 fn config() -> shuttle::Config {
@@ -541,5 +547,120 @@ fn schedules_refill_during_invalidation() {
         g.flush_above(0).unwrap();
         read(&g, &m, 2, 1..2);
         check_tokens(&g, &m);
+    });
+}
+
+#[test]
+fn schedules_byte_range_lock_handoff() {
+    // A waiter sleeps on a lock its owner gives up with `unlock` (not `unlock_all`) and
+    // then waits for the waiter: a release that wakes nobody leaves both asleep.
+    explore("byte-range lock handoff", || {
+        let (g, _m) = group(THREE);
+        assert!(g.lock(1, 2, 0..2, true, false));
+        let g2 = g.clone();
+        let waiter = thread::spawn(move || {
+            assert!(g2.lock(2, 0, 1..3, false, true));
+            g2.unlock_all(2);
+        });
+        thread::yield_now();
+        g.unlock(1, 1, 0..1);
+        waiter.join().unwrap();
+        g.unlock_all(1);
+    });
+}
+
+/// Mappings: a random sequence on one thread of token operations and of mapping stores and
+/// loads, which go to the mapped domain's cache without asking the manager (as faults do).
+fn mapping_ops(layers: &'static [Layer], ops: usize) {
+    let (g, m) = group(layers);
+    let n = 1 + layers.len();
+    let mut rng = thread_rng();
+    // (domain, range, writable, id)
+    let mut mapped: Option<(usize, Range<u64>, bool, u64)> = None;
+    for _ in 0..ops {
+        let d = rng.gen_range(0..n);
+        let r = match rng.gen_range(0..3) {
+            0 => 0..1,
+            1 => 1..2,
+            _ => 0..BLOCKS,
+        };
+        match (rng.gen_range(0..8), &mapped) {
+            (0, None) => {
+                let write = rng.gen_bool(0.6);
+                m.lock().unwrap().note(format!("map d{d} {r:?} write {write}"));
+                let id = g.map(d, r.clone(), write);
+                let dom = g.domain(d).unwrap();
+                drop(g.acquire(&dom, d, r.clone(), if write { Mode::Write } else { Mode::Read }).unwrap());
+                mapped = Some((d, r, write, id));
+            }
+            (1, Some((md, mr, mw, _))) => {
+                // A store (if writable) or a load through the mapping.
+                let mut s = m.lock().unwrap();
+                for b in mr.clone() {
+                    if *mw && rng.gen_bool(0.5) {
+                        s.next += 1;
+                        let v = s.next;
+                        s.write(*md, b, v);
+                        s.last[b as usize] = v;
+                        s.note(format!("store d{md} b{b} = {v}"));
+                    } else {
+                        let v = s.read(*md, b);
+                        s.note(format!("load d{md} b{b} -> {v}"));
+                        // Known limit of the protocol: a write in a domain above the mapping
+                        // reaches the mapping when it is flushed down (a sync, a read below),
+                        // not at once; until then a load may see the old bytes.
+                        let pending_above = (md + 1..n).any(|e| s.caches[e].get(&b).is_some_and(|&(_, dirty)| dirty));
+                        if v != s.last[b as usize] && !pending_above {
+                            s.fail(format!("stale load through a mapping of domain {md} block {b}: {v}"));
+                        }
+                    }
+                }
+            }
+            (2, Some((md, _, _, id))) => {
+                m.lock().unwrap().note(format!("unmap d{md}"));
+                g.unmap(*md, *id);
+                mapped = None;
+            }
+            (3 | 4, _) => write(&g, &m, d, r),
+            (7, _) => sync(&g, &m, d),
+            _ => read(&g, &m, d, r),
+        }
+        for d in 0..n {
+            trace(&format!("    tokens d{d}: {:?}", *g.domain(d).unwrap().tokens.read()));
+        }
+    }
+    if let Some((md, _, _, id)) = mapped {
+        g.unmap(md, id);
+    }
+    check_tokens(&g, &m);
+    for d in 0..n {
+        read(&g, &m, d, 0..BLOCKS);
+    }
+}
+
+#[test]
+#[ignore = "known failures: the mapping part of the protocol (see the comment)"]
+fn schedules_mappings() {
+    // Fails today, in several ways, all of them sequences on one thread: pages cached
+    // without a token by an operation that conflicted with a writable mapping below (or by
+    // a flush chain passing through) outlive later writes elsewhere; the write token a
+    // mapping leaves at unmap lets its domain's next read skip data written meanwhile
+    // above. Fixing one at a time exposed the next; the mapping side needs a design pass.
+    // Run with `--ignored` to see them (UBC_SCHEDULES_TRACE=1 prints the events).
+    explore("mappings, 3 domains, 14 ops on one thread", || mapping_ops(THREE, 14));
+    explore("mappings, 4 domains, 14 ops on one thread", || mapping_ops(FOUR, 14));
+}
+
+#[test]
+fn replay_write_beside_a_mapping_is_flushed_to_readers_below() {
+    // A write conflicting with a writable mapping below runs without a token and left no
+    // record that its data was not below: the next reader below did not flush it.
+    sequential(THREE, |g, m| {
+        let id = g.map(0, 0..2, true);
+        let dom = g.domain(0).unwrap();
+        drop(g.acquire(&dom, 0, 0..2, Mode::Write).unwrap());
+        write(g, m, 1, 0..1);
+        read(g, m, 0, 0..2);
+        g.unmap(0, id);
     });
 }
