@@ -710,7 +710,13 @@ impl Object {
             // The store is truncated whatever happened above: its bytes past the new end
             // must not come back when the file grows again.
             let pager = self.pager();
-            pager.set_len(new).map_err(|e| self.io_err(PagerOp::SetLen, new, e))?;
+            {
+                // A pager call like get/put: a layer's set_len writes its lower file, and
+                // must not wait at the dirty limit for writeback of its own object (whose
+                // lock it may hold: a self-deadlock the stress test found).
+                let _in = crate::writeback::InPager::enter();
+                pager.set_len(new).map_err(|e| self.io_err(PagerOp::SetLen, new, e))?;
+            }
             dropped?;
             // Zero the cached last page's tail only now: a fill of that page in flight
             // (read-ahead) may have read the store before it was truncated; `zero_tail`
@@ -729,6 +735,7 @@ impl Object {
         }
         if new != old {
             let pager = self.pager();
+            let _in = crate::writeback::InPager::enter();
             pager.set_len(new).map_err(|e| self.io_err(PagerOp::SetLen, new, e))?;
         }
         Ok(())
@@ -1004,6 +1011,9 @@ impl Object {
     /// `sync`). => dirty pages were written back.
     pub(crate) fn sync_pager(&self) -> Result<()> {
         let pager = self.pager();
+        // Pager calls (a layer writes its metadata into its lower file here): exempt from
+        // dirty throttling, as in get/put.
+        let _in = crate::writeback::InPager::enter();
         let len = self.len();
         let stored = pager.len().map_err(|e| self.io_err(PagerOp::Len, 0, e))?;
         if stored != len && pager.is_writable() {
