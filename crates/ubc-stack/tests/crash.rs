@@ -11,21 +11,25 @@
 //!
 //! * **`dir`** (host file) — per 4 KiB page: the bytes below the file's length equal the same
 //!   bytes of some `S_k` (zero past its end), and the length lies between the smallest and
-//!   the largest `len(S_k)`. (Write-behind writes pages back in any order and at any time;
-//!   a page is written whole.)
-//! * **`dir | aead`** — per 4 KiB block: the block equals that block of some `S_k`, *or*, only
-//!   for a block an operation after the last sync wrote, truncated or zero-filled, it fails
-//!   authentication (`AuthError`: a torn stored block — a stored block is 4136 bytes and
-//!   straddles two host pages, which reach the file at different times — or a block past what
-//!   the store holds). The length is exactly some `len(S_k)`. Never garbage, never an error on
-//!   a block no operation touched since the last sync.
-//! * **`dir | zstd`, `dir | zstd | aead`, `dir | aead | zstd`** — the file is exactly `S_0`
-//!   (or, when the kill hit a `sync` that had not returned, exactly the state that `sync` was
-//!   committing). A `Mapping::flush` is an `msync`: it commits the pages written back so far,
-//!   so after one (and before the next completed sync) the file is per 4 KiB page old or new
-//!   with the length of some `S_k`. Every lower layer must open and read; in
-//!   `dir | aead | zstd` the aead layer may show torn blocks only in space the committed zstd
-//!   index does not reference (counted), since the top read succeeding proves the rest.
+//!   the largest `len(S_k)`. (Write-behind writes pages back in any order and at any time.)
+//!   Two finer cases, both allowed and counted: (a) a truncation reaches the host file at
+//!   once (`ftruncate`) while earlier writes may still be only in ubc's cache, so the page
+//!   holding the new end may show an older `S_k` cut at that later length; (b) ubc's file
+//!   pager writes a run ending inside a page as an O_DIRECT prefix and a buffered tail (two
+//!   system calls), so such a page may be old/new per direct-I/O sector (512 bytes here).
+//! * **`dir | aead`** — per 4 KiB block: the block equals that block of some `S_k` (or of an
+//!   older `S_k` cut by a later `set_len`, as above), *or*, only for a block an operation after
+//!   the last sync wrote, truncated or zero-filled, it fails authentication (`AuthError`: a
+//!   torn stored block — 4136 stored bytes straddle two host pages, which reach the file at
+//!   different times — or a block past what the store holds). The length is exactly some
+//!   `len(S_k)`. Never garbage, never an error on a block no operation touched since the last
+//!   sync. (A never-synced file shows length 0 until its first sync or `set_len`.)
+//! * **`dir | zstd`, `dir | zstd | aead`, `dir | aead | zstd`** — the file is exactly one
+//!   commit: `S_0`, or the state at a `Mapping::flush` since (at a general layer it syncs the
+//!   whole file), or the newest state if a `sync` or the close was in flight at the kill.
+//!   Every lower layer must open and read; in `dir | aead | zstd` the aead layer may show torn
+//!   blocks only in space the committed zstd index does not reference (counted), since the
+//!   top read succeeding proves the rest.
 //!
 //! In every stack: a file synced before the kill opens through the top and every lower layer,
 //! and its synced bytes are there byte for byte (the rules above with no later operation
@@ -727,22 +731,47 @@ fn one(stack: usize, seed: u64, t: &mut Tally) {
         .stderr(stderr)
         .spawn()
         .unwrap();
+    // Lines come through a thread, so that a writer that stops making progress (a
+    // deadlock) is noticed even though it prints nothing.
     let out = child.stdout.take().unwrap();
-    let mut reached = 0u64;
-    let start = Instant::now();
-    for line in BufReader::new(out).lines() {
-        let Ok(line) = line else { break };
-        if let Some(n) = line.strip_prefix("CRASHOP ") {
-            reached = n.parse().unwrap();
-            if reached == target {
-                std::thread::sleep(Duration::from_micros(delay));
-                let _ = child.kill();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
                 break;
             }
         }
-        if start.elapsed() > Duration::from_secs(300) {
-            let _ = child.kill();
-            panic!("{}: seed {seed}: child stuck at op {reached}", kind.name);
+    });
+    let mut reached = 0u64;
+    let mut last = Instant::now();
+    loop {
+        match rx.recv_timeout(Duration::from_secs(1)) {
+            Ok(line) => {
+                last = Instant::now();
+                if let Some(n) = line.strip_prefix("CRASHOP ") {
+                    reached = n.parse().unwrap();
+                    if reached == target {
+                        std::thread::sleep(Duration::from_micros(delay));
+                        let _ = child.kill();
+                        break;
+                    }
+                }
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) if last.elapsed() > HANG => {
+                let stacks = dir.join("stacks.txt");
+                dump_stacks(child.id(), &stacks);
+                let _ = child.kill();
+                let _ = child.wait();
+                let path = tmp.keep();
+                panic!(
+                    "{}: seed {seed}: the writer made no progress for {HANG:?} after op {reached} (a hang; thread stacks, if gdb is installed: {})",
+                    kind.name,
+                    path.join("stacks.txt").display()
+                );
+            }
+            Err(_) => {}
         }
     }
     let status = child.wait().unwrap();
@@ -768,6 +797,20 @@ fn one(stack: usize, seed: u64, t: &mut Tally) {
             kind.name,
             path.display()
         );
+    }
+}
+
+/// No operation of the writer takes this long unless it hangs.
+const HANG: Duration = Duration::from_secs(120);
+
+/// Every thread's stack of process `pid`, into `to` (best effort: needs gdb).
+fn dump_stacks(pid: u32, to: &Path) {
+    let out = Command::new("gdb")
+        .args(["-p", &pid.to_string(), "-batch", "-ex", "thread apply all bt 40"])
+        .stdin(Stdio::null())
+        .output();
+    if let Ok(o) = out {
+        let _ = std::fs::write(to, [o.stdout, o.stderr].concat());
     }
 }
 
@@ -810,7 +853,9 @@ fn in_child() -> bool {
 // ------------------------------------------------------------------ deterministic regressions
 
 /// A new aead file's first write-back puts a header on the store *before* its blocks, with
-/// the length from before the write (0): a crash then shows the file as it was. It used to
+/// the length from before the write (0): a crash then shows the file as it was. The header
+/// must reach the store itself first, not only the lower file's cache (a never-synced file
+/// grown, written, then truncated to 0 was left as 80 zero bytes: "not an aead file"). It used to
 /// be written after the blocks with the new length — a crash in between left blocks without
 /// a header ("not an aead file"), and the header's length was one the file never had (found
 /// by the crash runs of `dir | aead`: a never-synced file 8192 bytes long, states 0, 4350, …).
@@ -825,6 +870,14 @@ fn regression_new_aead_file_header_first_with_old_length() {
     let pager = EncryptPager::open(lower.try_clone().unwrap(), key.clone()).unwrap();
     pager.put_pages(0, &[7u8; 6000]).unwrap();
     assert_eq!(EncryptPager::logical_len(&lower, &key).unwrap(), 0, "the header keeps the old length until a sync");
+    // And it is on the store itself, not only in the lower file's cache (whose write-behind
+    // may store later pages first; a truncation cuts the store at once).
+    let on_disk = std::fs::read(tmp.path().join("f")).unwrap();
+    assert!(on_disk.starts_with(ubc_stack::encrypt::MAGIC), "no header on the store after the first write ({} bytes)", on_disk.len());
+    let lower3 = cache.create_path(tmp.path().join("h")).unwrap();
+    let pager3 = EncryptPager::open(lower3.try_clone().unwrap(), key.clone()).unwrap();
+    pager3.set_len(50000).unwrap();
+    assert!(std::fs::read(tmp.path().join("h")).unwrap().starts_with(ubc_stack::encrypt::MAGIC), "no header on the store after growth");
     // A gap (exclusive path) on another new file.
     let lower2 = cache.create_path(tmp.path().join("g")).unwrap();
     let pager2 = EncryptPager::open(lower2.try_clone().unwrap(), key.clone()).unwrap();
@@ -1021,3 +1074,42 @@ fn crash_dir_aead_zstd() {
     }
 }
 
+
+/// A closed aead file whose pages were all written back and dropped (so the cache forgets
+/// its object at once, without a sync) keeps the length its writes gave it. The header's
+/// length used to be written only by `sync`/`set_len`: the pager was dropped with the new
+/// length in memory and the next open cut the file back (crash runs of `dir | zstd | aead`,
+/// clean close, 1 MiB budget).
+#[test]
+fn regression_aead_length_survives_a_close_without_sync() {
+    use ubc_stack::encrypt::EncryptPager;
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = ubc::Cache::new(16 << 20).unwrap();
+    let key = std::sync::Arc::new(Key::generate());
+    let lower = cache.create_path(tmp.path().join("f")).unwrap();
+    let open = || {
+        let p = EncryptPager::open(lower.try_clone().unwrap(), key.clone()).unwrap();
+        cache.open(std::sync::Arc::new(p), ubc::Access::ReadWrite).unwrap()
+    };
+    let f = open();
+    f.write_at(&payload(1, 28478), 0).unwrap();
+    f.sync().unwrap();
+    f.write_at(&payload(2, 164), 29049).unwrap();
+    // Written back and dropped from the cache, no sync: the object holds no page now, so
+    // closing its last handle forgets it (and drops the pager) at once.
+    f.invalidate(0..u64::MAX, false).unwrap();
+    drop(f);
+    // The last reference to the object may go on an I/O thread a moment later.
+    let t = Instant::now();
+    while EncryptPager::logical_len(&lower, &key).unwrap() != 29213 && t.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(EncryptPager::logical_len(&lower, &key).unwrap(), 29213);
+    let f = open();
+    let mut want = payload(1, 28478);
+    want.resize(29049, 0);
+    want.extend_from_slice(&payload(2, 164));
+    let mut got = vec![0u8; f.len().unwrap() as usize];
+    f.read_exact_at(&mut got, 0).unwrap();
+    assert!(got == want);
+}

@@ -410,6 +410,27 @@ impl EncryptPager {
         Ok(())
     }
 
+    /// A new file's first header, with the current length, *on the lower store* — not only
+    /// in its cache, where the lower's write-behind could store later pages first; a crash,
+    /// or a truncation (which cuts the store at once), then left blocks or zeros without a
+    /// header: "not an aead file" (found by tests/crash.rs). Once per file. `exclusive`: the
+    /// state lock is held exclusively; else shared, and a header another thread is writing
+    /// right now is left to it. => state lock held.
+    fn first_header(&self, st: &State, exclusive: bool) -> io::Result<()> {
+        if st.header_on_store.load(SeqCst) {
+            return Ok(());
+        }
+        if exclusive {
+            self.write_header(st)?;
+        } else {
+            self.flush_header(st, false)?;
+            if !st.header_on_store.load(SeqCst) {
+                return Ok(());
+            }
+        }
+        self.lower.clean(0..HEADER_LEN).map_err(ubc_io)
+    }
+
     /// Seal `plain` (cleartext from block `first` on; the last block is padded with zeros
     /// to a full block) and write it to the store. => lock held (shared suffices if the
     /// blocks lie inside the length).
@@ -549,9 +570,7 @@ impl Pager for EncryptPager {
                 // showing its last length (found by tests/crash.rs: written after the
                 // blocks, a crash could leave blocks without any header — "not an aead
                 // file" — or a header with a length the file never had).
-                if !st.header_on_store.load(SeqCst) {
-                    self.flush_header(&st, false)?;
-                }
+                self.first_header(&st, false)?;
                 self.write_blocks(&st.file_id, first, data)?;
                 // A failed put leaves the length alone (the cache retries it).
                 st.len.fetch_max(end, SeqCst);
@@ -562,9 +581,7 @@ impl Pager for EncryptPager {
         // (a hole must not read as unauthenticated zeros), exclusively so that no other put
         // into the gap can be overwritten by the zeros and no reader sees a gap half-filled.
         let st = self.state.write();
-        if !st.header_on_store.load(SeqCst) {
-            self.write_header(&st)?; // first, as above
-        }
+        self.first_header(&st, true)?; // first, as above
         self.write_zero_blocks(&st.file_id, blocks(st.len.load(SeqCst)), first)?;
         self.write_blocks(&st.file_id, first, data)?;
         st.len.fetch_max(end, SeqCst);
@@ -589,9 +606,7 @@ impl Pager for EncryptPager {
         if len > old {
             // A new file's header (with the old length) goes first, as in `put_pages`: zero
             // blocks without a header on the store would make it "not an aead file".
-            if !st.header_on_store.load(SeqCst) {
-                self.write_header(&st)?;
-            }
+            self.first_header(&st, true)?;
             // Blocks past `old` are new: the last old block's tail is already zero.
             self.write_zero_blocks(&id, blocks(old), blocks(len))?;
             st.len.store(len, SeqCst);
@@ -643,6 +658,19 @@ impl Pager for EncryptPager {
 
     fn io_mode(&self) -> IoMode {
         self.lower.stats().io_mode
+    }
+}
+
+/// Write a stale header on drop: the cache may drop a closed file's object (and this pager)
+/// without a `sync` — at once when none of its pages is resident any more. Writes that
+/// extended the file move the length in memory only, so without this the next open read
+/// the old length from the header and the data past it was gone, crash or not (found by
+/// tests/crash.rs: `dir | zstd | aead` lost a file's last extending write at a clean close).
+/// Dropping then behaves like closing a file, as with the zstd layer's commit on drop; no
+/// fsync (durability is `sync`'s job). Best effort: errors have nobody to go to.
+impl Drop for EncryptPager {
+    fn drop(&mut self) {
+        let _ = self.flush_metadata();
     }
 }
 
