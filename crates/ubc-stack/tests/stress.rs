@@ -126,7 +126,8 @@ fn many_threads_many_files_two_stacks_one_small_cache() {
                 let now = start.elapsed().as_millis() as u64;
                 for (t, s) in busy.since.iter().enumerate() {
                     let s = s.load(SeqCst);
-                    if s != 0 && now - s > STALL.as_millis() as u64 {
+                    // Saturating: an operation may have started after `now` was taken.
+                    if s != 0 && now.saturating_sub(s) > STALL.as_millis() as u64 {
                         eprintln!("WATCHDOG: thread {t} stuck {} ms in {}", now - s, busy.what[t].lock());
                         eprintln!("seed {seed}");
                         dump_threads();

@@ -1042,8 +1042,7 @@ impl Object {
         // traps and waits for us), then look for stores made before; a page found written
         // stays, dirty. The scan lock keeps another scan from taking those stores meanwhile.
         let _scan = (self.nmaps.load(SeqCst) > 0).then(|| self.scan_lock.lock());
-        let kept_back;
-        let pages = if _scan.is_some() {
+        if _scan.is_some() {
             let mut found = Vec::new();
             if let Some(svc) = self.core.maps.get() {
                 for m in self.maps.read().iter().filter(|m| m.tracked) {
@@ -1055,9 +1054,17 @@ impl Object {
             }
             crate::map::dedup_pages(&mut found);
             self.mark_found_dirty(&found);
-            let (keep, go): (Vec<u64>, Vec<u64>) =
-                pages.iter().partition(|&&p| self.page_state(p).is_some_and(|st| st.load() & DIRTY != 0));
-            if !keep.is_empty() {
+        }
+        // A page dirtied while we held it stays, dirty: by a store found just above, or by
+        // the last scan of a mapping dropped since the policy took the page — that scan
+        // (`Mapping`'s drop) marks it dirty, then the mapping is gone and `nmaps` may read 0
+        // above (the stress test lost such stores: the page was punched dirty and refilled
+        // from the pager). Checked whatever `nmaps` said.
+        let is_dirty = |p: &u64| self.page_state(*p).is_some_and(|st| st.load() & DIRTY != 0);
+        let kept_back;
+        let pages = if pages.iter().any(is_dirty) {
+            let (keep, go): (Vec<u64>, Vec<u64>) = pages.iter().partition(|p| is_dirty(p));
+            {
                 let mut pol = self.core.policy.lock();
                 for &p in &keep {
                     pol.insert(self.key(p), Admission::Demand);
