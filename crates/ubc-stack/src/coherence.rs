@@ -213,9 +213,14 @@ impl Actions for ubc::File {
 
 /// One domain of a file: a cache object and how to reach the domain below it.
 pub(crate) struct Domain<F = ubc::File> {
-    pub(crate) file: F,
-    /// `None` for domain 0 (the stored bytes).
+    /// `None` for domain 0 (the stored bytes). Declared before `file` so that it is dropped
+    /// first: it holds the layer's pager too, and a pager's drop may still write (an aead
+    /// header, a zstd commit) — which must happen while the file handle keeps the cache
+    /// running. Dropped after it, the pager outlived the cache's last handle and its shutdown
+    /// (final write-back), and the write was lost: a closed aead file lost its extended
+    /// length (found by tests/crash.rs).
     pub(crate) xlate: Option<Arc<dyn Translate>>,
+    pub(crate) file: F,
     tokens: RwLock<Tokens>,
 }
 
