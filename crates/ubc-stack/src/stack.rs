@@ -301,6 +301,15 @@ impl Below for BelowImpl<'_> {
     }
 }
 
+/// Refuse the root of a layer (`""` after [`norm`]): removing or renaming it would act on
+/// the host directory a `dir` or `union` layer is rooted at.
+fn not_root(p: String, what: &str) -> Result<String> {
+    if p.is_empty() {
+        return Err(Error::Invalid(format!("cannot {what} the root of a layer")));
+    }
+    Ok(p)
+}
+
 /// One layer of a stack: namespace operations and opens at that layer.
 #[derive(Clone)]
 pub struct LayerRef {
@@ -378,7 +387,7 @@ impl LayerRef {
     /// Remove a file. Cached lookups of it in every layer go at once, and its cached data
     /// (in every domain) is dropped: a new file that reuses the inode starts clean.
     pub fn remove(&self, path: &str) -> Result<()> {
-        let p = norm(path)?;
+        let p = not_root(norm(path)?, "remove")?;
         let doomed = self.inner().group_of(self.level, &p);
         self.layer().remove(&p)?;
         self.inner().invalidate_names(&p);
@@ -409,7 +418,7 @@ impl LayerRef {
     }
 
     pub fn rmdir(&self, path: &str) -> Result<()> {
-        let p = norm(path)?;
+        let p = not_root(norm(path)?, "remove")?;
         self.layer().rmdir(&p)?;
         self.inner().invalidate_names(&p);
         Ok(())
@@ -418,7 +427,7 @@ impl LayerRef {
     /// Rename `from` to `to` (replacing a file at `to`). Lookups of both names, and of
     /// everything under them, are invalidated in every layer.
     pub fn rename(&self, from: &str, to: &str) -> Result<()> {
-        let (f, t) = (norm(from)?, norm(to)?);
+        let (f, t) = (not_root(norm(from)?, "rename")?, not_root(norm(to)?, "replace")?);
         if self.layer().spec().starts_with("union:") {
             if let Ok(a) = self.layer().getattr(&f) {
                 if a.kind == Kind::File {

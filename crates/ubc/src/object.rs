@@ -723,6 +723,13 @@ impl Object {
             // waits for it, and fills that start later read the truncated store.
             return if new % (1 << ps) != 0 { self.zero_tail(new) } else { Ok(()) };
         } else {
+            // Growing: the pager first, so that a refusal (a layer's own limit, an I/O
+            // error) leaves the file as it was instead of longer than its store can be.
+            if new > old {
+                let pager = self.pager();
+                let _in = crate::writeback::InPager::enter();
+                pager.set_len(new).map_err(|e| self.io_err(PagerOp::SetLen, new, e))?;
+            }
             self.len.store(new, SeqCst);
             if new > old && self.nmaps.load(SeqCst) > 0 {
                 // Touches past the old end were answered with SIGBUS markers: clear them.
@@ -732,11 +739,6 @@ impl Object {
                     }
                 }
             }
-        }
-        if new != old {
-            let pager = self.pager();
-            let _in = crate::writeback::InPager::enter();
-            pager.set_len(new).map_err(|e| self.io_err(PagerOp::SetLen, new, e))?;
         }
         Ok(())
     }

@@ -106,6 +106,29 @@ fn offsets_past_2_63_and_overflowing_ends() {
     });
 }
 
+/// A growth the pager refuses (a layer's own limit, an I/O error) leaves the length as it
+/// was. (It used to be published first: the file then claimed a length its store never
+/// took, and every later sync failed trying to reconcile it.)
+#[test]
+fn a_refused_growth_leaves_the_length() {
+    guarded("refused growth", 60, || {
+        let cache = small_cache(4 << 20);
+        let (f, fault, mem) = faulty_file(&cache);
+        f.write_at(b"abc", 0).unwrap();
+        f.sync().unwrap();
+        fault.fail_set_len(Some(libc::EINVAL));
+        assert!(matches!(f.set_len(1 << 40), Err(Error::Io { op: ubc::PagerOp::SetLen, .. })));
+        assert_eq!(f.len().unwrap(), 3);
+        f.sync().unwrap();
+        assert_eq!(mem.len().unwrap(), 3);
+        fault.heal();
+        f.set_len(10).unwrap();
+        assert_eq!(f.len().unwrap(), 10);
+        f.sync().unwrap();
+        assert_eq!(mem.len().unwrap(), 10);
+    });
+}
+
 #[test]
 fn clean_and_invalidate_take_any_range() {
     guarded("clean/invalidate", 60, || {

@@ -219,9 +219,10 @@ fn header_aad(fields: &[u8]) -> [u8; 16 + HEADER_FIELDS] {
     a
 }
 
-/// Where block `index` is stored.
+/// Where block `index` is stored. Saturating: range translations (locks, maps, coherence)
+/// may ask about indexes up to `u64::MAX / BLOCK`, whose slots lie past any file.
 fn slot(index: u64) -> u64 {
-    HEADER_LEN + index * STORED_BLOCK
+    index.saturating_mul(STORED_BLOCK).saturating_add(HEADER_LEN)
 }
 
 /// Number of blocks holding `len` cleartext bytes.

@@ -137,15 +137,25 @@ pub trait Layer: Send + Sync {
     }
 }
 
-/// Check and normalize a stack path: no `..`, no empty or `.` components; returns it
-/// without leading/trailing slashes ("" is the root).
+/// Longest stack path in bytes (Linux `PATH_MAX` less its NUL) and longest name (`NAME_MAX`).
+pub const PATH_MAX: usize = 4095;
+pub const NAME_MAX: usize = 255;
+
+/// Check and normalize a stack path: no `..`, no NUL, no empty or `.` components, names of
+/// at most [`NAME_MAX`] bytes and paths of at most [`PATH_MAX`] (the host's limits for
+/// every layer, so that no layer walks a path of unbounded depth); returns it without
+/// leading/trailing slashes ("" is the root).
 pub fn norm(path: &str) -> Result<String> {
+    if path.len() > PATH_MAX {
+        return Err(Error::Invalid(format!("path of {} bytes: longer than {PATH_MAX}", path.len())));
+    }
     let mut out = Vec::new();
     for c in path.split('/') {
         match c {
             "" | "." => continue,
             ".." => return Err(Error::Invalid(format!("{path}: `..` is not allowed in stack paths"))),
             c if c.contains('\0') => return Err(Error::Invalid(format!("{path:?}: NUL in path"))),
+            c if c.len() > NAME_MAX => return Err(Error::Invalid(format!("{path}: a name longer than {NAME_MAX} bytes"))),
             c => out.push(c),
         }
     }
