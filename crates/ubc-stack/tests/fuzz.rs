@@ -697,7 +697,7 @@ fn bottom() -> impl Strategy<Value = Bottom> {
 }
 
 proptest! {
-    #![proptest_config(config(24))]
+    #![proptest_config(config(40))]
 
     /// Damage valid compressed files in every way; never a panic or a hang, and exactly
     /// the outcome the format promises.
@@ -977,7 +977,7 @@ fn aead_check(keys: &Keys, img: &AImage, m: &AMut, bottom: Bottom) -> Result<(),
 }
 
 proptest! {
-    #![proptest_config(config(32))]
+    #![proptest_config(config(48))]
 
     /// Damage valid encrypted files; every changed block fails authentication with its
     /// index, every other block reads, nothing panics or hangs.
@@ -1147,7 +1147,7 @@ fn try_spec(spec: String) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(config(300))]
+    #![proptest_config(config(400))]
 
     #[test]
     fn spec_arbitrary_strings(s in any::<String>()) {
