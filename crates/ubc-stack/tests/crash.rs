@@ -486,6 +486,8 @@ fn replay(recs: &[Rec]) -> Result<BTreeMap<String, Hist>, String> {
 struct Tally {
     iterations: u64,
     killed: u64,
+    /// Of those, killed while closing its files and stack.
+    killed_in_close: u64,
     completed: u64,
     files: u64,
     ops_sum: u64,
@@ -793,6 +795,7 @@ fn one(stack: usize, seed: u64, t: &mut Tally) {
     t.iterations += 1;
     if killed {
         t.killed += 1;
+        t.killed_in_close += kill_in_close as u64;
     } else {
         t.completed += 1;
     }
@@ -832,11 +835,12 @@ fn run(name: &str) {
         one(stack, base.wrapping_add(i.wrapping_mul(1000)).wrapping_add(stack as u64), &mut t);
     }
     let line = format!(
-        "crash {name}: {} iterations (base seed {base}), {} killed, {} completed; {} files checked; ops before kill avg {:.0} (min {}, max {}); \
+        "crash {name}: {} iterations (base seed {base}), {} killed ({} while closing), {} completed; {} files checked; ops before kill avg {:.0} (min {}, max {}); \
          outcomes: {} = synced state, {} = newest (sync or close in flight), {} other valid (an msync's commit; per page/block old or new), {} unsynced files absent, {} pages cut by a later truncation, {} pages torn per sector, {} torn blocks (auth errors, unsynced), \
          {} lower aead blocks torn (unreferenced); {} torn journal tails\n",
         t.iterations,
         t.killed,
+        t.killed_in_close,
         t.completed,
         t.files,
         t.ops_sum as f64 / t.iterations.max(1) as f64,
