@@ -510,6 +510,8 @@ struct Tally {
     auth_blocks: u64,
     /// Blocks failing authentication in a lower aead layer (unreferenced by zstd).
     lower_auth_blocks: u64,
+    /// Writers that stopped making progress (killed and checked; the run fails).
+    hangs: Vec<String>,
 }
 
 fn is_auth(e: &ubc_stack::Error) -> bool {
@@ -751,6 +753,7 @@ fn one(stack: usize, seed: u64, t: &mut Tally) {
     });
     let mut reached = 0u64;
     let mut last = Instant::now();
+    let mut hung = false;
     loop {
         match rx.recv_timeout(Duration::from_secs(1)) {
             Ok(line) => {
@@ -771,22 +774,24 @@ fn one(stack: usize, seed: u64, t: &mut Tally) {
             }
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) if last.elapsed() > HANG => {
-                let stacks = dir.join("stacks.txt");
-                dump_stacks(child.id(), &stacks);
+                // A hang: its thread stacks are kept, the writer is killed (a crash like
+                // any other: the files are checked), and the stack's run fails at the end.
+                dump_stacks(child.id(), &dir.join("stacks.txt"));
                 let _ = child.kill();
-                let _ = child.wait();
-                let path = tmp.keep();
-                panic!(
-                    "{}: seed {seed}: the writer made no progress for {HANG:?} after op {reached} (a hang; thread stacks, if gdb is installed: {})",
-                    kind.name,
-                    path.join("stacks.txt").display()
-                );
+                hung = true;
+                break;
             }
             Err(_) => {}
         }
     }
     let status = child.wait().unwrap();
     let killed = status.signal() == Some(libc::SIGKILL);
+    if hung {
+        t.hangs.push(format!(
+            "seed {seed}: no progress for {HANG:?} after op {reached} (budget {budget}); thread stacks, if gdb is installed: {}",
+            dir.join("stacks.txt").display()
+        ));
+    }
     if !killed && !status.success() {
         let err = std::fs::read_to_string(dir.join("stderr")).unwrap_or_default();
         let path = tmp.keep();
@@ -802,11 +807,13 @@ fn one(stack: usize, seed: u64, t: &mut Tally) {
     t.ops_sum += reached;
     t.ops_min = if t.iterations == 1 { reached } else { t.ops_min.min(reached) };
     t.ops_max = t.ops_max.max(reached);
-    if let Err(e) = check(kind, &dir, t) {
-        let path = tmp.keep();
+    let r = check(kind, &dir, t);
+    let path = if hung || r.is_err() { tmp.keep() } else { dir };
+    if let Err(e) = r {
         panic!(
-            "{}: seed {seed} (UBC_CRASH_SEED={seed} UBC_CRASH_ITERATIONS=1 reproduces the writer's choices), killed at op {reached}, budget {budget}: {e}\nkept {}",
+            "{}: seed {seed} (UBC_CRASH_SEED={} UBC_CRASH_ITERATIONS=1 reproduces the writer's choices), killed at op {reached}, budget {budget}: {e}\nkept {}",
             kind.name,
+            seed.wrapping_sub(stack as u64),
             path.display()
         );
     }
@@ -837,7 +844,7 @@ fn run(name: &str) {
     let line = format!(
         "crash {name}: {} iterations (base seed {base}), {} killed ({} while closing), {} completed; {} files checked; ops before kill avg {:.0} (min {}, max {}); \
          outcomes: {} = synced state, {} = newest (sync or close in flight), {} other valid (an msync's commit; per page/block old or new), {} unsynced files absent, {} pages cut by a later truncation, {} pages torn per sector, {} torn blocks (auth errors, unsynced), \
-         {} lower aead blocks torn (unreferenced); {} torn journal tails\n",
+         {} lower aead blocks torn (unreferenced); {} torn journal tails; {} hangs\n",
         t.iterations,
         t.killed,
         t.killed_in_close,
@@ -854,9 +861,11 @@ fn run(name: &str) {
         t.sector_torn,
         t.auth_blocks,
         t.lower_auth_blocks,
-        t.torn_journal
+        t.torn_journal,
+        t.hangs.len()
     );
     let _ = std::io::stderr().write_all(line.as_bytes());
+    assert!(t.hangs.is_empty(), "{name}: {} writer(s) hung (deadlock):\n{}", t.hangs.len(), t.hangs.join("\n"));
 }
 
 fn in_child() -> bool {
