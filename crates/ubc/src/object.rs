@@ -189,6 +189,18 @@ impl Object {
         Error::Io { op, offset, object: self.name.clone(), source }
     }
 
+    /// Call the pager (every call after the object is made goes through here). The call
+    /// runs marked `InPager`: a layer's pager writes its lower file of the same cache, maybe
+    /// holding a lock that writeback of its own object needs, so it must not wait at the
+    /// dirty limit for that writeback (Linux's PF_LOCAL_THROTTLE; without it the stress
+    /// test hung in an aead `set_len`). A failure comes back with `op`, `offset` and the
+    /// object; `f` sees the raw error first (to record it, see `errseq.rs`).
+    fn call_pager<T>(&self, op: PagerOp, offset: u64, f: impl FnOnce(&dyn Pager) -> std::io::Result<T>) -> Result<T> {
+        let pager = self.pager();
+        let _in = crate::writeback::InPager::enter();
+        f(&*pager).map_err(|e| self.io_err(op, offset, e))
+    }
+
     #[inline]
     fn ps(&self) -> u32 {
         self.core.page_shift
@@ -283,11 +295,7 @@ impl Object {
         };
         let sh = self.counters.mine();
         bump(&sh.get_calls, 1);
-        let r = {
-            let _in = crate::writeback::InPager::enter();
-            self.pager().get_pages(offset, buf)
-        };
-        match r {
+        match self.call_pager(PagerOp::GetPages, offset, |p| p.get_pages(offset, buf)) {
             Ok(Fill::Data) => {
                 bump(&sh.read_bytes, bytes as u64);
                 Ok(())
@@ -296,7 +304,7 @@ impl Object {
             Err(e) => {
                 // The pager may have written part of the buffer: free whatever it allocated.
                 let _ = memfd.punch(offset, bytes as u64);
-                Err(self.io_err(PagerOp::GetPages, offset, e))
+                Err(e)
             }
         }
     }
@@ -709,14 +717,7 @@ impl Object {
             let dropped = self.drop_pages(new.div_ceil(1 << ps), u64::MAX);
             // The store is truncated whatever happened above: its bytes past the new end
             // must not come back when the file grows again.
-            let pager = self.pager();
-            {
-                // A pager call like get/put: a layer's set_len writes its lower file, and
-                // must not wait at the dirty limit for writeback of its own object (whose
-                // lock it may hold: a self-deadlock the stress test found).
-                let _in = crate::writeback::InPager::enter();
-                pager.set_len(new).map_err(|e| self.io_err(PagerOp::SetLen, new, e))?;
-            }
+            self.call_pager(PagerOp::SetLen, new, |p| p.set_len(new))?;
             dropped?;
             // Zero the cached last page's tail only now: a fill of that page in flight
             // (read-ahead) may have read the store before it was truncated; `zero_tail`
@@ -726,9 +727,7 @@ impl Object {
             // Growing: the pager first, so that a refusal (a layer's own limit, an I/O
             // error) leaves the file as it was instead of longer than its store can be.
             if new > old {
-                let pager = self.pager();
-                let _in = crate::writeback::InPager::enter();
-                pager.set_len(new).map_err(|e| self.io_err(PagerOp::SetLen, new, e))?;
+                self.call_pager(PagerOp::SetLen, new, |p| p.set_len(new))?;
             }
             self.len.store(new, SeqCst);
             if new > old && self.nmaps.load(SeqCst) > 0 {
@@ -876,7 +875,7 @@ impl Object {
         self.drop_pages(from >> ps, to.div_ceil(1 << ps).max(from >> ps))?;
         if reload_len {
             let old = self.len();
-            let new = self.pager().len().map_err(|e| self.io_err(PagerOp::Len, 0, e))?;
+            let new = self.call_pager(PagerOp::Len, 0, |p| p.len())?;
             if new != old {
                 self.len.store(new, SeqCst);
                 if new < old {
@@ -972,10 +971,8 @@ impl Object {
                     std::slice::from_raw_parts(win.add((offset - self.chunk_offset(chunk)) as usize), bytes)
                 };
                 bump(&sh.put_calls, 1);
-                let _in = crate::writeback::InPager::enter();
-                self.pager().put_pages(offset, data).map_err(|e| {
-                    self.wb_errors.retained(PagerOp::PutPages, &e);
-                    self.io_err(PagerOp::PutPages, offset, e)
+                self.call_pager(PagerOp::PutPages, offset, |p| {
+                    p.put_pages(offset, data).inspect_err(|e| self.wb_errors.retained(PagerOp::PutPages, e))
                 })
             })
         };
@@ -1012,20 +1009,14 @@ impl Object {
     /// The stored length matches ours, then the pager's own sync (the durable half of
     /// `sync`). => dirty pages were written back.
     pub(crate) fn sync_pager(&self) -> Result<()> {
-        let pager = self.pager();
-        // Pager calls (a layer writes its metadata into its lower file here): exempt from
-        // dirty throttling, as in get/put.
-        let _in = crate::writeback::InPager::enter();
         let len = self.len();
-        let stored = pager.len().map_err(|e| self.io_err(PagerOp::Len, 0, e))?;
-        if stored != len && pager.is_writable() {
+        let stored = self.call_pager(PagerOp::Len, 0, |p| p.len())?;
+        if stored != len && self.pager().is_writable() {
             let _size = self.size_lock.read();
-            pager.set_len(self.len()).map_err(|e| self.io_err(PagerOp::SetLen, len, e))?;
+            let len = self.len();
+            self.call_pager(PagerOp::SetLen, len, |p| p.set_len(len))?;
         }
-        pager.sync().map_err(|e| {
-            self.wb_errors.lost(PagerOp::Sync, &e);
-            self.io_err(PagerOp::Sync, 0, e)
-        })
+        self.call_pager(PagerOp::Sync, 0, |p| p.sync().inspect_err(|e| self.wb_errors.lost(PagerOp::Sync, e)))
     }
 
     // ---------------------------------------------------------------- eviction
