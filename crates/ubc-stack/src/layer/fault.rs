@@ -42,6 +42,14 @@ impl Fault {
         Ok(Fault { kind: Kind::Dir(Dir::new(root)?), faults })
     }
 
+    /// The layer whose namespace this one shows.
+    fn names(&self) -> &dyn Layer {
+        match &self.kind {
+            Kind::Over(l) => &**l,
+            Kind::Dir(d) => d,
+        }
+    }
+
     /// The switchboard.
     pub fn faults(&self) -> &Arc<Faults> {
         &self.faults
@@ -65,54 +73,30 @@ impl Layer for Fault {
         matches!(self.kind, Kind::Over(_))
     }
 
-    // A bottom layer answers the namespace itself; `Over` forwards (the trait defaults).
+    // Names are the wrapped layer's: a `Dir` answers them itself, `Over` forwards.
     fn getattr(&self, path: &str) -> Result<super::Attr> {
-        match &self.kind {
-            Kind::Dir(d) => d.getattr(path),
-            Kind::Over(l) => l.getattr(path),
-        }
+        self.names().getattr(path)
     }
     fn setattr(&self, path: &str, set: &super::SetAttr) -> Result<()> {
-        match &self.kind {
-            Kind::Dir(d) => d.setattr(path, set),
-            Kind::Over(l) => l.setattr(path, set),
-        }
+        self.names().setattr(path, set)
     }
     fn readdir(&self, path: &str) -> Result<Vec<super::DirEntry>> {
-        match &self.kind {
-            Kind::Dir(d) => d.readdir(path),
-            Kind::Over(l) => l.readdir(path),
-        }
+        self.names().readdir(path)
     }
     fn create(&self, path: &str, mode: u32) -> Result<()> {
-        match &self.kind {
-            Kind::Dir(d) => d.create(path, mode),
-            Kind::Over(l) => l.create(path, mode),
-        }
+        self.names().create(path, mode)
     }
     fn mkdir(&self, path: &str, mode: u32) -> Result<()> {
-        match &self.kind {
-            Kind::Dir(d) => d.mkdir(path, mode),
-            Kind::Over(l) => l.mkdir(path, mode),
-        }
+        self.names().mkdir(path, mode)
     }
     fn remove(&self, path: &str) -> Result<()> {
-        match &self.kind {
-            Kind::Dir(d) => d.remove(path),
-            Kind::Over(l) => l.remove(path),
-        }
+        self.names().remove(path)
     }
     fn rmdir(&self, path: &str) -> Result<()> {
-        match &self.kind {
-            Kind::Dir(d) => d.rmdir(path),
-            Kind::Over(l) => l.rmdir(path),
-        }
+        self.names().rmdir(path)
     }
     fn rename(&self, from: &str, to: &str) -> Result<()> {
-        match &self.kind {
-            Kind::Dir(d) => d.rename(from, to),
-            Kind::Over(l) => l.rename(from, to),
-        }
+        self.names().rename(from, to)
     }
 
     fn open(&self, path: &str, writable: bool, below: &dyn Below) -> Result<Opened> {
