@@ -99,6 +99,9 @@ impl WbErrors {
     pub(crate) fn take_retained(&self, c: &Cursor, object: &str) -> Option<Error> {
         let s = self.state.lock();
         let seen = c.retained.swap(s.retained_seq, SeqCst);
-        (s.retained_seq > seen).then(|| s.last_retained.as_ref().map(|r| r.to_error(object, false))).flatten()
+        if s.retained_seq > seen {
+            return s.last_retained.as_ref().map(|r| r.to_error(object, false));
+        }
+        None
     }
 }
