@@ -11,6 +11,9 @@
 //! back a mapping's pages right after unmapping it). A mismatch prints the file's last
 //! operations.
 
+mod common;
+
+use common::dump_threads;
 use parking_lot::Mutex;
 use rand::{RngExt, SeedableRng};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
@@ -330,34 +333,4 @@ fn many_threads_many_files_two_stacks_one_small_cache() {
     }
     assert!(max_alloc <= limit, "allocated {max_alloc} > budget + 5% ({limit})");
     assert!(max_res <= BUDGET, "resident {max_res} > budget {BUDGET}");
-}
-
-/// Print every thread's stack before the watchdog aborts: a hang is only useful with the
-/// stacks that show it. Each thread is signalled and prints its own backtrace from the
-/// handler (not async-signal-safe — acceptable on the way to `abort`). gdb cannot be used:
-/// reading a process's memory can fault on a userfaultfd-registered page whose handler
-/// thread gdb has stopped.
-fn dump_threads() {
-    extern "C" fn on_signal(_: libc::c_int) {
-        let bt = std::backtrace::Backtrace::force_capture();
-        let tid = unsafe { libc::syscall(libc::SYS_gettid) };
-        let text = format!("---- thread {tid} ----\n{bt}\n");
-        // One write per thread, so the dumps do not interleave.
-        unsafe { libc::write(2, text.as_ptr().cast(), text.len()) };
-    }
-    unsafe {
-        let mut sa: libc::sigaction = std::mem::zeroed();
-        sa.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
-        sa.sa_flags = libc::SA_RESTART;
-        libc::sigaction(libc::SIGUSR2, &sa, std::ptr::null_mut());
-    }
-    let me = unsafe { libc::syscall(libc::SYS_gettid) };
-    for e in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
-        let tid: i64 = e.file_name().to_string_lossy().parse().unwrap_or(0);
-        if tid != 0 && tid != me {
-            unsafe { libc::syscall(libc::SYS_tgkill, libc::getpid(), tid, libc::SIGUSR2) };
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    }
-    std::thread::sleep(Duration::from_secs(2));
 }

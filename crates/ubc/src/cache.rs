@@ -259,6 +259,9 @@ impl CacheBuilder {
             max_fill_pages: pages(self.max_fill).min(1 << chunk_shift).min((budget_pages / 4).max(1)),
             max_put_pages: pages(self.max_put).min(1 << chunk_shift),
             low_free: low.min(budget_pages / 2),
+            // 1/16 of the budget, at most 16 MiB of 4 KiB pages; none for toy budgets
+            // (tests of a few pages), where it would be most of the cache.
+            reserve_pages: if budget_pages < 64 { 0 } else { (budget_pages / 16).min(4096) },
             high_free: high.max(low).min(budget_pages / 2),
             reserve_timeout: self.reserve_timeout,
             resident: AtomicU64::new(0),
@@ -351,6 +354,8 @@ pub(crate) struct CacheCore {
     pub(crate) max_put_pages: u64,
     low_free: u64,
     high_free: u64,
+    /// Pages only pager scopes may use (see `limit`).
+    reserve_pages: u64,
     reserve_timeout: Duration,
     /// Pages valid or reserved, over all objects.
     pub(crate) resident: AtomicU64,
@@ -381,16 +386,17 @@ impl CacheCore {
     /// Fails with `BudgetExceeded` only if nothing can be freed for `reserve_timeout`
     /// (every page pinned), or with the writeback error that kept dirty pages from leaving.
     pub(crate) fn reserve(&self, n: u64) -> Result<()> {
-        if n > self.budget_pages {
+        let limit = self.limit();
+        if n > limit {
             return Err(self.budget_exceeded(n));
         }
         let mut deadline: Option<Instant> = None;
         let mut spins = 0u32;
         loop {
             let cur = self.resident.load(SeqCst);
-            if cur + n <= self.budget_pages {
+            if cur + n <= limit {
                 if self.resident.compare_exchange_weak(cur, cur + n, SeqCst, SeqCst).is_ok() {
-                    if self.budget_pages - (cur + n) < self.low_free {
+                    if self.free_after(cur + n) < self.low_free {
                         self.kick_daemon();
                     }
                     return Ok(());
@@ -398,7 +404,7 @@ impl CacheCore {
                 continue;
             }
             self.kick_daemon();
-            let want = (cur + n - self.budget_pages).max(RECLAIM_BATCH.min(self.budget_pages / 8).max(1));
+            let want = (cur + n - limit).max(RECLAIM_BATCH.min(self.budget_pages / 8).max(1));
             match self.reclaim(want) {
                 Ok(freed) if freed > 0 => {
                     deadline = None;
@@ -424,22 +430,42 @@ impl CacheCore {
     /// Reserve budget for `n` pages without waiting: one round of reclaim at most. For
     /// optional work (read-ahead), which should give up rather than wait for pinned pages.
     pub(crate) fn try_reserve(&self, n: u64) -> Result<()> {
+        let limit = self.limit();
         for attempt in 0..2 {
             let cur = self.resident.load(SeqCst);
-            if cur + n <= self.budget_pages {
+            if cur + n <= limit {
                 if self.resident.compare_exchange(cur, cur + n, SeqCst, SeqCst).is_ok() {
-                    if self.budget_pages - (cur + n) < self.low_free {
+                    if self.free_after(cur + n) < self.low_free {
                         self.kick_daemon();
                     }
                     return Ok(());
                 }
                 continue;
             }
-            if attempt == 0 {
-                self.reclaim(cur + n - self.budget_pages)?;
+            if attempt == 0 && cur + n > limit {
+                self.reclaim(cur + n - limit)?;
             }
         }
         Err(self.budget_exceeded(n))
+    }
+
+    /// Pages this thread may have resident: the budget inside a pager scope, the budget less
+    /// the reserve elsewhere. The reserve is for writeback (Linux's `PF_MEMALLOC` reserves
+    /// below the min watermark): a layer's pager cleaning upper pages writes lower ones, and
+    /// with the cache full of dirty upper pages it would otherwise compete for each freed
+    /// page with every thread that is dirtying more.
+    fn limit(&self) -> u64 {
+        if crate::writeback::PagerScope::active() {
+            self.budget_pages
+        } else {
+            self.budget_pages - self.reserve_pages
+        }
+    }
+
+    /// Pages free for ordinary use (the reserve excluded) when `resident` are resident: what
+    /// the page daemon keeps between its watermarks.
+    fn free_after(&self, resident: u64) -> u64 {
+        (self.budget_pages - self.reserve_pages).saturating_sub(resident)
     }
 
     fn budget_exceeded(&self, n: u64) -> Error {
@@ -510,7 +536,7 @@ impl CacheCore {
                 st.kick = false;
                 self.daemon.kicked.store(false, Relaxed);
             }
-            let free = self.budget_pages.saturating_sub(self.resident.load(SeqCst));
+            let free = self.free_after(self.resident.load(SeqCst));
             if free < self.low_free {
                 self.daemon_runs.fetch_add(1, Relaxed);
                 if let Ok(n) = self.reclaim(self.high_free - free) {
@@ -575,6 +601,12 @@ impl CacheCore {
     /// only clean, unheld pages are evicted, and the object is forgotten only if it is still
     /// closed and empty. An object whose writeback fails keeps its dirty pages and stays.
     fn deactivate(&self, obj: &Arc<Object>) {
+        // Inside a pager call this writeback could need the locks the caller holds (see
+        // `PagerScope`): leave it to the next close or reclaim outside one.
+        if obj.dirty_pages() > 0 && !crate::writeback::PagerScope::may_write_back(obj.depth()) {
+            self.registry.write().closed.push_back(obj.id);
+            return;
+        }
         if obj.writeback(0, u64::MAX, true, true).is_err() {
             self.registry.write().closed.push_back(obj.id);
             return;
@@ -722,6 +754,10 @@ impl Prober<'_> {
         let max = self.core.max_put_pages;
         for group in dirty.chunk_by(|a, b| a.object == b.object) {
             let Some(obj) = self.object(group[0].object) else { continue };
+            // Inside a pager call, only files below it (see `PagerScope`).
+            if !crate::writeback::PagerScope::may_write_back(obj.depth()) {
+                continue;
+            }
             let mut done_to = 0;
             for k in group {
                 if k.index < done_to {

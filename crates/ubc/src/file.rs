@@ -228,6 +228,12 @@ impl File {
         self.obj.pager().identity()
     }
 
+    /// How many pagers of this cache lie below this file's: what a layer over this file
+    /// reports, plus one, as its [`Pager::depth`](crate::Pager::depth).
+    pub fn depth(&self) -> u32 {
+        self.obj.depth()
+    }
+
     /// Whether this handle may modify the file.
     pub fn is_writable(&self) -> bool {
         self.writable

@@ -10,7 +10,12 @@
 //! The pool grows when it would otherwise deadlock: when every thread is *blocked* (waiting
 //! for a page, see [`blocking`]) and jobs are queued, an extra thread is started (up to
 //! [`MAX_EXTRA`]); extra threads leave after [`EXTRA_IDLE`] without work. Busy threads do not
-//! count — a burst of writeback just queues. Layers need this: a layer's pager (compression, encryption) reads its lower file through
+//! count — a burst of writeback just queues. Not every wait can be marked: a layer's pager
+//! may wait for its own lock, held by a thread that waits for a page whose writeback is a
+//! job queued behind it (found by tests/stress.rs: every I/O thread in an aead `put_pages`
+//! waiting for the state lock). So a monitor also watches for *starvation*, as .NET's
+//! thread pool does: jobs queued, no thread idle, and no job started for [`STARVED_AFTER`]
+//! — then it adds a thread, whatever the threads are waiting for. Layers need this: a layer's pager (compression, encryption) reads its lower file through
 //! this same cache from an I/O thread, and that read may wait for a lower page whose fill
 //! is a job still queued — with a fixed pool, jobs that wait for queued jobs can fill every
 //! thread and deadlock (found by the stack benchmarks: four zstd read-ahead fills waiting
@@ -28,6 +33,10 @@ type Job = Box<dyn FnOnce() + Send>;
 pub(crate) const MAX_EXTRA: usize = 64;
 /// How long an extra thread waits for work before it exits.
 const EXTRA_IDLE: std::time::Duration = std::time::Duration::from_secs(2);
+/// Jobs queued and none started for this long, with no thread idle: the pool is starved.
+/// (Long enough that a slow store keeping every thread busy rarely looks starved; a pool
+/// that grows anyway only costs threads, which leave after [`EXTRA_IDLE`].)
+const STARVED_AFTER: std::time::Duration = std::time::Duration::from_millis(50);
 
 pub(crate) struct IoPool {
     shared: Arc<Shared>,
@@ -36,6 +45,8 @@ pub(crate) struct IoPool {
 struct Shared {
     queue: Mutex<Queue>,
     cv: Condvar,
+    /// Wakes the starvation monitor when work is queued (it sleeps while the queue is empty).
+    monitor_cv: Condvar,
     /// Every thread of the pool (base and extra), joined at shutdown.
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -50,12 +61,18 @@ struct Queue {
     /// Threads alive, and how many of them are extra.
     threads: usize,
     extra: usize,
+    /// Jobs taken off the queue so far (the monitor's sign of progress).
+    started: u64,
 }
 
 impl Queue {
     /// Every thread waits while work is queued: only a new thread can make progress.
     fn stuck(&self) -> bool {
-        !self.jobs.is_empty() && self.idle == 0 && self.blocked >= self.threads && self.extra < MAX_EXTRA && !self.shutdown
+        self.starved() && self.blocked >= self.threads
+    }
+    /// Work waits and no thread is free to take it (a new thread would help if this lasts).
+    fn starved(&self) -> bool {
+        !self.jobs.is_empty() && self.idle == 0 && self.extra < MAX_EXTRA && !self.shutdown
     }
 }
 
@@ -63,8 +80,13 @@ impl IoPool {
     /// Start `n` I/O threads (at least one).
     pub(crate) fn new(n: usize) -> IoPool {
         let n = n.max(1);
-        let queue = Queue { jobs: VecDeque::new(), shutdown: false, idle: 0, blocked: 0, threads: n, extra: 0 };
-        let shared = Arc::new(Shared { queue: Mutex::new(queue), cv: Condvar::new(), threads: Mutex::new(Vec::new()) });
+        let queue = Queue { jobs: VecDeque::new(), shutdown: false, idle: 0, blocked: 0, threads: n, extra: 0, started: 0 };
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(queue),
+            cv: Condvar::new(),
+            monitor_cv: Condvar::new(),
+            threads: Mutex::new(Vec::new()),
+        });
         for i in 0..n {
             let s = shared.clone();
             let h = std::thread::Builder::new()
@@ -73,6 +95,12 @@ impl IoPool {
                 .expect("spawn ubc I/O thread");
             shared.threads.lock().push(h);
         }
+        let s = shared.clone();
+        let h = std::thread::Builder::new()
+            .name("ubc-io-monitor".into())
+            .spawn(move || monitor(s))
+            .expect("spawn ubc I/O monitor");
+        shared.threads.lock().push(h);
         IoPool { shared }
     }
 
@@ -89,14 +117,19 @@ impl IoPool {
         if q.stuck() {
             grow(&self.shared, &mut q);
         }
+        let first = q.jobs.len() == 1;
         drop(q);
         self.shared.cv.notify_one();
+        if first {
+            self.shared.monitor_cv.notify_one();
+        }
     }
 
     /// Finish queued jobs and stop the threads. => not called from an I/O thread.
     pub(crate) fn shutdown(&self) {
         self.shared.queue.lock().shutdown = true;
         self.shared.cv.notify_all();
+        self.shared.monitor_cv.notify_all();
         let threads: Vec<JoinHandle<()>> = self.shared.threads.lock().drain(..).collect();
         for t in threads {
             let _ = t.join();
@@ -104,7 +137,7 @@ impl IoPool {
     }
 }
 
-/// Start an extra thread. => `q` is `s.queue`, locked, and `q.stuck()`.
+/// Start an extra thread. => `q` is `s.queue`, locked, and `q.starved()`.
 fn grow(s: &Arc<Shared>, q: &mut Queue) {
     let s2 = s.clone();
     if let Ok(h) = std::thread::Builder::new().name("ubc-io-x".into()).spawn(move || worker(s2, true)) {
@@ -115,6 +148,32 @@ fn grow(s: &Arc<Shared>, q: &mut Queue) {
         t.push(h);
     }
     // No thread to be had: the others get to the job when they stop waiting.
+}
+
+/// The starvation monitor: while jobs are queued, checks every [`STARVED_AFTER`] that one
+/// was started; if none was and no thread is idle, adds a thread. Sleeps while the queue is
+/// empty, so an idle cache costs nothing.
+fn monitor(s: Arc<Shared>) {
+    let mut q = s.queue.lock();
+    let mut seen = q.started;
+    loop {
+        if q.shutdown {
+            return;
+        }
+        if q.jobs.is_empty() {
+            s.monitor_cv.wait(&mut q);
+            seen = q.started;
+            continue;
+        }
+        s.monitor_cv.wait_for(&mut q, STARVED_AFTER);
+        if q.started == seen && q.starved() {
+            grow(&s, &mut q);
+            drop(q);
+            s.cv.notify_one();
+            q = s.queue.lock();
+        }
+        seen = q.started;
+    }
 }
 
 thread_local! {
@@ -153,6 +212,7 @@ fn worker(s: Arc<Shared>, extra: bool) {
             let mut q = s.queue.lock();
             loop {
                 if let Some(j) = q.jobs.pop_front() {
+                    q.started += 1;
                     break j;
                 }
                 if q.shutdown {
@@ -245,5 +305,47 @@ impl Batch {
             self.inner.1.wait(&mut st);
         }
         st.first_err.take().map_or(Ok(()), Err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    /// A job that waits for a later job without saying so (a lock, a channel: not
+    /// `blocking`) must not hang a pool whose every thread does that: the monitor adds one.
+    #[test]
+    fn a_job_waiting_unmarked_for_a_queued_job_gets_a_thread() {
+        let pool = IoPool::new(1);
+        let (tx, rx) = mpsc::channel::<()>();
+        let (done_tx, done_rx) = mpsc::channel::<()>();
+        pool.submit(move || {
+            rx.recv().unwrap();
+            done_tx.send(()).unwrap();
+        });
+        pool.submit(move || tx.send(()).unwrap());
+        done_rx.recv_timeout(Duration::from_secs(20)).expect("the waiting job finished: a thread was added");
+        assert!(pool.shared.queue.lock().extra >= 1);
+        pool.shutdown();
+    }
+
+    /// Jobs that only keep the threads busy (no one waits for a queued job) do not make the
+    /// pool grow while jobs keep starting.
+    #[test]
+    fn a_busy_pool_that_makes_progress_does_not_grow() {
+        let pool = IoPool::new(2);
+        let batch = Batch::default();
+        for _ in 0..100 {
+            let t = batch.ticket();
+            pool.submit(move || {
+                std::thread::sleep(Duration::from_millis(2));
+                t.done(Ok(()));
+            });
+        }
+        batch.wait().unwrap();
+        assert_eq!(pool.shared.queue.lock().extra, 0);
+        pool.shutdown();
     }
 }

@@ -19,7 +19,7 @@ use crate::page::table::{Chunk, PageTable};
 use crate::pager::{Fill, Pager};
 use crate::stats::{bump, Counters, Stats};
 use parking_lot::{Mutex, RwLock};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::*};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock, Weak};
 
@@ -61,6 +61,9 @@ pub(crate) struct Object {
     /// The registry key this object is filed under.
     pub(crate) key: crate::cache::ObjectKey,
     name: String,
+    /// The pager's depth (the highest any of its pagers reported): reclaim inside a pager
+    /// call writes back only objects of lower depth.
+    depth: AtomicU32,
     /// User mappings of this object (`File::map`), and how many there are (checked on every
     /// fill, so kept apart from the lock).
     pub(crate) maps: RwLock<Vec<Arc<UserMap>>>,
@@ -93,6 +96,7 @@ impl Object {
             table: PageTable::new(1 << core.chunk_shift),
             key,
             name: pager.describe(),
+            depth: AtomicU32::new(pager.depth()),
             pager: RwLock::new(pager),
             core,
             memfd: OnceLock::new(),
@@ -118,9 +122,15 @@ impl Object {
     /// Replace a read-only pager by a writable one for the same data (a later writable open).
     pub(crate) fn upgrade_pager(&self, pager: Arc<dyn Pager>) {
         let mut p = self.pager.write();
+        self.depth.fetch_max(pager.depth(), SeqCst);
         if !p.is_writable() && pager.is_writable() {
             *p = pager;
         }
+    }
+
+    /// How many pagers of this cache lie below this object's (see [`Pager::depth`]).
+    pub(crate) fn depth(&self) -> u32 {
+        self.depth.load(Relaxed)
     }
 
     pub(crate) fn describe(&self) -> &str {
@@ -190,14 +200,15 @@ impl Object {
     }
 
     /// Call the pager (every call after the object is made goes through here). The call
-    /// runs marked `InPager`: a layer's pager writes its lower file of the same cache, maybe
-    /// holding a lock that writeback of its own object needs, so it must not wait at the
-    /// dirty limit for that writeback (Linux's PF_LOCAL_THROTTLE; without it the stress
-    /// test hung in an aead `set_len`). A failure comes back with `op`, `offset` and the
-    /// object; `f` sees the raw error first (to record it, see `errseq.rs`).
+    /// runs in a [`PagerScope`](crate::pager::PagerScope) of this object's depth: a layer's
+    /// pager writes its lower file of the same cache, maybe holding a lock that writeback of
+    /// its own object needs, so that write must not wait at the dirty limit (without it the
+    /// stress test hung in an aead `set_len`) nor reclaim by writing back this object or one
+    /// above it (it hung in an aead `put_pages`). A failure comes back with `op`, `offset`
+    /// and the object; `f` sees the raw error first (to record it, see `errseq.rs`).
     fn call_pager<T>(&self, op: PagerOp, offset: u64, f: impl FnOnce(&dyn Pager) -> std::io::Result<T>) -> Result<T> {
         let pager = self.pager();
-        let _in = crate::writeback::InPager::enter();
+        let _in = crate::writeback::PagerScope::enter(self.depth());
         f(&*pager).map_err(|e| self.io_err(op, offset, e))
     }
 

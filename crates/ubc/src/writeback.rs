@@ -186,31 +186,62 @@ impl Flusher {
 }
 
 thread_local! {
-    static IN_PAGER: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+    /// (scopes entered, lowest depth among them; `u32::MAX` when none).
+    static SCOPE: std::cell::Cell<(u32, u32)> = const { std::cell::Cell::new((0, u32::MAX)) };
 }
 
-/// Marks the current thread as inside a pager call (`get_pages`/`put_pages`) for its
-/// lifetime. A layer's pager writes its lower file through this same cache; that write is
-/// *cleaning* memory for the layer above, so it must not be throttled at the dirty limit
-/// nor made to write back other objects — the layer above among them, whose pager is this
-/// very call, perhaps holding its locks (Linux exempts loop devices and FUSE servers the
-/// same way: `PF_LOCAL_THROTTLE`). Such writes may pass the limit; the memory budget still
-/// bounds the cache.
-pub(crate) struct InPager;
+/// Marks the current thread, for its lifetime, as working for a pager of the given depth
+/// (see [`Pager::depth`](crate::Pager::depth)): the cache enters one around every pager
+/// call it makes, and a layer enters one itself when it holds its own locks and uses its
+/// lower file outside such a call (a metadata flush requested from outside the cache).
+///
+/// Inside a scope the thread is *cleaning* memory for the layer above, perhaps holding
+/// that layer's locks, so the cache, on this thread:
+/// * does not throttle its writes at the dirty limit nor make it write back other files
+///   there (Linux exempts loop devices and FUSE servers the same way: `PF_LOCAL_THROTTLE`);
+/// * when it must reclaim memory, writes back only files of *lower* depth than the scope —
+///   never the layer's own file or one above it, whose writeback would need the locks this
+///   thread holds (found by tests/stress.rs: an aead `put_pages`, holding its state lock,
+///   wrote its lower file, whose reclaim wrote back that same aead file and waited for the
+///   lock forever). Linux's `GFP_NOFS` / `memalloc_nofs_save` is the same rule;
+/// * may use the memory reserve that other allocations leave alone (`PF_MEMALLOC`): the
+///   cache full of the upper layer's dirty pages must not stop the lower writes that are
+///   the only way to clean them.
+///
+/// Scopes nest; the lowest depth wins.
+#[must_use = "the scope ends when this is dropped"]
+pub struct PagerScope {
+    prev: (u32, u32),
+}
 
-impl InPager {
-    pub(crate) fn enter() -> InPager {
-        IN_PAGER.with(|c| c.set(c.get() + 1));
-        InPager
+impl PagerScope {
+    /// Enter a scope for a pager of `depth` (a layer over a file of depth `d` has `d + 1`).
+    pub fn enter(depth: u32) -> PagerScope {
+        let prev = SCOPE.with(|c| c.get());
+        SCOPE.with(|c| c.set((prev.0 + 1, prev.1.min(depth))));
+        PagerScope { prev }
     }
+
+    /// Whether the current thread is in a scope.
     pub(crate) fn active() -> bool {
-        IN_PAGER.with(|c| c.get() > 0)
+        SCOPE.with(|c| c.get().0 > 0)
+    }
+
+    /// Whether reclaim on this thread may write back a file of `depth`.
+    pub(crate) fn may_write_back(depth: u32) -> bool {
+        depth < SCOPE.with(|c| c.get().1)
     }
 }
 
-impl Drop for InPager {
+impl Drop for PagerScope {
     fn drop(&mut self) {
-        IN_PAGER.with(|c| c.set(c.get() - 1));
+        SCOPE.with(|c| c.set(self.prev));
+    }
+}
+
+impl std::fmt::Debug for PagerScope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PagerScope").finish_non_exhaustive()
     }
 }
 
@@ -226,7 +257,7 @@ impl CacheCore {
     /// was reserved.
     pub(crate) fn reserve_dirty(&self, obj: &Object, page: Option<&crate::page::state::PageState>) -> Result<bool> {
         let f = &self.flusher;
-        if InPager::active() {
+        if PagerScope::active() {
             f.counts.fetch_add(1 << 32, SeqCst);
             return Ok(true);
         }
@@ -305,7 +336,7 @@ impl CacheCore {
     /// proportion to how far unclean memory is above the set-point. Never fails.
     pub(crate) fn balance_dirty(&self, pages: u64) {
         let f = &self.flusher;
-        if InPager::active() {
+        if PagerScope::active() {
             return;
         }
         let cur = f.unclean();

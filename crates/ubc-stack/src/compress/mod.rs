@@ -394,12 +394,20 @@ impl CompressPager {
     /// underneath, e.g. an old version restored). Uncommitted changes are dropped.
     /// Precondition: no `get_pages`/`put_pages`/`set_len` in flight.
     pub fn reload(&self) -> io::Result<()> {
+        let _scope = self.scope();
         let _s = self.sync_lock.lock();
         let shift = self.chunk_shift.load(Relaxed);
         let fresh = Self::load(&self.lower, shift)?;
         self.chunk_shift.store(fresh.chunk_shift, Relaxed);
         *self.state.lock() = fresh;
         Ok(())
+    }
+
+    /// Called from outside the cache (the cache manager, drop) we take our locks and then
+    /// use the lower file, as in a pager call: reclaim there must not write back this file
+    /// or any above it (see `ubc::pager::PagerScope`).
+    fn scope(&self) -> ubc::pager::PagerScope {
+        ubc::pager::PagerScope::enter(self.lower.depth() + 1)
     }
 
     /// The lower file.
@@ -709,6 +717,7 @@ impl Drop for CompressPager {
             st.dirty || !st.uncertain.is_empty()
         };
         if self.writable && pending {
+            let _scope = self.scope();
             let _ = self.sync();
         }
     }
@@ -847,5 +856,8 @@ impl Pager for CompressPager {
 
     fn io_mode(&self) -> IoMode {
         self.lower.stats().io_mode
+    }
+    fn depth(&self) -> u32 {
+        self.lower.depth() + 1
     }
 }

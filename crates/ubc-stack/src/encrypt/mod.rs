@@ -321,6 +321,7 @@ impl EncryptPager {
         if !self.writable {
             return Ok(());
         }
+        let _scope = self.scope();
         let st = self.state.read();
         if Self::header_stale(&st) {
             self.flush_header(&st, true)?;
@@ -333,9 +334,17 @@ impl EncryptPager {
     /// changes are dropped. Precondition: no `get_pages`/`put_pages` in flight, and the
     /// upper file's cached pages are invalidated by the caller afterwards.
     pub fn reload(&self) -> io::Result<()> {
+        let _scope = self.scope();
         let mut st = self.state.write();
         *st = Self::load(&self.lower, &self.cipher)?;
         Ok(())
+    }
+
+    /// Called from outside the cache (the cache manager, drop) we take our locks and then
+    /// use the lower file, as in a pager call: reclaim there must not write back this file
+    /// or any above it (see `ubc::pager::PagerScope`).
+    fn scope(&self) -> ubc::pager::PagerScope {
+        ubc::pager::PagerScope::enter(self.lower.depth() + 1)
     }
 
     /// The lower file holding the ciphertext.
@@ -659,6 +668,9 @@ impl Pager for EncryptPager {
 
     fn io_mode(&self) -> IoMode {
         self.lower.stats().io_mode
+    }
+    fn depth(&self) -> u32 {
+        self.lower.depth() + 1
     }
 }
 

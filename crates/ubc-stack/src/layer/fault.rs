@@ -164,4 +164,7 @@ impl Pager for LowerFile {
     fn io_mode(&self) -> IoMode {
         self.0.stats().io_mode
     }
+    fn depth(&self) -> u32 {
+        self.0.depth() + 1
+    }
 }

@@ -15,6 +15,7 @@ mod mem;
 pub use fault::{FaultCounts, FaultPager, Faults};
 pub use file::FilePager;
 pub use mem::MemPager;
+pub use crate::writeback::PagerScope;
 
 use std::io;
 
@@ -90,6 +91,17 @@ pub trait Pager: Send + Sync + 'static {
 
     /// A short human description for error messages ("file /data/a", "memory").
     fn describe(&self) -> String;
+
+    /// How many pagers of the same cache lie below this one: 0 for a pager that reaches its
+    /// store without the cache (a host file, memory, an object store); a layer whose store
+    /// is a file of the cache returns that file's [`File::depth`](crate::File::depth) + 1.
+    ///
+    /// The cache relies on it to stay live under memory pressure: reclaim inside a pager
+    /// call writes back only files of lower depth (see [`PagerScope`]). A layer that
+    /// reports 0 may deadlock when memory is short.
+    fn depth(&self) -> u32 {
+        0
+    }
 
     /// How this pager reaches its store (for statistics).
     fn io_mode(&self) -> IoMode {

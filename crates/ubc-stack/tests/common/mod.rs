@@ -1,0 +1,70 @@
+//! Helpers shared by the integration tests of this crate (each test file that needs them
+//! says `mod common;`).
+#![allow(dead_code)]
+
+use std::sync::atomic::{AtomicBool, Ordering::*};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Print every thread's stack (to stderr): a hang is only useful with the stacks that show
+/// it. Each thread is signalled and prints its own backtrace from the handler (not
+/// async-signal-safe — acceptable on the way to `abort`). gdb cannot be used: reading a
+/// process's memory can fault on a userfaultfd-registered page whose handler thread gdb
+/// has stopped.
+pub fn dump_threads() {
+    extern "C" fn on_signal(_: libc::c_int) {
+        let bt = std::backtrace::Backtrace::force_capture();
+        let tid = unsafe { libc::syscall(libc::SYS_gettid) };
+        let name = std::thread::current().name().unwrap_or("?").to_string();
+        let text = format!("---- thread {tid} ({name}) ----\n{bt}\n");
+        // One write per thread, so the dumps do not interleave.
+        unsafe { libc::write(2, text.as_ptr().cast(), text.len()) };
+    }
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
+        sa.sa_flags = libc::SA_RESTART;
+        libc::sigaction(libc::SIGUSR2, &sa, std::ptr::null_mut());
+    }
+    let me = unsafe { libc::syscall(libc::SYS_gettid) };
+    for e in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+        let tid: i64 = e.file_name().to_string_lossy().parse().unwrap_or(0);
+        if tid != 0 && tid != me {
+            unsafe { libc::syscall(libc::SYS_tgkill, libc::getpid(), tid, libc::SIGUSR2) };
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    std::thread::sleep(Duration::from_secs(2));
+}
+
+/// Aborts the process with every thread's stack if it is not dropped within `limit`: a
+/// test that can hang fails instead, with the evidence.
+pub struct Watchdog {
+    done: Arc<AtomicBool>,
+}
+
+impl Watchdog {
+    pub fn new(what: &str, limit: Duration) -> Watchdog {
+        let done = Arc::new(AtomicBool::new(false));
+        let d = done.clone();
+        let what = what.to_string();
+        std::thread::spawn(move || {
+            let start = Instant::now();
+            while !d.load(SeqCst) {
+                if start.elapsed() > limit {
+                    eprintln!("watchdog: {what} still running after {limit:?}: every thread's stack follows");
+                    dump_threads();
+                    std::process::abort();
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        });
+        Watchdog { done }
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.done.store(true, SeqCst);
+    }
+}
