@@ -44,11 +44,10 @@ fn no_cleartext_reaches_any_layer_below_the_encryption_layer() {
         let key = tmp.path().join("key");
         Key::generate().write_file(&key).unwrap();
         let spec = format!("dir:{} | {}", data.display(), order.replace("aead", &format!("aead:keyfile={}", key.display())));
-        // 4 MiB for three layers of a 5 MiB file (15 MiB): write-behind and eviction
-        // push pages down before any sync (checked below). (At 2 MiB this test could hang in the
-        // open writeback-needs-memory deadlock of layered pagers — docs/guarantees.md,
-        // "Known open problems"; the stress test is where that is hunted.)
-        let s = Stack::open(&spec, ubc::Cache::new(4 << 20).unwrap()).unwrap();
+        // 2 MiB for three layers of a 5 MiB file (15 MiB): write-behind and eviction
+        // push pages down before any sync (checked below). (Before ed03fa8 this could hang
+        // here: writeback through the layers needing memory — docs/guarantees.md.)
+        let s = Stack::open(&spec, ubc::Cache::new(2 << 20).unwrap()).unwrap();
         let evictions_before = s.cache().stats().daemon_evictions + s.cache().stats().totals.evictions;
         let aead_at = spec.split('|').position(|p| p.trim().starts_with("aead")).unwrap();
         let top = s.top().create("plans.txt").unwrap();

@@ -258,6 +258,19 @@ impl CacheCore {
     pub(crate) fn reserve_dirty(&self, obj: &Object, page: Option<&crate::page::state::PageState>) -> Result<bool> {
         let f = &self.flusher;
         if PagerScope::active() {
+            // Not throttled (see `PagerScope`), but not unbounded either: a layer's call can
+            // dirty a lot of its lower file at once (an aead growth seals every gap block),
+            // and if those pages filled the cache, only lower writes could clean them — which
+            // need memory (found by tests/security.rs at a 2 MiB budget: zstd writeback inside
+            // an aead set_len failed with BudgetExceeded). Past the limit this thread cleans
+            // the file it is writing once it holds a cluster's worth: allowed, the file is
+            // below the scope (Linux's PF_LOCAL_THROTTLE: a loop device's writer is throttled
+            // on its own device's dirty pages, not on everyone's). An error stays with the
+            // pages (retained for `sync`); this write goes on.
+            let batch = (f.limit / 4).clamp(1, self.max_put_pages);
+            if f.unclean() >= f.limit && obj.dirty_pages() >= batch && PagerScope::may_write_back(obj.depth()) {
+                let _ = obj.writeback(0, u64::MAX, false, false);
+            }
             f.counts.fetch_add(1 << 32, SeqCst);
             return Ok(true);
         }

@@ -244,9 +244,15 @@ fn read_full(f: &ubc::File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
 }
 
 fn write_all(f: &ubc::File, buf: &[u8], offset: u64) -> io::Result<()> {
-    let n = f.write_at(buf, offset).map_err(ubc_io)?;
-    if n != buf.len() {
-        return Err(io::Error::new(io::ErrorKind::WriteZero, format!("lower file took {n} of {} bytes at {offset}", buf.len())));
+    // A short count means the write stopped at an error after some bytes; writing the rest
+    // again returns that error (or succeeds, if it was passing).
+    let mut done = 0;
+    while done < buf.len() {
+        let n = f.write_at(&buf[done..], offset + done as u64).map_err(ubc_io)?;
+        if n == 0 {
+            return Err(io::Error::new(io::ErrorKind::WriteZero, format!("lower file took {done} of {} bytes at {offset}", buf.len())));
+        }
+        done += n;
     }
     Ok(())
 }
