@@ -169,6 +169,12 @@ pub(crate) struct Tokens {
     /// Superset of `write`, and kept when a reader above takes the write token away (the
     /// data is still not below; two meanings in one set lost it — schedules tests).
     dirty: RangeSet,
+    /// Where this domain may hold pages although it holds no read token there: an
+    /// operation that ran beside a mapping (no token can be granted then), or dirty data
+    /// flushed through it from above. A write below must invalidate these pages as it
+    /// does a reader's; before this record, such pages outlived later writes (found by
+    /// `schedules_mappings`). Cleared where the domain is invalidated.
+    cached: RangeSet,
     sticky: Vec<Sticky>,
 }
 
@@ -181,6 +187,18 @@ impl Tokens {
     }
     fn sticky_overlaps(&self, r: &Range<u64>, write_only: bool) -> bool {
         self.sticky.iter().any(|s| (s.write || !write_only) && s.range.start < r.end && r.start < s.range.end)
+    }
+    /// This domain may hold pages in `r` (a token, a mapping, or pages cached without one).
+    fn may_cache(&self, r: &Range<u64>) -> bool {
+        self.read.overlaps(r) || self.cached.overlaps(r) || self.sticky_overlaps(r, false)
+    }
+    /// Its pages in `r` were dropped: it holds nothing there any more but what a mapping
+    /// re-faults (the mapping itself is still recorded).
+    fn forget(&mut self, r: &Range<u64>) {
+        self.read.remove(r.clone());
+        self.write.remove(r.clone());
+        self.dirty.remove(r.clone());
+        self.cached.remove(r.clone());
     }
 }
 
@@ -287,8 +305,18 @@ struct RangeLock {
     exclusive: bool,
 }
 
-/// Invalidate domain `.0` over ranges `.1` (reloading its state if `.2`) after an operation.
-type PostAction = (usize, Vec<Range<u64>>, bool);
+/// What an operation that conflicted with a mapping does once it is done (see `revoke`).
+#[derive(Debug)]
+pub(crate) enum PostAction {
+    /// Invalidate domain `.0` over ranges `.1` (reloading its state if `.2`): a mapping at
+    /// or above it may have re-faulted pages from before the write.
+    Invalidate(usize, Vec<Range<u64>>, bool),
+    /// Push what domain `from` wrote over its bytes `range` down, domain by domain, to
+    /// domain `to`, where a mapping is: the mapping sees the write at once, and no domain
+    /// above the mapping keeps data newer than the mapped pages (its unmap could not tell
+    /// which is newer).
+    PushDown { from: usize, to: usize, range: Range<u64> },
+}
 
 /// An operation's permission: keep it alive for the duration of the operation.
 pub(crate) enum Permit<'a, F: Actions = ubc::File> {
@@ -304,11 +332,23 @@ impl<F: Actions> Drop for Permit<'_, F> {
     fn drop(&mut self) {
         if let Permit::Once { group, post, .. } = self {
             let doms = group.domains.read().clone();
-            for (e, ranges, reload) in post.drain(..) {
-                // Best effort: an error here (a failing writeback of a mapping's stores)
-                // stays with the pages, which remain dirty; it is reported at sync.
-                let _t = doms[e].tokens.write();
-                let _ = group.invalidate_locked(&doms[e], &ranges, reload, false);
+            for action in post.drain(..) {
+                // Best effort: an error here (a failing writeback of a mapping's stores, or
+                // of the data pushed down) stays with the pages, which remain dirty and
+                // marked so; it is reported at sync.
+                match action {
+                    PostAction::Invalidate(e, ranges, reload) => {
+                        let mut t = doms[e].tokens.write();
+                        if group.invalidate_locked(&doms[e], &ranges, reload, false).is_ok() {
+                            for x in &ranges {
+                                t.cached.remove(x.clone());
+                            }
+                        }
+                    }
+                    PostAction::PushDown { from, to, range } => {
+                        let _ = group.push_down_to(&doms, from, to, range);
+                    }
+                }
             }
         }
     }
@@ -419,7 +459,9 @@ impl<F: Actions> Group<F> {
                 let alone = doms.iter().enumerate().all(|(e, x)| {
                     e == d || {
                         let t = x.tokens.read();
-                        t.read.is_empty() && t.sticky.is_empty()
+                        // `cached` too: a whole-file write token would let later writes
+                        // skip the pages held there (schedules_mappings).
+                        t.read.is_empty() && t.sticky.is_empty() && t.cached.is_empty()
                     }
                 });
                 let grant = if alone { ALL } else { r.clone() };
@@ -443,9 +485,13 @@ impl<F: Actions> Group<F> {
                 // No token, but what this operation writes (or received from above) is
                 // still not below: readers there must flush it (schedules tests: they did
                 // not, and read old data).
+                let mut t = dom.tokens.write();
                 if mode == Mode::Write || inherit_write {
-                    dom.tokens.write().dirty.insert(r);
+                    t.dirty.insert(r.clone());
                 }
+                // It fills pages here without a token: a later write below must find them.
+                t.cached.insert(r);
+                drop(t);
                 Ok(Permit::Once { group: self, _lock: g, post })
             }
         }
@@ -463,85 +509,29 @@ impl<F: Actions> Group<F> {
         let write = mode == Mode::Write;
         let mut sticky = false;
         let mut post = Vec::new();
-        let mut post_top: Option<usize> = None;
 
-        // 1. Domains above d holding dirty data (`dirty`, or a writable mapping) push
-        //    it down, top first: flushing e puts its data into e-1, flushed next, and so on
-        //    to d. A general layer's flush includes its metadata (header, index) — its
-        //    pager's sync — or the bytes below would not be a complete file.
-        let mut flush_from: Option<usize> = None;
-        for e in (d + 1..n).rev() {
+        // Mappings above d conflict with a write there, and writable ones with anything.
+        for e in d + 1..n {
             let (re, _) = Self::translate(doms, d, e, r.clone());
             let t = doms[e].tokens.read();
-            let dirty = re.iter().any(|x| t.dirty.overlaps(x) || t.sticky_overlaps(x, true));
             sticky |= re.iter().any(|x| t.sticky_overlaps(x, true) || write && t.sticky_overlaps(x, false));
-            drop(t);
-            if dirty && flush_from.is_none() {
-                flush_from = Some(e);
-            }
-        }
-        if let Some(top) = flush_from {
-            for e in (d + 1..=top).rev() {
-                let (re, _) = Self::translate(doms, d, e, r.clone());
-                let mut t = doms[e].tokens.write();
-                doms[e].push_down(&re)?;
-                for x in &re {
-                    // Readers below now see the data: e keeps only a read token.
-                    t.write.remove(x.clone());
-                    t.dirty.remove(x.clone());
-                }
-                self.counters.flushes.fetch_add(1, Relaxed);
-            }
         }
 
+        // 1. Domains above d holding dirty data (`dirty`, or a writable mapping) push
+        //    it down, top first, to d.
+        let flushed = self.flush_down_to(doms, d, &r)?;
+
         // Dirty data now in d (not the store domain) is news to the domains below.
-        let inherit_write = !write && flush_from.is_some() && d > 0;
+        let inherit_write = !write && flushed && d > 0;
         let write_below = write || inherit_write;
 
         // 2. A write in d makes the domains above stale where it writes: drop their pages
-        //    and tokens (bottom first, so a layer reloading its metadata reads a lower
-        //    domain that is already current). Mappings there are invalidated again after
-        //    the write (they may re-fault meanwhile).
-        if write {
-            // A domain caches pages where it holds a token, and also where a domain above it
-            // does: that one's reads fill the caches below it (raw, without tokens), so
-            // every domain up to the highest holder may be stale (schedules tests).
-            let top_holder = (d + 1..n).rev().find(|&e| {
-                let (re, _) = Self::translate(doms, d, e, r.clone());
-                let t = doms[e].tokens.read();
-                re.iter().any(|x| t.read.overlaps(x) || t.sticky_overlaps(x, false))
-            });
-            // Quiesce the domains to invalidate top first, holding them all: an operation in
-            // flight above a domain fills its cache again (a fill racing its invalidation
-            // kept an old page: schedules tests). Then invalidate bottom first.
-            let mut held = Vec::new();
-            for e in (d + 1..n).rev() {
+        //    and tokens. Mappings there are invalidated again after the write (they may
+        //    re-fault meanwhile), from d + 1 up to the highest one, bottom first.
+        if write && let Some(top) = self.invalidate_above(doms, d, &r)? {
+            for e in d + 1..=top {
                 let (re, reload) = Self::translate(doms, d, e, r.clone());
-                let t = doms[e].tokens.read();
-                let mapped = re.iter().any(|x| t.sticky_overlaps(x, false));
-                drop(t);
-                if mapped && post_top.is_none() {
-                    post_top = Some(e);
-                }
-                if top_holder.is_some_and(|h| e <= h) || reload {
-                    held.push((e, re, reload, doms[e].tokens.write()));
-                }
-            }
-            while let Some((e, re, reload, mut t)) = held.pop() {
-                self.invalidate_locked(&doms[e], &re, reload, false)?;
-                for x in &re {
-                    t.read.remove(x.clone());
-                    t.write.remove(x.clone());
-                    t.dirty.remove(x.clone());
-                }
-            }
-            // After the write, every domain from d up to the highest mapping is stale
-            // again (a mapping re-faults through the domains between): bottom first.
-            if let Some(top) = post_top {
-                for e in d + 1..=top {
-                    let (re, reload) = Self::translate(doms, d, e, r.clone());
-                    post.push((e, re, reload));
-                }
+                post.push(PostAction::Invalidate(e, re, reload));
             }
         }
 
@@ -550,12 +540,18 @@ impl<F: Actions> Group<F> {
         //    readers below them). If one of them *wrote* there (a write token or a
         //    writable mapping), every domain from it up to d may cache bytes — or metadata
         //    — from before that write: invalidate them, bottom first.
+        //    A write in d over bytes mapped below (the lowest such mapping at `mapped_below`)
+        //    is pushed down to that mapping once done, so that its loads see the write at once.
         let mut stale_from: Option<(usize, Vec<Range<u64>>)> = None;
+        let mut mapped_below: Option<usize> = None;
         for e in 0..d {
             let (re, _) = Self::translate(doms, d, e, r.clone());
             let mut t = doms[e].tokens.write();
             let wrote = re.iter().any(|x| t.write.overlaps(x));
             let maps_w = re.iter().any(|x| t.sticky_overlaps(x, true));
+            if write && mapped_below.is_none() && re.iter().any(|x| t.sticky_overlaps(x, false)) {
+                mapped_below = Some(e);
+            }
             for x in &re {
                 if write_below {
                     t.read.remove(x.clone());
@@ -567,6 +563,10 @@ impl<F: Actions> Group<F> {
             if (wrote || maps_w) && stale_from.is_none() {
                 stale_from = Some((e, re));
             }
+        }
+        if let Some(m) = mapped_below {
+            sticky = true;
+            post.insert(0, PostAction::PushDown { from: d, to: m, range: r.clone() });
         }
         if let Some((e, re)) = stale_from {
             for k in e + 1..=d {
@@ -589,6 +589,7 @@ impl<F: Actions> Group<F> {
                     for x in &rk {
                         t.read.remove(x.clone());
                         t.write.remove(x.clone());
+                        t.cached.remove(x.clone());
                     }
                 }
             }
@@ -597,6 +598,99 @@ impl<F: Actions> Group<F> {
             return Ok((Some(post), inherit_write));
         }
         Ok((None, inherit_write))
+    }
+
+    /// Push the dirty data of domains above `d` over `r` (in d's bytes) — `dirty` records
+    /// and writable mappings' stores — down into d, top first: flushing e puts its data
+    /// into e-1, flushed next, and so on to d. A general layer's flush includes its
+    /// metadata (header, index), or the bytes below would not be a complete file. Returns
+    /// whether anything was flushed. => file lock held.
+    fn flush_down_to(&self, doms: &[Arc<Domain<F>>], d: usize, r: &Range<u64>) -> ubc::Result<bool> {
+        let top = (d + 1..doms.len()).rev().find(|&e| {
+            let (re, _) = Self::translate(doms, d, e, r.clone());
+            let t = doms[e].tokens.read();
+            re.iter().any(|x| t.dirty.overlaps(x) || t.sticky_overlaps(x, true))
+        });
+        let Some(top) = top else { return Ok(false) };
+        for e in (d + 1..=top).rev() {
+            let (re, _) = Self::translate(doms, d, e, r.clone());
+            let mut t = doms[e].tokens.write();
+            doms[e].push_down(&re)?;
+            for x in &re {
+                // Readers below now see the data: e keeps only a read token (if it had
+                // one: a domain the flush passed through, or a mapping's, holds pages
+                // without one — recorded so that a write below drops them).
+                t.write.remove(x.clone());
+                t.dirty.remove(x.clone());
+                t.cached.insert(x.clone());
+            }
+            self.counters.flushes.fetch_add(1, Relaxed);
+        }
+        Ok(true)
+    }
+
+    /// Bytes `r` of domain `d` are (about to be) written: drop every page of the domains
+    /// above that may hold them, with their tokens. A domain caches pages where it holds a
+    /// token or `cached` record, and also where a domain above it does (that one's reads
+    /// fill the caches below it, raw), so every domain up to the highest holder may be
+    /// stale (schedules tests). They are quiesced top first, holding them all (an operation
+    /// in flight above a domain would fill it again: a fill racing its invalidation kept an
+    /// old page), then invalidated bottom first (a layer reloading its metadata reads a
+    /// lower domain that is already current). Returns the highest domain with a mapping
+    /// there, if any. => file lock held; nothing above d is dirty there (flushed first).
+    fn invalidate_above(&self, doms: &[Arc<Domain<F>>], d: usize, r: &Range<u64>) -> ubc::Result<Option<usize>> {
+        let n = doms.len();
+        let top_holder = (d + 1..n).rev().find(|&e| {
+            let (re, _) = Self::translate(doms, d, e, r.clone());
+            let t = doms[e].tokens.read();
+            re.iter().any(|x| t.may_cache(x))
+        });
+        let mut post_top = None;
+        let mut held = Vec::new();
+        for e in (d + 1..n).rev() {
+            let (re, reload) = Self::translate(doms, d, e, r.clone());
+            let t = doms[e].tokens.read();
+            let mapped = re.iter().any(|x| t.sticky_overlaps(x, false));
+            drop(t);
+            if mapped && post_top.is_none() {
+                post_top = Some(e);
+            }
+            if top_holder.is_some_and(|h| e <= h) || reload {
+                held.push((e, re, reload, doms[e].tokens.write()));
+            }
+        }
+        while let Some((e, re, reload, mut t)) = held.pop() {
+            self.invalidate_locked(&doms[e], &re, reload, false)?;
+            for x in &re {
+                t.forget(x);
+            }
+        }
+        Ok(post_top)
+    }
+
+    /// Push what domain `from` wrote over its bytes `r` down to domain `to` (a mapping
+    /// there sees it), domain by domain. => file lock held.
+    fn push_down_to(&self, doms: &[Arc<Domain<F>>], from: usize, to: usize, r: Range<u64>) -> ubc::Result<()> {
+        for k in (to + 1..=from).rev() {
+            let (rk, _) = Self::translate(doms, from, k, r.clone());
+            let mut t = doms[k].tokens.write();
+            doms[k].push_down(&rk)?;
+            for x in &rk {
+                t.write.remove(x.clone());
+                t.dirty.remove(x.clone());
+                t.cached.insert(x.clone());
+            }
+            self.counters.flushes.fetch_add(1, Relaxed);
+        }
+        if to > 0 {
+            // The data is in `to` now, not below it yet: readers below flush it.
+            let (rt, _) = Self::translate(doms, from, to, r);
+            let mut t = doms[to].tokens.write();
+            for x in rt {
+                t.dirty.insert(x);
+            }
+        }
+        Ok(())
     }
 
     /// Drop domain `e`'s cached pages in `ranges` (after cleaning them). With `reload`, the
@@ -633,28 +727,65 @@ impl<F: Actions> Group<F> {
         let id = self.next_sticky.fetch_add(1, Relaxed);
         if !self.disabled {
             let dom = self.domain(d).expect("domain open");
+            // Under the file lock: a revocation decides from the mappings it sees first
+            // whether its operation may have a token, and acts on the ones it sees later;
+            // one registered in between got no post-action invalidation, and kept a page
+            // from before the write (schedules_mappings_concurrent).
+            let _g = self.lock.lock();
             dom.tokens.write().sticky.push(Sticky { id, range: r, write });
         }
         id
     }
 
-    /// Remove mapping `id` of domain `d`. A writable mapping's stores stay behind as dirty
-    /// pages: its hold becomes an ordinary write token, so a later reader elsewhere flushes
-    /// them. (While a writable mapping lives, nobody else is granted a token overlapping it,
-    /// so that write token conflicts with no one. A read-only mapping's hold just ends.) => the mapping is already unmapped (its stores
+    /// Remove mapping `id` of domain `d`. => the mapping is already unmapped (its stores
     /// found and marked dirty).
+    ///
+    /// A writable mapping's stores stay behind as dirty pages of d, newer than anything
+    /// above it: operations above ran beside the mapping without tokens (their writes were
+    /// pushed down at once) and may have cached pages from before its last stores. Those
+    /// pages are dropped now — the same invalidation a write in d does — and d gets what it
+    /// would hold after such a write: a write token where no other domain holds a token or
+    /// mapping (so that its next operations take the fast path, and a reader elsewhere
+    /// flushes or invalidates as for any write), else just the record that its data is not
+    /// below yet. (Before this, the write token given at unmap let d's next read skip data
+    /// written above meanwhile, and pages above outlived the mapping's stores: found by
+    /// `schedules_mappings`.) A read-only mapping's hold ends; the pages it faulted are
+    /// recorded as cached (without a token they were invisible to later writes below). Errors (a failing
+    /// write-back while invalidating) stay with the pages, which remain dirty.
     pub(crate) fn unmap(&self, d: usize, id: u64) {
-        if let Some(dom) = self.domain(d) {
-            let _g = self.lock.lock();
+        let Some(dom) = self.domain(d) else { return };
+        let _g = self.lock.lock();
+        let s = {
             let mut t = dom.tokens.write();
-            if let Some(i) = t.sticky.iter().position(|s| s.id == id) {
-                let s = t.sticky.remove(i);
-                if s.write {
-                    t.read.insert(s.range.clone());
-                    t.dirty.insert(s.range.clone());
-                    t.write.insert(s.range);
-                }
+            let Some(i) = t.sticky.iter().position(|s| s.id == id) else { return };
+            let s = t.sticky.remove(i);
+            // The pages it faulted stay cached, token or not: a write below must find them.
+            t.cached.insert(s.range.clone());
+            s
+        };
+        if !s.write {
+            return;
+        }
+        let doms = self.domains.read().clone();
+        let r = s.range;
+        // Another writable mapping above stores concurrently (no order between the two);
+        // its stores come down first so that invalidating its pages loses none.
+        let _ = self.flush_down_to(&doms, d, &r);
+        let _ = self.invalidate_above(&doms, d, &r);
+        let alone = doms.iter().enumerate().all(|(e, x)| {
+            e == d || {
+                let (re, _) = Self::translate(&doms, d, e, r.clone());
+                let t = x.tokens.read();
+                !re.iter().any(|y| t.read.overlaps(y) || t.sticky_overlaps(y, false))
             }
+        });
+        let mut t = dom.tokens.write();
+        t.dirty.insert(r.clone());
+        if alone {
+            t.read.insert(r.clone());
+            t.write.insert(r);
+        } else {
+            t.cached.insert(r);
         }
     }
 
