@@ -463,3 +463,44 @@ fn sync_at_the_bottom_makes_writes_above_durable() {
     f.read_exact_at(&mut b, 4096).unwrap();
     assert_eq!(b, pattern(2, 3 * 4096));
 }
+
+/// A mapping of the stored bytes shows a write made at the top as soon as the write returns
+/// (the manager pushes it down to the mapped layer), and a mapping of the cleartext shows a
+/// write made at the bottom as soon as that returns (it is invalidated and re-faults). No
+/// reader at the mapped layer is involved: a load cannot ask the manager for anything.
+#[test]
+fn mappings_see_writes_through_other_layers_when_they_return() {
+    let fx = fixture();
+    let s = Stack::open(&format!("dir:{} | aead:keyfile={}", fx.data.display(), fx.keyfile.display()), cache()).unwrap();
+    let top = s.top().create("w.bin").unwrap();
+    let n = 64 * 1024;
+    top.write_at(&pattern(1, n), 0).unwrap();
+    let bottom = s.layer(0).unwrap().open_with("w.bin", ubc_stack::OpenOptions { write: true, ..Default::default() }).unwrap();
+    let stored_len = bottom.len().unwrap();
+    let low = bottom.map(0..stored_len, ubc::Access::ReadOnly, ubc::Sharing::Shared).unwrap();
+    let high = top.map(0..n as u64, ubc::Access::ReadOnly, ubc::Sharing::Shared).unwrap();
+    assert!(high[..] == pattern(1, n)[..]);
+
+    // Top write: the bottom mapping's bytes decrypt to it, with no read at the bottom.
+    let mut want = pattern(1, n);
+    want[5000..9000].copy_from_slice(&pattern(2, 4000));
+    top.write_at(&pattern(2, 4000), 5000).unwrap();
+    let snapshot = low.to_vec();
+    assert!(offline_cleartext_aead(&fx, "w.bin", &snapshot) == want, "the stored-bytes mapping lags the top write");
+    assert!(high[..] == want[..], "the cleartext mapping does not show its own layer's write");
+
+    // Bottom write (a restore of older ciphertext): the cleartext mapping shows it.
+    let old = snapshot.clone();
+    top.write_at(&pattern(3, n), 0).unwrap();
+    bottom.write_at(&old, 0).unwrap();
+    assert!(high[..] == want[..], "the cleartext mapping lags the bottom write");
+    drop((low, high));
+}
+
+/// Decrypt stored `dir | aead` bytes in a fresh cache and stack.
+fn offline_cleartext_aead(fx: &Fixture, name: &str, stored: &[u8]) -> Vec<u8> {
+    let copy = tempfile::tempdir().unwrap();
+    std::fs::write(copy.path().join(name), stored).unwrap();
+    let s = Stack::open(&format!("dir:{} | aead:keyfile={}", copy.path().display(), fx.keyfile.display()), cache()).unwrap();
+    read_all(&s.top().open(name).unwrap())
+}
