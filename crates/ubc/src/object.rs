@@ -332,21 +332,40 @@ impl Object {
                 pol.insert(self.key(p), admission);
             }
         }
-        // Map the new pages into every user mapping while we still hold them BUSY with their
-        // final contents: resident pages never trap, and no mapping sees a half-made page.
-        if self.nmaps.load(SeqCst) > 0 {
-            if let Some(svc) = self.core.maps.get() {
-                for m in self.maps.read().iter() {
-                    svc.map_pages(self, m, first, first + n, false);
-                }
-            }
-        }
+        // Valid first, then mapped into every user mapping, held by a pin meanwhile (a page
+        // reaches a user page table only while held: it cannot be evicted in between).
+        // Mapped while still BUSY, as this once did, a store through the mapping could land
+        // before the page was valid; a scan (the flusher's harvest) found it, could not mark
+        // a page that was not valid yet dirty, and re-protected it: the store was lost
+        // (`file_pager_mapping_round_trip_through_a_fresh_cache`, under load, once read-ahead
+        // published pages ahead of a writer storing through a mapping). The contents are
+        // final at `finish_fill`, so no mapping sees a half-made page either way. Resident
+        // pages still never trap — except the read-ahead marker: left out, so that a reader
+        // through a mapping traps there (MINOR: the page is resident) and the fault handler
+        // queues the next window, Linux's PG_readahead met by a fault
+        // (`do_async_mmap_readahead`).
+        let svc = if self.nmaps.load(SeqCst) > 0 { self.core.maps.get() } else { None };
+        let pins = u32::from(pin) + u32::from(svc.is_some());
         for p in first..first + n {
-            chunk.pages[(p - base) as usize].finish_fill(dirty, pin, admission == Admission::ReadAhead, mark == Some(p));
+            chunk.pages[(p - base) as usize].finish_fill(dirty, pins, admission == Admission::ReadAhead, mark == Some(p));
         }
         self.resident.fetch_add(n, Relaxed);
         if dirty {
             self.publish_dirtied(n);
+        }
+        if let Some(svc) = svc {
+            let end = first + n;
+            let skip = mark.filter(|&m| (first..end).contains(&m));
+            for m in self.maps.read().iter() {
+                match skip {
+                    Some(k) => {
+                        svc.map_pages(self, m, first, k, false);
+                        svc.map_pages(self, m, k + 1, end, false);
+                    }
+                    None => svc.map_pages(self, m, first, end, false),
+                }
+            }
+            self.unpin_run(chunk, first, n);
         }
     }
 
@@ -1157,12 +1176,15 @@ impl Object {
 
     /// Pin the valid pages from `page` up to `last` (within one chunk), filling `page` (and
     /// a cluster after it) if needed, for the fault handler. Returns the chunk and how many
-    /// pages are pinned (at least one). => `page` lies within the file.
+    /// pages are pinned (at least one). Read-ahead runs as for a read of `page..=last`: a
+    /// sequential miss opens a window beyond the cluster, a marked page queues the next one.
+    /// => `page` lies within the file.
     pub(crate) fn pin_for_fault(&self, page: u64, last: u64) -> Result<(&Chunk, u64)> {
         let (ci, _) = self.locate(page);
         let chunk = self.table.get_or_create(ci);
         let chunk_last = ((ci + 1) << self.core.chunk_shift) - 1;
-        let n = self.pin_run(chunk, page, last.min(chunk_last), None)?;
+        let last = last.min(chunk_last);
+        let n = self.pin_run(chunk, page, last, Some(last))?;
         Ok((chunk, n))
     }
 

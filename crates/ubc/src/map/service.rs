@@ -191,11 +191,36 @@ impl MapService {
         t.range(..ptr + len).next_back().is_some_and(|(_, m)| m.addr + m.len > ptr)
     }
 
-    /// Map file pages `[a, b)` (held by the caller: pinned, or BUSY with their final
-    /// contents) into `m`. With `materialize`, a valid page the memfd does not hold yet (a
+    /// Map file pages `[a, b)` (valid, and held by the caller: pinned, or BUSY for
+    /// eviction) into `m`. With `materialize`, a valid page the memfd does not hold yet (a
     /// hole never written) is allocated (zeroed) and mapped; without, it is skipped (it
-    /// will trap once). Errors are ignored: a page not mapped now traps and is mapped then.
+    /// will trap once). A page that is not valid is never mapped, whatever the caller
+    /// holds: a store through the mapping must land on a page a scan can mark dirty (pages
+    /// once mapped while still being filled lost a store found then — publish_filled). So
+    /// a caller that maps too early gets traps, not lost stores. Errors are ignored: a page
+    /// not mapped now traps and is mapped then.
     pub(crate) fn map_pages(&self, obj: &Object, m: &UserMap, a: u64, b: u64, materialize: bool) {
+        if self.kernel.is_none() {
+            return;
+        }
+        let valid = |p: u64| obj.page_state(p).is_some_and(|s| s.is_valid());
+        let mut p = a;
+        while p < b {
+            if !valid(p) {
+                p += 1;
+                continue;
+            }
+            let mut q = p + 1;
+            while q < b && valid(q) {
+                q += 1;
+            }
+            self.map_run(obj, m, p, q, materialize);
+            p = q;
+        }
+    }
+
+    /// `map_pages` for a run of valid pages.
+    fn map_run(&self, obj: &Object, m: &UserMap, a: u64, b: u64, materialize: bool) {
         let Some(k) = &self.kernel else { return };
         let ps = obj.page_shift();
         let Some((start, len)) = m.span(a, b, ps) else { return };
@@ -307,15 +332,19 @@ impl MapService {
                 Err(_) => continue,
             };
             for ev in events {
-                if let Event::PageFault { addr, .. } = ev {
-                    self.serve_fault(k, addr);
+                if let Event::PageFault { addr, minor, .. } = ev {
+                    self.serve_fault(k, addr, minor);
                 }
             }
         }
     }
 
     /// Resolve one fault at `addr`: fill and map a cluster, or poison the page. Always wakes.
-    fn serve_fault(&self, k: &Kernel, addr: usize) {
+    /// A `minor` fault is on a page the memfd holds but this mapping does not map (a
+    /// read-ahead marker, or a page still being filled when touched): only that page is
+    /// mapped — the pages around it are mapped already by their fill — and the stream's
+    /// fault-around state is left alone.
+    fn serve_fault(&self, k: &Kernel, addr: usize, minor: bool) {
         self.faults.fetch_add(1, Relaxed);
         let sys = super::page_size();
         let addr = addr & !(sys - 1);
@@ -340,9 +369,13 @@ impl MapService {
             return;
         }
         // Fault-around, growing on sequential faults like read-ahead.
-        let c = if m.next.load(Relaxed) == page { (m.cluster.load(Relaxed) * 2).min(CLUSTER_MAX) } else { CLUSTER_INIT };
-        m.cluster.store(c, Relaxed);
-        let last = (page + c - 1).min(end - 1);
+        let last = if minor {
+            page
+        } else {
+            let c = if m.next.load(Relaxed) == page { (m.cluster.load(Relaxed) * 2).min(CLUSTER_MAX) } else { CLUSTER_INIT };
+            m.cluster.store(c, Relaxed);
+            (page + c - 1).min(end - 1)
+        };
         match obj.pin_for_fault(page, last) {
             Ok((chunk, n)) => {
                 self.fault_pages.fetch_add(n, Relaxed);
@@ -357,7 +390,9 @@ impl MapService {
                     }
                 }
                 obj.unpin_fault(chunk, page, n);
-                m.next.store(page + n, Relaxed);
+                if !minor {
+                    m.next.store(page + n, Relaxed);
+                }
             }
             Err(_) => self.poison(k, &m, addr, sys),
         }

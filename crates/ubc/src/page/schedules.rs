@@ -115,7 +115,7 @@ impl Page {
         } else {
             p.data.store(1, SeqCst);
         }
-        p.st.finish_fill(dirty, false, false, false);
+        p.st.finish_fill(dirty, 0, false, false);
         p
     }
 
@@ -153,7 +153,7 @@ impl Page {
                 self.pins.fetch_add(1, SeqCst);
             }
             let spec = thread_rng().gen_bool(0.5);
-            self.st.finish_fill(false, pinned, spec, !spec);
+            self.st.finish_fill(false, u32::from(pinned), spec, !spec);
             if pinned {
                 self.read_pinned();
             }
@@ -216,7 +216,7 @@ impl Page {
                 thread::yield_now();
                 self.data.store(self.next_version(), SeqCst);
                 self.busy.store(false, SeqCst);
-                self.st.finish_fill(true, false, false, false);
+                self.st.finish_fill(true, 0, false, false);
             }
         }
         self.observe();

@@ -175,16 +175,14 @@ impl PageState {
             && self.0.compare_exchange(s, (s & WAITERS) | BUSY, SeqCst, SeqCst).is_ok()
     }
 
-    /// Publish a filled page: BUSY → VALID (+`dirty`, +`pinned`, read-ahead flags).
-    /// => caller holds the page BUSY.
-    pub(crate) fn finish_fill(&self, dirty: bool, pinned: bool, speculative: bool, ra_mark: bool) {
+    /// Publish a filled page: BUSY → VALID (+`dirty`, +`pins` pins, read-ahead flags).
+    /// => caller holds the page BUSY; `pins` is small (0–2).
+    pub(crate) fn finish_fill(&self, dirty: bool, pins: u32, speculative: bool, ra_mark: bool) {
         let mut new = VALID;
         if dirty {
             new |= DIRTY;
         }
-        if pinned {
-            new += PIN_ONE;
-        }
+        new += pins * PIN_ONE;
         if speculative {
             new |= SPECULATIVE;
         }
@@ -373,7 +371,7 @@ mod tests {
         assert_eq!(p.pin(), Pin::Invalid);
         assert!(p.try_lock_empty());
         assert!(!p.try_lock_empty(), "BUSY page cannot be taken twice");
-        p.finish_fill(false, false, true, true);
+        p.finish_fill(false, 0, true, true);
         assert_eq!(p.pin(), Pin::Pinned { ra_mark: true, first_use: true });
         assert_eq!(p.take_accesses(), 1, "every use is reported; the policy discounts read-ahead");
         assert!(!p.try_lock_for_evict(), "pinned page is not evictable");
@@ -390,7 +388,7 @@ mod tests {
     fn dirty_pages_are_not_evictable_and_failed_writeback_redirties() {
         let p = PageState::default();
         assert!(p.try_lock_empty());
-        p.finish_fill(true, false, false, false);
+        p.finish_fill(true, 0, false, false);
         assert!(!p.try_lock_for_evict());
         assert!(p.begin_writeback(false));
         assert!(!p.try_lock_for_evict(), "page under writeback is not evictable");
@@ -406,7 +404,7 @@ mod tests {
     fn writer_waits_for_writeback_then_redirties() {
         let p = Arc::new(PageState::default());
         assert!(p.try_lock_empty());
-        p.finish_fill(true, false, false, false);
+        p.finish_fill(true, 0, false, false);
         assert!(p.begin_writeback(false));
         let p2 = p.clone();
         let t = std::thread::spawn(move || {
@@ -439,7 +437,7 @@ mod tests {
                                 if p.try_lock_empty() {
                                     fills.fetch_add(1, SeqCst);
                                     std::thread::yield_now();
-                                    p.finish_fill(false, false, false, false);
+                                    p.finish_fill(false, 0, false, false);
                                 }
                             }
                         }
