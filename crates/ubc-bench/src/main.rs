@@ -2,6 +2,7 @@
 //! repetitions, medians — and writes `target/bench/report.{json,md}`.
 
 mod benches;
+mod floor;
 mod report;
 mod util;
 

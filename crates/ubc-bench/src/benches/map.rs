@@ -169,7 +169,9 @@ fn resident(ctx: &Ctx) -> Vec<Record> {
     let cycles = ctx.scale(16, 8);
     let bytes = (cycles * len) as f64;
     let before = c.stats();
-    let (mut u, mut k, mut uflt, mut kflt) = (vec![], vec![], 0, 0);
+    let (mut u, mut k, mut fl, mut uflt, mut kflt) = (vec![], vec![], vec![], 0, 0);
+    let floor_fd = crate::floor::memfd(len);
+    crate::floor::fill(&floor_fd, n);
     for _ in 0..ctx.runs {
         let f0 = minflt();
         let (secs, s) = time(|| {
@@ -192,6 +194,10 @@ fn resident(ctx: &Ctx) -> Vec<Record> {
         kflt += minflt() - f0;
         black_box(s);
         k.push(bytes / secs / 1e9);
+        // The memfd floor: the same cycles on a bare memfd holding the same bytes.
+        let (secs, s) = time(|| (0..cycles).fold(0u64, |acc, _| acc.wrapping_add(crate::floor::map_touch(&floor_fd, n))));
+        black_box(s);
+        fl.push(bytes / secs / 1e9);
     }
     let after = c.stats();
     out.push(Record::from_samples(
@@ -210,6 +216,22 @@ fn resident(ctx: &Ctx) -> Vec<Record> {
             map_counters(Some(&before), &after)
         ),
     ));
+    out.push(Record::from_samples(
+        "map_resident_touch_vs_memfd",
+        "GB/s",
+        Better::Higher,
+        &u,
+        &fl,
+        "mmap of a bare memfd holding the same bytes (no cache, no userfaultfd)",
+        &format!(
+            "{fair}; the floor of any cache whose pages live in memfds here: 4 KiB shmem pages, \
+             mapped 16 per fault (fault-around), where the kernel maps its file's large folios whole; \
+             the floor itself vs. the kernel: {:.2}x; ubc maps resident pages at map time with \
+             UFFDIO_CONTINUE (so that eviction can never race a store)",
+            median(&fl) / median(&k)
+        ),
+    ));
+    drop(floor_fd);
 
     // --- map_random_read ----------------------------------------------------------------
     let ops = ctx.scale(2_000_000, 500_000) as usize;

@@ -1,0 +1,101 @@
+//! The floors of a memfd-backed cache on this machine: the same work done with a bare
+//! memfd and no cache at all. ubc keeps each file's pages in a memfd (so that mappings and
+//! `read_at` share one copy); whatever the kernel charges for memfd pages — allocating and
+//! zeroing a fresh page, mapping 4 KiB pages one by one where a file system maps a large
+//! folio at once — no cache built this way can beat. A row "vs. memfd floor" says how close
+//! ubc comes to it; a row "vs. kernel" how far that floor is from the kernel's own cache.
+
+use std::os::unix::io::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::Path;
+
+/// A memfd of `len` bytes (sparse).
+pub fn memfd(len: u64) -> OwnedFd {
+    // SAFETY: plain syscalls on a fresh descriptor we own.
+    unsafe {
+        let fd = libc::memfd_create(c"ubc-bench-floor".as_ptr(), libc::MFD_CLOEXEC);
+        assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+        let fd = OwnedFd::from_raw_fd(fd);
+        assert_eq!(libc::ftruncate(fd.as_raw_fd(), len as libc::off_t), 0, "ftruncate memfd");
+        fd
+    }
+}
+
+/// `mmap(MAP_SHARED)` of `len` bytes of `fd` at `offset`; unmapped on drop.
+pub struct Map {
+    pub ptr: *mut u8,
+    pub len: usize,
+}
+
+impl Map {
+    pub fn new(fd: &OwnedFd, offset: u64, len: usize, writable: bool) -> Map {
+        let prot = if writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
+        // SAFETY: a fresh shared mapping at a kernel-chosen address; unmapped in `drop`.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, fd.as_raw_fd(), offset as libc::off_t) };
+        assert!(p != libc::MAP_FAILED, "mmap: {}", std::io::Error::last_os_error());
+        Map { ptr: p as *mut u8, len }
+    }
+}
+
+impl Drop for Map {
+    fn drop(&mut self) {
+        // SAFETY: mapped in `new` with this length.
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+    }
+}
+
+/// Read the whole (cold) file at `path` with `O_DIRECT` in `chunk`-byte reads into fresh
+/// pages of a memfd, through a mapping of `window` bytes at a time, punching the pages
+/// `keep` bytes behind (a cache of `keep` bytes that evicts in order). This is ubc's cold
+/// read minus the cache: the device, `O_DIRECT` into memfd pages, their allocation and
+/// their punching. Returns seconds. => `chunk` divides `window`, both page multiples.
+pub fn direct_read_into_memfd(path: &Path, len: u64, chunk: usize, window: usize, keep: u64) -> f64 {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path).expect("open O_DIRECT");
+    let m = memfd(len);
+    let t = std::time::Instant::now();
+    let mut off = 0u64;
+    while off < len {
+        let w = Map::new(&m, off, window, true);
+        let mut k = 0;
+        while k < window && off + (k as u64) < len {
+            // SAFETY: `w` maps `window` writable bytes; the read stays within them.
+            let n = unsafe { libc::pread(f.as_raw_fd(), w.ptr.add(k) as *mut libc::c_void, chunk, (off + k as u64) as libc::off_t) };
+            assert!(n > 0, "pread O_DIRECT: {}", std::io::Error::last_os_error());
+            k += n as usize;
+        }
+        drop(w);
+        if off >= keep {
+            // The window `keep` bytes behind leaves the "cache".
+            // SAFETY: punching a range of our own memfd.
+            unsafe {
+                libc::fallocate(m.as_raw_fd(), libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, (off - keep) as libc::off_t, window as libc::off_t)
+            };
+        }
+        off += window as u64;
+    }
+    t.elapsed().as_secs_f64()
+}
+
+/// Touch one byte per 4 KiB page of a fresh read-only mapping of `fd` (`len` bytes), then
+/// unmap it; returns the sum of the bytes (to keep the loads).
+pub fn map_touch(fd: &OwnedFd, len: usize) -> u64 {
+    let m = Map::new(fd, 0, len, false);
+    let mut s = 0u64;
+    let mut i = 0;
+    while i < len {
+        // SAFETY: within the mapping.
+        s = s.wrapping_add(unsafe { std::ptr::read_volatile(m.ptr.add(i)) } as u64);
+        i += 4096;
+    }
+    s
+}
+
+/// Fill memfd `fd` with `len` bytes of non-zero data (resident afterwards).
+pub fn fill(fd: &OwnedFd, len: usize) {
+    let m = Map::new(fd, 0, len, true);
+    // SAFETY: the mapping is `len` writable bytes we own.
+    let s = unsafe { std::slice::from_raw_parts_mut(m.ptr, len) };
+    for (i, b) in s.iter_mut().enumerate() {
+        *b = (i % 251) as u8 + 1;
+    }
+}
