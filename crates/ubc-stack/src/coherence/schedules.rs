@@ -23,10 +23,11 @@
 //! wakeups, and deadlocks (of locks or of the protocol) and livelocks (a step bound) are
 //! reported by shuttle. Each bug these tests found has a deterministic replay below.
 //!
-//! Mappings (`Group::map`, stores and loads that bypass the manager) have a test too,
-//! `schedules_mappings`, ignored: it still finds stale reads (see there). Known limit it
-//! does not count: a write in a domain above a mapping reaches the mapping when it is
-//! flushed down, not at once.
+//! Mappings (`Group::map`, stores and loads that bypass the manager, as faults do) have
+//! their own scenarios: `schedules_mappings` (random sequences on one thread: every load and
+//! read returns the last write) and `schedules_mappings_concurrent` (a mapping thread beside
+//! readers and writers: every load and read is at least as new as the last write completed
+//! before it began — a regular register).
 
 use super::*;
 use shuttle::rand::{Rng, thread_rng};
