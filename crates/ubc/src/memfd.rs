@@ -9,9 +9,29 @@ use rustix::mm::{MapFlags, ProtFlags};
 use std::ffi::CString;
 
 /// The largest size a memfd may have (tmpfs allows `MAX_LFS_FILESIZE`, 2^63 - 1), rounded
-/// down to 64 KiB so every supported page size divides it. This is also the largest file
-/// length ubc supports: a page must lie wholly inside the memfd.
+/// down to 64 KiB so every supported page size divides it.
 pub(crate) const MEMFD_SIZE: u64 = (i64::MAX as u64) & !0xffff;
+
+/// The size of every memfd, and the largest file length ubc supports (a page must lie
+/// wholly inside the memfd): `MEMFD_SIZE`, or less under a finite `RLIMIT_FSIZE`. A memfd's
+/// offsets are file offsets, so sizing one past the process's file size limit — or writing
+/// past it — makes the kernel send `SIGXFSZ`, which kills the process by default (it did:
+/// any program run under `ulimit -f` died at its first ubc file). Under a limit, offsets at
+/// or past it are refused with `OffsetOverflow` (EFBIG) instead. Read once, at first use:
+/// a limit lowered later is not seen.
+pub(crate) fn max_size() -> u64 {
+    static SIZE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *SIZE.get_or_init(|| {
+        let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: getrlimit writes the struct we pass.
+        let ok = unsafe { libc::getrlimit(libc::RLIMIT_FSIZE, &mut r) } == 0;
+        if !ok || r.rlim_cur == libc::RLIM_INFINITY {
+            MEMFD_SIZE
+        } else {
+            (r.rlim_cur as u64).min(MEMFD_SIZE) & !0xffff
+        }
+    })
+}
 
 pub(crate) struct Memfd {
     fd: OwnedFd,
@@ -23,7 +43,7 @@ impl Memfd {
         let cname = CString::new(format!("ubc:{name}")).unwrap_or_else(|_| CString::new("ubc").unwrap());
         let fd = rustix::fs::memfd_create(&cname, MemfdFlags::CLOEXEC)
             .map_err(|e| Error::os("memfd_create", e))?;
-        rustix::fs::ftruncate(&fd, MEMFD_SIZE).map_err(|e| Error::os("ftruncate(memfd)", e))?;
+        rustix::fs::ftruncate(&fd, max_size()).map_err(|e| Error::os("ftruncate(memfd)", e))?;
         Ok(Memfd { fd })
     }
 
@@ -37,6 +57,24 @@ impl Memfd {
     pub(crate) fn allocate(&self, offset: u64, len: u64) -> Result<()> {
         rustix::fs::fallocate(&self.fd, FallocateFlags::KEEP_SIZE, offset, len)
             .map_err(|e| Error::os("fallocate(memfd)", e))
+    }
+
+    /// Write `buf` at `offset` with `pwrite` (for pages that hold no memory yet: the kernel
+    /// allocates them without zeroing what the write covers). => `offset + buf.len()` is at
+    /// most `max_size()`, so the write never meets `RLIMIT_FSIZE`.
+    pub(crate) fn write_at(&self, mut buf: &[u8], mut offset: u64) -> Result<()> {
+        while !buf.is_empty() {
+            match rustix::io::pwrite(&self.fd, buf, offset) {
+                Ok(0) => return Err(Error::os("pwrite(memfd)", rustix::io::Errno::NOSPC)),
+                Ok(n) => {
+                    buf = &buf[n..];
+                    offset += n as u64;
+                }
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(Error::os("pwrite(memfd)", e)),
+            }
+        }
+        Ok(())
     }
 
     /// A user mapping of `len` bytes at `offset`: shared or private (copy-on-write),
@@ -79,3 +117,4 @@ pub(crate) unsafe fn unmap(addr: *mut u8, len: usize) {
     // a bug we cannot recover from meaningfully; ignore it rather than abort.
     let _ = unsafe { rustix::mm::munmap(addr as *mut _, len) };
 }
+

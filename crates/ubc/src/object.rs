@@ -24,13 +24,17 @@ use std::collections::HashMap;
 use std::sync::{Arc, OnceLock, Weak};
 
 /// Largest file length ubc supports: 2^63 - 64 KiB (offsets are `i64` in POSIX, and a
-/// memfd holds at most 2^63 - 1 bytes; see `memfd.rs`).
-pub(crate) const MAX_END: u64 = crate::memfd::MEMFD_SIZE;
+/// memfd holds at most 2^63 - 1 bytes), or less under a finite `RLIMIT_FSIZE` (see
+/// `memfd::max_size`).
+#[inline]
+pub(crate) fn max_end() -> u64 {
+    crate::memfd::max_size()
+}
 
-/// `offset + len`, or an `OffsetOverflow` error past `MAX_END`.
+/// `offset + len`, or an `OffsetOverflow` error past `max_end()`.
 pub(crate) fn checked_end(offset: u64, len: usize) -> Result<u64> {
     match offset.checked_add(len as u64) {
-        Some(end) if end <= MAX_END => Ok(end),
+        Some(end) if end <= max_end() => Ok(end),
         _ => Err(Error::OffsetOverflow { offset, len: len as u64 }),
     }
 }
@@ -82,8 +86,10 @@ enum Held<'a> {
     /// page, its unclean slot is counted *held*, not published, until the writer lets it go
     /// (see `dirty_held`).
     Writing(&'a state::PageState),
-    /// A freshly filled page still BUSY: (chunk, page index).
-    Filled(&'a Chunk, u64),
+    /// A page taken empty, still BUSY: (chunk, page index, fresh). Filled from the pager
+    /// unless the writer covers it whole or it lies past the end; `fresh` says it was not,
+    /// so the memfd holds no memory for it yet.
+    Filled(&'a Chunk, u64, bool),
 }
 
 impl Object {
@@ -520,7 +526,8 @@ impl Object {
                 }
                 let page_off = page << self.ps();
                 let covers = overwrite && from == page_off && to == page_off + (1 << self.ps());
-                if !covers && page_off < self.len() {
+                let fresh = covers || page_off >= self.len();
+                if !fresh {
                     if let Err(e) = self.fill_locked(chunk, page, 1) {
                         self.core.unreserve(1);
                         self.core.unreserve_dirty();
@@ -528,7 +535,7 @@ impl Object {
                         return Err(e);
                     }
                 }
-                Ok(Held::Filled(chunk, page))
+                Ok(Held::Filled(chunk, page, fresh))
             }
         }
     }
@@ -572,7 +579,7 @@ impl Object {
                 st.abort_write();
                 self.core.flusher.publish(1);
             }
-            Held::Filled(chunk, page) => {
+            Held::Filled(chunk, page, _) => {
                 if let Some(m) = self.memfd.get() {
                     let _ = m.punch(page << self.ps(), 1 << self.ps());
                 }
@@ -591,7 +598,7 @@ impl Object {
                 debug_assert!(!was_clean, "a held page is dirty from the start of the write");
                 self.core.flusher.publish(1);
             }
-            Held::Filled(chunk, page) => self.publish_filled(chunk, page, 1, true, false, Admission::Demand, None),
+            Held::Filled(chunk, page, _) => self.publish_filled(chunk, page, 1, true, false, Admission::Demand, None),
         }
     }
 
@@ -629,18 +636,26 @@ impl Object {
             if let Some(prev) = held.take() {
                 self.release_written(prev);
             }
-            match self.memfd().and_then(|m| self.core.windows.address(chunk, m)) {
-                Ok(win) => {
+            let src = &buf[(pos - offset) as usize..(to - offset) as usize];
+            let copied = if matches!(h, Held::Filled(_, _, true)) {
+                // A page with no memory yet: `pwrite` into the memfd allocates it in the
+                // kernel without zeroing it first and without a page fault on the window —
+                // 3–6x faster per new page than a store through the window (measured in C
+                // on this host). The page is BUSY: no mapping maps it (they are registered
+                // MINOR), no reader reads it. `checked_end` kept the write below the memfd's
+                // size, so below any RLIMIT_FSIZE.
+                self.memfd().and_then(|m| m.write_at(src, pos))
+            } else {
+                self.memfd().and_then(|m| self.core.windows.address(chunk, m)).map(|win| {
                     // SAFETY: we hold the page (WRITING or BUSY): no other writer, no
                     // eviction, no window retirement; the window maps the whole chunk.
                     unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            buf.as_ptr().add((pos - offset) as usize),
-                            win.add((pos - self.chunk_offset(chunk)) as usize),
-                            (to - pos) as usize,
-                        );
+                        std::ptr::copy_nonoverlapping(src.as_ptr(), win.add((pos - self.chunk_offset(chunk)) as usize), src.len());
                     }
-                }
+                })
+            };
+            match copied {
+                Ok(()) => {}
                 Err(e) => {
                     // Nothing was copied into this page: give it back untouched.
                     self.abort_held(h);
@@ -722,7 +737,7 @@ impl Object {
             if st.load() & VALID != 0 {
                 self.release_written(Held::Writing(st));
             } else {
-                self.release_written(Held::Filled(chunk, page));
+                self.release_written(Held::Filled(chunk, page, false));
             }
         }
     }
@@ -732,7 +747,7 @@ impl Object {
     /// `set_len`: truncate (dropping cached pages past the end and zeroing the tail of the
     /// last page) or extend; then tell the pager.
     pub(crate) fn set_len(&self, new: u64) -> Result<()> {
-        if new > MAX_END {
+        if new > max_end() {
             return Err(Error::OffsetOverflow { offset: new, len: 0 });
         }
         let _size = self.size_lock.write();

@@ -194,7 +194,7 @@ impl Windows {
     /// maximum size (mmap refuses to reach past `MAX_LFS_FILESIZE`).
     fn map_len(&self, chunk: &Chunk) -> usize {
         let off = chunk.index * self.size as u64;
-        (self.size as u64).min(memfd::MEMFD_SIZE.saturating_sub(off)) as usize
+        (self.size as u64).min(memfd::max_size().saturating_sub(off)) as usize
     }
 
     pub(crate) fn stats(&self) -> WindowStats {

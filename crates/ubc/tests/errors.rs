@@ -297,3 +297,53 @@ fn a_writeback_failure_later_retried_successfully_is_not_an_error() {
     a.close().unwrap();
     b.close().unwrap();
 }
+
+/// Under `ulimit -f` (a finite `RLIMIT_FSIZE`), ubc sized its memfds to 2^63 anyway and the
+/// kernel killed the process with SIGXFSZ at its first file. The limit now bounds the file
+/// offsets ubc accepts: below it everything works (writes, new pages filled with `pwrite`,
+/// mappings, sync to a real file), at or past it calls fail with `OffsetOverflow` (EFBIG).
+/// Runs in a child process with the limit set before `exec` (the limit is read once).
+#[test]
+fn a_file_size_limit_is_an_error_past_it_not_a_signal() {
+    const LIMIT: u64 = 4 << 20;
+    if std::env::var("UBC_CHILD").is_ok_and(|v| v == "fsize") {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = Cache::builder().budget(8 << 20).build().unwrap();
+        let f = cache.create_path(&dir.path().join("f")).unwrap();
+        let data = vec![0x5au8; 1 << 20];
+        f.write_at(&data, 0).unwrap();
+        f.write_at(&data, LIMIT - (1 << 20)).unwrap(); // up to the limit exactly
+        assert!(matches!(f.write_at(b"x", LIMIT), Err(ubc::Error::OffsetOverflow { .. })));
+        assert!(matches!(f.set_len(LIMIT + 1), Err(ubc::Error::OffsetOverflow { .. })));
+        assert_eq!(f.write_at(b"x", LIMIT).unwrap_err().raw_os_error(), Some(libc::EFBIG));
+        let m = f.map(0..LIMIT, Access::ReadOnly, ubc::Sharing::Shared).unwrap();
+        assert_eq!(m[LIMIT as usize - 1], 0x5a);
+        assert_eq!(m[2 << 20], 0);
+        drop(m);
+        f.sync().unwrap();
+        assert_eq!(std::fs::metadata(dir.path().join("f")).unwrap().len(), LIMIT);
+        let mut back = vec![0u8; 1 << 20];
+        f.read_exact_at(&mut back, LIMIT - (1 << 20)).unwrap();
+        assert_eq!(back, data);
+        return;
+    }
+    use std::os::unix::process::{CommandExt, ExitStatusExt};
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", "a_file_size_limit_is_an_error_past_it_not_a_signal", "--nocapture", "--test-threads=1"])
+        .env("UBC_CHILD", "fsize");
+    // SAFETY: setrlimit is async-signal-safe; it only changes the child's limit.
+    unsafe {
+        cmd.pre_exec(|| {
+            let r = libc::rlimit { rlim_cur: LIMIT, rlim_max: libc::RLIM_INFINITY };
+            if libc::setrlimit(libc::RLIMIT_FSIZE, &r) == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+        });
+    }
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "child under RLIMIT_FSIZE = {LIMIT}: {:?} (signal {:?})\n{}",
+        out.status,
+        out.status.signal(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
