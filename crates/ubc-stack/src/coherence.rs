@@ -612,21 +612,28 @@ impl<F: Actions> Group<F> {
             re.iter().any(|x| t.dirty.overlaps(x) || t.sticky_overlaps(x, true))
         });
         let Some(top) = top else { return Ok(false) };
-        for e in (d + 1..=top).rev() {
-            let (re, _) = Self::translate(doms, d, e, r.clone());
+        self.push_chain(doms, d, d, top, r)?;
+        Ok(true)
+    }
+
+    /// Push domains `top` down to `low + 1` down, top first, over bytes `r` of domain
+    /// `base`: each one's data goes into the domain below it. Readers below now see the
+    /// data: each keeps only a read token (if it had one: a domain the push passed through,
+    /// or a mapping's, holds pages without one — recorded as `cached`, so that a write below
+    /// drops them). => file lock held.
+    fn push_chain(&self, doms: &[Arc<Domain<F>>], base: usize, low: usize, top: usize, r: &Range<u64>) -> ubc::Result<()> {
+        for e in (low + 1..=top).rev() {
+            let (re, _) = Self::translate(doms, base, e, r.clone());
             let mut t = doms[e].tokens.write();
             doms[e].push_down(&re)?;
             for x in &re {
-                // Readers below now see the data: e keeps only a read token (if it had
-                // one: a domain the flush passed through, or a mapping's, holds pages
-                // without one — recorded so that a write below drops them).
                 t.write.remove(x.clone());
                 t.dirty.remove(x.clone());
                 t.cached.insert(x.clone());
             }
             self.counters.flushes.fetch_add(1, Relaxed);
         }
-        Ok(true)
+        Ok(())
     }
 
     /// Bytes `r` of domain `d` are (about to be) written: drop every page of the domains
@@ -671,17 +678,7 @@ impl<F: Actions> Group<F> {
     /// Push what domain `from` wrote over its bytes `r` down to domain `to` (a mapping
     /// there sees it), domain by domain. => file lock held.
     fn push_down_to(&self, doms: &[Arc<Domain<F>>], from: usize, to: usize, r: Range<u64>) -> ubc::Result<()> {
-        for k in (to + 1..=from).rev() {
-            let (rk, _) = Self::translate(doms, from, k, r.clone());
-            let mut t = doms[k].tokens.write();
-            doms[k].push_down(&rk)?;
-            for x in &rk {
-                t.write.remove(x.clone());
-                t.dirty.remove(x.clone());
-                t.cached.insert(x.clone());
-            }
-            self.counters.flushes.fetch_add(1, Relaxed);
-        }
+        self.push_chain(doms, from, to, from, &r)?;
         if to > 0 {
             // The data is in `to` now, not below it yet: readers below flush it.
             let (rt, _) = Self::translate(doms, from, to, r);

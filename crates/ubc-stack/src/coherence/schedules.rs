@@ -617,30 +617,18 @@ fn mapping_ops(layers: &'static [Layer], ops: usize) {
         match (rng.gen_range(0..8), &mapped) {
             (0, None) => {
                 let write = rng.gen_bool(0.6);
-                m.lock().unwrap().note(format!("map d{d} {r:?} write {write}"));
-                let id = g.map(d, r.clone(), write);
-                let dom = g.domain(d).unwrap();
-                drop(g.acquire(&dom, d, r.clone(), if write { Mode::Write } else { Mode::Read }).unwrap());
+                let id = map(&g, &m, d, r.clone(), write);
                 mapped = Some((d, r, write, id));
             }
             (1, Some((md, mr, mw, _))) => {
-                // A store (if writable) or a load through the mapping.
-                let mut s = m.lock().unwrap();
+                // A store (if writable) or a load through the mapping. A write in any
+                // domain is seen at once: below the mapping by an invalidation of its
+                // pages, above it by a push down to them.
                 for b in mr.clone() {
                     if *mw && rng.gen_bool(0.5) {
-                        s.next += 1;
-                        let v = s.next;
-                        s.write(*md, b, v);
-                        s.last[b as usize] = v;
-                        s.note(format!("store d{md} b{b} = {v}"));
+                        store(&m, *md, b);
                     } else {
-                        let v = s.read(*md, b);
-                        s.note(format!("load d{md} b{b} -> {v}"));
-                        // A write in any domain is seen at once: below the mapping by an
-                        // invalidation of its pages, above it by a push down to them.
-                        if v != s.last[b as usize] {
-                            s.fail(format!("stale load through a mapping of domain {md} block {b}: {v}"));
-                        }
+                        load(&m, *md, b);
                     }
                 }
             }
