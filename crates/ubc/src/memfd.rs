@@ -117,4 +117,3 @@ pub(crate) unsafe fn unmap(addr: *mut u8, len: usize) {
     // a bug we cannot recover from meaningfully; ignore it rather than abort.
     let _ = unsafe { rustix::mm::munmap(addr as *mut _, len) };
 }
-

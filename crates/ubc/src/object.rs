@@ -346,10 +346,7 @@ impl Object {
         // (`file_pager_mapping_round_trip_through_a_fresh_cache`, under load, once read-ahead
         // published pages ahead of a writer storing through a mapping). The contents are
         // final at `finish_fill`, so no mapping sees a half-made page either way. Resident
-        // pages still never trap — except the read-ahead marker: left out, so that a reader
-        // through a mapping traps there (MINOR: the page is resident) and the fault handler
-        // queues the next window, Linux's PG_readahead met by a fault
-        // (`do_async_mmap_readahead`).
+        // pages never trap, except the read-ahead marker, which `map_pages` leaves out.
         let svc = if self.nmaps.load(SeqCst) > 0 { self.core.maps.get() } else { None };
         let pins = u32::from(pin) + u32::from(svc.is_some());
         for p in first..first + n {
@@ -360,16 +357,8 @@ impl Object {
             self.publish_dirtied(n);
         }
         if let Some(svc) = svc {
-            let end = first + n;
-            let skip = mark.filter(|&m| (first..end).contains(&m));
             for m in self.maps.read().iter() {
-                match skip {
-                    Some(k) => {
-                        svc.map_pages(self, m, first, k, false);
-                        svc.map_pages(self, m, k + 1, end, false);
-                    }
-                    None => svc.map_pages(self, m, first, end, false),
-                }
+                svc.map_pages(self, m, first, first + n, false);
             }
             self.unpin_run(chunk, first, n);
         }

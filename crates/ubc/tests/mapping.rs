@@ -118,6 +118,12 @@ fn cold_pages_are_faulted_in_and_resident_pages_never_trap() {
     assert!(st.totals.readahead_pages >= pages / 2, "read-ahead through the mapping: {st:?}");
     assert!(st.map_fault_pages + st.totals.readahead_pages >= pages, "{st:?}");
     assert!(st.map_faults * 64 <= pages, "faults {} for {pages} pages", st.map_faults);
+    // Past the first cluster (16 pages), the faults were one-page MINOR traps on read-ahead
+    // markers, each queueing the next window ahead of the reader. (Were markers mapped like
+    // other pages, the reader would run into each window's end and fault a whole cluster
+    // in synchronously: 96 fault pages here instead of 23.) Slack for one cluster, in
+    // case a loaded machine lets the reader overtake a window still being read.
+    assert!(st.map_fault_pages <= 2 * 16 + st.map_faults, "clusters faulted in past read-ahead: {st:?}");
     drop(m);
     // Resident now: a new mapping maps them all at once; touching traps not once.
     let before = cache.stats().map_faults;
@@ -552,14 +558,15 @@ fn a_store_found_during_a_failing_writeback_is_counted_once() {
 }
 
 #[test]
-fn stores_onto_pages_just_read_ahead_into_a_mapping_are_never_lost() {
+fn stores_through_a_mapping_racing_read_ahead_and_cleaning_all_reach_the_file() {
     // A writer stores through a mapping of a cold file, sequentially, so read-ahead keeps
     // publishing pages into the mapping just ahead of it; another thread cleans (scans for
-    // stores, writes back) all the while, under a budget far below the file. (The race
-    // is narrow; `MapService::map_pages` also asserts, in debug builds, that every page it
-    // maps is valid — which catches the old order deterministically.) Publishing once mapped a
-    // page before it was valid: a store landing then was found by a scan that could not
-    // mark it dirty, and lost (under load, about one run in six of the round-trip test).
+    // stores, writes back) all the while, under a budget far below the file; a fresh cache
+    // must read back every store. This is the scene of a store lost to a scan (pages were
+    // mapped before they were valid), but that race is too narrow for this test to catch
+    // on an idle machine: it passed 5 of 5 runs with the old order. What catches the old
+    // order deterministically is `cold_pages_are_faulted_in_and_resident_pages_never_trap`
+    // (`map_pages` maps valid pages only, so mapping too early shows up as traps).
     let dir = tempfile::tempdir().unwrap();
     for round in 0..12u64 {
         let path = dir.path().join(format!("ra{round}"));

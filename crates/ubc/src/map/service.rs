@@ -194,24 +194,30 @@ impl MapService {
     /// Map file pages `[a, b)` (valid, and held by the caller: pinned, or BUSY for
     /// eviction) into `m`. With `materialize`, a valid page the memfd does not hold yet (a
     /// hole never written) is allocated (zeroed) and mapped; without, it is skipped (it
-    /// will trap once). A page that is not valid is never mapped, whatever the caller
-    /// holds: a store through the mapping must land on a page a scan can mark dirty (pages
-    /// once mapped while still being filled lost a store found then — publish_filled). So
-    /// a caller that maps too early gets traps, not lost stores. Errors are ignored: a page
-    /// not mapped now traps and is mapped then.
+    /// will trap once). Only pages `PageState::is_mappable` says may be are mapped, whatever
+    /// the caller holds:
+    /// * not a page that is not valid: a store through the mapping must land on a page a
+    ///   scan can mark dirty (pages once mapped while still being filled lost a store found
+    ///   then — see `publish_filled`); a caller that maps too early gets traps, not lost
+    ///   stores;
+    /// * not the read-ahead marker a fill just published: a reader through the mapping
+    ///   traps there once (MINOR: the page is resident) and the handler, pinning it, queues
+    ///   the next window — Linux's `PG_readahead` met by a fault (`do_async_mmap_readahead`).
+    ///
+    /// Errors are ignored: a page not mapped now traps and is mapped then.
     pub(crate) fn map_pages(&self, obj: &Object, m: &UserMap, a: u64, b: u64, materialize: bool) {
         if self.kernel.is_none() {
             return;
         }
-        let valid = |p: u64| obj.page_state(p).is_some_and(|s| s.is_valid());
+        let mappable = |p: u64| obj.page_state(p).is_some_and(|s| s.is_mappable());
         let mut p = a;
         while p < b {
-            if !valid(p) {
+            if !mappable(p) {
                 p += 1;
                 continue;
             }
             let mut q = p + 1;
-            while q < b && valid(q) {
+            while q < b && mappable(q) {
                 q += 1;
             }
             self.map_run(obj, m, p, q, materialize);
@@ -219,7 +225,7 @@ impl MapService {
         }
     }
 
-    /// `map_pages` for a run of valid pages.
+    /// `map_pages` for a run of mappable pages.
     fn map_run(&self, obj: &Object, m: &UserMap, a: u64, b: u64, materialize: bool) {
         let Some(k) = &self.kernel else { return };
         let ps = obj.page_shift();

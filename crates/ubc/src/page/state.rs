@@ -88,6 +88,14 @@ impl PageState {
         self.load() & VALID != 0
     }
 
+    /// May be mapped into a user mapping: valid, and not carrying the read-ahead mark (its
+    /// first touch through a mapping must trap, so that the fault handler queues the next
+    /// window; whoever pins the page clears the mark).
+    #[inline]
+    pub(crate) fn is_mappable(&self) -> bool {
+        self.load() & (VALID | RA_MARK) == VALID
+    }
+
     /// Neither valid nor being filled.
     #[inline]
     pub(crate) fn is_empty(&self) -> bool {
