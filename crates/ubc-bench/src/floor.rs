@@ -5,6 +5,7 @@
 //! folio at once — no cache built this way can beat. A row "vs. memfd floor" says how close
 //! ubc comes to it; a row "vs. kernel" how far that floor is from the kernel's own cache.
 
+use crate::util::SharedMap;
 use std::os::unix::io::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
 
@@ -20,52 +21,19 @@ pub fn memfd(len: u64) -> OwnedFd {
     }
 }
 
-/// `mmap(MAP_SHARED)` of `len` bytes of `fd` at `offset`; unmapped on drop.
-pub struct Map {
-    pub ptr: *mut u8,
-    pub len: usize,
-}
-
-impl Map {
-    pub fn new(fd: &OwnedFd, offset: u64, len: usize, writable: bool) -> Map {
-        let prot = if writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
-        // SAFETY: a fresh shared mapping at a kernel-chosen address; unmapped in `drop`.
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, fd.as_raw_fd(), offset as libc::off_t) };
-        assert!(p != libc::MAP_FAILED, "mmap: {}", std::io::Error::last_os_error());
-        Map { ptr: p as *mut u8, len }
-    }
-}
-
-impl Drop for Map {
-    fn drop(&mut self) {
-        // SAFETY: mapped in `new` with this length.
-        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
-    }
-}
-
-/// Read the whole (cold) file at `path` with `O_DIRECT` in `chunk`-byte reads into fresh
-/// pages of a memfd, through a mapping of `window` bytes at a time, punching the pages
-/// `keep` bytes behind (a cache of `keep` bytes that evicts in order). This is ubc's cold
-/// read minus the cache: the device, `O_DIRECT` into memfd pages, their allocation and
-/// their punching. Returns seconds. => `chunk` divides `window`, both page multiples.
-pub fn direct_read_into_memfd(path: &Path, len: u64, chunk: usize, window: usize, keep: u64) -> f64 {
-    use std::os::unix::fs::OpenOptionsExt;
-    let f = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path).expect("open O_DIRECT");
+/// Walk a fresh memfd of `len` bytes the way a cache of `keep` bytes that evicts in order
+/// does: map each `window` of it in turn (its pages are new), let `body` fill or drain it
+/// (`body(window address, file offset)`), unmap it, and punch the window `keep` bytes
+/// behind. Returns the seconds it all took. => `window` divides `keep`, page multiples.
+fn through_fresh_windows(len: u64, window: usize, keep: u64, mut body: impl FnMut(*mut u8, u64)) -> f64 {
     let m = memfd(len);
     let t = std::time::Instant::now();
     let mut off = 0u64;
     while off < len {
-        let w = Map::new(&m, off, window, true);
-        let mut k = 0;
-        while k < window && off + (k as u64) < len {
-            // SAFETY: `w` maps `window` writable bytes; the read stays within them.
-            let n = unsafe { libc::pread(f.as_raw_fd(), w.ptr.add(k) as *mut libc::c_void, chunk, (off + k as u64) as libc::off_t) };
-            assert!(n > 0, "pread O_DIRECT: {}", std::io::Error::last_os_error());
-            k += n as usize;
-        }
+        let w = SharedMap::new(&m, off, window, true);
+        body(w.ptr, off);
         drop(w);
         if off >= keep {
-            // The window `keep` bytes behind leaves the "cache".
             // SAFETY: punching a range of our own memfd.
             unsafe {
                 libc::fallocate(m.as_raw_fd(), libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, (off - keep) as libc::off_t, window as libc::off_t)
@@ -76,62 +44,59 @@ pub fn direct_read_into_memfd(path: &Path, len: u64, chunk: usize, window: usize
     t.elapsed().as_secs_f64()
 }
 
-/// Touch one byte per 4 KiB page of a fresh read-only mapping of `fd` (`len` bytes), then
-/// unmap it; returns the sum of the bytes (to keep the loads).
-pub fn map_touch(fd: &OwnedFd, len: usize) -> u64 {
-    let m = Map::new(fd, 0, len, false);
-    let mut s = 0u64;
-    let mut i = 0;
-    while i < len {
-        // SAFETY: within the mapping.
-        s = s.wrapping_add(unsafe { std::ptr::read_volatile(m.ptr.add(i)) } as u64);
-        i += 4096;
-    }
-    s
+/// Open `path` with `O_DIRECT` (`write`: for writing, else reading).
+fn open_direct(path: &Path, write: bool) -> std::fs::File {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new().read(!write).write(write).custom_flags(libc::O_DIRECT).open(path).expect("open O_DIRECT")
+}
+
+/// Read the whole (cold) file at `path` with `O_DIRECT` in `chunk`-byte reads into fresh
+/// memfd pages (`through_fresh_windows`). This is ubc's cold read minus the cache: the
+/// device, `O_DIRECT` into memfd pages, their allocation and their punching. Returns
+/// seconds. => `chunk` divides `window`, both page multiples.
+pub fn direct_read_into_memfd(path: &Path, len: u64, chunk: usize, window: usize, keep: u64) -> f64 {
+    let f = open_direct(path, false);
+    through_fresh_windows(len, window, keep, |w, off| {
+        let mut k = 0;
+        while k < window && off + (k as u64) < len {
+            // SAFETY: `w` maps `window` writable bytes; the read stays within them.
+            let n = unsafe { libc::pread(f.as_raw_fd(), w.add(k) as *mut libc::c_void, chunk, (off + k as u64) as libc::off_t) };
+            assert!(n > 0, "pread O_DIRECT: {}", std::io::Error::last_os_error());
+            k += n as usize;
+        }
+    })
+}
+
+/// Write `len` bytes over the existing file at `path` the way a memfd-backed cache must:
+/// copy `data` (`data.len()`-byte calls) into fresh memfd pages (`through_fresh_windows`),
+/// write each window out with `O_DIRECT` in 1 MiB writes, and `fdatasync` at the end. One
+/// thread, no overlap of copying and writing (ubc overlaps them, so it can beat this).
+/// Returns seconds. => `data.len()` divides `window`, `window` a multiple of 1 MiB, `len`
+/// of `window`.
+pub fn direct_write_through_memfd(path: &Path, len: u64, data: &[u8], window: usize, keep: u64) -> f64 {
+    let f = open_direct(path, true);
+    let secs = through_fresh_windows(len, window, keep, |w, off| {
+        for k in (0..window).step_by(data.len()) {
+            // SAFETY: within the `window` writable bytes of `w`.
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), w.add(k), data.len()) };
+        }
+        for k in (0..window).step_by(1 << 20) {
+            // SAFETY: `w` maps `window` bytes; the write stays within them.
+            let n = unsafe { libc::pwrite(f.as_raw_fd(), w.add(k) as *const libc::c_void, 1 << 20, (off + k as u64) as libc::off_t) };
+            assert_eq!(n, 1 << 20, "pwrite O_DIRECT: {}", std::io::Error::last_os_error());
+        }
+    });
+    let t = std::time::Instant::now();
+    f.sync_data().expect("fdatasync");
+    secs + t.elapsed().as_secs_f64()
 }
 
 /// Fill memfd `fd` with `len` bytes of non-zero data (resident afterwards).
 pub fn fill(fd: &OwnedFd, len: usize) {
-    let m = Map::new(fd, 0, len, true);
+    let m = SharedMap::new(fd, 0, len, true);
     // SAFETY: the mapping is `len` writable bytes we own.
     let s = unsafe { std::slice::from_raw_parts_mut(m.ptr, len) };
     for (i, b) in s.iter_mut().enumerate() {
         *b = (i % 251) as u8 + 1;
     }
-}
-
-/// Write `len` bytes over the existing file at `path` the way a memfd-backed cache must:
-/// copy `data` (`data.len()`-byte calls) into fresh memfd pages through a mapping of
-/// `window` bytes at a time, write each window out with `O_DIRECT` in 1 MiB writes, punch
-/// the pages `keep` bytes behind, and `fdatasync` at the end. One thread, no overlap of
-/// copying and writing (ubc overlaps them, so it can beat this). Returns seconds.
-/// => `data.len()` divides `window`, `window` a multiple of 1 MiB, `len` of `window`.
-pub fn direct_write_through_memfd(path: &Path, len: u64, data: &[u8], window: usize, keep: u64) -> f64 {
-    use std::os::unix::fs::OpenOptionsExt;
-    let f = std::fs::OpenOptions::new().write(true).custom_flags(libc::O_DIRECT).open(path).expect("open O_DIRECT");
-    let m = memfd(len);
-    let t = std::time::Instant::now();
-    let mut off = 0u64;
-    while off < len {
-        let w = Map::new(&m, off, window, true);
-        for k in (0..window).step_by(data.len()) {
-            // SAFETY: within the `window` writable bytes of `w`.
-            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), w.ptr.add(k), data.len()) };
-        }
-        for k in (0..window).step_by(1 << 20) {
-            // SAFETY: `w` maps `window` bytes; the write stays within them.
-            let n = unsafe { libc::pwrite(f.as_raw_fd(), w.ptr.add(k) as *const libc::c_void, 1 << 20, (off + k as u64) as libc::off_t) };
-            assert_eq!(n, 1 << 20, "pwrite O_DIRECT: {}", std::io::Error::last_os_error());
-        }
-        drop(w);
-        if off >= keep {
-            // SAFETY: punching a range of our own memfd.
-            unsafe {
-                libc::fallocate(m.as_raw_fd(), libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, (off - keep) as libc::off_t, window as libc::off_t)
-            };
-        }
-        off += window as u64;
-    }
-    f.sync_data().expect("fdatasync");
-    t.elapsed().as_secs_f64()
 }

@@ -343,3 +343,40 @@ impl IoStat {
         )
     }
 }
+
+/// `mmap(MAP_SHARED)` of `len` bytes of a file or memfd at `offset`; unmapped on drop.
+pub struct SharedMap {
+    pub ptr: *mut u8,
+    pub len: usize,
+}
+
+impl SharedMap {
+    pub fn new(fd: &impl AsRawFd, offset: u64, len: usize, writable: bool) -> SharedMap {
+        let prot = if writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
+        // SAFETY: a fresh shared mapping at a kernel-chosen address of a descriptor the
+        // caller holds open; it aliases no Rust object and is unmapped in `drop`.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, fd.as_raw_fd(), offset as libc::off_t) };
+        assert!(p != libc::MAP_FAILED, "mmap: {}", std::io::Error::last_os_error());
+        SharedMap { ptr: p as *mut u8, len }
+    }
+
+    pub fn slice(&self) -> &[u8] {
+        // SAFETY: `ptr..ptr+len` is mapped for as long as `self` lives (callers map only
+        // bytes within the file).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// `msync(MS_SYNC)`.
+    pub fn sync(&self) {
+        // SAFETY: our mapping.
+        let rc = unsafe { libc::msync(self.ptr as *mut libc::c_void, self.len, libc::MS_SYNC) };
+        assert_eq!(rc, 0, "msync: {}", std::io::Error::last_os_error());
+    }
+}
+
+impl Drop for SharedMap {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`.
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+    }
+}

@@ -45,7 +45,6 @@ use crate::report::{Better, Record, median};
 use crate::util::*;
 use std::fs::File;
 use std::hint::black_box;
-use std::os::unix::io::AsRawFd;
 use std::path::Path;
 use ubc::{Access, Cache, CacheStats, Sharing};
 
@@ -53,41 +52,6 @@ use ubc::{Access, Cache, CacheStats, Sharing};
 const STEP: usize = 4096;
 /// `read()` buffer of the Mach rows.
 const CHUNK: usize = 64 << 10;
-
-/// A kernel `mmap(MAP_SHARED)` of a whole host file; unmapped on drop.
-struct KernelMap {
-    ptr: *mut u8,
-    len: usize,
-}
-
-impl KernelMap {
-    fn new(f: &File, len: usize, writable: bool) -> KernelMap {
-        let prot = if writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
-        // SAFETY: a fresh shared mapping of a file we hold open; unmapped in `drop`.
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, f.as_raw_fd(), 0) };
-        assert!(p != libc::MAP_FAILED, "mmap: {}", std::io::Error::last_os_error());
-        KernelMap { ptr: p as *mut u8, len }
-    }
-
-    fn slice(&self) -> &[u8] {
-        // SAFETY: `ptr..ptr+len` is mapped (and within the file) for as long as `self` lives.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-
-    /// `msync(MS_SYNC)`.
-    fn sync(&self) {
-        // SAFETY: our mapping.
-        let rc = unsafe { libc::msync(self.ptr as *mut libc::c_void, self.len, libc::MS_SYNC) };
-        assert_eq!(rc, 0, "msync: {}", std::io::Error::last_os_error());
-    }
-}
-
-impl Drop for KernelMap {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `new`.
-        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
-    }
-}
 
 /// Sum of one volatile byte per page of `ptr..ptr+len`.
 fn touch(ptr: *const u8, len: usize) -> u64 {
@@ -187,7 +151,7 @@ fn resident(ctx: &Ctx) -> Vec<Record> {
         let f0 = minflt();
         let (secs, s) = time(|| {
             (0..cycles).fold(0u64, |acc, _| {
-                let m = KernelMap::new(&kf, n, false);
+                let m = SharedMap::new(&kf, 0, n, false);
                 acc.wrapping_add(touch(m.ptr, m.len))
             })
         });
@@ -195,7 +159,12 @@ fn resident(ctx: &Ctx) -> Vec<Record> {
         black_box(s);
         k.push(bytes / secs / 1e9);
         // The memfd floor: the same cycles on a bare memfd holding the same bytes.
-        let (secs, s) = time(|| (0..cycles).fold(0u64, |acc, _| acc.wrapping_add(crate::floor::map_touch(&floor_fd, n))));
+        let (secs, s) = time(|| {
+            (0..cycles).fold(0u64, |acc, _| {
+                let m = SharedMap::new(&floor_fd, 0, n, false);
+                acc.wrapping_add(touch(m.ptr, m.len))
+            })
+        });
         black_box(s);
         fl.push(bytes / secs / 1e9);
     }
@@ -237,7 +206,7 @@ fn resident(ctx: &Ctx) -> Vec<Record> {
     let ops = ctx.scale(2_000_000, 500_000) as usize;
     let offsets = random_offsets(ops, len, 4096, 7);
     let um = f.map(0..len, Access::ReadOnly, Sharing::Shared).expect("ubc map");
-    let km = KernelMap::new(&kf, n, false);
+    let km = SharedMap::new(&kf, 0, n, false);
     black_box(touch(um.as_ptr(), um.len()));
     black_box(touch(km.ptr, km.len));
     let contig = format!(
@@ -303,7 +272,7 @@ fn resident(ctx: &Ctx) -> Vec<Record> {
             uflush.push(time(|| m.flush().expect("ubc flush")).0);
             drop(m);
             warm_kernel_cache(&kpath);
-            let (secs, m) = time(|| KernelMap::new(&kf, n, true));
+            let (secs, m) = time(|| SharedMap::new(&kf, 0, n, true));
             kmap.push(secs);
             let f0 = minflt();
             ks += time(|| store(m.ptr, n, v)).0;
@@ -370,7 +339,7 @@ fn cold_seq(ctx: &Ctx) -> Record {
         let d0 = IoStat::now();
         let (secs, s) = time(|| {
             let kf = File::open(&path).expect("open");
-            let m = KernelMap::new(&kf, n, false);
+            let m = SharedMap::new(&kf, 0, n, false);
             touch(m.ptr, m.len)
         });
         kd = IoStat::now().since(&d0);
@@ -456,7 +425,7 @@ fn mach(ctx: &Ctx) -> Vec<Record> {
             v.push(
                 time(|| {
                     let kf = File::open(&path).expect("open");
-                    let m = KernelMap::new(&kf, n, false);
+                    let m = SharedMap::new(&kf, 0, n, false);
                     black_box(touch(m.ptr, m.len))
                 })
                 .0,
