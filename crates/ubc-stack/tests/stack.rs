@@ -37,11 +37,13 @@ fn read_all(f: &ubc_stack::File) -> Vec<u8> {
     v
 }
 
-/// Decrypt stored bytes "offline": a fresh cache and a fresh stack over a copy of them.
-fn offline_cleartext(fx: &Fixture, name: &str, stored: &[u8]) -> Vec<u8> {
+/// Decrypt stored bytes "offline": a fresh cache and a fresh `dir | {zstd |} aead` stack
+/// over a copy of them.
+fn offline_cleartext(fx: &Fixture, name: &str, stored: &[u8], zstd: bool) -> Vec<u8> {
     let copy = tempfile::tempdir().unwrap();
     std::fs::write(copy.path().join(name), stored).unwrap();
-    let s = Stack::open(&format!("dir:{} | zstd | aead:keyfile={}", copy.path().display(), fx.keyfile.display()), cache()).unwrap();
+    let mid = if zstd { " | zstd" } else { "" };
+    let s = Stack::open(&format!("dir:{}{mid} | aead:keyfile={}", copy.path().display(), fx.keyfile.display()), cache()).unwrap();
     read_all(&s.top().open(name).unwrap())
 }
 
@@ -60,12 +62,12 @@ fn cleartext_written_at_the_top_is_the_ciphertext_read_at_the_bottom_at_once() {
     let bottom = s.layer(0).unwrap().open("a.txt").unwrap();
     let stored = read_all(&bottom);
     assert!(!stored.windows(64).any(|w| w == &v1[1000..1064]), "cleartext reached the disk layer");
-    assert_eq!(offline_cleartext(&fx, "a.txt", &stored), v1);
+    assert_eq!(offline_cleartext(&fx, "a.txt", &stored, true), v1);
     // And again after an in-place update in the middle.
     top.write_at(b"UPDATED IN PLACE", 123_456).unwrap();
     let mut v2 = v1.clone();
     v2[123_456..123_456 + 16].copy_from_slice(b"UPDATED IN PLACE");
-    assert_eq!(offline_cleartext(&fx, "a.txt", &read_all(&bottom)), v2);
+    assert_eq!(offline_cleartext(&fx, "a.txt", &read_all(&bottom), true), v2);
     // The middle layer (ciphertext, uncompressed) is current too.
     let mid = s.layer(1).unwrap().open("a.txt").unwrap();
     let ct = read_all(&mid);
@@ -388,7 +390,7 @@ fn stores_through_a_top_mapping_reach_the_bottom_when_it_reads() {
         want[at..at + 8].copy_from_slice(b"MAPSTORE");
         // Each round, the bottom reads: it must see every store so far (no msync).
         let stored = read_all(&s.layer(0).unwrap().open("m.bin").unwrap());
-        assert_eq!(offline_cleartext(&fx, "m.bin", &stored), want, "round {i}");
+        assert_eq!(offline_cleartext(&fx, "m.bin", &stored, true), want, "round {i}");
     }
     // And the mapping still works after the flushes.
     m[1..3].copy_from_slice(b"ok");
@@ -486,7 +488,7 @@ fn mappings_see_writes_through_other_layers_when_they_return() {
     want[5000..9000].copy_from_slice(&pattern(2, 4000));
     top.write_at(&pattern(2, 4000), 5000).unwrap();
     let snapshot = low.to_vec();
-    assert!(offline_cleartext_aead(&fx, "w.bin", &snapshot) == want, "the stored-bytes mapping lags the top write");
+    assert!(offline_cleartext(&fx, "w.bin", &snapshot, false) == want, "the stored-bytes mapping lags the top write");
     assert!(high[..] == want[..], "the cleartext mapping does not show its own layer's write");
 
     // Bottom write (a restore of older ciphertext): the cleartext mapping shows it.
@@ -495,12 +497,4 @@ fn mappings_see_writes_through_other_layers_when_they_return() {
     bottom.write_at(&old, 0).unwrap();
     assert!(high[..] == want[..], "the cleartext mapping lags the bottom write");
     drop((low, high));
-}
-
-/// Decrypt stored `dir | aead` bytes in a fresh cache and stack.
-fn offline_cleartext_aead(fx: &Fixture, name: &str, stored: &[u8]) -> Vec<u8> {
-    let copy = tempfile::tempdir().unwrap();
-    std::fs::write(copy.path().join(name), stored).unwrap();
-    let s = Stack::open(&format!("dir:{} | aead:keyfile={}", copy.path().display(), fx.keyfile.display()), cache()).unwrap();
-    read_all(&s.top().open(name).unwrap())
 }
