@@ -325,19 +325,42 @@ fn sync(g: &Group<Cached>, m: &Model, d: usize) {
 }
 
 /// One random operation.
-fn random_op(g: &Group<Cached>, m: &Model, n: usize) {
+fn random_op(g: &Group<Cached>, m: &Model, n: usize, writes: bool) {
     let mut rng = thread_rng();
     let d = rng.gen_range(0..n);
-    let r = match rng.gen_range(0..3) {
+    let r = random_range(&mut rng);
+    match rng.gen_range(0..10) {
+        0..=4 => read(g, m, d, r),
+        5..=8 if writes => write(g, m, d, r),
+        _ => sync(g, m, d),
+    }
+}
+
+/// One block, the other, or both.
+fn random_range(rng: &mut impl Rng) -> Range<u64> {
+    match rng.gen_range(0..3) {
         0 => 0..1,
         1 => 1..2,
         _ => 0..BLOCKS,
-    };
-    match rng.gen_range(0..10) {
-        0..=4 => read(g, m, d, r),
-        5..=8 => write(g, m, d, r),
-        _ => sync(g, m, d),
     }
+}
+
+/// The end of a run, quiescent: the token table is consistent, a sync at the bottom stores
+/// every last write, and a read of everything in every domain sees it.
+fn final_checks(g: &Group<Cached>, m: &Model, n: usize) {
+    check_tokens(g, m);
+    sync(g, m, 0);
+    {
+        let s = m.lock().unwrap();
+        if s.store != s.last {
+            s.fail(format!("sync at the bottom stored {:?}, last writes {:?}", s.store, s.last));
+        }
+    }
+    m.lock().unwrap().regular = false;
+    for d in 0..n {
+        read(g, m, d, 0..BLOCKS);
+    }
+    check_tokens(g, m);
 }
 
 /// Tokens of every domain, quiescent: a write token conflicts with any other token.
@@ -374,7 +397,7 @@ fn random_ops(layers: &'static [Layer], threads: usize, ops: usize) {
             let (g, m) = (g.clone(), m.clone());
             thread::spawn(move || {
                 for _ in 0..ops {
-                    random_op(&g, &m, n);
+                    random_op(&g, &m, n, true);
                 }
             })
         })
@@ -382,18 +405,7 @@ fn random_ops(layers: &'static [Layer], threads: usize, ops: usize) {
     for h in hs {
         h.join().unwrap();
     }
-    check_tokens(&g, &m);
-    sync(&g, &m, 0);
-    {
-        let s = m.lock().unwrap();
-        if s.store != s.last {
-            s.fail(format!("sync at the bottom stored {:?}, last writes {:?}", s.store, s.last));
-        }
-    }
-    for d in 0..n {
-        read(&g, &m, d, 0..BLOCKS);
-    }
-    check_tokens(&g, &m);
+    final_checks(&g, &m, n);
 }
 
 const TWO: &[Layer] = &[Layer::Identity { metadata: true }];
@@ -609,11 +621,7 @@ fn mapping_ops(layers: &'static [Layer], ops: usize) {
     let mut mapped: Option<(usize, Range<u64>, bool, u64)> = None;
     for _ in 0..ops {
         let d = rng.gen_range(0..n);
-        let r = match rng.gen_range(0..3) {
-            0 => 0..1,
-            1 => 1..2,
-            _ => 0..BLOCKS,
-        };
+        let r = random_range(&mut rng);
         match (rng.gen_range(0..8), &mapped) {
             (0, None) => {
                 let write = rng.gen_bool(0.6);
@@ -790,11 +798,7 @@ fn mapping_threads(layers: &'static [Layer], stores: bool) {
             let mut rng = thread_rng();
             for _ in 0..2 {
                 let d = rng.gen_range(0..n);
-                let r = match rng.gen_range(0..3) {
-                    0 => 0..1,
-                    1 => 1..2,
-                    _ => 0..BLOCKS,
-                };
+                let r = random_range(&mut rng);
                 let id = map(&g, &m, d, r.clone(), stores);
                 for _ in 0..2 {
                     for b in r.clone() {
@@ -815,19 +819,8 @@ fn mapping_threads(layers: &'static [Layer], stores: bool) {
         .map(|_| {
             let (g, m) = (g.clone(), m.clone());
             thread::spawn(move || {
-                let mut rng = thread_rng();
                 for _ in 0..3 {
-                    let d = rng.gen_range(0..n);
-                    let r = match rng.gen_range(0..3) {
-                        0 => 0..1,
-                        1 => 1..2,
-                        _ => 0..BLOCKS,
-                    };
-                    match rng.gen_range(0..10) {
-                        0..=4 => read(&g, &m, d, r),
-                        5..=8 if !stores => write(&g, &m, d, r),
-                        _ => sync(&g, &m, d),
-                    }
+                    random_op(&g, &m, n, !stores);
                 }
             })
         })
@@ -836,19 +829,7 @@ fn mapping_threads(layers: &'static [Layer], stores: bool) {
     for h in others {
         h.join().unwrap();
     }
-    check_tokens(&g, &m);
-    sync(&g, &m, 0);
-    {
-        let s = m.lock().unwrap();
-        if s.store != s.last {
-            s.fail(format!("sync at the bottom stored {:?}, last writes {:?}", s.store, s.last));
-        }
-    }
-    m.lock().unwrap().regular = false;
-    for d in 0..n {
-        read(&g, &m, d, 0..BLOCKS);
-    }
-    check_tokens(&g, &m);
+    final_checks(&g, &m, n);
 }
 
 #[test]
