@@ -267,21 +267,32 @@ impl Object {
     fn fill_run(&self, chunk: &Chunk, first: u64, last: u64, pin: bool, admission: Admission) -> Result<u64> {
         let base = chunk.index << self.core.chunk_shift;
         let s0 = (first - base) as usize;
+        let max = self.core.max_fill_pages;
+        // Memory first, pages second (Linux allocates a page before it adds it locked to
+        // the page cache): reserving may reclaim, and reclaim may write back any file —
+        // which it could not do while this thread held pages BUSY (`order.rs`: a pager
+        // above could be waiting for them).
+        let mut want = 0u64;
+        while first + want <= last && want < max && chunk.pages[s0 + want as usize].is_empty() {
+            want += 1;
+        }
+        if want == 0 {
+            return Ok(0);
+        }
+        self.core.reserve(want)?;
+        let _pages = crate::order::hold(crate::order::Rank::page(self.depth()));
         if !chunk.pages[s0].try_lock_empty() {
+            self.core.unreserve(want);
             return Ok(0);
         }
         let mut n = 1u64;
-        let max = self.core.max_fill_pages;
-        while first + n <= last && n < max && chunk.pages[s0 + n as usize].try_lock_empty() {
+        while n < want && chunk.pages[s0 + n as usize].try_lock_empty() {
             n += 1;
         }
-        let locked = &chunk.pages[s0..s0 + n as usize];
-        if let Err(e) = self.core.reserve(n) {
-            locked.iter().for_each(|p| {
-                p.release_empty();
-            });
-            return Err(e);
+        if n < want {
+            self.core.unreserve(want - n);
         }
+        let locked = &chunk.pages[s0..s0 + n as usize];
         if let Err(e) = self.fill_locked(chunk, first, n) {
             self.core.unreserve(n);
             locked.iter().for_each(|p| {
@@ -370,6 +381,8 @@ impl Object {
     /// Returns the number pinned (at least 1). `req_last` is the last page of the whole read
     /// (for read-ahead decisions); `None` for accesses that get no read-ahead (windows).
     fn pin_run(&self, chunk: &Chunk, first: u64, last: u64, req_last: Option<u64>) -> Result<u64> {
+        // A pin waits while the page is BUSY (a fill, perhaps a queued read-ahead job).
+        crate::order::check_wait(crate::order::Rank::page(self.depth()));
         let base = chunk.index << self.core.chunk_shift;
         let mut n = 0;
         loop {
@@ -606,7 +619,10 @@ impl Object {
         let ps = self.ps();
         // Smooth dirty throttling happens here, before any page is held.
         self.core.balance_dirty(((end - 1) >> ps) - (offset >> ps) + 1);
+        let _size_rank = crate::order::hold(crate::order::Rank::size(self.depth()));
         let _size = self.size_lock.read();
+        // Pages are held from here on (lock coupling), each taken in ascending order.
+        let _pages = crate::order::hold(crate::order::Rank::page(self.depth()));
         let mut held: Option<Held<'_>> = None;
         let mut pos = offset;
         let mut result = Ok(());
@@ -694,6 +710,7 @@ impl Object {
         let ps = self.ps();
         let (first, last) = (from >> ps, (to - 1) >> ps);
         let mut helds = Vec::with_capacity((last + 1 - first) as usize);
+        let _pages = crate::order::hold(crate::order::Rank::page(self.depth()));
         for page in first..=last {
             let a = from.max(page << ps);
             let b = to.min((page + 1) << ps);
@@ -738,6 +755,7 @@ impl Object {
         if new > max_end() {
             return Err(Error::OffsetOverflow { offset: new, len: 0 });
         }
+        let _size_rank = crate::order::hold(crate::order::Rank::size(self.depth()));
         let _size = self.size_lock.write();
         let old = self.len();
         let ps = self.ps();
@@ -823,6 +841,7 @@ impl Object {
     /// Drop every cached page with index in `from..to`, dirty or not (truncation,
     /// invalidation, teardown). Waits for pins, writers and writebacks on those pages.
     pub(crate) fn drop_pages(&self, from: u64, to: u64) -> Result<()> {
+        let _pages = crate::order::hold(crate::order::Rank::page(self.depth()));
         let cs = self.core.chunk_shift;
         let ps = self.ps();
         let mut err = Ok(());
@@ -903,6 +922,7 @@ impl Object {
     /// overwrite or has overwritten.
     pub(crate) fn invalidate(&self, from: u64, to: u64, reload_len: bool) -> Result<()> {
         self.clean(from, to)?;
+        let _size_rank = crate::order::hold(crate::order::Rank::size(self.depth()));
         let _size = self.size_lock.write();
         let ps = self.ps();
         self.drop_pages(from >> ps, to.div_ceil(1 << ps).max(from >> ps))?;
@@ -938,6 +958,13 @@ impl Object {
         if self.dirty_pages() == 0 && !wait {
             return Ok(());
         }
+        let depth = self.depth();
+        if wait {
+            crate::order::check_wait(crate::order::Rank::page(depth));
+        }
+        // This thread holds the pages it takes WRITEBACK until it hands them to a job or
+        // has written them itself.
+        let _pages = crate::order::hold(crate::order::Rank::page(depth));
         let me = if parallel && !crate::io::on_io_thread() { self.me.upgrade() } else { None };
         let batch = crate::io::Batch::default();
         let cs = self.core.chunk_shift;
@@ -964,8 +991,9 @@ impl Object {
                 match &me {
                     Some(obj) => {
                         let (obj, ticket, ci, first) = (obj.clone(), batch.ticket(), chunk.index, p);
-                        self.core.io.submit(move || {
+                        self.core.io.submit(depth, move || {
                             let chunk = obj.table.get(ci).expect("chunk of pages under writeback");
+                            let _pages = crate::order::hold(crate::order::Rank::page(obj.depth()));
                             ticket.done(obj.write_run(chunk, first, n));
                         });
                     }
@@ -978,7 +1006,7 @@ impl Object {
                 p += n;
             }
         });
-        let r = batch.wait();
+        let r = batch.wait(depth);
         match first_err {
             Some(e) => Err(e),
             None => r,
@@ -1045,6 +1073,7 @@ impl Object {
         let len = self.len();
         let stored = self.call_pager(PagerOp::Len, 0, |p| p.len())?;
         if stored != len && self.pager().is_writable() {
+            let _size_rank = crate::order::hold(crate::order::Rank::size(self.depth()));
             let _size = self.size_lock.read();
             let len = self.len();
             self.call_pager(PagerOp::SetLen, len, |p| p.set_len(len))?;
