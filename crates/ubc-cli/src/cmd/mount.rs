@@ -136,7 +136,8 @@ impl Shared {
         true
     }
 
-    /// Open files with pages not yet written to their layer's store: (mount path, bytes).
+    /// Open files written since their last sync, or with dirty pages: (mount path, dirty
+    /// bytes at that layer — pages already being written back are not counted).
     fn dirty_files(&self) -> Vec<(PathBuf, u64)> {
         let mounts: Vec<(PathBuf, Handles)> = self.mounts.lock().unwrap().iter().map(|(p, _, h)| (p.clone(), h.clone())).collect();
         let mut out: Vec<(PathBuf, u64)> = Vec::new();
@@ -145,7 +146,7 @@ impl Shared {
             for h in hs {
                 let dirty = h.file.stats().dirty_bytes;
                 let path = mp.join(h.file.path());
-                if dirty > 0 && !out.iter().any(|(p, _)| *p == path) {
+                if (dirty > 0 || h.written.load(SeqCst)) && !out.iter().any(|(p, _)| *p == path) {
                     out.push((path, dirty));
                 }
             }
@@ -315,7 +316,7 @@ pub fn run(a: Args) -> Result<()> {
         let u = stack.cache().stats().unclean_bytes;
         let files = shared.dirty_files().len();
         eprintln!(
-            "ubc: {why}: shutting down: writes now fail (EROFS); syncing {} ({files} open files with dirty pages); a second signal exits at once",
+            "ubc: {why}: shutting down: writes now fail (EROFS); syncing {} ({files} open files written since their last sync); a second signal exits at once",
             mib(u)
         );
     }
@@ -429,7 +430,8 @@ fn report_unsynced(shared: &Arc<Shared>, stack: &ubc_stack::Stack) {
         Ok((unclean, files)) => {
             eprintln!("ubc: not synced: {} in the cache (all layers)", mib(unclean));
             for (p, b) in files {
-                eprintln!("ubc: not synced: {}: {} dirty", p.display(), mib(b));
+                let dirty = if b > 0 { format!("; {} dirty", mib(b)) } else { String::new() };
+                eprintln!("ubc: not synced: {} (written since its last sync{dirty})", p.display());
             }
         }
         Err(_) => eprintln!("ubc: not synced: unknown (the cache did not answer within 1s)"),
@@ -594,6 +596,20 @@ struct Handle {
     append: bool,
     /// The process that opened it: only its `close` waits for a sync (see `flush`).
     pid: u32,
+    /// Written (or resized) through this handle since its last successful sync.
+    written: AtomicBool,
+}
+
+impl Handle {
+    /// Sync the file; `written` is cleared first (a write racing with the sync sets it again).
+    fn sync(&self) -> std::result::Result<(), Errno> {
+        self.written.store(false, SeqCst);
+        let r = self.file.sync().map_err(|e| errno(&e));
+        if r.is_err() {
+            self.written.store(true, SeqCst);
+        }
+        r
+    }
 }
 
 /// One mount: one layer of the shared stack.
@@ -698,7 +714,7 @@ impl UbcFs {
 
     fn add_handle(&self, file: ubc_stack::File, append: bool, pid: u32) -> FileHandle {
         let fh = self.next_fh.fetch_add(1, Relaxed);
-        self.handles.lock().unwrap().insert(fh, Arc::new(Handle { file, append, pid }));
+        self.handles.lock().unwrap().insert(fh, Arc::new(Handle { file, append, pid, written: AtomicBool::new(false) }));
         FileHandle(fh)
     }
 
@@ -763,7 +779,10 @@ impl Filesystem for UbcFs {
             let mut set = SetAttr { size: None, mode: mode.map(|m| m & 0o7777), atime: atime.map(time), mtime: mtime.map(time) };
             if let Some(s) = size {
                 match (&h, &path) {
-                    (Some(h), _) => h.file.set_len(s).map_err(|e| errno(&e))?,
+                    (Some(h), _) => {
+                        h.written.store(true, SeqCst);
+                        h.file.set_len(s).map_err(|e| errno(&e))?
+                    }
                     (None, Ok(_)) => set.size = Some(s),
                     (None, Err(e)) => return Err(*e),
                 }
@@ -949,6 +968,7 @@ impl Filesystem for UbcFs {
             let h = self.handle(fh)?;
             // The kernel's idea of the size may be stale (other mounts): append at ours.
             let offset = if h.append { h.file.len().map_err(|e| errno(&e))? } else { offset };
+            h.written.store(true, SeqCst);
             let mut n = 0;
             while n < data.len() {
                 let k = h.file.write_at(&data[n..], offset + n as u64).map_err(|e| errno(&e))?;
@@ -970,7 +990,7 @@ impl Filesystem for UbcFs {
     /// does); anybody else's returns at once, so that a program that forks (a shell, a
     /// test harness) is never held up by a sync — which the last close (RELEASE) does anyway.
     fn flush(&self, req: &Request, _ino: INodeNo, fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
-        let r = self.handle(fh).and_then(|h| if h.pid == req.pid() { h.file.sync().map_err(|e| errno(&e)) } else { Ok(()) });
+        let r = self.handle(fh).and_then(|h| if h.pid == req.pid() { h.sync() } else { Ok(()) });
         match r {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
@@ -988,14 +1008,14 @@ impl Filesystem for UbcFs {
         reply: ReplyEmpty,
     ) {
         let h = self.handles.lock().unwrap().remove(&fh.0);
-        match h.map(|h| h.file.sync()) {
-            Some(Err(e)) => reply.error(errno(&e)),
+        match h.map(|h| h.sync()) {
+            Some(Err(e)) => reply.error(e),
             _ => reply.ok(),
         }
     }
 
     fn fsync(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
-        match self.handle(fh).and_then(|h| h.file.sync().map_err(|e| errno(&e))) {
+        match self.handle(fh).and_then(|h| h.sync()) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
         }
