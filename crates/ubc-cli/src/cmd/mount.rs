@@ -13,8 +13,45 @@
 //! through another only when that file is next opened there (close-to-open, the page
 //! cache is dropped at each open) or the attributes time out.
 //!
-//! Ctrl-C / SIGTERM / SIGHUP unmount every mount; when all sessions have ended (also after
-//! `fusermount3 -u` of each mount) the stack is synced and the command exits 0.
+//! Each mount runs four request threads, so that one request waiting on a slow store does
+//! not hold up the others. `close` (FLUSH) syncs the file — and reports write-back errors —
+//! only when the process that opened it closes it; a close by anybody else (a forked child
+//! closing the descriptors it inherited, at exec or exit) returns at once, so a program
+//! that forks is never held up by a sync. The last close (RELEASE) syncs too, in the
+//! background; `fsync` syncs.
+//!
+//! # Shutdown
+//!
+//! The command ends in one of three ways:
+//!
+//! * **Unmounted** (`fusermount3 -u` of every mount, or `umount`): the sessions end, the
+//!   whole stack is synced and the command exits 0.
+//! * **SIGTERM, SIGINT (Ctrl-C) or SIGHUP**, also with files open and writers active:
+//!   1. from then on every change — `write`, create, open for writing, truncate, chmod,
+//!      rename, remove, mkdir — fails with **EROFS** (the file system is read-only now;
+//!      reads still work), and the writes already in flight are waited for: every write
+//!      that returned Ok, before the signal or after it, is in the cache;
+//!   2. the whole stack is synced (`Stack::sync_all`: every file's dirty pages pushed down
+//!      through every layer, top first, so each layer's metadata — aead headers, zstd
+//!      commits — reaches the bottom, then every store synced), with progress on stderr;
+//!   3. every mount is unmounted lazily (`umount2(MNT_DETACH)` as root, else
+//!      `fusermount3 -u -z`), which works with files open: those files then fail with
+//!      ENOTCONN once the command is gone;
+//!   4. the command exits 0 (or 74 if the sync failed, after listing what was not synced).
+//!
+//!   The sync has a deadline, `--sync-timeout` (60 s): past it the command lists what was
+//!   not synced, unmounts and exits **75** (EX_TEMPFAIL). A **second signal** during the
+//!   shutdown does the same at once. "Not synced" is the amount the cache still holds
+//!   unwritten (all layers) and every open file written since its last sync, by path.
+//! * **The mounts left the mount table** (`fusermount3 -u -z`, `umount -l`) while some
+//!   process still holds a file open in them (the kernel then keeps the sessions alive):
+//!   after a second's grace, the shutdown above runs as if signalled. With nothing open
+//!   the kernel ends the sessions itself and this is the first case.
+//!
+//! SIGKILL loses only what was not synced (`fsync`, the opener's `close`, or the shutdown):
+//! what a crash of the stack keeps is documented in docs/guarantees.md, section 2. Stores
+//! through a shared mapping reach the stack when the kernel writes the mapping back
+//! (`msync`); those not yet written back at the shutdown are not covered.
 
 use crate::common::StackArgs;
 use crate::error::{Fail, Result, EX_IOERR, EX_UNAVAILABLE};
@@ -594,7 +631,8 @@ impl Inodes {
 struct Handle {
     file: ubc_stack::File,
     append: bool,
-    /// The process that opened it: only its `close` waits for a sync (see `flush`).
+    /// The process (thread group) that opened it: only its `close` waits for a sync (see
+    /// `flush`).
     pid: u32,
     /// Written (or resized) through this handle since its last successful sync.
     written: AtomicBool,
@@ -624,6 +662,15 @@ struct UbcFs {
     handles: Handles,
     next_fh: AtomicU64,
     shared: Arc<Shared>,
+}
+
+/// The process of thread `tid` (FUSE requests carry the thread's id): its thread group
+/// id from /proc, or `tid` itself if that is gone.
+fn process_of(tid: u32) -> u32 {
+    std::fs::read_to_string(format!("/proc/{tid}/status"))
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("Tgid:").and_then(|v| v.trim().parse().ok())))
+        .unwrap_or(tid)
 }
 
 fn errno(e: &ubc_stack::Error) -> Errno {
@@ -888,7 +935,7 @@ impl Filesystem for UbcFs {
             let _pass = if write { Some(self.shared.enter()?) } else { None };
             let truncate = write && flags.0 & libc::O_TRUNC != 0;
             let f = self.layer.open_with(&p, OpenOptions { write, create: false, truncate }).map_err(|e| errno(&e))?;
-            Ok(self.add_handle(f, flags.0 & libc::O_APPEND != 0, req.pid()))
+            Ok(self.add_handle(f, flags.0 & libc::O_APPEND != 0, process_of(req.pid())))
         })();
         match r {
             Ok(fh) => reply.opened(fh, self.open_flags()),
@@ -910,7 +957,7 @@ impl Filesystem for UbcFs {
                 let _ = self.layer.setattr(&p, &SetAttr { mode: Some(m), ..Default::default() });
             }
             let a = self.stat(&p)?;
-            Ok((a, self.add_handle(f, flags & libc::O_APPEND != 0, req.pid())))
+            Ok((a, self.add_handle(f, flags & libc::O_APPEND != 0, process_of(req.pid()))))
         })();
         match r {
             Ok((a, fh)) => reply.created(&self.ttl, &a, Generation(0), fh, self.open_flags()),
@@ -990,7 +1037,7 @@ impl Filesystem for UbcFs {
     /// does); anybody else's returns at once, so that a program that forks (a shell, a
     /// test harness) is never held up by a sync — which the last close (RELEASE) does anyway.
     fn flush(&self, req: &Request, _ino: INodeNo, fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
-        let r = self.handle(fh).and_then(|h| if h.pid == req.pid() { h.sync() } else { Ok(()) });
+        let r = self.handle(fh).and_then(|h| if h.pid == process_of(req.pid()) { h.sync() } else { Ok(()) });
         match r {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
