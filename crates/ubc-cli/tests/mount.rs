@@ -721,7 +721,7 @@ fn sigkill_keeps_what_was_fsynced(tail: &str) {
     for k in 60..120u64 {
         a.write_all_at(&record(k), k * REC as u64).unwrap();
     }
-    std::fs::OpenOptions::new().write(true).create(true).open(mnt.join("c")).unwrap().write_all_at(&sample(20_000), 0).unwrap();
+    std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(mnt.join("c")).unwrap().write_all_at(&sample(20_000), 0).unwrap();
     d.signal(libc::SIGKILL);
     let _ = d.wait(Duration::from_secs(20));
     drop(a);

@@ -124,6 +124,8 @@ struct Shared {
     /// Each mount: its point (as given, and canonical) and its open handles (for the report
     /// of what was not synced).
     mounts: Mutex<Vec<(PathBuf, PathBuf, Handles)>>,
+    /// The FUSE connections of the mounts (their device minors: /sys/fs/fuse/connections/N).
+    connections: Mutex<Vec<u32>>,
 }
 
 #[derive(Default)]
@@ -267,6 +269,9 @@ pub fn run(a: Args) -> Result<()> {
         };
         unmounters.push(session.unmount_callable());
         let id = ubc_mount_ids(&canon).into_iter().filter(|i| !before.contains(i)).max();
+        if let Some(minor) = mount_table().into_iter().find(|m| Some(m.0) == id).map(|m| m.1) {
+            shared.connections.lock().unwrap().push(minor);
+        }
         shared.mounts.lock().unwrap().push((mp.clone(), canon.clone(), handles));
         points.push((canon, id));
         let name = format!("ubc-mount-{}", mp.display());
@@ -442,6 +447,13 @@ fn give_up(shared: &Arc<Shared>, stack: &ubc_stack::Stack, why: &str) -> ! {
     let sh = shared.clone();
     std::thread::spawn(move || {
         detach_all(&sh);
+        // Abort the connections (root, with fusectl mounted): every process waiting on a
+        // mount gets ENOTCONN now, not when this process has finished exiting — which can
+        // take as long as the stuck store (the exit closes the store's files, and a FUSE
+        // store's close waits unkillably).
+        for c in sh.connections.lock().unwrap().iter() {
+            let _ = std::fs::write(format!("/sys/fs/fuse/connections/{c}/abort"), "1");
+        }
         let _ = tx.send(());
     });
     let _ = rx.recv_timeout(Duration::from_secs(1));
@@ -500,15 +512,16 @@ fn detach(mp: &Path) -> std::result::Result<(), String> {
     }
 }
 
-/// `/proc/self/mountinfo` lines: (mount id, mount point, "fstype source").
-fn mount_table() -> Vec<(u64, String, String)> {
+/// `/proc/self/mountinfo` lines: (mount id, device minor, mount point, "fstype source").
+fn mount_table() -> Vec<(u64, u32, String, String)> {
     let m = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     m.lines()
         .filter_map(|l| {
             let f: Vec<&str> = l.split(' ').collect();
             let id = f.first()?.parse().ok()?;
             let sep = f.iter().position(|x| *x == "-")?;
-            Some((id, unescape(f.get(4)?), format!("{} {}", f.get(sep + 1)?, f.get(sep + 2)?)))
+            let minor = f.get(2)?.split_once(':')?.1.parse().ok()?;
+            Some((id, minor, unescape(f.get(4)?), format!("{} {}", f.get(sep + 1)?, f.get(sep + 2)?)))
         })
         .collect()
 }
@@ -520,7 +533,8 @@ fn unescape(s: &str) -> String {
     let mut i = 0;
     while i < b.len() {
         if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
-            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
+            let v = u32::from(b[i + 1] - b'0') * 64 + u32::from(b[i + 2] - b'0') * 8 + u32::from(b[i + 3] - b'0');
+            out.push(v as u8);
             i += 4;
         } else {
             out.push(b[i]);
@@ -533,7 +547,7 @@ fn unescape(s: &str) -> String {
 fn ubc_mount_ids(mp: &Path) -> Vec<u64> {
     let mp = mp.to_string_lossy();
     // Mounted directly the type is "fuse", through fusermount3 "fuse.ubc"; the source is "ubc".
-    mount_table().into_iter().filter(|(_, p, t)| *p == mp && (t == "fuse ubc" || t == "fuse.ubc ubc")).map(|(i, _, _)| i).collect()
+    mount_table().into_iter().filter(|(_, _, p, t)| *p == mp && (t == "fuse ubc" || t == "fuse.ubc ubc")).map(|m| m.0).collect()
 }
 
 fn is_mounted(mp: &Path) -> bool {
@@ -552,7 +566,7 @@ fn watch_mount_table(ids: &[u64], tx: mpsc::Sender<Event>) {
         } else {
             std::thread::sleep(Duration::from_secs(1));
         }
-        let now: Vec<u64> = mount_table().into_iter().map(|(i, _, _)| i).collect();
+        let now: Vec<u64> = mount_table().into_iter().map(|m| m.0).collect();
         if !ids.iter().any(|i| now.contains(i)) {
             let _ = tx.send(Event::Detached);
             return;
@@ -1117,5 +1131,17 @@ impl Filesystem for UbcFs {
         }
         // Not over a host directory: a nominal, empty-looking 1 TiB.
         reply.statfs(1 << 28, 1 << 28, 1 << 28, 1 << 20, 1 << 20, 4096, 255, 4096)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountinfo_paths_are_unescaped() {
+        assert_eq!(unescape(r"/tmp/a\040b\011c\134d\012"), "/tmp/a b\tc\\d\n");
+        assert_eq!(unescape(r"/x\04"), r"/x\04");
+        assert_eq!(unescape(r"/x\999"), r"/x\999");
     }
 }
