@@ -613,6 +613,12 @@ fn sigterm_with_a_writer_active(tail: &str) {
     if tail.is_empty() {
         assert!(std::fs::read(t.path().join("data/w")).unwrap() == expect, "host file");
     }
+    // And through a fresh mount.
+    let mnt2 = t.path().join("mnt2");
+    let mut d2 = Daemon::start(&spec, &[(top_of(&spec), &mnt2)], &[], &t.path().join("err2"));
+    assert!(std::fs::read(mnt2.join("w")).unwrap() == expect, "{tail:?}: through a fresh mount");
+    d2.signal(libc::SIGINT);
+    assert_eq!(d2.wait(Duration::from_secs(20)).0, Some(0), "{}", d2.stderr());
 }
 
 #[test]
