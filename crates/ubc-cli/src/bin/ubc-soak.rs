@@ -67,6 +67,8 @@ enum Cmd {
     /// One library writer process (internal: run by a `rand4k-procs` library case)
     #[command(hide = true)]
     LibWorker(LibWorkerArgs),
+    /// Summarize a file of gdb stacks (`thread apply all bt`) as a stall does
+    Summarize { file: PathBuf },
 }
 
 #[derive(clap::Args, Clone)]
@@ -163,6 +165,11 @@ fn main() {
     let code = match cli.cmd {
         Cmd::Run(a) => run(a),
         Cmd::Case(a) => case_main(a),
+        Cmd::Summarize { file } => {
+            let text = std::fs::read_to_string(&file).unwrap_or_default();
+            print_summary(&text);
+            0
+        }
         Cmd::LibWorker(a) => match lib_worker(a) {
             Ok(()) => 0,
             Err(e) => {
@@ -278,7 +285,7 @@ fn rand_model(seed: u64, nt: u64, size: u64, ops_per_thread: u64) -> Model {
 // Progress: a shared 4 KiB file of u64 words.
 //   [0]       number of dump pids, [1..9) dump pids
 //   [9]       next counter slot to hand out
-//   [16..48)  pid workers (0: none): their /proc/PID/io (and their children's) is progress
+//   [16..48)  pid workers (0: none): bytes they (and their children) write are progress
 //   [64..512) counters: 0 unused, DONE finished, else 1 + progress
 
 const DUMP0: usize = 1;
@@ -372,7 +379,9 @@ fn proc_io(pid: u32) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/io")).ok()?;
     let mut t = 0u64;
     for l in s.lines() {
-        if let Some(v) = l.strip_prefix("rchar: ").or_else(|| l.strip_prefix("wchar: ")) {
+        // Bytes written only: fio's main thread keeps reading (status files) while its jobs
+        // are stuck, and a pid is watched only while it should be writing.
+        if let Some(v) = l.strip_prefix("wchar: ") {
             t += v.trim().parse::<u64>().unwrap_or(0);
         }
     }
@@ -391,7 +400,7 @@ fn children(pid: u32) -> Vec<u32> {
     out
 }
 
-/// I/O of `pid` and its children (fio's job processes), or None when `pid` is gone.
+/// Bytes written by `pid` and its children (fio's job processes), or None when `pid` is gone.
 fn tree_io(pid: u32) -> Option<u64> {
     let mut t = proc_io(pid)?;
     for c in children(pid) {
@@ -968,6 +977,8 @@ fn mount_pattern(c: &CaseArgs, prog: &Progress, mt: &Path, m0: &Path) -> R<Phase
 fn run_fio(mut cmd: Command, prog: &Progress, dir: &Path) -> R<()> {
     let log = dir.join("fio.log");
     let logf = std::fs::OpenOptions::new().create(true).append(true).open(&log).ctx("fio log")?;
+    // No verify state files (fio writes them into its working directory).
+    cmd.arg("--verify_state_save=0").current_dir(dir);
     cmd.stdin(Stdio::null()).stdout(logf.try_clone().ctx("log")?).stderr(logf);
     let mut child = cmd.spawn().ctx("spawn fio (is it installed?)")?;
     let st = {
@@ -1113,7 +1124,17 @@ fn list(s: &str) -> Vec<String> {
     s.split(',').map(|x| x.trim().to_string()).filter(|x| !x.is_empty()).collect()
 }
 
+/// Set by SIGTERM/SIGINT/SIGHUP (`timeout` around the soak): kill the case, clean up, report.
+static TERMINATED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn on_term(_: libc::c_int) {
+    TERMINATED.store(true, SeqCst);
+}
+
 fn run(a: RunArgs) -> i32 {
+    for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+        unsafe { libc::signal(sig, on_term as *const () as libc::sighandler_t) };
+    }
     let ubc = a.ubc.clone().unwrap_or_else(|| std::env::current_exe().unwrap().with_file_name("ubc"));
     if !ubc.exists() {
         eprintln!("ubc-soak: {} missing (cargo build --release -p ubc-cli)", ubc.display());
@@ -1163,6 +1184,12 @@ fn run(a: RunArgs) -> i32 {
                         diff: 0,
                         result: String::new(),
                     };
+                    if TERMINATED.load(SeqCst) {
+                        row.result = "skipped (terminated)".into();
+                        failed = true;
+                        rows.push(row);
+                        continue;
+                    }
                     if a.minutes > 0 && t_start.elapsed() > Duration::from_secs(a.minutes * 60) {
                         row.result = "skipped (--minutes)".into();
                         rows.push(row);
@@ -1310,10 +1337,21 @@ fn run_case(ca: &CaseArgs, a: &RunArgs, row: &mut Row) {
                 *e = (v, now);
             } else if now - e.1 > stall {
                 let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-                stale = Some(format!("process {pid} ({}) did no I/O for {} s", comm.trim(), a.stall_secs));
+                stale = Some(format!("process {pid} ({}) wrote nothing for {} s", comm.trim(), a.stall_secs));
             }
         }
         seen.retain(|k, _| live.contains(k));
+        if TERMINATED.load(SeqCst) {
+            println!("   terminated: killing the case");
+            unsafe { libc::kill(-pgid, libc::SIGKILL) };
+            for p in prog.dump_pids() {
+                unsafe { libc::kill(p as i32, libc::SIGKILL) };
+            }
+            let _ = child.wait();
+            lazy_unmount_under(&ca.dir);
+            row.result = "terminated".into();
+            return;
+        }
         if let Some(why) = stale {
             row.stalls += 1;
             println!("   STALL: {why}");
@@ -1407,35 +1445,82 @@ fn dump_stacks(pids: &[u32], path: &Path) {
     let _ = std::fs::write(path, &text);
     let threads = text.lines().filter(|l| l.starts_with("Thread ")).count();
     println!("   every thread's stack ({threads} threads of pid {pids:?}): {}", path.display());
-    // Frames by ubc function, and the functions threads are innermost in.
-    let mut count: HashMap<String, usize> = HashMap::new();
-    for l in text.lines() {
-        let Some(rest) = l.strip_prefix('#') else { continue };
-        let f = match rest.split_once(" in ") {
-            Some((_, f)) => f,
-            None => rest.trim_start_matches(|c: char| c.is_ascii_digit()).trim_start(),
-        };
-        let name = f.split(" (").next().unwrap_or("").trim();
-        if !name.contains("ubc") {
-            continue;
+    print_summary(&text);
+}
+
+fn print_summary(text: &str) {
+    let (by_name, innermost, frames) = summarize(text);
+    let top = |m: HashMap<String, usize>, n: usize, what: &str| {
+        let mut v: Vec<_> = m.into_iter().collect();
+        v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        println!("   {what}:");
+        for (f, k) in v.iter().take(n) {
+            println!("   {k:5}  {f}");
         }
-        // Drop generic arguments and closures' noise for the summary.
-        let mut s = String::new();
-        let mut depth = 0;
-        for ch in name.chars() {
-            match ch {
-                '<' => depth += 1,
-                '>' => depth -= 1,
-                _ if depth == 0 => s.push(ch),
-                _ => {}
+    };
+    top(by_name, 8, "threads by name");
+    top(innermost, 10, "threads by innermost ubc frame (where they wait)");
+    top(frames, 15, "threads by ubc function on their stack (top 15)");
+}
+
+/// A gdb frame's function without generic arguments; `<A as B>::f` becomes `A::f`.
+fn frame_function(line: &str) -> Option<String> {
+    let rest = line.strip_prefix('#')?;
+    let f = match rest.split_once(" in ") {
+        Some((_, f)) => f,
+        None => rest.trim_start_matches(|c: char| c.is_ascii_digit()).trim_start(),
+    };
+    let name = f.split(" (").next().unwrap_or("").trim();
+    let mut s = String::new();
+    let mut depth = 0;
+    let mut qualified = false; // inside a leading `<A as B>`: keep A
+    let mut skip_as = false;
+    for (k, ch) in name.char_indices() {
+        match ch {
+            '<' if k == 0 => qualified = true,
+            '<' => depth += 1,
+            '>' if depth > 0 => depth -= 1,
+            '>' if qualified => {
+                qualified = false;
+                skip_as = false;
+            }
+            _ if depth == 0 && qualified && !skip_as && name[k..].starts_with(" as ") => skip_as = true,
+            _ if depth == 0 && !skip_as => s.push(ch),
+            _ => {}
+        }
+    }
+    Some(s)
+}
+
+/// Per thread of a gdb dump: its name, its innermost ubc frame, the ubc functions on it.
+fn summarize(text: &str) -> (HashMap<String, usize>, HashMap<String, usize>, HashMap<String, usize>) {
+    let (mut by_name, mut innermost, mut frames) = (HashMap::new(), HashMap::new(), HashMap::new());
+    let mut inner: Option<String> = None;
+    let mut fns: std::collections::HashSet<String> = Default::default();
+    let mut flush = |inner: &mut Option<String>, fns: &mut std::collections::HashSet<String>| {
+        if let Some(f) = inner.take() {
+            *innermost.entry(f).or_insert(0usize) += 1;
+        }
+        for f in fns.drain() {
+            *frames.entry(f).or_insert(0usize) += 1;
+        }
+    };
+    for l in text.lines() {
+        if l.starts_with("Thread ") {
+            flush(&mut inner, &mut fns);
+            let name = l.rsplit_once(" \"").map(|(_, n)| n.trim_end_matches("\"):").trim_end_matches('"')).unwrap_or("?");
+            // ubc-io-0, ubc-io-1… count as one name.
+            let base = name.trim_end_matches(|c: char| c.is_ascii_digit()).to_string();
+            *by_name.entry(base).or_insert(0usize) += 1;
+        } else if let Some(f) = frame_function(l) {
+            if f.starts_with("ubc") {
+                if inner.is_none() {
+                    inner = Some(f.clone());
+                }
+                fns.insert(f);
             }
         }
-        *count.entry(s).or_default() += 1;
     }
-    let mut v: Vec<_> = count.into_iter().collect();
-    v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-    println!("   frames by ubc function (top 15):");
-    for (f, n) in v.iter().take(15) {
-        println!("   {n:5}  {f}");
-    }
+    flush(&mut inner, &mut fns);
+    (by_name, innermost, frames)
 }
