@@ -285,11 +285,15 @@ fn rand_model(seed: u64, nt: u64, size: u64, ops_per_thread: u64) -> Model {
 // Progress: a shared 4 KiB file of u64 words.
 //   [0]       number of dump pids, [1..9) dump pids
 //   [9]       next counter slot to hand out
+//   [10]      the server: `ubc mount`, or the case process for the library. A worker is
+//             stalled only while the server writes nothing too (a long fsync or final sync
+//             is the server writing back, not a stall)
 //   [16..48)  pid workers (0: none): bytes they (and their children) write are progress
 //   [64..512) counters: 0 unused, DONE finished, else 1 + progress
 
 const DUMP0: usize = 1;
 const NEXT_SLOT: usize = 9;
+const SERVER: usize = 10;
 const PID0: usize = 16;
 const PIDN: usize = 48;
 const SLOT0: usize = 64;
@@ -376,12 +380,25 @@ impl Drop for Counter {
 }
 
 fn proc_io(pid: u32) -> Option<u64> {
+    proc_io_field(pid, "wchar: ")
+}
+
+/// Bytes a process sent to storage (`write_bytes`: not its replies to /dev/fuse).
+fn proc_stored(pid: u32) -> Option<u64> {
+    let mut t = proc_io_field(pid, "write_bytes: ")?;
+    for c in children(pid) {
+        t += proc_io_field(c, "write_bytes: ").unwrap_or(0);
+    }
+    Some(t)
+}
+
+fn proc_io_field(pid: u32, field: &str) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/io")).ok()?;
     let mut t = 0u64;
     for l in s.lines() {
         // Bytes written only: fio's main thread keeps reading (status files) while its jobs
         // are stuck, and a pid is watched only while it should be writing.
-        if let Some(v) = l.strip_prefix("wchar: ") {
+        if let Some(v) = l.strip_prefix(field) {
             t += v.trim().parse::<u64>().unwrap_or(0);
         }
     }
@@ -456,6 +473,7 @@ impl Mount {
         cmd.stdin(Stdio::null()).stdout(logf.try_clone().ctx("log")?).stderr(logf);
         let mut child = cmd.spawn().ctx("spawn ubc mount")?;
         prog.set_dump_pids(&[child.id()]);
+        prog.w(SERVER).store(child.id() as u64, SeqCst);
         let t0 = Instant::now();
         while !ats.iter().all(|(_, mp)| is_mounted(mp)) {
             if let Some(st) = child.try_wait().ctx("wait")? {
@@ -693,6 +711,7 @@ fn case(c: &CaseArgs, prog: &Progress) -> R<Outcome> {
         }
         "lib" => {
             prog.set_dump_pids(&[std::process::id()]);
+            prog.w(SERVER).store(std::process::id() as u64, SeqCst);
             lib_pattern(c, prog, &spec)?
         }
         other => return Err(format!("unknown front end {other}")),
@@ -1296,6 +1315,10 @@ fn run_case(ca: &CaseArgs, a: &RunArgs, row: &mut Row) {
     });
     let stall = Duration::from_secs(a.stall_secs);
     let mut seen: HashMap<(char, u64), (u64, Instant)> = HashMap::new();
+    // Last time anything moved: a case with no worker moving (or none registered, e.g. hung
+    // opening a stack) for the stall time is stalled too.
+    let mut last_any = Instant::now();
+    let mut server: (u64, u64, Instant) = (0, 0, Instant::now()); // pid, bytes written, when it changed
     let mut result_line = None;
     let status = loop {
         while let Ok(l) = rx.try_recv() {
@@ -1310,6 +1333,14 @@ fn run_case(ca: &CaseArgs, a: &RunArgs, row: &mut Row) {
         }
         // Progress of every active worker.
         let now = Instant::now();
+        let spid = prog.w(SERVER).load(SeqCst);
+        if spid != 0 {
+            let v = proc_stored(spid as u32).unwrap_or(0);
+            if spid != server.0 || v != server.1 {
+                server = (spid, v, now);
+            }
+        }
+        let server_idle = now - server.2 > stall;
         let mut stale: Option<String> = None;
         let mut live = std::collections::HashSet::new();
         for i in SLOT0..SLOTN {
@@ -1318,11 +1349,15 @@ fn run_case(ca: &CaseArgs, a: &RunArgs, row: &mut Row) {
                 continue;
             }
             live.insert(('c', i as u64));
-            let e = seen.entry(('c', i as u64)).or_insert((v, now));
+            let e = seen.entry(('c', i as u64)).or_insert_with(|| {
+                last_any = now;
+                (v, now)
+            });
             if e.0 != v {
                 *e = (v, now);
-            } else if now - e.1 > stall {
-                stale = Some(format!("worker {} made no progress for {} s (at {} ops)", i - SLOT0, a.stall_secs, v - 1));
+                last_any = now;
+            } else if now - e.1 > stall && server_idle {
+                stale = Some(format!("worker {} made no progress for {} s (at {} ops), nor did the server store anything", i - SLOT0, a.stall_secs, v - 1));
             }
         }
         for i in PID0..PIDN {
@@ -1332,15 +1367,22 @@ fn run_case(ca: &CaseArgs, a: &RunArgs, row: &mut Row) {
             }
             let Some(v) = tree_io(pid as u32) else { continue };
             live.insert(('p', pid));
-            let e = seen.entry(('p', pid)).or_insert((v, now));
+            let e = seen.entry(('p', pid)).or_insert_with(|| {
+                last_any = now;
+                (v, now)
+            });
             if e.0 != v {
                 *e = (v, now);
-            } else if now - e.1 > stall {
+                last_any = now;
+            } else if now - e.1 > stall && server_idle {
                 let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-                stale = Some(format!("process {pid} ({}) wrote nothing for {} s", comm.trim(), a.stall_secs));
+                stale = Some(format!("process {pid} ({}) wrote nothing for {} s, nor did the server store anything", comm.trim(), a.stall_secs));
             }
         }
         seen.retain(|k, _| live.contains(k));
+        if stale.is_none() && now - last_any > stall && server_idle {
+            stale = Some(format!("nothing made progress for {} s (the server stored nothing either)", a.stall_secs));
+        }
         if TERMINATED.load(SeqCst) {
             println!("   terminated: killing the case");
             unsafe { libc::kill(-pgid, libc::SIGKILL) };
