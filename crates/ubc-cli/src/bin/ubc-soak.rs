@@ -496,13 +496,18 @@ impl Mount {
         for mp in &self.mps {
             let mut tries = 0;
             loop {
-                let out = Command::new("fusermount3").arg("-u").arg(mp).output().ctx("fusermount3")?;
-                if out.status.success() {
+                let out = Command::new("fusermount3").arg("-u").arg(mp).output();
+                if out.as_ref().is_ok_and(|o| o.status.success()) {
                     break;
                 }
                 tries += 1;
                 if tries > 50 {
-                    return Err(format!("fusermount3 -u {}: {}", mp.display(), String::from_utf8_lossy(&out.stderr).trim()));
+                    let why = match out {
+                        Ok(o) => String::from_utf8_lossy(&o.stderr).trim().to_string(),
+                        Err(e) => e.to_string(),
+                    };
+                    self.child = Some(child); // Drop unmounts lazily, kills and waits
+                    return Err(format!("fusermount3 -u {}: {why}", mp.display()));
                 }
                 std::thread::sleep(Duration::from_millis(100));
             }
@@ -1554,13 +1559,11 @@ fn summarize(text: &str) -> (HashMap<String, usize>, HashMap<String, usize>, Has
             // ubc-io-0, ubc-io-1… count as one name.
             let base = name.trim_end_matches(|c: char| c.is_ascii_digit()).to_string();
             *by_name.entry(base).or_insert(0usize) += 1;
-        } else if let Some(f) = frame_function(l) {
-            if f.starts_with("ubc") {
-                if inner.is_none() {
-                    inner = Some(f.clone());
-                }
-                fns.insert(f);
+        } else if let Some(f) = frame_function(l).filter(|f| f.starts_with("ubc")) {
+            if inner.is_none() {
+                inner = Some(f.clone());
             }
+            fns.insert(f);
         }
     }
     flush(&mut inner, &mut fns);
