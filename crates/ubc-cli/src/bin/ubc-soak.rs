@@ -722,6 +722,16 @@ fn case(c: &CaseArgs, prog: &Progress) -> R<Outcome> {
         other => return Err(format!("unknown front end {other}")),
     };
 
+    // Self-test of the checker: UBC_SOAK_SELFTEST_CORRUPT=1 makes the model wrong in its
+    // first block (4 KiB or 1 MiB) or byte: the case must then fail with that many bytes.
+    let mut models = models;
+    if std::env::var_os("UBC_SOAK_SELFTEST_CORRUPT").is_some() {
+        match models.first_mut() {
+            Some((_, Model::Blocks { gens, .. })) if !gens.is_empty() => gens[0] = gens[0].wrapping_add(7),
+            Some((_, Model::Bytes(v))) if !v.is_empty() => v[0] ^= 0xff,
+            _ => {}
+        }
+    }
     // Verify after a fresh mount / a fresh stack.
     let ctr = prog.slot();
     let mut checked = 0;
