@@ -1138,6 +1138,8 @@ struct Row {
     pattern: String,
     frontend: String,
     mib: u64,
+    /// The size the pattern asks for (8x / 16x / 2x the budget) when a cap made it smaller.
+    want: u64,
     ops: u64,
     mibs: f64,
     stalls: u32,
@@ -1206,7 +1208,9 @@ fn run(a: RunArgs) -> i32 {
                     n += 1;
                     let want = if pattern == "seq1m-fsync" { 16 * budget } else { 8 * budget };
                     let mib = want.min(cap);
+                    let want = if pattern == "mixed" { 2 * budget } else { want };
                     let mut row = Row {
+                        want,
                         stack: stack.clone(),
                         budget,
                         pattern: pattern.clone(),
@@ -1275,12 +1279,13 @@ fn print_table(rows: &[Row]) {
     println!("|---|---:|---|---|---:|---:|---:|---:|---:|---|");
     for r in rows {
         println!(
-            "| {} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {}{} | {} | {:.1} | {} | {} | {} |",
             r.stack.replace('|', " \\| "),
             r.budget,
             r.pattern,
             r.frontend,
             r.mib,
+            if r.want > r.mib { format!(" (capped; {} wanted)", r.want) } else { String::new() },
             r.ops,
             r.mibs,
             r.stalls,
