@@ -681,32 +681,23 @@ impl CompressPager {
         let mut buf = take_buf(&STORED_BUF);
         let (mut moved, mut bytes) = (false, 0u64);
         // The smallest extent that found no place below it. Candidates come highest first,
-        // so every later one has a lower limit: one at least this long cannot fit either,
-        // and is skipped without scanning the free list again. (Scanning it for every
-        // candidate was quadratic: found by the soak, a 1 GiB file's close spent over 10 s
-        // in `alloc_below` after random 4 KiB writes had cut the free space into tens of
-        // thousands of pieces.)
+        // so every later one has a lower limit: one at least this long cannot fit either
+        // (unless a concurrent rewrite freed space meanwhile: then it merely stays put), and
+        // is skipped before it is read and without scanning the free list again. Reading
+        // and scanning for every candidate was quadratic: found by the soak, a 1 GiB file's
+        // close spent over 10 s in `alloc_below` after random 4 KiB writes had cut the free
+        // space into tens of thousands of pieces.
         let mut no_room_from = u64::MAX;
-        for (chunk, at, alen) in candidates {
-            if alen >= no_room_from {
+        for (chunk, _, listed_len) in candidates {
+            if listed_len >= no_room_from {
                 continue;
             }
-            // A place first, the bytes second: reading an extent that has nowhere lower to
-            // go is wasted I/O.
-            let Some(off) = self.state.lock().alloc.alloc_below(alen, at, self.grain) else {
-                no_room_from = alen;
+            let Ok(Some((ext, id))) = self.fetch(chunk, &mut buf) else { continue };
+            let alen = ext.alloc_len();
+            let Some(off) = self.state.lock().alloc.alloc_below(alen, ext.off, self.grain) else {
+                no_room_from = no_room_from.min(alen);
                 continue;
             };
-            let fetched = self.fetch(chunk, &mut buf);
-            let Ok(Some((ext, id))) = fetched else {
-                self.state.lock().release(off, alen);
-                continue;
-            };
-            if ext.off != at || ext.alloc_len() != alen {
-                // Rewritten since the candidates were listed: leave it where it is now.
-                self.state.lock().release(off, alen);
-                continue;
-            }
             if self.lower.write_at(&buf, off).is_err() {
                 self.state.lock().release(off, alen);
                 break;
