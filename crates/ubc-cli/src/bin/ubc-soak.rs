@@ -520,6 +520,12 @@ impl Mount {
     }
 }
 
+impl Mount {
+    fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.as_mut().and_then(|c| c.try_wait().ok().flatten())
+    }
+}
+
 impl Drop for Mount {
     fn drop(&mut self) {
         if let Some(mut c) = self.child.take() {
@@ -709,8 +715,12 @@ fn case(c: &CaseArgs, prog: &Progress) -> R<Outcome> {
             if c.pattern == "two-mounts" && depth < 2 {
                 return Err("two-mounts needs a stack of two layers or more".into());
             }
-            let m = Mount::start(c, &spec, &ats, prog, &log)?;
-            let r = mount_pattern(c, prog, &mt, &m0)?;
+            let mut m = Mount::start(c, &spec, &ats, prog, &log)?;
+            // An error with the mount gone (ENOTCONN) says how `ubc mount` ended.
+            let r = mount_pattern(c, prog, &mt, &m0).map_err(|e| match m.exited() {
+                Some(st) => format!("{e}; ubc mount had exited: {st} (log: {})", log.display()),
+                None => e,
+            })?;
             m.stop(prog)?;
             r
         }
