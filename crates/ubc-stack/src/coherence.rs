@@ -441,6 +441,10 @@ impl<F: Actions> Group<F> {
         if self.disabled {
             return Ok(Permit::Off);
         }
+        // The cache manager's locks come before any cache work (`ubc::order`): a pager, or
+        // anyone holding pages, must never enter the protocol (its revocations flush and
+        // invalidate files that may be waiting for what the caller holds).
+        ubc::order::check_wait(ubc::order::Rank::STACK);
         // The fast path: one shared lock and a range check, nothing counted (a shared
         // counter here would cost more than the rest).
         let t = dom.tokens.read();

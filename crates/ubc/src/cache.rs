@@ -168,7 +168,9 @@ impl CacheBuilder {
         self
     }
 
-    /// Threads doing background I/O (read-ahead, writeback); default 4.
+    /// Threads doing background I/O (read-ahead, writeback) per pager depth; default 4. A
+    /// stack of layers gets one pool per depth (started on first use), so that a layer's
+    /// background I/O never waits for a thread that is itself waiting for it (`io.rs`).
     pub fn io_threads(mut self, n: usize) -> Self {
         self.io_threads = n;
         self

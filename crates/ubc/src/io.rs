@@ -1,112 +1,86 @@
-//! The I/O pool: a few threads that run pager calls in the background so read-ahead and
-//! writeback keep several requests in flight (issue: one reader must reach device bandwidth,
-//! and a writer must not wait for its data to reach the disk).
+//! The I/O pools: a few threads per pager depth that run pager calls in the background, so
+//! read-ahead and writeback keep several requests in flight (issue: one reader must reach
+//! device bandwidth, and a writer must not wait for its data to reach the disk).
 //!
 //! Threads, not io_uring: pagers are arbitrary user code (a host file today; a layer or an
-//! object store tomorrow) behind a synchronous trait, so a pool is the only mechanism that
+//! object store tomorrow) behind a synchronous trait, so threads are the only mechanism that
 //! works for all of them. Jobs are closures; a [`Batch`] lets a caller wait for a group of
 //! jobs and collect the first error.
 //!
-//! The pool grows when it would otherwise deadlock: when every thread is *blocked* (waiting
-//! for a page, see [`blocking`]) and jobs are queued, an extra thread is started (up to
-//! [`MAX_EXTRA`]); extra threads leave after [`EXTRA_IDLE`] without work. Busy threads do not
-//! count — a burst of writeback just queues. Not every wait can be marked: a layer's pager
-//! may wait for its own lock, held by a thread that waits for a page whose writeback is a
-//! job queued behind it (found by tests/stress.rs: every I/O thread in an aead `put_pages`
-//! waiting for the state lock). So a monitor also watches for *starvation*, as .NET's
-//! thread pool does: jobs queued, no thread idle, and no job started for [`STARVED_AFTER`]
-//! — then it adds a thread, whatever the threads are waiting for. Layers need this: a layer's pager (compression, encryption) reads its lower file through
-//! this same cache from an I/O thread, and that read may wait for a lower page whose fill
-//! is a job still queued — with a fixed pool, jobs that wait for queued jobs can fill every
-//! thread and deadlock (found by the stack benchmarks: four zstd read-ahead fills waiting
-//! for the dir layer's read-ahead queued behind them).
+//! **One pool per pager depth, a fixed number of threads each.** A layer's pager
+//! (compression, encryption) reads and writes its lower file through this same cache, from
+//! an I/O thread, and may wait there for a lower page whose fill or writeback is itself a
+//! queued job. With one shared pool, jobs that wait for queued jobs can occupy every thread
+//! (found by the stack benchmarks, then under the mount: 68 threads, all in zstd
+//! `put_pages` waiting for aead pages whose fills were queued behind them). Growing the pool
+//! on starvation only postponed that. Instead, a job for an object of depth `d` runs in pool
+//! `d`, and by the lock order (`order.rs`) a job of depth `d` only waits for work of depth
+//! `< d`: pool 0 (host files) waits for nothing in the cache, so its jobs finish; then those
+//! of pool 1 do, and so on. No job waits for a job of its own pool, so each pool's size is a
+//! throughput setting, not a liveness one. Pools are started on first use; a cache of host
+//! files has one.
 
 use crate::error::Error;
 use parking_lot::{Condvar, Mutex};
 use std::collections::VecDeque;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
 type Job = Box<dyn FnOnce() + Send>;
 
-/// Most extra threads started on demand beyond the base pool.
-pub(crate) const MAX_EXTRA: usize = 64;
-/// How long an extra thread waits for work before it exits.
-const EXTRA_IDLE: std::time::Duration = std::time::Duration::from_secs(2);
-/// Jobs queued and none started for this long, with no thread idle: the pool is starved.
-/// (Long enough that a slow store keeping every thread busy rarely looks starved; a pool
-/// that grows anyway only costs threads, which leave after [`EXTRA_IDLE`].)
-const STARVED_AFTER: std::time::Duration = std::time::Duration::from_millis(50);
+/// Pools for depths `0..MAX_POOLS`; deeper pagers share the last one (still ordered: a
+/// stack that deep would need its own pools to be sure; `order.rs` flags its waits).
+pub(crate) const MAX_POOLS: usize = 16;
 
 pub(crate) struct IoPool {
-    shared: Arc<Shared>,
+    threads_per_depth: usize,
+    pools: [OnceLock<Arc<Shared>>; MAX_POOLS],
 }
 
 struct Shared {
+    depth: u32,
     queue: Mutex<Queue>,
     cv: Condvar,
-    /// Wakes the starvation monitor when work is queued (it sleeps while the queue is empty).
-    monitor_cv: Condvar,
-    /// Every thread of the pool (base and extra), joined at shutdown.
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
 struct Queue {
     jobs: VecDeque<Job>,
     shutdown: bool,
-    /// Threads waiting for a job.
-    idle: usize,
-    /// Threads running a job that is waiting for something (a page another job fills).
-    blocked: usize,
-    /// Threads alive, and how many of them are extra.
-    threads: usize,
-    extra: usize,
-    /// Jobs taken off the queue so far (the monitor's sign of progress).
-    started: u64,
-}
-
-impl Queue {
-    /// Every thread waits while work is queued: only a new thread can make progress.
-    fn stuck(&self) -> bool {
-        self.starved() && self.blocked >= self.threads
-    }
-    /// Work waits and no thread is free to take it (a new thread would help if this lasts).
-    fn starved(&self) -> bool {
-        !self.jobs.is_empty() && self.idle == 0 && self.extra < MAX_EXTRA && !self.shutdown
-    }
 }
 
 impl IoPool {
-    /// Start `n` I/O threads (at least one).
+    /// `n` I/O threads (at least one) per pager depth, started when a depth is first used.
     pub(crate) fn new(n: usize) -> IoPool {
-        let n = n.max(1);
-        let queue = Queue { jobs: VecDeque::new(), shutdown: false, idle: 0, blocked: 0, threads: n, extra: 0, started: 0 };
-        let shared = Arc::new(Shared {
-            queue: Mutex::new(queue),
-            cv: Condvar::new(),
-            monitor_cv: Condvar::new(),
-            threads: Mutex::new(Vec::new()),
-        });
-        for i in 0..n {
-            let s = shared.clone();
-            let h = std::thread::Builder::new()
-                .name(format!("ubc-io-{i}"))
-                .spawn(move || worker(s, false))
-                .expect("spawn ubc I/O thread");
-            shared.threads.lock().push(h);
-        }
-        let s = shared.clone();
-        let h = std::thread::Builder::new()
-            .name("ubc-io-monitor".into())
-            .spawn(move || monitor(s))
-            .expect("spawn ubc I/O monitor");
-        shared.threads.lock().push(h);
-        IoPool { shared }
+        IoPool { threads_per_depth: n.max(1), pools: std::array::from_fn(|_| OnceLock::new()) }
     }
 
-    /// Queue a job.
-    pub(crate) fn submit(&self, job: impl FnOnce() + Send + 'static) {
-        let mut q = self.shared.queue.lock();
+    fn pool(&self, depth: u32) -> &Arc<Shared> {
+        let i = (depth as usize).min(MAX_POOLS - 1);
+        self.pools[i].get_or_init(|| {
+            let shared = Arc::new(Shared {
+                depth: i as u32,
+                queue: Mutex::new(Queue { jobs: VecDeque::new(), shutdown: false }),
+                cv: Condvar::new(),
+                threads: Mutex::new(Vec::new()),
+            });
+            for t in 0..self.threads_per_depth {
+                let s = shared.clone();
+                let h = std::thread::Builder::new()
+                    .name(format!("ubc-io{i}-{t}"))
+                    .spawn(move || worker(s))
+                    .expect("spawn ubc I/O thread");
+                shared.threads.lock().push(h);
+            }
+            shared
+        })
+    }
+
+    /// Queue a job that calls the pager of an object of `depth` (a fill or a writeback of
+    /// that object). => the job waits only for work of lower depth (`order.rs`).
+    pub(crate) fn submit(&self, depth: u32, job: impl FnOnce() + Send + 'static) {
+        let pool = self.pool(depth);
+        let mut q = pool.queue.lock();
         if q.shutdown {
             // Shutting down: run it here rather than drop work (writeback must not be lost).
             drop(q);
@@ -114,127 +88,54 @@ impl IoPool {
             return;
         }
         q.jobs.push_back(Box::new(job));
-        if q.stuck() {
-            grow(&self.shared, &mut q);
-        }
-        let first = q.jobs.len() == 1;
         drop(q);
-        self.shared.cv.notify_one();
-        if first {
-            self.shared.monitor_cv.notify_one();
-        }
+        pool.cv.notify_one();
     }
 
-    /// Finish queued jobs and stop the threads. => not called from an I/O thread.
+    /// Threads started so far, all pools (for tests and statistics).
+    #[cfg(test)]
+    pub(crate) fn threads(&self) -> usize {
+        self.pools.iter().filter_map(|p| p.get()).map(|p| p.threads.lock().len()).sum()
+    }
+
+    /// Finish queued jobs and stop the threads, top depth first (its jobs may still queue
+    /// work below). => not called from an I/O thread.
     pub(crate) fn shutdown(&self) {
-        self.shared.queue.lock().shutdown = true;
-        self.shared.cv.notify_all();
-        self.shared.monitor_cv.notify_all();
-        let threads: Vec<JoinHandle<()>> = self.shared.threads.lock().drain(..).collect();
-        for t in threads {
-            let _ = t.join();
+        for p in self.pools.iter().rev().filter_map(|p| p.get()) {
+            p.queue.lock().shutdown = true;
+            p.cv.notify_all();
+            let threads: Vec<JoinHandle<()>> = p.threads.lock().drain(..).collect();
+            for t in threads {
+                let _ = t.join();
+            }
         }
-    }
-}
-
-/// Start an extra thread. => `q` is `s.queue`, locked, and `q.starved()`.
-fn grow(s: &Arc<Shared>, q: &mut Queue) {
-    let s2 = s.clone();
-    if let Ok(h) = std::thread::Builder::new().name("ubc-io-x".into()).spawn(move || worker(s2, true)) {
-        q.extra += 1;
-        q.threads += 1;
-        let mut t = s.threads.lock();
-        t.retain(|h| !h.is_finished());
-        t.push(h);
-    }
-    // No thread to be had: the others get to the job when they stop waiting.
-}
-
-/// The starvation monitor: while jobs are queued, checks every [`STARVED_AFTER`] that one
-/// was started; if none was and no thread is idle, adds a thread. Sleeps while the queue is
-/// empty, so an idle cache costs nothing.
-fn monitor(s: Arc<Shared>) {
-    let mut q = s.queue.lock();
-    let mut seen = q.started;
-    loop {
-        if q.shutdown {
-            return;
-        }
-        if q.jobs.is_empty() {
-            s.monitor_cv.wait(&mut q);
-            seen = q.started;
-            continue;
-        }
-        s.monitor_cv.wait_for(&mut q, STARVED_AFTER);
-        if q.started == seen && q.starved() {
-            grow(&s, &mut q);
-            drop(q);
-            s.cv.notify_one();
-            q = s.queue.lock();
-        }
-        seen = q.started;
     }
 }
 
 thread_local! {
-    /// The pool of the I/O thread this is, if it is one.
-    static IO_POOL: std::cell::RefCell<Option<Arc<Shared>>> = const { std::cell::RefCell::new(None) };
+    /// The depth of the pool of the I/O thread this is, if it is one.
+    static IO_DEPTH: std::cell::Cell<Option<u32>> = const { std::cell::Cell::new(None) };
 }
 
-/// True on a pool thread (which must never wait for other pool jobs: deadlock).
+/// True on a pool thread (which runs writeback of the file it is given inline rather than
+/// wait for other jobs).
 pub(crate) fn on_io_thread() -> bool {
-    IO_POOL.with(|p| p.borrow().is_some())
+    IO_DEPTH.with(|d| d.get().is_some())
 }
 
-/// Run `wait`, a wait for something another job may have to do (a page being filled).
-/// On an I/O thread, counts the thread blocked meanwhile, so that the pool grows if every
-/// thread is blocked with jobs queued. Elsewhere just runs `wait`.
-pub(crate) fn blocking<R>(wait: impl FnOnce() -> R) -> R {
-    let Some(s) = IO_POOL.with(|p| p.borrow().clone()) else { return wait() };
-    {
-        let mut q = s.queue.lock();
-        q.blocked += 1;
-        if q.stuck() {
-            grow(&s, &mut q);
-            drop(q);
-            s.cv.notify_one();
-        }
-    }
-    let r = wait();
-    s.queue.lock().blocked -= 1;
-    r
-}
-
-fn worker(s: Arc<Shared>, extra: bool) {
-    IO_POOL.with(|p| *p.borrow_mut() = Some(s.clone()));
+fn worker(s: Arc<Shared>) {
+    IO_DEPTH.with(|d| d.set(Some(s.depth)));
     loop {
         let job = {
             let mut q = s.queue.lock();
             loop {
                 if let Some(j) = q.jobs.pop_front() {
-                    q.started += 1;
                     break j;
                 }
                 if q.shutdown {
-                    q.threads -= 1;
-                    if extra {
-                        q.extra -= 1;
-                    }
                     return;
                 }
-                q.idle += 1;
-                let timed_out = if extra {
-                    s.cv.wait_for(&mut q, EXTRA_IDLE).timed_out()
-                } else {
-                    s.cv.wait(&mut q);
-                    false
-                };
-                q.idle -= 1;
-                if timed_out && q.jobs.is_empty() {
-                    q.extra -= 1;
-                    q.threads -= 1;
-                    return;
-                }
+                s.cv.wait(&mut q);
             }
         };
         // A panicking job (a pager is user code) must not take the thread with it: the pool
@@ -298,8 +199,9 @@ impl Batch {
         }
     }
 
-    /// Wait for every job; the first error, if any.
-    pub(crate) fn wait(&self) -> Result<(), Error> {
+    /// Wait for every job (of pools of `depth` and below); the first error, if any.
+    pub(crate) fn wait(&self, depth: u32) -> Result<(), Error> {
+        crate::order::check_wait(crate::order::Rank::io(depth));
         let mut st = self.inner.0.lock();
         while st.pending > 0 {
             self.inner.1.wait(&mut st);
@@ -314,38 +216,53 @@ mod tests {
     use std::sync::mpsc;
     use std::time::Duration;
 
-    /// A job that waits for a later job without saying so (a lock, a channel: not
-    /// `blocking`) must not hang a pool whose every thread does that: the monitor adds one.
+    /// A job of depth 1 waiting for a job of depth 0 queued after it finishes with one
+    /// thread per pool: the waits go down, and pool 0 is never occupied by waiters. (With
+    /// one shared pool of one thread this hangs: the waiting job holds the only thread.)
     #[test]
-    fn a_job_waiting_unmarked_for_a_queued_job_gets_a_thread() {
-        let pool = IoPool::new(1);
-        let (tx, rx) = mpsc::channel::<()>();
+    fn a_job_waiting_for_a_lower_job_finishes_with_one_thread_per_depth() {
+        let pool = Arc::new(IoPool::new(1));
         let (done_tx, done_rx) = mpsc::channel::<()>();
-        pool.submit(move || {
-            rx.recv().unwrap();
-            done_tx.send(()).unwrap();
-        });
-        pool.submit(move || tx.send(()).unwrap());
-        done_rx.recv_timeout(Duration::from_secs(20)).expect("the waiting job finished: a thread was added");
-        assert!(pool.shared.queue.lock().extra >= 1);
+        for _ in 0..8 {
+            let (tx, rx) = mpsc::channel::<()>();
+            let done = done_tx.clone();
+            pool.submit(1, move || {
+                rx.recv().unwrap();
+                done.send(()).unwrap();
+            });
+            pool.submit(0, move || tx.send(()).unwrap());
+        }
+        for _ in 0..8 {
+            done_rx.recv_timeout(Duration::from_secs(20)).expect("the upper job finished");
+        }
+        assert_eq!(pool.threads(), 2, "one thread per depth used, none added");
         pool.shutdown();
     }
 
-    /// Jobs that only keep the threads busy (no one waits for a queued job) do not make the
-    /// pool grow while jobs keep starting.
+    /// Jobs that only keep the threads busy run on the pool's fixed threads.
     #[test]
-    fn a_busy_pool_that_makes_progress_does_not_grow() {
+    fn a_busy_pool_keeps_its_size() {
         let pool = IoPool::new(2);
         let batch = Batch::default();
         for _ in 0..100 {
             let t = batch.ticket();
-            pool.submit(move || {
-                std::thread::sleep(Duration::from_millis(2));
+            pool.submit(0, move || {
+                std::thread::sleep(Duration::from_millis(1));
                 t.done(Ok(()));
             });
         }
-        batch.wait().unwrap();
-        assert_eq!(pool.shared.queue.lock().extra, 0);
+        batch.wait(0).unwrap();
+        assert_eq!(pool.threads(), 2);
+        pool.shutdown();
+    }
+
+    /// Deep pagers share the last pool rather than index out of bounds.
+    #[test]
+    fn deep_pagers_share_the_last_pool() {
+        let pool = IoPool::new(1);
+        let (tx, rx) = mpsc::channel::<u32>();
+        pool.submit(u32::MAX, move || tx.send(IO_DEPTH.with(|d| d.get().unwrap())).unwrap());
+        assert_eq!(rx.recv_timeout(Duration::from_secs(20)).unwrap(), (MAX_POOLS - 1) as u32);
         pool.shutdown();
     }
 }

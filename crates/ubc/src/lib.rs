@@ -28,6 +28,7 @@ mod map;
 mod mapping;
 mod memfd;
 mod object;
+pub mod order;
 mod page;
 pub mod pager;
 mod readahead;

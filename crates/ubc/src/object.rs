@@ -59,6 +59,16 @@ pub(crate) struct Object {
     resident: AtomicU64,
     /// Pages with the DIRTY bit.
     dirty: AtomicU64,
+    // `resident` and `dirty` (and the flusher's unclean count) are gauges: one thread counts
+    // a page in, another may count it out. They stay single atomics, and a page is counted in
+    // *before* the state change that lets anyone else see it valid or dirty (or while its
+    // counter holds it WRITING, which no one else can act on), and counted out only *after*
+    // the state change that takes it out. The decrement then happens-after its increment
+    // (through the page's state word), so in the counter's modification order every
+    // decrement follows the increment it pays for: a gauge read at any moment is at least
+    // the pages truly in that state, never below zero. (Counted after the state change, a
+    // writeback or an eviction on another thread could uncount a page first: `dirty` and
+    // `resident` wrapped below zero and `Cache::stats` overflowed summing them.)
     /// When the object last went from clean to dirty (flusher clock, ms; see writeback.rs).
     dirtied_at: AtomicU64,
     pub(crate) counters: Counters,
@@ -170,7 +180,8 @@ impl Object {
         self.note_dirtied(n);
     }
 
-    /// `n` pages got the DIRTY bit (already counted unclean: a failed writeback).
+    /// `n` pages get the DIRTY bit (already counted unclean: a failed writeback). Called
+    /// before the bit is set, unless the caller holds the pages WRITING (see `dirty`).
     fn note_dirtied(&self, n: u64) {
         if self.dirty.fetch_add(n, Relaxed) == 0 {
             self.dirtied_at.store(self.core.flusher.now_ms(), Relaxed);
@@ -267,21 +278,32 @@ impl Object {
     fn fill_run(&self, chunk: &Chunk, first: u64, last: u64, pin: bool, admission: Admission) -> Result<u64> {
         let base = chunk.index << self.core.chunk_shift;
         let s0 = (first - base) as usize;
+        let max = self.core.max_fill_pages;
+        // Memory first, pages second (Linux allocates a page before it adds it locked to
+        // the page cache): reserving may reclaim, and reclaim may write back any file —
+        // which it could not do while this thread held pages BUSY (`order.rs`: a pager
+        // above could be waiting for them).
+        let mut want = 0u64;
+        while first + want <= last && want < max && chunk.pages[s0 + want as usize].is_empty() {
+            want += 1;
+        }
+        if want == 0 {
+            return Ok(0);
+        }
+        self.core.reserve(want)?;
+        let _pages = crate::order::hold(crate::order::Rank::page(self.depth()));
         if !chunk.pages[s0].try_lock_empty() {
+            self.core.unreserve(want);
             return Ok(0);
         }
         let mut n = 1u64;
-        let max = self.core.max_fill_pages;
-        while first + n <= last && n < max && chunk.pages[s0 + n as usize].try_lock_empty() {
+        while n < want && chunk.pages[s0 + n as usize].try_lock_empty() {
             n += 1;
         }
-        let locked = &chunk.pages[s0..s0 + n as usize];
-        if let Err(e) = self.core.reserve(n) {
-            locked.iter().for_each(|p| {
-                p.release_empty();
-            });
-            return Err(e);
+        if n < want {
+            self.core.unreserve(want - n);
         }
+        let locked = &chunk.pages[s0..s0 + n as usize];
         if let Err(e) = self.fill_locked(chunk, first, n) {
             self.core.unreserve(n);
             locked.iter().for_each(|p| {
@@ -349,12 +371,14 @@ impl Object {
         // pages never trap, except the read-ahead marker, which `map_pages` leaves out.
         let svc = if self.nmaps.load(SeqCst) > 0 { self.core.maps.get() } else { None };
         let pins = u32::from(pin) + u32::from(svc.is_some());
-        for p in first..first + n {
-            chunk.pages[(p - base) as usize].finish_fill(dirty, pins, admission == Admission::ReadAhead, mark == Some(p));
-        }
+        // Counted before they are valid (and dirty): from `finish_fill` on, an eviction or a
+        // writeback may count them out (see `dirty`).
         self.resident.fetch_add(n, Relaxed);
         if dirty {
             self.publish_dirtied(n);
+        }
+        for p in first..first + n {
+            chunk.pages[(p - base) as usize].finish_fill(dirty, pins, admission == Admission::ReadAhead, mark == Some(p));
         }
         if let Some(svc) = svc {
             for m in self.maps.read().iter() {
@@ -370,6 +394,8 @@ impl Object {
     /// Returns the number pinned (at least 1). `req_last` is the last page of the whole read
     /// (for read-ahead decisions); `None` for accesses that get no read-ahead (windows).
     fn pin_run(&self, chunk: &Chunk, first: u64, last: u64, req_last: Option<u64>) -> Result<u64> {
+        // A pin waits while the page is BUSY (a fill, perhaps a queued read-ahead job).
+        crate::order::check_wait(crate::order::Rank::page(self.depth()));
         let base = chunk.index << self.core.chunk_shift;
         let mut n = 0;
         loop {
@@ -564,9 +590,10 @@ impl Object {
     fn abort_held(&self, h: Held<'_>) {
         match h {
             Held::Writing(st) => {
-                // The page stays dirty (marked when taken): its slot becomes a published one.
-                st.abort_write();
+                // The page stays dirty (marked when taken): its slot becomes a published one,
+                // before the page is let go (a writeback may clean it at once; see `dirty`).
                 self.core.flusher.publish(1);
+                st.abort_write();
             }
             Held::Filled(chunk, page, _) => {
                 if let Some(m) = self.memfd.get() {
@@ -583,9 +610,11 @@ impl Object {
     fn release_written(&self, h: Held<'_>) {
         match h {
             Held::Writing(st) => {
+                // Published before the page is let go: a writeback may clean it (and count
+                // its slot out) as soon as it is (see `dirty`).
+                self.core.flusher.publish(1);
                 let was_clean = st.end_write();
                 debug_assert!(!was_clean, "a held page is dirty from the start of the write");
-                self.core.flusher.publish(1);
             }
             Held::Filled(chunk, page, _) => self.publish_filled(chunk, page, 1, true, false, Admission::Demand, None),
         }
@@ -606,7 +635,10 @@ impl Object {
         let ps = self.ps();
         // Smooth dirty throttling happens here, before any page is held.
         self.core.balance_dirty(((end - 1) >> ps) - (offset >> ps) + 1);
+        let _size_rank = crate::order::hold(crate::order::Rank::size(self.depth()));
         let _size = self.size_lock.read();
+        // Pages are held from here on (lock coupling), each taken in ascending order.
+        let _pages = crate::order::hold(crate::order::Rank::page(self.depth()));
         let mut held: Option<Held<'_>> = None;
         let mut pos = offset;
         let mut result = Ok(());
@@ -694,6 +726,7 @@ impl Object {
         let ps = self.ps();
         let (first, last) = (from >> ps, (to - 1) >> ps);
         let mut helds = Vec::with_capacity((last + 1 - first) as usize);
+        let _pages = crate::order::hold(crate::order::Rank::page(self.depth()));
         for page in first..=last {
             let a = from.max(page << ps);
             let b = to.min((page + 1) << ps);
@@ -738,6 +771,7 @@ impl Object {
         if new > max_end() {
             return Err(Error::OffsetOverflow { offset: new, len: 0 });
         }
+        let _size_rank = crate::order::hold(crate::order::Rank::size(self.depth()));
         let _size = self.size_lock.write();
         let old = self.len();
         let ps = self.ps();
@@ -823,6 +857,7 @@ impl Object {
     /// Drop every cached page with index in `from..to`, dirty or not (truncation,
     /// invalidation, teardown). Waits for pins, writers and writebacks on those pages.
     pub(crate) fn drop_pages(&self, from: u64, to: u64) -> Result<()> {
+        let _pages = crate::order::hold(crate::order::Rank::page(self.depth()));
         let cs = self.core.chunk_shift;
         let ps = self.ps();
         let mut err = Ok(());
@@ -903,6 +938,7 @@ impl Object {
     /// overwrite or has overwritten.
     pub(crate) fn invalidate(&self, from: u64, to: u64, reload_len: bool) -> Result<()> {
         self.clean(from, to)?;
+        let _size_rank = crate::order::hold(crate::order::Rank::size(self.depth()));
         let _size = self.size_lock.write();
         let ps = self.ps();
         self.drop_pages(from >> ps, to.div_ceil(1 << ps).max(from >> ps))?;
@@ -938,6 +974,13 @@ impl Object {
         if self.dirty_pages() == 0 && !wait {
             return Ok(());
         }
+        let depth = self.depth();
+        if wait {
+            crate::order::check_wait(crate::order::Rank::page(depth));
+        }
+        // This thread holds the pages it takes WRITEBACK until it hands them to a job or
+        // has written them itself.
+        let _pages = crate::order::hold(crate::order::Rank::page(depth));
         let me = if parallel && !crate::io::on_io_thread() { self.me.upgrade() } else { None };
         let batch = crate::io::Batch::default();
         let cs = self.core.chunk_shift;
@@ -964,8 +1007,9 @@ impl Object {
                 match &me {
                     Some(obj) => {
                         let (obj, ticket, ci, first) = (obj.clone(), batch.ticket(), chunk.index, p);
-                        self.core.io.submit(move || {
+                        self.core.io.submit(depth, move || {
                             let chunk = obj.table.get(ci).expect("chunk of pages under writeback");
+                            let _pages = crate::order::hold(crate::order::Rank::page(obj.depth()));
                             ticket.done(obj.write_run(chunk, first, n));
                         });
                     }
@@ -978,7 +1022,7 @@ impl Object {
                 p += n;
             }
         });
-        let r = batch.wait();
+        let r = batch.wait(depth);
         match first_err {
             Some(e) => Err(e),
             None => r,
@@ -1010,6 +1054,11 @@ impl Object {
             })
         };
         let ok = r.is_ok();
+        if !ok {
+            // Dirty again: counted before `end_writeback` sets DIRTY, since another writeback
+            // may take the pages (and count them out) at once (see `dirty`).
+            self.note_dirtied(n);
+        }
         let mut redirtied = 0;
         for p in first..first + n {
             redirtied += chunk.pages[(p - base) as usize].end_writeback(ok) as u64;
@@ -1020,10 +1069,10 @@ impl Object {
             self.core.flusher.cleaned(n);
         } else {
             // Each page is dirty again, counted once: pages re-dirtied meanwhile (by a store
-            // found through a mapping) were counted dirty and unclean when found, so their
-            // writeback's unclean slot goes.
-            self.note_dirtied(n - redirtied);
+            // found through a mapping) were counted dirty and unclean when found, so the
+            // count just made for them and their writeback's unclean slot go.
             if redirtied > 0 {
+                self.dirty.fetch_sub(redirtied, Relaxed);
                 self.core.flusher.cleaned(redirtied);
             }
             bump(&sh.writeback_errors, 1);
@@ -1045,6 +1094,7 @@ impl Object {
         let len = self.len();
         let stored = self.call_pager(PagerOp::Len, 0, |p| p.len())?;
         if stored != len && self.pager().is_writable() {
+            let _size_rank = crate::order::hold(crate::order::Rank::size(self.depth()));
             let _size = self.size_lock.read();
             let len = self.len();
             self.call_pager(PagerOp::SetLen, len, |p| p.set_len(len))?;
@@ -1136,15 +1186,31 @@ impl Object {
     /// ones that were clean. They took no unclean slot: the stores happened already, so the
     /// dirty limit cannot hold them back; the flusher is kicked if they pass the threshold.
     fn mark_found_dirty(&self, found: &[u64]) -> u64 {
-        let mut n = 0;
-        for &p in found {
-            if self.page_state(p).is_some_and(|st| st.mark_dirty()) {
-                n += 1;
+        // Counted dirty and unclean before they are marked: from `mark_dirty` on, a
+        // writeback may clean them and count them out (see `dirty`). Pages dirty already
+        // need nothing (the store happened before this look, so their coming writeback
+        // copies it); pages that became dirty or were dropped by the time we mark them give
+        // their counts back.
+        let clean: Vec<&state::PageState> =
+            found.iter().filter_map(|&p| self.page_state(p)).filter(|st| st.load() & (VALID | DIRTY) == VALID).collect();
+        let k = clean.len() as u64;
+        if k == 0 {
+            return 0;
+        }
+        self.core.flusher.add_unclean(k);
+        self.note_dirtied(k);
+        let n = clean.iter().filter(|st| st.mark_dirty()).count() as u64;
+        if n < k {
+            self.dirty.fetch_sub(k - n, Relaxed);
+            // Out of the published unclean count without counting as cleaned (which would
+            // tell waiting writers that writeback made progress): as slots a writer took and
+            // gave back unused.
+            self.core.flusher.hold(k - n);
+            for _ in n..k {
+                self.core.flusher.unreserve();
             }
         }
         if n > 0 {
-            self.core.flusher.add_unclean(n);
-            self.note_dirtied(n);
             if let Some(svc) = self.core.maps.get() {
                 svc.scan_dirty.fetch_add(n, Relaxed);
             }

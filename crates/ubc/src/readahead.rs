@@ -93,6 +93,10 @@ impl Object {
         }
         let cs = self.core.chunk_shift;
         let piece = self.core.max_fill_pages;
+        let depth = self.depth();
+        // The pages taken BUSY below are this thread's until their job is queued: reclaim
+        // (in `try_reserve`) must not call a pager above, which could wait for them.
+        let _pages = crate::order::hold(crate::order::Rank::page(depth));
         let mut p = start;
         while p < end {
             let (ci, _) = self.locate(p);
@@ -122,7 +126,7 @@ impl Object {
             let obj: Arc<Object> = me.clone();
             let mark = (p == start).then_some(start);
             let first = p;
-            self.core.io.submit(move || obj.readahead_fill(ci, first, n, mark));
+            self.core.io.submit(depth, move || obj.readahead_fill(ci, first, n, mark));
             p += n;
         }
     }
@@ -131,6 +135,7 @@ impl Object {
     /// `readahead_submit`, as read-ahead; runs on an I/O thread.
     fn readahead_fill(&self, ci: u64, first: u64, n: u64, mark: Option<u64>) {
         let chunk = self.table.get(ci).expect("chunk of pages taken for read-ahead");
+        let _pages = crate::order::hold(crate::order::Rank::page(self.depth()));
         let base = ci << self.core.chunk_shift;
         if self.fill_locked(chunk, first, n).is_err() {
             // A read error is reported to whoever reads the page on demand.

@@ -2,7 +2,11 @@
 //!
 //! Counters are bumped on the hit path, so they must not become a shared cache line that
 //! every reading thread writes: each object keeps `SHARDS` cache-line-sized shards and a
-//! thread always uses the same one.
+//! thread always uses the same one. Only event counters (which only grow) are sharded: a
+//! sum of shards read one by one is then between the totals at the start and the end of
+//! the read. Gauges (resident and dirty pages, the flusher's unclean count) go up on one
+//! thread and down on another, so they are single atomics, counted in before the page
+//! state change that lets anyone count them out (see `Object::dirty`): never below zero.
 
 use crossbeam_utils::CachePadded;
 use std::cell::Cell;

@@ -185,15 +185,11 @@ impl Flusher {
     }
 }
 
-thread_local! {
-    /// (scopes entered, lowest depth among them; `u32::MAX` when none).
-    static SCOPE: std::cell::Cell<(u32, u32)> = const { std::cell::Cell::new((0, u32::MAX)) };
-}
-
 /// Marks the current thread, for its lifetime, as working for a pager of the given depth
 /// (see [`Pager::depth`](crate::Pager::depth)): the cache enters one around every pager
 /// call it makes, and a layer enters one itself when it holds its own locks and uses its
 /// lower file outside such a call (a metadata flush requested from outside the cache).
+/// It holds the rank `Pager(depth)` of the lock order (`order.rs`).
 ///
 /// Inside a scope the thread is *cleaning* memory for the layer above, perhaps holding
 /// that layer's locks, so the cache, on this thread:
@@ -203,7 +199,8 @@ thread_local! {
 ///   never the layer's own file or one above it, whose writeback would need the locks this
 ///   thread holds (found by tests/stress.rs: an aead `put_pages`, holding its state lock,
 ///   wrote its lower file, whose reclaim wrote back that same aead file and waited for the
-///   lock forever). Linux's `GFP_NOFS` / `memalloc_nofs_save` is the same rule;
+///   lock forever). Linux's `GFP_NOFS` / `memalloc_nofs_save` is the same rule, and it is
+///   the lock order's rule for any thread holding `Pager(depth)`;
 /// * may use the memory reserve that other allocations leave alone (`PF_MEMALLOC`): the
 ///   cache full of the upper layer's dirty pages must not stop the lower writes that are
 ///   the only way to clean them.
@@ -211,31 +208,24 @@ thread_local! {
 /// Scopes nest; the lowest depth wins.
 #[must_use = "the scope ends when this is dropped"]
 pub struct PagerScope {
-    prev: (u32, u32),
+    _rank: crate::order::Hold,
 }
 
 impl PagerScope {
     /// Enter a scope for a pager of `depth` (a layer over a file of depth `d` has `d + 1`).
+    /// => the thread holds nothing that ranks after `Pager(depth)` (debug builds check).
     pub fn enter(depth: u32) -> PagerScope {
-        let prev = SCOPE.with(|c| c.get());
-        SCOPE.with(|c| c.set((prev.0 + 1, prev.1.min(depth))));
-        PagerScope { prev }
+        PagerScope { _rank: crate::order::hold(crate::order::Rank::pager(depth)) }
     }
 
     /// Whether the current thread is in a scope.
     pub(crate) fn active() -> bool {
-        SCOPE.with(|c| c.get().0 > 0)
+        crate::order::in_pager()
     }
 
-    /// Whether reclaim on this thread may write back a file of `depth`.
+    /// Whether this thread may write back (call the pager of) a file of `depth`.
     pub(crate) fn may_write_back(depth: u32) -> bool {
-        depth < SCOPE.with(|c| c.get().1)
-    }
-}
-
-impl Drop for PagerScope {
-    fn drop(&mut self) {
-        SCOPE.with(|c| c.set(self.prev));
+        crate::order::may_call_pager(depth)
     }
 }
 
@@ -313,7 +303,9 @@ impl CacheCore {
                         .read()
                         .by_id
                         .values()
-                        .filter(|o| o.id != obj.id && o.dirty_pages() > 0)
+                        // Only files whose pagers cannot wait for the page we hold
+                        // (`order.rs`): the same depth or below.
+                        .filter(|o| o.id != obj.id && o.dirty_pages() > 0 && PagerScope::may_write_back(o.depth()))
                         .map(|o| (o.dirtied_at(), o.clone()))
                         .collect();
                     others.sort_by_key(|d| d.0);

@@ -41,6 +41,7 @@ pub fn all() -> Vec<(&'static str, BenchFn)> {
         ("policy", policy::run as BenchFn),
         ("map", map::run as BenchFn),
         ("stack", stack::run as BenchFn),
+        ("stack_randwrite", stack::run_randwrite as BenchFn),
         ("mach61", mach61::run as BenchFn),
     ]
 }

@@ -13,8 +13,45 @@
 //! through another only when that file is next opened there (close-to-open, the page
 //! cache is dropped at each open) or the attributes time out.
 //!
-//! Ctrl-C / SIGTERM / SIGHUP unmount every mount; when all sessions have ended (also after
-//! `fusermount3 -u` of each mount) the stack is synced and the command exits 0.
+//! Each mount runs four request threads, so that one request waiting on a slow store does
+//! not hold up the others. `close` (FLUSH) syncs the file — and reports write-back errors —
+//! only when the process that opened it closes it; a close by anybody else (a forked child
+//! closing the descriptors it inherited, at exec or exit) returns at once, so a program
+//! that forks is never held up by a sync. The last close (RELEASE) syncs too, in the
+//! background; `fsync` syncs.
+//!
+//! # Shutdown
+//!
+//! The command ends in one of three ways:
+//!
+//! * **Unmounted** (`fusermount3 -u` of every mount, or `umount`): the sessions end, the
+//!   whole stack is synced and the command exits 0.
+//! * **SIGTERM, SIGINT (Ctrl-C) or SIGHUP**, also with files open and writers active:
+//!   1. from then on every change — `write`, create, open for writing, truncate, chmod,
+//!      rename, remove, mkdir — fails with **EROFS** (the file system is read-only now;
+//!      reads still work), and the writes already in flight are waited for: every write
+//!      that returned Ok, before the signal or after it, is in the cache;
+//!   2. the whole stack is synced (`Stack::sync_all`: every file's dirty pages pushed down
+//!      through every layer, top first, so each layer's metadata — aead headers, zstd
+//!      commits — reaches the bottom, then every store synced), with progress on stderr;
+//!   3. every mount is unmounted lazily (`umount2(MNT_DETACH)` as root, else
+//!      `fusermount3 -u -z`), which works with files open: those files then fail with
+//!      ENOTCONN once the command is gone;
+//!   4. the command exits 0 (or 74 if the sync failed, after listing what was not synced).
+//!
+//!   The sync has a deadline, `--sync-timeout` (60 s): past it the command lists what was
+//!   not synced, unmounts and exits **75** (EX_TEMPFAIL). A **second signal** during the
+//!   shutdown does the same at once. "Not synced" is the amount the cache still holds
+//!   unwritten (all layers) and every open file written since its last sync, by path.
+//! * **The mounts left the mount table** (`fusermount3 -u -z`, `umount -l`) while some
+//!   process still holds a file open in them (the kernel then keeps the sessions alive):
+//!   after a second's grace, the shutdown above runs as if signalled. With nothing open
+//!   the kernel ends the sessions itself and this is the first case.
+//!
+//! SIGKILL loses only what was not synced (`fsync`, the opener's `close`, or the shutdown):
+//! what a crash of the stack keeps is documented in docs/guarantees.md, section 2. Stores
+//! through a shared mapping reach the stack when the kernel writes the mapping back
+//! (`msync`); those not yet written back at the shutdown are not covered.
 
 use crate::common::StackArgs;
 use crate::error::{Fail, Result, EX_IOERR, EX_UNAVAILABLE};
@@ -25,10 +62,10 @@ use fuser::{
 };
 use std::collections::HashMap;
 use std::ffi::OsStr;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed, Ordering::SeqCst};
+use std::sync::{Arc, Condvar, Mutex, mpsc};
+use std::time::{Duration, Instant, SystemTime};
 use ubc_stack::{Attr, Kind, LayerRef, OpenOptions, SetAttr};
 
 #[derive(clap::Args, Debug)]
@@ -51,7 +88,20 @@ pub struct Args {
     /// Cache budget in MiB
     #[arg(long, value_name = "MiB", default_value_t = 64)]
     budget: u64,
+    /// At shutdown, give up syncing after this many seconds: what is still dirty is listed
+    /// and the command exits 75
+    #[arg(long, value_name = "SECONDS", default_value_t = 60)]
+    sync_timeout: u64,
 }
+
+/// Exit status when the command gave up before everything was synced (a second signal, or
+/// the sync deadline passed): sysexits' EX_TEMPFAIL.
+const EX_TEMPFAIL: i32 = 75;
+
+/// Request-loop threads per mount: a request stuck in the stack (a sync waiting on a slow
+/// store) does not hold up the others — a `close` by a forked child, a `stat` — nor
+/// the shutdown.
+const LOOP_THREADS: usize = 4;
 
 fn parse_at(s: &str) -> Result<(usize, PathBuf)> {
     let bad = || Fail::usage(format!("--at {s}"), "expected LAYER:MOUNTPOINT, e.g. 2:/mnt/clear");
@@ -61,6 +111,112 @@ fn parse_at(s: &str) -> Result<(usize, PathBuf)> {
         return Err(bad());
     }
     Ok((n, PathBuf::from(p)))
+}
+
+/// What the mount threads, the signal thread and the shutdown share.
+#[derive(Default)]
+struct Shared {
+    /// Changes (writes, creates, renames, …) pass through the gate; shutdown closes it.
+    gate: Mutex<Gate>,
+    drained: Condvar,
+    /// Set once when the shutdown starts (by a signal or because the mounts went away).
+    stopping: AtomicBool,
+    /// Each mount: its point (as given, and canonical) and its open handles (for the report
+    /// of what was not synced).
+    mounts: Mutex<Vec<(PathBuf, PathBuf, Handles)>>,
+    /// The FUSE connections of the mounts (their device minors: /sys/fs/fuse/connections/N).
+    connections: Mutex<Vec<u32>>,
+}
+
+#[derive(Default)]
+struct Gate {
+    closed: bool,
+    busy: usize,
+}
+
+type Handles = Arc<Mutex<HashMap<u64, Arc<Handle>>>>;
+
+/// A change in flight: the shutdown waits for it before it syncs.
+struct Pass<'a>(&'a Shared);
+
+impl Drop for Pass<'_> {
+    fn drop(&mut self) {
+        let mut g = self.0.gate.lock().unwrap();
+        g.busy -= 1;
+        if g.busy == 0 {
+            self.0.drained.notify_all();
+        }
+    }
+}
+
+impl Shared {
+    /// Admit a change, or EROFS once the shutdown has begun.
+    fn enter(&self) -> std::result::Result<Pass<'_>, Errno> {
+        let mut g = self.gate.lock().unwrap();
+        if g.closed {
+            return Err(Errno::EROFS);
+        }
+        g.busy += 1;
+        Ok(Pass(self))
+    }
+
+    /// Refuse new changes and wait, until `deadline`, for those in flight; false if some
+    /// are still running then.
+    fn close(&self, deadline: Instant) -> bool {
+        let mut g = self.gate.lock().unwrap();
+        g.closed = true;
+        while g.busy > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            g = self.drained.wait_timeout(g, left).unwrap().0;
+        }
+        true
+    }
+
+    /// Open files written since their last sync, or with dirty pages: (mount path, dirty
+    /// bytes at that layer — pages already being written back are not counted).
+    fn dirty_files(&self) -> Vec<(PathBuf, u64)> {
+        let mounts: Vec<(PathBuf, Handles)> = self.mounts.lock().unwrap().iter().map(|(p, _, h)| (p.clone(), h.clone())).collect();
+        let mut out: Vec<(PathBuf, u64)> = Vec::new();
+        for (mp, handles) in mounts {
+            let hs: Vec<Arc<Handle>> = handles.lock().unwrap().values().cloned().collect();
+            for h in hs {
+                let dirty = h.file.stats().dirty_bytes;
+                let path = mp.join(h.file.path());
+                if (dirty > 0 || h.written.load(SeqCst)) && !out.iter().any(|(p, _)| *p == path) {
+                    out.push((path, dirty));
+                }
+            }
+        }
+        out.sort();
+        out
+    }
+}
+
+/// What the main thread waits for.
+enum Event {
+    /// A mount's session ended (unmounted, or the connection was aborted).
+    Ended(PathBuf, std::io::Result<()>),
+    /// The first SIGINT/SIGTERM/SIGHUP.
+    Signal(i32),
+    /// None of the mounts is in the mount table any more (`umount -l`, `fusermount3 -u -z`)
+    /// but sessions still run: some process holds files of a detached mount open.
+    Detached,
+}
+
+fn signal_name(sig: i32) -> &'static str {
+    match sig {
+        libc::SIGINT => "SIGINT",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGHUP => "SIGHUP",
+        _ => "signal",
+    }
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.1} MiB", b as f64 / (1 << 20) as f64)
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -85,67 +241,337 @@ pub fn run(a: Args) -> Result<()> {
     }
     let statfs_dir = stack.layer(0).ok().and_then(|l| l.spec().strip_prefix("dir:").map(|p| PathBuf::from(p.trim())));
 
-    let unmounters: Arc<Mutex<Vec<SessionUnmounter>>> = Arc::default();
-    let mut threads = Vec::new();
+    let shared = Arc::new(Shared::default());
+    let (tx, rx) = mpsc::channel::<Event>();
+    let mut unmounters: Vec<SessionUnmounter> = Vec::new();
+    // Each mount: (canonical path, mount id in /proc/self/mountinfo).
+    let mut points: Vec<(PathBuf, Option<u64>)> = Vec::new();
     for (layer, mp) in layers {
-        let fs = UbcFs::new(layer, a.kernel_cache, statfs_dir.clone());
+        let handles = Handles::default();
+        let fs = UbcFs::new(layer, a.kernel_cache, statfs_dir.clone(), shared.clone(), handles.clone());
         let mut config = Config::default();
         config.mount_options = vec![MountOption::FSName("ubc".into()), MountOption::Subtype("ubc".into()), MountOption::DefaultPermissions];
         if a.allow_other {
             config.acl = fuser::SessionACL::All;
         }
-        config.n_threads = Some(1);
+        config.n_threads = Some(LOOP_THREADS);
+        let canon = mp.canonicalize().unwrap_or_else(|_| mp.clone());
+        let before = ubc_mount_ids(&canon);
         let mut session = match Session::new(fs, &mp, &config) {
             Ok(s) => s,
             Err(e) => {
                 // Undo the mounts made so far.
-                for u in unmounters.lock().unwrap().iter_mut() {
+                for u in unmounters.iter_mut() {
                     let _ = u.unmount();
-                }
-                for t in threads {
-                    let _ = std::thread::JoinHandle::join(t);
                 }
                 return Err(Fail::new(EX_UNAVAILABLE, mp.display().to_string(), format!("cannot mount: {}", crate::error::io_cause(&e))));
             }
         };
-        unmounters.lock().unwrap().push(session.unmount_callable());
+        unmounters.push(session.unmount_callable());
+        let id = ubc_mount_ids(&canon).into_iter().filter(|i| !before.contains(i)).max();
+        if let Some(minor) = mount_table().into_iter().find(|m| Some(m.0) == id).map(|m| m.1) {
+            shared.connections.lock().unwrap().push(minor);
+        }
+        shared.mounts.lock().unwrap().push((mp.clone(), canon.clone(), handles));
+        points.push((canon, id));
         let name = format!("ubc-mount-{}", mp.display());
-        let t = std::thread::Builder::new()
+        let tx = tx.clone();
+        std::thread::Builder::new()
             .name(name)
-            .spawn(move || (mp, session.run()))
+            .spawn(move || {
+                let r = session.run();
+                let _ = tx.send(Event::Ended(mp, r));
+            })
             .map_err(|e| Fail::new(EX_IOERR, "<thread>", e.to_string()))?;
-        threads.push(t);
     }
 
     {
-        let unmounters = unmounters.clone();
+        let (tx, shared, stack) = (tx.clone(), shared.clone(), stack.clone());
         std::thread::spawn(move || {
+            let mut seen = false;
             loop {
                 let mut sig = 0;
                 if unsafe { libc::sigwait(&sigs, &mut sig) } != 0 {
                     return;
                 }
-                for u in unmounters.lock().unwrap().iter_mut() {
-                    if let Err(e) = u.unmount() {
-                        eprintln!("ubc: unmount: {}", crate::error::io_cause(&e));
-                    }
+                if !shared.stopping.swap(true, SeqCst) {
+                    seen = true;
+                    let _ = tx.send(Event::Signal(sig));
+                } else if !seen {
+                    // The mounts went away and the final sync runs: this is the first signal.
+                    seen = true;
+                    eprintln!("ubc: {}: syncing before exit; another signal exits at once without waiting", signal_name(sig));
+                } else {
+                    give_up(&shared, &stack, &format!("second {}", signal_name(sig)));
                 }
             }
         });
     }
+    let ids: Vec<u64> = points.iter().filter_map(|p| p.1).collect();
+    if ids.len() == points.len() {
+        let tx = tx.clone();
+        std::thread::spawn(move || watch_mount_table(&ids, tx));
+    }
+    drop(tx);
 
+    let timeout = Duration::from_secs(a.sync_timeout);
+    let mut live = points.len();
     let mut fail = None;
-    for t in threads {
-        match t.join() {
-            Ok((_, Ok(()))) => {}
-            Ok((mp, Err(e))) => fail = Some(Fail::new(EX_IOERR, mp.display().to_string(), crate::error::io_cause(&e))),
-            Err(_) => fail = Some(Fail::new(crate::error::EX_SOFTWARE, "<mount thread>", "panicked")),
+    // Wait until every session has ended, a signal comes, or the mounts were detached.
+    let why = loop {
+        match rx.recv() {
+            Ok(Event::Ended(mp, r)) => {
+                note_end(mp, r, &mut fail);
+                live -= 1;
+                if live == 0 {
+                    break None;
+                }
+            }
+            Ok(Event::Signal(sig)) => break Some(signal_name(sig).to_string()),
+            Ok(Event::Detached) => {
+                // Give the kernel a moment: with nothing open it ends the sessions itself.
+                let until = Instant::now() + Duration::from_secs(1);
+                while live > 0 {
+                    match rx.recv_timeout(until.saturating_duration_since(Instant::now())) {
+                        Ok(Event::Ended(mp, r)) => {
+                            note_end(mp, r, &mut fail);
+                            live -= 1;
+                        }
+                        Ok(_) => {}
+                        Err(_) => break,
+                    }
+                }
+                if live == 0 {
+                    break None;
+                }
+                break Some("mounts detached with files still open".to_string());
+            }
+            Err(_) => break None,
+        }
+    };
+    let loud = why.is_some();
+    // From here on a signal (a second one, if one started this) exits at once.
+    shared.stopping.store(true, SeqCst);
+    let start = Instant::now();
+    let deadline = start + timeout;
+    if let Some(why) = &why {
+        let u = stack.cache().stats().unclean_bytes;
+        let files = shared.dirty_files().len();
+        eprintln!(
+            "ubc: {why}: shutting down: writes now fail (EROFS); syncing {} ({files} open files written since their last sync); a second signal exits at once",
+            mib(u)
+        );
+    }
+    if !shared.close(deadline) {
+        give_up(&shared, &stack, &format!("{}s sync deadline passed (a write did not finish)", a.sync_timeout));
+    }
+    match timed_sync(&stack, deadline, loud) {
+        Sync::Done(Ok(())) => {
+            if loud {
+                eprintln!("ubc: synced in {:.1}s", start.elapsed().as_secs_f64());
+            }
+        }
+        Sync::Done(Err(e)) => {
+            report_unsynced(&shared, &stack);
+            fail = Some(Fail::stack(crate::error::Side::Output, &a.stack, e));
+        }
+        Sync::TimedOut => give_up(&shared, &stack, &format!("{}s sync deadline passed", a.sync_timeout)),
+    }
+    if live > 0 {
+        // Unmount every mount, also those with files open (a lazy unmount: the open files
+        // fail with ENOTCONN once this process is gone).
+        // Not fuser's unmount: a plain umount fails (EBUSY) with files open.
+        detach_all(&shared);
+        let until = Instant::now() + Duration::from_millis(500);
+        while live > 0 {
+            match rx.recv_timeout(until.saturating_duration_since(Instant::now())) {
+                Ok(Event::Ended(mp, r)) => {
+                    note_end(mp, r, &mut fail);
+                    live -= 1;
+                }
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+        if live > 0 {
+            eprintln!("ubc: {live} mount(s) unmounted with files still open: their further use fails (ENOTCONN)");
         }
     }
-    if let Err(e) = stack.sync_all() {
-        return Err(Fail::stack(crate::error::Side::Output, &a.stack, e));
-    }
     fail.map_or(Ok(()), Err)
+}
+
+fn note_end(mp: PathBuf, r: std::io::Result<()>, fail: &mut Option<Fail>) {
+    if let Err(e) = r {
+        *fail = Some(Fail::new(EX_IOERR, mp.display().to_string(), crate::error::io_cause(&e)));
+    }
+}
+
+enum Sync {
+    Done(ubc_stack::Result<()>),
+    TimedOut,
+}
+
+/// `Stack::sync_all` with a deadline (it runs on in another thread if the deadline passes),
+/// printing what is left every two seconds when `loud` or slow.
+fn timed_sync(stack: &ubc_stack::Stack, deadline: Instant, loud: bool) -> Sync {
+    let (tx, rx) = mpsc::channel();
+    let s = stack.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(s.sync_all());
+    });
+    let start = Instant::now();
+    loop {
+        let now = Instant::now();
+        if now >= deadline {
+            return Sync::TimedOut;
+        }
+        match rx.recv_timeout((deadline - now).min(Duration::from_secs(2))) {
+            Ok(r) => return Sync::Done(r),
+            Err(mpsc::RecvTimeoutError::Disconnected) => return Sync::Done(Ok(())),
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if loud || start.elapsed() >= Duration::from_secs(2) {
+                    let left = deadline.saturating_duration_since(Instant::now()).as_secs();
+                    eprintln!("ubc: syncing: {} not yet written back ({left}s to the deadline)", mib(stack.cache().stats().unclean_bytes));
+                }
+            }
+        }
+    }
+}
+
+/// Print what is not synced, unmount (lazily) every mount, and leave at once with
+/// EX_TEMPFAIL — each step bounded (one second each), since the stack may be stuck.
+fn give_up(shared: &Arc<Shared>, stack: &ubc_stack::Stack, why: &str) -> ! {
+    eprintln!("ubc: {why}: exiting without syncing everything");
+    report_unsynced(shared, stack);
+    let (tx, rx) = mpsc::channel();
+    let sh = shared.clone();
+    std::thread::spawn(move || {
+        detach_all(&sh);
+        // Abort the connections (root, with fusectl mounted): every process waiting on a
+        // mount gets ENOTCONN now, not when this process has finished exiting — which can
+        // take as long as the stuck store (the exit closes the store's files, and a FUSE
+        // store's close waits unkillably).
+        for c in sh.connections.lock().unwrap().iter() {
+            let _ = std::fs::write(format!("/sys/fs/fuse/connections/{c}/abort"), "1");
+        }
+        let _ = tx.send(());
+    });
+    let _ = rx.recv_timeout(Duration::from_secs(1));
+    unsafe { libc::_exit(EX_TEMPFAIL) }
+}
+
+fn detach_all(shared: &Shared) {
+    let points: Vec<(PathBuf, PathBuf)> = shared.mounts.lock().unwrap().iter().map(|(p, c, _)| (p.clone(), c.clone())).collect();
+    for (mp, canon) in points {
+        if let Err(e) = detach(&canon) {
+            eprintln!("ubc: {}: unmount: {e}", mp.display());
+        }
+    }
+}
+
+fn report_unsynced(shared: &Arc<Shared>, stack: &ubc_stack::Stack) {
+    let (tx, rx) = mpsc::channel();
+    let (sh, st) = (shared.clone(), stack.clone());
+    std::thread::spawn(move || {
+        let _ = tx.send((st.cache().stats().unclean_bytes, sh.dirty_files()));
+    });
+    match rx.recv_timeout(Duration::from_secs(1)) {
+        Ok((unclean, files)) => {
+            eprintln!("ubc: not synced: {} in the cache (all layers)", mib(unclean));
+            for (p, b) in files {
+                let dirty = if b > 0 { format!("; {} dirty", mib(b)) } else { String::new() };
+                eprintln!("ubc: not synced: {} (written since its last sync{dirty})", p.display());
+            }
+        }
+        Err(_) => eprintln!("ubc: not synced: unknown (the cache did not answer within 1s)"),
+    }
+}
+
+/// Lazily unmount `mp` (MNT_DETACH: also with files open): `umount2` as root, else
+/// `fusermount3 -u -z`. Not mounted any more is success.
+fn detach(mp: &Path) -> std::result::Result<(), String> {
+    if !is_mounted(mp) {
+        return Ok(());
+    }
+    if unsafe { libc::geteuid() } == 0 {
+        let c = std::ffi::CString::new(mp.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+        if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } == 0 {
+            return Ok(());
+        }
+    }
+    let out = std::process::Command::new("fusermount3")
+        .args(["-u", "-z", "-q"])
+        .arg(mp)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| format!("fusermount3: {e}"))?;
+    if out.status.success() || !is_mounted(mp) {
+        Ok(())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
+    }
+}
+
+/// `/proc/self/mountinfo` lines: (mount id, device minor, mount point, "fstype source").
+fn mount_table() -> Vec<(u64, u32, String, String)> {
+    let m = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    m.lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split(' ').collect();
+            let id = f.first()?.parse().ok()?;
+            let sep = f.iter().position(|x| *x == "-")?;
+            let minor = f.get(2)?.split_once(':')?.1.parse().ok()?;
+            Some((id, minor, unescape(f.get(4)?), format!("{} {}", f.get(sep + 1)?, f.get(sep + 2)?)))
+        })
+        .collect()
+}
+
+/// Mountinfo escapes space, tab, newline and backslash as octal.
+fn unescape(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
+            let v = u32::from(b[i + 1] - b'0') * 64 + u32::from(b[i + 2] - b'0') * 8 + u32::from(b[i + 3] - b'0');
+            out.push(v as u8);
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn ubc_mount_ids(mp: &Path) -> Vec<u64> {
+    let mp = mp.to_string_lossy();
+    // Mounted directly the type is "fuse", through fusermount3 "fuse.ubc"; the source is "ubc".
+    mount_table().into_iter().filter(|(_, _, p, t)| *p == mp && (t == "fuse ubc" || t == "fuse.ubc ubc")).map(|m| m.0).collect()
+}
+
+fn is_mounted(mp: &Path) -> bool {
+    !ubc_mount_ids(mp).is_empty()
+}
+
+/// Tell the main thread once none of `ids` is in the mount table (checked on every change
+/// of the table, and every second).
+fn watch_mount_table(ids: &[u64], tx: mpsc::Sender<Event>) {
+    let f = std::fs::File::open("/proc/self/mountinfo").ok();
+    loop {
+        if let Some(f) = &f {
+            use std::os::fd::AsRawFd;
+            let mut p = libc::pollfd { fd: f.as_raw_fd(), events: libc::POLLPRI, revents: 0 };
+            unsafe { libc::poll(&mut p, 1, 1000) };
+        } else {
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        let now: Vec<u64> = mount_table().into_iter().map(|m| m.0).collect();
+        if !ids.iter().any(|i| now.contains(i)) {
+            let _ = tx.send(Event::Detached);
+            return;
+        }
+    }
 }
 
 fn termination_sigset() -> libc::sigset_t {
@@ -219,6 +645,23 @@ impl Inodes {
 struct Handle {
     file: ubc_stack::File,
     append: bool,
+    /// The process (thread group) that opened it: only its `close` waits for a sync (see
+    /// `flush`).
+    pid: u32,
+    /// Written (or resized) through this handle since its last successful sync.
+    written: AtomicBool,
+}
+
+impl Handle {
+    /// Sync the file; `written` is cleared first (a write racing with the sync sets it again).
+    fn sync(&self) -> std::result::Result<(), Errno> {
+        self.written.store(false, SeqCst);
+        let r = self.file.sync().map_err(|e| errno(&e));
+        if r.is_err() {
+            self.written.store(true, SeqCst);
+        }
+        r
+    }
 }
 
 /// One mount: one layer of the shared stack.
@@ -230,8 +673,18 @@ struct UbcFs {
     gid: u32,
     statfs_dir: Option<PathBuf>,
     inodes: Mutex<Inodes>,
-    handles: Mutex<HashMap<u64, Arc<Handle>>>,
+    handles: Handles,
     next_fh: AtomicU64,
+    shared: Arc<Shared>,
+}
+
+/// The process of thread `tid` (FUSE requests carry the thread's id): its thread group
+/// id from /proc, or `tid` itself if that is gone.
+fn process_of(tid: u32) -> u32 {
+    std::fs::read_to_string(format!("/proc/{tid}/status"))
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("Tgid:").and_then(|v| v.trim().parse().ok())))
+        .unwrap_or(tid)
 }
 
 fn errno(e: &ubc_stack::Error) -> Errno {
@@ -262,7 +715,7 @@ fn time(t: TimeOrNow) -> SystemTime {
 }
 
 impl UbcFs {
-    fn new(layer: LayerRef, kernel_cache: bool, statfs_dir: Option<PathBuf>) -> UbcFs {
+    fn new(layer: LayerRef, kernel_cache: bool, statfs_dir: Option<PathBuf>, shared: Arc<Shared>, handles: Handles) -> UbcFs {
         UbcFs {
             layer,
             kernel_cache,
@@ -271,8 +724,9 @@ impl UbcFs {
             gid: unsafe { libc::getegid() },
             statfs_dir,
             inodes: Mutex::new(Inodes::new()),
-            handles: Mutex::default(),
+            handles,
             next_fh: AtomicU64::new(1),
+            shared,
         }
     }
 
@@ -319,9 +773,9 @@ impl UbcFs {
         Ok(self.fattr(ino, &a))
     }
 
-    fn add_handle(&self, file: ubc_stack::File, append: bool) -> FileHandle {
+    fn add_handle(&self, file: ubc_stack::File, append: bool, pid: u32) -> FileHandle {
         let fh = self.next_fh.fetch_add(1, Relaxed);
-        self.handles.lock().unwrap().insert(fh, Arc::new(Handle { file, append }));
+        self.handles.lock().unwrap().insert(fh, Arc::new(Handle { file, append, pid, written: AtomicBool::new(false) }));
         FileHandle(fh)
     }
 
@@ -380,12 +834,16 @@ impl Filesystem for UbcFs {
         reply: ReplyAttr,
     ) {
         let r = (|| {
+            let _pass = self.shared.enter()?;
             let path = self.path(ino);
             let h = fh.and_then(|f| self.handle(f).ok());
             let mut set = SetAttr { size: None, mode: mode.map(|m| m & 0o7777), atime: atime.map(time), mtime: mtime.map(time) };
             if let Some(s) = size {
                 match (&h, &path) {
-                    (Some(h), _) => h.file.set_len(s).map_err(|e| errno(&e))?,
+                    (Some(h), _) => {
+                        h.written.store(true, SeqCst);
+                        h.file.set_len(s).map_err(|e| errno(&e))?
+                    }
                     (None, Ok(_)) => set.size = Some(s),
                     (None, Err(e)) => return Err(*e),
                 }
@@ -411,6 +869,7 @@ impl Filesystem for UbcFs {
 
     fn mkdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, reply: ReplyEntry) {
         let r = (|| {
+            let _pass = self.shared.enter()?;
             let p = join(&self.path(parent)?, name)?;
             self.layer.mkdir(&p).map_err(|e| errno(&e))?;
             let m = mode & !umask & 0o7777;
@@ -427,6 +886,7 @@ impl Filesystem for UbcFs {
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let r = (|| {
+            let _pass = self.shared.enter()?;
             let p = join(&self.path(parent)?, name)?;
             self.layer.remove(&p).map_err(|e| errno(&e))?;
             self.inodes.lock().unwrap().remove(&p);
@@ -440,6 +900,7 @@ impl Filesystem for UbcFs {
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let r = (|| {
+            let _pass = self.shared.enter()?;
             let p = join(&self.path(parent)?, name)?;
             self.layer.rmdir(&p).map_err(|e| errno(&e))?;
             self.inodes.lock().unwrap().remove(&p);
@@ -462,6 +923,7 @@ impl Filesystem for UbcFs {
         reply: ReplyEmpty,
     ) {
         let r = (|| {
+            let _pass = self.shared.enter()?;
             let from = join(&self.path(parent)?, name)?;
             let to = join(&self.path(newparent)?, newname)?;
             if flags.contains(RenameFlags::RENAME_EXCHANGE) || flags.contains(RenameFlags::RENAME_WHITEOUT) {
@@ -480,13 +942,14 @@ impl Filesystem for UbcFs {
         }
     }
 
-    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+    fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let r = (|| {
             let p = self.path(ino)?;
             let write = flags.0 & libc::O_ACCMODE != libc::O_RDONLY;
+            let _pass = if write { Some(self.shared.enter()?) } else { None };
             let truncate = write && flags.0 & libc::O_TRUNC != 0;
             let f = self.layer.open_with(&p, OpenOptions { write, create: false, truncate }).map_err(|e| errno(&e))?;
-            Ok(self.add_handle(f, flags.0 & libc::O_APPEND != 0))
+            Ok(self.add_handle(f, flags.0 & libc::O_APPEND != 0, process_of(req.pid())))
         })();
         match r {
             Ok(fh) => reply.opened(fh, self.open_flags()),
@@ -494,8 +957,9 @@ impl Filesystem for UbcFs {
         }
     }
 
-    fn create(&self, _req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, flags: i32, reply: ReplyCreate) {
+    fn create(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, flags: i32, reply: ReplyCreate) {
         let r = (|| {
+            let _pass = self.shared.enter()?;
             let p = join(&self.path(parent)?, name)?;
             if flags & libc::O_EXCL != 0 && self.layer.getattr(&p).is_ok() {
                 return Err(Errno::EEXIST);
@@ -507,7 +971,7 @@ impl Filesystem for UbcFs {
                 let _ = self.layer.setattr(&p, &SetAttr { mode: Some(m), ..Default::default() });
             }
             let a = self.stat(&p)?;
-            Ok((a, self.add_handle(f, flags & libc::O_APPEND != 0)))
+            Ok((a, self.add_handle(f, flags & libc::O_APPEND != 0, process_of(req.pid()))))
         })();
         match r {
             Ok((a, fh)) => reply.created(&self.ttl, &a, Generation(0), fh, self.open_flags()),
@@ -559,9 +1023,13 @@ impl Filesystem for UbcFs {
         reply: ReplyWrite,
     ) {
         let r = (|| {
+            // Through the gate: a write that returns Ok is in the cache before the
+            // shutdown's sync starts, so it reaches the disk.
+            let _pass = self.shared.enter()?;
             let h = self.handle(fh)?;
             // The kernel's idea of the size may be stale (other mounts): append at ours.
             let offset = if h.append { h.file.len().map_err(|e| errno(&e))? } else { offset };
+            h.written.store(true, SeqCst);
             let mut n = 0;
             while n < data.len() {
                 let k = h.file.write_at(&data[n..], offset + n as u64).map_err(|e| errno(&e))?;
@@ -578,8 +1046,13 @@ impl Filesystem for UbcFs {
         }
     }
 
-    fn flush(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
-        match self.handle(fh).and_then(|h| h.file.sync().map_err(|e| errno(&e))) {
+    /// Every `close` of a descriptor sends FLUSH, also a forked child's close of one it
+    /// inherited. Only the opener's close syncs (and reports write-back errors, as NFS
+    /// does); anybody else's returns at once, so that a program that forks (a shell, a
+    /// test harness) is never held up by a sync — which the last close (RELEASE) does anyway.
+    fn flush(&self, req: &Request, _ino: INodeNo, fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
+        let r = self.handle(fh).and_then(|h| if h.pid == process_of(req.pid()) { h.sync() } else { Ok(()) });
+        match r {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
         }
@@ -596,14 +1069,14 @@ impl Filesystem for UbcFs {
         reply: ReplyEmpty,
     ) {
         let h = self.handles.lock().unwrap().remove(&fh.0);
-        match h.map(|h| h.file.sync()) {
-            Some(Err(e)) => reply.error(errno(&e)),
+        match h.map(|h| h.sync()) {
+            Some(Err(e)) => reply.error(e),
             _ => reply.ok(),
         }
     }
 
     fn fsync(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
-        match self.handle(fh).and_then(|h| h.file.sync().map_err(|e| errno(&e))) {
+        match self.handle(fh).and_then(|h| h.sync()) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
         }
@@ -658,5 +1131,17 @@ impl Filesystem for UbcFs {
         }
         // Not over a host directory: a nominal, empty-looking 1 TiB.
         reply.statfs(1 << 28, 1 << 28, 1 << 28, 1 << 20, 1 << 20, 4096, 255, 4096)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountinfo_paths_are_unescaped() {
+        assert_eq!(unescape(r"/tmp/a\040b\011c\134d\012"), "/tmp/a b\tc\\d\n");
+        assert_eq!(unescape(r"/x\04"), r"/x\04");
+        assert_eq!(unescape(r"/x\999"), r"/x\999");
     }
 }

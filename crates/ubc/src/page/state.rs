@@ -125,9 +125,9 @@ impl PageState {
             {
                 continue;
             }
-            // The page may be filled by a queued I/O job: an I/O thread waiting here lets
-            // the pool know (it grows rather than deadlock).
-            crate::io::blocking(|| wait(&self.0, s | WAITERS));
+            // Whoever waits here checked the lock order first (`order::check_wait` with the
+            // object's `Page` rank, at the call site: the word does not know its depth).
+            wait(&self.0, s | WAITERS);
         }
     }
 

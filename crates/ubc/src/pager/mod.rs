@@ -96,9 +96,11 @@ pub trait Pager: Send + Sync + 'static {
     /// store without the cache (a host file, memory, an object store); a layer whose store
     /// is a file of the cache returns that file's [`File::depth`](crate::File::depth) + 1.
     ///
-    /// The cache relies on it to stay live under memory pressure: reclaim inside a pager
-    /// call writes back only files of lower depth (see [`PagerScope`]). A layer that
-    /// reports 0 may deadlock when memory is short.
+    /// The cache relies on it to stay live: background I/O for a file runs in the pool of
+    /// its depth, and reclaim inside a pager call writes back only files of lower depth
+    /// (see [`PagerScope`] and the lock order in [`order`](crate::order)). A layer (or a
+    /// wrapper: forward the inner pager's depth) that reports a wrong depth may deadlock;
+    /// debug builds catch it as a lock-order violation.
     fn depth(&self) -> u32 {
         0
     }
