@@ -88,6 +88,10 @@ struct RunArgs {
     /// Cap on the random-write file (8x budget) and the sequential write (16x budget), MiB
     #[arg(long, default_value_t = 2048)]
     max_file_mib: u64,
+    /// Cap on the two-mounts file (default: --max-file-mib); reading the bottom layer
+    /// throughout makes the top's writes slow (each read writes the top's dirty data down)
+    #[arg(long)]
+    max_two_mounts_mib: Option<u64>,
     /// Cap on each of the 4 files of the mixed pattern (the model is held in memory), MiB
     #[arg(long, default_value_t = 64)]
     max_mixed_mib: u64,
@@ -520,6 +524,12 @@ impl Mount {
     }
 }
 
+impl Mount {
+    fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.as_mut().and_then(|c| c.try_wait().ok().flatten())
+    }
+}
+
 impl Drop for Mount {
     fn drop(&mut self) {
         if let Some(mut c) = self.child.take() {
@@ -709,8 +719,12 @@ fn case(c: &CaseArgs, prog: &Progress) -> R<Outcome> {
             if c.pattern == "two-mounts" && depth < 2 {
                 return Err("two-mounts needs a stack of two layers or more".into());
             }
-            let m = Mount::start(c, &spec, &ats, prog, &log)?;
-            let r = mount_pattern(c, prog, &mt, &m0)?;
+            let mut m = Mount::start(c, &spec, &ats, prog, &log)?;
+            // An error with the mount gone (ENOTCONN) says how `ubc mount` ended.
+            let r = mount_pattern(c, prog, &mt, &m0).map_err(|e| match m.exited() {
+                Some(st) => format!("{e}; ubc mount had exited: {st} (log: {})", log.display()),
+                None => e,
+            })?;
             m.stop(prog)?;
             r
         }
@@ -1207,7 +1221,10 @@ fn run(a: RunArgs) -> i32 {
                     }
                     n += 1;
                     let want = if pattern == "seq1m-fsync" { 16 * budget } else { 8 * budget };
-                    let mib = want.min(cap);
+                    let mut mib = want.min(cap);
+                    if pattern == "two-mounts" {
+                        mib = mib.min(a.max_two_mounts_mib.unwrap_or(u64::MAX));
+                    }
                     let want = if pattern == "mixed" { 2 * budget } else { want };
                     let mut row = Row {
                         want,
