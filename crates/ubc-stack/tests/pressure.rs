@@ -13,7 +13,6 @@ mod common;
 
 use rand::{RngExt, SeedableRng};
 use std::time::Duration;
-use ubc_stack::encrypt::Key;
 use ubc_stack::Stack;
 
 /// Bytes of a file: runs of compressible text and of random bytes, so both zstd's
@@ -33,11 +32,7 @@ fn content(rng: &mut rand::rngs::StdRng, len: usize) -> Vec<u8> {
 
 fn run(layers: &str, budget: u64, writers: usize, file_len: usize, seed: u64) {
     let tmp = tempfile::tempdir().unwrap();
-    let data = tmp.path().join("data");
-    std::fs::create_dir(&data).unwrap();
-    let key = tmp.path().join("key");
-    Key::generate().write_file(&key).unwrap();
-    let spec = format!("dir:{} | {}", data.display(), layers.replace("aead", &format!("aead:keyfile={}", key.display())));
+    let spec = common::layered_spec(tmp.path(), layers);
     let cache = ubc::Cache::builder().budget(budget).build().unwrap();
     let stack = Stack::open(&spec, cache.clone()).unwrap();
     let _dog = common::Watchdog::new(&format!("{layers} at {} KiB", budget >> 10), Duration::from_secs(120));
@@ -88,17 +83,12 @@ fn run(layers: &str, budget: u64, writers: usize, file_len: usize, seed: u64) {
     );
 }
 
-fn seed() -> u64 {
-    std::env::var("UBC_PRESSURE_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(rand::random)
-}
-
 /// A 1 MiB budget (256 pages) for up to three layers of four 2 MiB files. At length:
 /// `UBC_PRESSURE_ROUNDS=20 cargo test --release -p ubc-stack --test pressure -- --nocapture`
 /// (each round also at 2 MiB).
 #[test]
 fn layered_writeback_completes_when_memory_is_short() {
-    let seed = seed();
-    println!("seed {seed} (UBC_PRESSURE_SEED to replay the data)");
+    let seed = common::seed("UBC_PRESSURE_SEED");
     let rounds: Option<usize> = std::env::var("UBC_PRESSURE_ROUNDS").ok().and_then(|s| s.parse().ok());
     let budgets: &[u64] = if rounds.is_some() { &[1 << 20, 2 << 20] } else { &[1 << 20] };
     for round in 0..rounds.unwrap_or(1) {

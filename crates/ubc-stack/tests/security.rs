@@ -2,6 +2,8 @@
 //! wiped on drop, and no way out of a `dir` or `union` directory through `..` or symbolic
 //! links — by reading, writing, copy-up, chmod, truncation, rename or listing.
 
+mod common;
+
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 use ubc_stack::encrypt::Key;
@@ -39,11 +41,8 @@ fn no_cleartext_reaches_any_layer_below_the_encryption_layer() {
     const SECRET: &[u8] = b"ATTACK AT DAWN: the password is hunter2";
     for order in ["zstd:chunk=16K | aead", "aead | zstd:chunk=16K"] {
         let tmp = tempfile::tempdir().unwrap();
+        let spec = common::layered_spec(tmp.path(), order);
         let data = tmp.path().join("data");
-        std::fs::create_dir(&data).unwrap();
-        let key = tmp.path().join("key");
-        Key::generate().write_file(&key).unwrap();
-        let spec = format!("dir:{} | {}", data.display(), order.replace("aead", &format!("aead:keyfile={}", key.display())));
         // 2 MiB for three layers of a 5 MiB file (15 MiB): write-behind and eviction
         // push pages down before any sync (checked below). (Before ed03fa8 this could hang
         // here: writeback through the layers needing memory — docs/guarantees.md.)

@@ -1,13 +1,11 @@
 //! Its own test binary (process): it counts the cache's threads.
 
+mod common;
+
 use ubc_stack::Stack;
 
 fn cache_threads() -> usize {
-    std::fs::read_dir("/proc/self/task")
-        .unwrap()
-        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
-        .filter(|n| n.starts_with("ubc-"))
-        .count()
+    common::threads_named("ubc-")
 }
 
 /// Dropping the stack and its files shuts the cache down — writing back what was not

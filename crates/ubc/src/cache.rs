@@ -457,7 +457,7 @@ impl CacheCore {
     /// with the cache full of dirty upper pages it would otherwise compete for each freed
     /// page with every thread that is dirtying more.
     fn limit(&self) -> u64 {
-        if crate::writeback::PagerScope::active() {
+        if crate::order::in_pager() {
             self.budget_pages
         } else {
             self.budget_pages - self.reserve_pages
@@ -605,7 +605,7 @@ impl CacheCore {
     fn deactivate(&self, obj: &Arc<Object>) {
         // Inside a pager call this writeback could need the locks the caller holds (see
         // `PagerScope`): leave it to the next close or reclaim outside one.
-        if obj.dirty_pages() > 0 && !crate::writeback::PagerScope::may_write_back(obj.depth()) {
+        if obj.dirty_pages() > 0 && !crate::order::may_call_pager(obj.depth()) {
             self.registry.write().closed.push_back(obj.id);
             return;
         }
@@ -757,7 +757,7 @@ impl Prober<'_> {
         for group in dirty.chunk_by(|a, b| a.object == b.object) {
             let Some(obj) = self.object(group[0].object) else { continue };
             // Inside a pager call, only files below it (see `PagerScope`).
-            if !crate::writeback::PagerScope::may_write_back(obj.depth()) {
+            if !crate::order::may_call_pager(obj.depth()) {
                 continue;
             }
             let mut done_to = 0;

@@ -144,6 +144,18 @@ impl Object {
         }
     }
 
+    /// `size_lock` shared (writers, the stored-length fix-up of `sync`), its rank held.
+    fn size_shared(&self) -> SizeGuard<parking_lot::RwLockReadGuard<'_, ()>> {
+        let rank = crate::order::hold(crate::order::Rank::size(self.depth()));
+        SizeGuard { _lock: self.size_lock.read(), _rank: rank }
+    }
+
+    /// `size_lock` exclusive (truncation, invalidation), its rank held.
+    fn size_exclusive(&self) -> SizeGuard<parking_lot::RwLockWriteGuard<'_, ()>> {
+        let rank = crate::order::hold(crate::order::Rank::size(self.depth()));
+        SizeGuard { _lock: self.size_lock.write(), _rank: rank }
+    }
+
     /// How many pagers of this cache lie below this object's (see [`Pager::depth`]).
     pub(crate) fn depth(&self) -> u32 {
         self.depth.load(Relaxed)
@@ -635,8 +647,7 @@ impl Object {
         let ps = self.ps();
         // Smooth dirty throttling happens here, before any page is held.
         self.core.balance_dirty(((end - 1) >> ps) - (offset >> ps) + 1);
-        let _size_rank = crate::order::hold(crate::order::Rank::size(self.depth()));
-        let _size = self.size_lock.read();
+        let _size = self.size_shared();
         // Pages are held from here on (lock coupling), each taken in ascending order.
         let _pages = crate::order::hold(crate::order::Rank::page(self.depth()));
         let mut held: Option<Held<'_>> = None;
@@ -771,8 +782,7 @@ impl Object {
         if new > max_end() {
             return Err(Error::OffsetOverflow { offset: new, len: 0 });
         }
-        let _size_rank = crate::order::hold(crate::order::Rank::size(self.depth()));
-        let _size = self.size_lock.write();
+        let _size = self.size_exclusive();
         let old = self.len();
         let ps = self.ps();
         if new < old {
@@ -938,8 +948,7 @@ impl Object {
     /// overwrite or has overwritten.
     pub(crate) fn invalidate(&self, from: u64, to: u64, reload_len: bool) -> Result<()> {
         self.clean(from, to)?;
-        let _size_rank = crate::order::hold(crate::order::Rank::size(self.depth()));
-        let _size = self.size_lock.write();
+        let _size = self.size_exclusive();
         let ps = self.ps();
         self.drop_pages(from >> ps, to.div_ceil(1 << ps).max(from >> ps))?;
         if reload_len {
@@ -1009,7 +1018,7 @@ impl Object {
                         let (obj, ticket, ci, first) = (obj.clone(), batch.ticket(), chunk.index, p);
                         self.core.io.submit(depth, move || {
                             let chunk = obj.table.get(ci).expect("chunk of pages under writeback");
-                            let _pages = crate::order::hold(crate::order::Rank::page(obj.depth()));
+                            let _pages = crate::order::hold(crate::order::Rank::page(depth));
                             ticket.done(obj.write_run(chunk, first, n));
                         });
                     }
@@ -1094,8 +1103,7 @@ impl Object {
         let len = self.len();
         let stored = self.call_pager(PagerOp::Len, 0, |p| p.len())?;
         if stored != len && self.pager().is_writable() {
-            let _size_rank = crate::order::hold(crate::order::Rank::size(self.depth()));
-            let _size = self.size_lock.read();
+            let _size = self.size_shared();
             let len = self.len();
             self.call_pager(PagerOp::SetLen, len, |p| p.set_len(len))?;
         }
@@ -1364,6 +1372,13 @@ impl Drop for Object {
 }
 
 /// Contiguous runs `[a, b)` of a sorted list of page indexes.
+/// A `size_lock` guard and its place in the lock order (`order.rs`); the lock is released
+/// first (fields drop in order).
+struct SizeGuard<G> {
+    _lock: G,
+    _rank: crate::order::Hold,
+}
+
 fn runs(pages: &[u64]) -> impl Iterator<Item = (u64, u64)> + '_ {
     let mut i = 0;
     std::iter::from_fn(move || {

@@ -41,7 +41,7 @@
 //! In debug builds (tests) every acquisition and wait is checked against a per-thread stack
 //! of held ranks, and an out-of-order one panics with both ranks: the checker turns a
 //! deadlock that needs an unlucky schedule into a failure on the first run that takes the
-//! wrong order. Release builds keep the stack too (it is a few words per thread), because
+//! wrong order. Release builds keep the stack too (a short vector per thread), because
 //! [`may_call_pager`] decides behaviour from it; only the panics are compiled out.
 
 use std::cell::RefCell;
@@ -115,25 +115,14 @@ impl std::fmt::Display for Rank {
     }
 }
 
-const CAP: usize = 32;
-
-struct Held {
-    ranks: [Rank; CAP],
-    len: usize,
-    /// Entries that did not fit (counted, not checked).
-    overflow: usize,
-}
-
 thread_local! {
-    static HELD: RefCell<Held> = const { RefCell::new(Held { ranks: [Rank(0); CAP], len: 0, overflow: 0 }) };
+    /// The ranks this thread holds, in acquisition order (a handful at most).
+    static HELD: RefCell<Vec<Rank>> = const { RefCell::new(Vec::new()) };
 }
 
 /// The highest rank this thread holds, if any.
 fn top() -> Option<Rank> {
-    HELD.with(|h| {
-        let h = h.borrow();
-        h.ranks[..h.len].iter().copied().max()
-    })
+    HELD.with(|h| h.borrow().iter().copied().max())
 }
 
 #[inline]
@@ -151,10 +140,7 @@ fn check(rank: Rank, what: &str) {
 }
 
 fn held_list() -> String {
-    HELD.with(|h| {
-        let h = h.borrow();
-        h.ranks[..h.len].iter().map(|r| r.to_string()).collect::<Vec<_>>().join(" → ")
-    })
+    HELD.with(|h| h.borrow().iter().map(|r| r.to_string()).collect::<Vec<_>>().join(" → "))
 }
 
 /// Check that this thread may wait for `rank` now (debug builds panic if not).
@@ -168,16 +154,7 @@ pub fn check_wait(rank: Rank) {
 #[inline]
 pub fn hold(rank: Rank) -> Hold {
     check(rank, "acquiring");
-    HELD.with(|h| {
-        let mut h = h.borrow_mut();
-        if h.len < CAP {
-            let n = h.len;
-            h.ranks[n] = rank;
-            h.len += 1;
-        } else {
-            h.overflow += 1;
-        }
-    });
+    HELD.with(|h| h.borrow_mut().push(rank));
     Hold { rank, _not_send: std::marker::PhantomData }
 }
 
@@ -191,10 +168,7 @@ pub fn may_call_pager(depth: u32) -> bool {
 
 /// Whether this thread is inside a pager call (of any depth).
 pub(crate) fn in_pager() -> bool {
-    HELD.with(|h| {
-        let h = h.borrow();
-        h.ranks[..h.len].iter().any(|r| r.level() == Level::Pager as u32)
-    })
+    HELD.with(|h| h.borrow().iter().any(|r| r.level() == Level::Pager as u32))
 }
 
 /// A held rank; dropping it releases the rank. Not `Send`: the stack is per thread.
@@ -207,16 +181,10 @@ pub struct Hold {
 impl Drop for Hold {
     fn drop(&mut self) {
         HELD.with(|h| {
-            let mut h = h.borrow_mut();
-            if h.overflow > 0 {
-                h.overflow -= 1;
-                return;
-            }
             // Guards may drop out of order: remove the latest entry of this rank.
-            let n = h.len;
-            if let Some(i) = h.ranks[..n].iter().rposition(|r| *r == self.rank) {
-                h.ranks.copy_within(i + 1..n, i);
-                h.len -= 1;
+            let mut h = h.borrow_mut();
+            if let Some(i) = h.iter().rposition(|r| *r == self.rank) {
+                h.remove(i);
             }
         });
     }

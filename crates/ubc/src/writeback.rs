@@ -217,16 +217,6 @@ impl PagerScope {
     pub fn enter(depth: u32) -> PagerScope {
         PagerScope { _rank: crate::order::hold(crate::order::Rank::pager(depth)) }
     }
-
-    /// Whether the current thread is in a scope.
-    pub(crate) fn active() -> bool {
-        crate::order::in_pager()
-    }
-
-    /// Whether this thread may write back (call the pager of) a file of `depth`.
-    pub(crate) fn may_write_back(depth: u32) -> bool {
-        crate::order::may_call_pager(depth)
-    }
 }
 
 impl std::fmt::Debug for PagerScope {
@@ -247,7 +237,7 @@ impl CacheCore {
     /// was reserved.
     pub(crate) fn reserve_dirty(&self, obj: &Object, page: Option<&crate::page::state::PageState>) -> Result<bool> {
         let f = &self.flusher;
-        if PagerScope::active() {
+        if crate::order::in_pager() {
             // Not throttled (see `PagerScope`), but not unbounded either: a layer's call can
             // dirty a lot of its lower file at once (an aead growth seals every gap block),
             // and if those pages filled the cache, only lower writes could clean them — which
@@ -258,7 +248,7 @@ impl CacheCore {
             // on its own device's dirty pages, not on everyone's). An error stays with the
             // pages (retained for `sync`); this write goes on.
             let batch = (f.limit / 4).clamp(1, self.max_put_pages);
-            if f.unclean() >= f.limit && obj.dirty_pages() >= batch && PagerScope::may_write_back(obj.depth()) {
+            if f.unclean() >= f.limit && obj.dirty_pages() >= batch && crate::order::may_call_pager(obj.depth()) {
                 let _ = obj.writeback(0, u64::MAX, false, false);
             }
             f.counts.fetch_add(1 << 32, SeqCst);
@@ -305,7 +295,7 @@ impl CacheCore {
                         .values()
                         // Only files whose pagers cannot wait for the page we hold
                         // (`order.rs`): the same depth or below.
-                        .filter(|o| o.id != obj.id && o.dirty_pages() > 0 && PagerScope::may_write_back(o.depth()))
+                        .filter(|o| o.id != obj.id && o.dirty_pages() > 0 && crate::order::may_call_pager(o.depth()))
                         .map(|o| (o.dirtied_at(), o.clone()))
                         .collect();
                     others.sort_by_key(|d| d.0);
@@ -341,7 +331,7 @@ impl CacheCore {
     /// proportion to how far unclean memory is above the set-point. Never fails.
     pub(crate) fn balance_dirty(&self, pages: u64) {
         let f = &self.flusher;
-        if PagerScope::active() {
+        if crate::order::in_pager() {
             return;
         }
         let cur = f.unclean();

@@ -25,8 +25,7 @@
 //!   zstd` ("ubc") vs the same writes at the top of `dir` alone (baseline), each stack on its
 //!   own 64 MiB cache and a 256 MiB file (4x the budget), every sample ending with the
 //!   file's `sync` inside the timing (writes/s counts data written down through every layer).
-//!   ratio = stack writes/s / dir writes/s. No timeout: a hang shows as one (the bench
-//!   prints a line to stderr each minute without progress).
+//!   ratio = stack writes/s / dir writes/s.
 
 use super::Ctx;
 use crate::report::{Better, Record};
@@ -383,8 +382,6 @@ fn cached_reread(ctx: &Ctx, base: &Path, key: &Path) -> Record {
 const RANDWRITE_BUDGET: u64 = 64 * MIB;
 
 fn randwrite(ctx: &Ctx, base: &Path, key: &Path) -> Record {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
     let len = 256 * MIB;
     let ops = ctx.scale(60_000, 15_000) as usize;
     let mk = |name: &str, upper: &str| {
@@ -397,25 +394,6 @@ fn randwrite(ctx: &Ctx, base: &Path, key: &Path) -> Record {
     };
     let (layered_stack, layered) = mk("randwrite_layered", &format!(" | aead:keyfile={} | zstd", key.display()));
     let (_plain_stack, plain) = mk("randwrite_dir", "");
-    // Progress, for the watchdog: a hang is reported, never cut short.
-    let done = Arc::new(AtomicU64::new(0));
-    let stop = Arc::new(AtomicBool::new(false));
-    let watchdog = {
-        let (done, stop) = (done.clone(), stop.clone());
-        std::thread::spawn(move || {
-            let (mut last, mut since) = (done.load(Relaxed), std::time::Instant::now());
-            while !stop.load(Relaxed) {
-                std::thread::sleep(std::time::Duration::from_millis(200));
-                let now = done.load(Relaxed);
-                if now != last {
-                    (last, since) = (now, std::time::Instant::now());
-                } else if since.elapsed().as_secs() >= 60 {
-                    eprintln!("   stack_randwrite_4k: no write or sync finished for 60 s ({now} done): a hang?");
-                    since = std::time::Instant::now();
-                }
-            }
-        })
-    };
     let src = AlignedBuf::new(CHUNK);
     let work = |f: &File, n: usize, seed: u64| {
         let offsets = random_offsets(n, len, PAGE, seed);
@@ -423,10 +401,8 @@ fn randwrite(ctx: &Ctx, base: &Path, key: &Path) -> Record {
             for (i, &o) in offsets.iter().enumerate() {
                 let s = (i * 7 * PAGE as usize) % CHUNK;
                 f.write_at(&src[s..s + PAGE as usize], o).expect("stack write_at");
-                done.fetch_add(1, Relaxed);
             }
             f.sync().expect("stack sync");
-            done.fetch_add(1, Relaxed);
         });
         n as f64 / secs
     };
@@ -440,8 +416,6 @@ fn randwrite(ctx: &Ctx, base: &Path, key: &Path) -> Record {
         k.push(work(&plain, ops, 100 + r as u64));
     }
     let c1 = layered_stack.cache().stats();
-    stop.store(true, Relaxed);
-    watchdog.join().expect("watchdog");
     Record::from_samples(
         "stack_randwrite_4k",
         "writes/s",

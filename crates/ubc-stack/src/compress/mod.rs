@@ -661,7 +661,7 @@ impl CompressPager {
     /// commit is needed to free the old places). Best effort: an error just stops it.
     /// => `sync_lock` held, right after a successful commit.
     fn compact(&self) -> bool {
-        let candidates: Vec<(u64, u64, u64)> = {
+        let candidates: Vec<(u64, u64)> = {
             let st = self.state.lock();
             let (end, free) = (st.alloc.end(), st.alloc.free_bytes());
             if free < COMPACT_MIN_FREE || free * COMPACT_FREE_DIVISOR < end - DATA_START {
@@ -676,7 +676,7 @@ impl CompressPager {
                 .map(|(c, e)| (e.ext.off, *c, e.ext.alloc_len()))
                 .collect();
             c.sort_unstable_by(|a, b| b.cmp(a));
-            c.into_iter().map(|x| (x.1, x.0, x.2)).collect()
+            c.into_iter().map(|(_, chunk, alen)| (chunk, alen)).collect()
         };
         let mut buf = take_buf(&STORED_BUF);
         let (mut moved, mut bytes) = (false, 0u64);
@@ -688,7 +688,7 @@ impl CompressPager {
         // close spent over 10 s in `alloc_below` after random 4 KiB writes had cut the free
         // space into tens of thousands of pieces.
         let mut no_room_from = u64::MAX;
-        for (chunk, _, listed_len) in candidates {
+        for (chunk, listed_len) in candidates {
             if listed_len >= no_room_from {
                 continue;
             }

@@ -68,3 +68,30 @@ impl Drop for Watchdog {
         self.done.store(true, SeqCst);
     }
 }
+
+/// A stack spec of `dir:<tmp>/data | layers`, with a fresh key at `<tmp>/key` for every
+/// `aead` in `layers` (e.g. "zstd | aead" becomes "dir:/t/data | zstd | aead:keyfile=/t/key").
+pub fn layered_spec(tmp: &std::path::Path, layers: &str) -> String {
+    let data = tmp.join("data");
+    std::fs::create_dir(&data).unwrap();
+    let key = tmp.join("key");
+    ubc_stack::encrypt::Key::generate().write_file(&key).unwrap();
+    format!("dir:{} | {}", data.display(), layers.replace("aead", &format!("aead:keyfile={}", key.display())))
+}
+
+/// Threads of this process whose name starts with `prefix` (the cache names its own:
+/// `ubc-io…`, `ubc-flusher`, …).
+pub fn threads_named(prefix: &str) -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|n| n.starts_with(prefix))
+        .count()
+}
+
+/// The seed in environment variable `var`, else a random one (printed, to replay).
+pub fn seed(var: &str) -> u64 {
+    let seed = std::env::var(var).ok().and_then(|s| s.parse().ok()).unwrap_or_else(rand::random);
+    println!("seed {seed} ({var} to replay)");
+    seed
+}
