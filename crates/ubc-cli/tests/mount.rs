@@ -788,13 +788,23 @@ fn lazy_unmount_ends_the_daemon_also_with_a_file_held_open() {
         expect[1000..1032].copy_from_slice(b"written, not synced, then closed");
         let holder = hold.then(|| {
             let c = Command::new("sh").arg("-c").arg(format!("exec 3<'{}'; exec sleep 60", mnt.join("f").display())).spawn().unwrap();
-            std::thread::sleep(Duration::from_millis(200));
+            // Held for sure before the unmount (else this would be the first case again).
+            let fd3 = format!("/proc/{}/fd/3", c.id());
+            let t0 = Instant::now();
+            while std::fs::read_link(&fd3).ok() != Some(mnt.join("f")) {
+                assert!(t0.elapsed() < Duration::from_secs(20), "the holder never opened the file");
+                std::thread::sleep(Duration::from_millis(10));
+            }
             c
         });
         assert!(Command::new("fusermount3").args(["-u", "-z"]).arg(&mnt).status().unwrap().success());
         let (code, took) = d.wait(Duration::from_secs(20));
         assert_eq!(code, Some(0), "hold={hold}: stderr:\n{}", d.stderr());
         assert!(took < Duration::from_secs(8), "hold={hold}: took {took:?}");
+        if hold {
+            // The sessions outlived the unmount: the daemon ended by watching the mount table.
+            assert!(d.stderr().contains("mounts detached with files still open"), "stderr:\n{}", d.stderr());
+        }
         if let Some(mut c) = holder {
             let _ = c.kill();
             let _ = c.wait();

@@ -71,7 +71,10 @@ enum Cmd {
     Summarize { file: PathBuf },
 }
 
+/// Later options replace earlier ones (`scripts/soak --quick --budgets 64` overrides the
+/// quick run's budget).
 #[derive(clap::Args, Clone)]
+#[command(args_override_self = true)]
 struct RunArgs {
     /// Stacks, comma-separated: dir, dir|zstd, dir|aead, dir|aead|zstd, dir|zstd|aead, union
     #[arg(long, default_value = "dir,dir|zstd,dir|aead,dir|aead|zstd,dir|zstd|aead,union")]
@@ -1460,8 +1463,9 @@ fn run_case(ca: &CaseArgs, a: &RunArgs, row: &mut Row) {
         }
         std::thread::sleep(Duration::from_millis(250));
     };
-    std::thread::sleep(Duration::from_millis(50));
-    while let Ok(l) = rx.try_recv() {
+    // The rest of its output: the reader thread ends (and the channel with it) when the
+    // case's stdout closes; the timeout only guards against a grandchild holding it open.
+    while let Ok(l) = rx.recv_timeout(Duration::from_secs(5)) {
         if let Some(r) = l.strip_prefix("SOAK-RESULT ") {
             result_line = Some(r.to_string());
         }
@@ -1485,8 +1489,18 @@ fn run_case(ca: &CaseArgs, a: &RunArgs, row: &mut Row) {
     let g = |k: &str| kv.get(k).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
     row.ops = g("ops") as u64;
     row.mibs = if g("secs") > 0.0 { g("bytes") / MIB as f64 / g("secs") } else { 0.0 };
-    row.diff = g("diff") as u64;
-    row.result = if row.diff == 0 { "ok".into() } else { "MISMATCH".into() };
+    // A result without its byte count, or from a case that did not exit cleanly, is not a
+    // pass: nothing says every byte was compared.
+    let Some(diff) = kv.get("diff").and_then(|v| v.parse::<u64>().ok()) else {
+        row.result = format!("error: result without a byte count: {r}");
+        return;
+    };
+    row.diff = diff;
+    row.result = match (status.map(|s| s.success()), diff) {
+        (Some(true), 0) => "ok".into(),
+        (Some(true), _) => "MISMATCH".into(),
+        _ => format!("error: case exited {status:?} after its result"),
+    };
     if !note.is_empty() {
         println!("   {note}");
     }

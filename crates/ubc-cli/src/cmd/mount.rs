@@ -427,7 +427,12 @@ fn timed_sync(stack: &ubc_stack::Stack, deadline: Instant, loud: bool) -> Sync {
         }
         match rx.recv_timeout((deadline - now).min(Duration::from_secs(2))) {
             Ok(r) => return Sync::Done(r),
-            Err(mpsc::RecvTimeoutError::Disconnected) => return Sync::Done(Ok(())),
+            // The sync thread died without an answer (it panicked): nothing says the data
+            // is down, so this is a failed sync, never a clean exit.
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                let e = std::io::Error::other("the sync thread panicked");
+                return Sync::Done(Err(ubc_stack::Error::Cache(ubc::Error::Os { call: "sync", source: e })));
+            }
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 if loud || start.elapsed() >= Duration::from_secs(2) {
                     let left = deadline.saturating_duration_since(Instant::now()).as_secs();
@@ -841,8 +846,9 @@ impl Filesystem for UbcFs {
             if let Some(s) = size {
                 match (&h, &path) {
                     (Some(h), _) => {
-                        h.written.store(true, SeqCst);
-                        h.file.set_len(s).map_err(|e| errno(&e))?
+                        let r = h.file.set_len(s);
+                        h.written.store(true, SeqCst); // after, as for writes
+                        r.map_err(|e| errno(&e))?
                     }
                     (None, Ok(_)) => set.size = Some(s),
                     (None, Err(e)) => return Err(*e),
@@ -1029,16 +1035,21 @@ impl Filesystem for UbcFs {
             let h = self.handle(fh)?;
             // The kernel's idea of the size may be stale (other mounts): append at ours.
             let offset = if h.append { h.file.len().map_err(|e| errno(&e))? } else { offset };
-            h.written.store(true, SeqCst);
             let mut n = 0;
-            while n < data.len() {
-                let k = h.file.write_at(&data[n..], offset + n as u64).map_err(|e| errno(&e))?;
-                if k == 0 {
-                    return Err(Errno::EIO);
+            let r = loop {
+                if n == data.len() {
+                    break Ok(n as u32);
                 }
-                n += k;
-            }
-            Ok(n as u32)
+                match h.file.write_at(&data[n..], offset + n as u64) {
+                    Ok(0) => break Err(Errno::EIO),
+                    Ok(k) => n += k,
+                    Err(e) => break Err(errno(&e)),
+                }
+            };
+            // Marked after the bytes are in, failed or not: a sync that cleared the mark
+            // while they went in may have missed them.
+            h.written.store(true, SeqCst);
+            r
         })();
         match r {
             Ok(n) => reply.written(n),
