@@ -96,9 +96,18 @@ fn run(layers: &str, budget: u64, writes_per_thread: usize, seed: u64, syncer: b
                     })
                 })
                 .collect();
+            // Set on the way out, also when a writer or the sync panics: the sampler and the
+            // syncer loop until it is, and the scope would wait for them forever.
+            struct Done<'a>(&'a AtomicBool);
+            impl Drop for Done<'_> {
+                fn drop(&mut self) {
+                    self.0.store(true, SeqCst);
+                }
+            }
+            let finished = Done(&done);
             let per_thread: Vec<Vec<(u64, u32)>> = hs.into_iter().map(|h| h.join().unwrap()).collect();
             f.sync().unwrap();
-            done.store(true, SeqCst);
+            drop(finished);
             (per_thread, sampler.join().unwrap(), syncer.map(|h| h.join().unwrap()))
         });
         for (b, g) in per_thread.into_iter().flatten() {
@@ -153,15 +162,11 @@ fn random_4k_writes_through_two_general_layers_past_the_budget() {
 /// others write it — what the mount does when one process closes a file others still
 /// write. Every block read back through a fresh cache must be the last one written.
 ///
-/// FAILS TODAY (issue 15, open): `zstd layer: chunk N ... checksum mismatch` within seconds
-/// with `UBC_NESTED_WRITES=5000` (release), on `dir | zstd` and `dir | aead | zstd` — the
-/// corruption the soak found at unmount; the same test fails on 11f7f79, before issue 15's
-/// work. Bisected on 2026-11-25: it happens with compaction off; on `dir | zstd` it goes
-/// away when `commit` does not truncate the lower file's free tail (`lower.set_len(keep)`
-/// racing writers of extents); `dir | aead | zstd` still fails without that truncation.
-/// Run it with `-- --ignored`.
+/// This found a core bug (docs/guarantees.md, issue 15): `sync` set the store's length from a
+/// length read under the shared size lock, cutting off extents other threads had just
+/// written; chunks then failed their checksum. At length (it failed within seconds before):
+/// `UBC_NESTED_WRITES=5000 cargo test --release -p ubc-stack --test nested_writeback syncs`.
 #[test]
-#[ignore = "open bug: zstd sync racing writers corrupts a chunk (issue 15 note)"]
 fn syncs_while_other_threads_write_keep_every_chunk_intact() {
     let seed = common::seed("UBC_NESTED_SEED");
     for layers in ["zstd", "aead | zstd"] {

@@ -1100,12 +1100,22 @@ impl Object {
     /// The stored length matches ours, then the pager's own sync (the durable half of
     /// `sync`). => dirty pages were written back.
     pub(crate) fn sync_pager(&self) -> Result<()> {
-        let len = self.len();
         let stored = self.call_pager(PagerOp::Len, 0, |p| p.len())?;
-        if stored != len && self.pager().is_writable() {
-            let _size = self.size_shared();
+        if stored != self.len() && self.pager().is_writable() {
+            // Exclusive, and both lengths read again under it: with writers running (they
+            // hold the lock shared), the length read before could be stale by the time the
+            // pager is told, and a writer's page past it could already be written back —
+            // `set_len` to the stale length then cut that page off the store while the
+            // cache kept it clean, and it read back as zeros after eviction (a zstd chunk
+            // failing its checksum when a commit synced its lower file while other threads
+            // wrote: tests/nested_writeback.rs). Held exclusive, the length cannot move and
+            // writebacks in flight are clipped to it, so the store cannot pass it meanwhile.
+            let _size = self.size_exclusive();
             let len = self.len();
-            self.call_pager(PagerOp::SetLen, len, |p| p.set_len(len))?;
+            let stored = self.call_pager(PagerOp::Len, 0, |p| p.len())?;
+            if stored != len {
+                self.call_pager(PagerOp::SetLen, len, |p| p.set_len(len))?;
+            }
         }
         self.call_pager(PagerOp::Sync, 0, |p| p.sync().inspect_err(|e| self.wb_errors.lost(PagerOp::Sync, e)))
     }

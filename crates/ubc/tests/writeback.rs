@@ -226,3 +226,82 @@ fn sync_keeps_several_writes_in_flight() {
     assert!(max >= 3, "sync's runs were not in flight together (max {max})");
     assert_same(&store_contents(&p.inner), &vec![3u8; 4 << 20], "store");
 }
+
+/// A memory store whose `set_len` takes 2 ms (a slow metadata update), everything else at
+/// memory speed.
+struct SlowSetLen(Arc<MemPager>);
+
+impl Pager for SlowSetLen {
+    fn get_pages(&self, o: u64, b: &mut [u8]) -> std::io::Result<ubc::Fill> {
+        self.0.get_pages(o, b)
+    }
+    fn put_pages(&self, o: u64, d: &[u8]) -> std::io::Result<()> {
+        self.0.put_pages(o, d)
+    }
+    fn len(&self) -> std::io::Result<u64> {
+        self.0.len()
+    }
+    fn set_len(&self, l: u64) -> std::io::Result<()> {
+        std::thread::sleep(Duration::from_millis(2));
+        self.0.set_len(l)
+    }
+    fn sync(&self) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn describe(&self) -> String {
+        "memory, slow set_len".into()
+    }
+}
+
+/// `sync` while other threads extend the file, with a budget a fraction of the data so the
+/// writers' pages are written back and evicted as they go: every byte reaches the store.
+/// `sync` brought the store's length up to date by telling the pager a length read under the
+/// shared size lock; a writer could extend the file and have its page written back in
+/// between, and the stale `set_len` then cut that page off the store while the cache held it
+/// clean — after eviction it was gone (found as corrupted zstd chunks: the zstd layer syncs
+/// its lower file at every commit while other threads write). A store whose `set_len` is slow
+/// widens that window from microseconds to where every run of this test hits it.
+#[test]
+fn sync_while_writers_extend_the_file_loses_nothing() {
+    const BLOCK: u64 = 4096;
+    const THREADS: u64 = 4;
+    const BLOCKS: u64 = 2048; // 8 MiB through a 512 KiB cache
+    let cache = small_cache(512 << 10);
+    let mem = Arc::new(MemPager::new());
+    let f = cache.open(Arc::new(SlowSetLen(mem.clone())), Access::ReadWrite).unwrap();
+    let done = AtomicBool::new(false);
+    let syncs = AtomicU64::new(0);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !done.load(SeqCst) {
+                f.sync().unwrap();
+                syncs.fetch_add(1, Relaxed);
+            }
+        });
+        let writers: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let f = &f;
+                s.spawn(move || {
+                    // Thread t writes blocks t, t+4, t+8, ...: the file grows all the time.
+                    // Each block is written back at once, as pressure does to a lower
+                    // layer's pages (what made the zstd case likely).
+                    for b in (t..BLOCKS).step_by(THREADS as usize) {
+                        f.write_at(&pattern(b, b * BLOCK, BLOCK as usize), b * BLOCK).unwrap();
+                        f.clean(b * BLOCK..(b + 1) * BLOCK).unwrap();
+                    }
+                })
+            })
+            .collect();
+        let r: Vec<_> = writers.into_iter().map(|h| h.join()).collect();
+        done.store(true, SeqCst);
+        r.into_iter().for_each(|r| r.unwrap());
+    });
+    f.sync().unwrap();
+    assert!(syncs.load(Relaxed) > 0);
+    let st = cache.stats();
+    assert!(st.totals.evictions + st.daemon_evictions > 0, "nothing was evicted: {st:?}");
+    let got = store_contents(&*mem);
+    assert_eq!(got.len() as u64, BLOCKS * BLOCK, "stored length");
+    let want: Vec<u8> = (0..BLOCKS).flat_map(|b| pattern(b, b * BLOCK, BLOCK as usize)).collect();
+    assert_same(&got, &want, "store after sync");
+}
