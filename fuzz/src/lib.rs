@@ -103,7 +103,7 @@ pub fn zstd_case(data: &[u8]) {
     if data.len() < 2 {
         return;
     }
-    let opts = CompressOptions { chunk_size: 4096 << (data[0] % 5), level: 1 };
+    let opts = CompressOptions::default().with_chunk_size(4096 << (data[0] % 5)).with_level(1);
     let flags = data[1];
     let mut stored = data[2..].to_vec();
     if flags & 2 != 0 {
@@ -231,7 +231,7 @@ pub fn gen_data(seed: u64, len: usize, kind: u8) -> Vec<u8> {
 /// group, through a cache file over the pager.
 pub fn zstd_image(chunk_shift: u32, groups: &[&[(u64, usize, u64, u8)]]) -> Vec<u8> {
     let lower = lower_with(&[]);
-    let opts = CompressOptions { chunk_size: 1 << chunk_shift, level: 3 };
+    let opts = CompressOptions::default().with_chunk_size(1 << chunk_shift).with_level(3);
     let p = Arc::new(CompressPager::open(lower.try_clone().unwrap(), opts).unwrap());
     for g in groups {
         for &(off, len, seed, kind) in *g {

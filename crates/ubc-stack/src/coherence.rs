@@ -211,7 +211,7 @@ pub(crate) trait Actions {
     /// Write back everything and make it durable ([`ubc::File::sync`]).
     fn sync(&self) -> ubc::Result<()>;
     /// Clean, then drop, the pages in `r` ([`ubc::File::invalidate`]).
-    fn invalidate(&self, r: Range<u64>, reload_len: bool) -> ubc::Result<()>;
+    fn invalidate(&self, r: Range<u64>, length: ubc::Length) -> ubc::Result<()>;
 }
 
 impl Actions for ubc::File {
@@ -224,8 +224,8 @@ impl Actions for ubc::File {
         ubc::File::sync(self)
     }
     #[inline]
-    fn invalidate(&self, r: Range<u64>, reload_len: bool) -> ubc::Result<()> {
-        ubc::File::invalidate(self, r, reload_len)
+    fn invalidate(&self, r: Range<u64>, length: ubc::Length) -> ubc::Result<()> {
+        ubc::File::invalidate(self, r, length)
     }
 }
 
@@ -242,8 +242,8 @@ pub(crate) struct Domain<F = ubc::File> {
     tokens: RwLock<Tokens>,
 }
 
-fn layer_err(what: &str, op: ubc::PagerOp, source: std::io::Error) -> ubc::Error {
-    ubc::Error::Io { op, offset: 0, object: what.into(), source }
+fn layer_err(action: &'static str, source: std::io::Error) -> ubc::Error {
+    ubc::Error::LayerMetadata { action, source }
 }
 
 impl<F: Actions> Domain<F> {
@@ -256,7 +256,7 @@ impl<F: Actions> Domain<F> {
             self.file.clean(r.clone())?;
         }
         if let Some(x) = &self.xlate {
-            if !x.flush_metadata().map_err(|e| layer_err("layer metadata", ubc::PagerOp::PutPages, e))? {
+            if !x.flush_metadata().map_err(|e| layer_err("writing", e))? {
                 self.file.sync()?;
             }
         }
@@ -709,15 +709,15 @@ impl<F: Actions> Group<F> {
                 // reload would otherwise forget it.
                 e.push_down(&[ALL])?;
             }
-            e.file.invalidate(ALL, false)?;
+            e.file.invalidate(ALL, ubc::Length::Keep)?;
             if let Some(x) = &e.xlate {
-                x.reload().map_err(|err| layer_err("layer state", ubc::PagerOp::Len, err))?;
+                x.reload().map_err(|err| layer_err("reloading", err))?;
             }
             // Pages a mapping re-faulted with the old state in between go too.
-            return e.file.invalidate(ALL, true);
+            return e.file.invalidate(ALL, ubc::Length::Reload);
         }
         for r in ranges {
-            e.file.invalidate(r.clone(), false)?;
+            e.file.invalidate(r.clone(), ubc::Length::Keep)?;
         }
         Ok(())
     }

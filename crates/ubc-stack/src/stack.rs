@@ -258,11 +258,7 @@ impl Inner {
                 let dom = lower.group.add_domain(idx, move || {
                     let lw = lower_file.is_writable();
                     // Internal: the pager's lower file must not keep the cache running.
-                    // A layer does not know the path: errors get it here.
-                    let (pager, xlate) = layer.wrap(lower_file.internal()).map_err(|e| match e {
-                        Error::Io { source, .. } => Error::Io { path: named, source },
-                        e => e,
-                    })?;
+                    let (pager, xlate) = layer.wrap(&named, lower_file.internal())?;
                     let acc = if lw { ubc::Access::ReadWrite } else { ubc::Access::ReadOnly };
                     Ok((cache.open(pager, acc)?, Some(xlate)))
                 })?;

@@ -94,7 +94,7 @@ impl Env {
 }
 
 fn opts(chunk_size: usize) -> CompressOptions {
-    CompressOptions { chunk_size, ..Default::default() }
+    CompressOptions::default().with_chunk_size(chunk_size)
 }
 
 fn model_write(model: &mut Vec<u8>, off: usize, data: &[u8]) {

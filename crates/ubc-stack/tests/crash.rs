@@ -1119,7 +1119,7 @@ fn regression_aead_length_survives_a_close_without_sync() {
     f.write_at(&payload(2, 164), 29049).unwrap();
     // Written back and dropped from the cache, no sync: the object holds no page now, so
     // closing its last handle forgets it (and drops the pager) at once.
-    f.invalidate(0..u64::MAX, false).unwrap();
+    f.invalidate(0..u64::MAX, ubc::Length::Keep).unwrap();
     drop(f);
     // The last reference to the object may go on an I/O thread a moment later.
     let t = Instant::now();
@@ -1215,7 +1215,7 @@ fn regression_dropping_a_stack_keeps_an_aead_length_moved_by_write_back() {
             f.sync().unwrap();
             f.write_at(&payload(2, 164), 29049).unwrap();
             // Written back into the layer below and dropped from the cache, no sync.
-            f.cache_file().invalidate(0..u64::MAX, false).unwrap();
+            f.cache_file().invalidate(0..u64::MAX, ubc::Length::Keep).unwrap();
         }
         let s = fresh_stack(kind, dir, true);
         let got = read_all(&s.top().open(&name).unwrap()).unwrap();

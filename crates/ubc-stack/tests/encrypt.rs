@@ -527,7 +527,7 @@ fn reload_sees_restored_ciphertext() {
     lower.set_len(0).unwrap();
     lower.write_at(&saved, 0).unwrap();
     pager.reload().unwrap();
-    upper.invalidate(0..u64::MAX, true).unwrap();
+    upper.invalidate(0..u64::MAX, ubc::Length::Reload).unwrap();
     assert_eq!(upper.len().unwrap(), 10_000);
     assert_eq!(read_all(&upper), old);
 }

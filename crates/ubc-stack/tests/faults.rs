@@ -49,7 +49,7 @@ fn stack(fx: &Fx, at: At, faults: &Arc<Faults>, cache: ubc::Cache) -> Stack {
     if let At::AboveDir = at {
         b = b.push(|l| Ok(fault_over(l.unwrap()))).unwrap();
     }
-    b = b.push(|l| Ok(Arc::new(Zstd::new(l.unwrap(), CompressOptions { chunk_size: 16 << 10, level: 1 })))).unwrap();
+    b = b.push(|l| Ok(Arc::new(Zstd::new(l.unwrap(), CompressOptions::default().with_chunk_size(16 << 10).with_level(1))))).unwrap();
     if let At::AboveZstd = at {
         b = b.push(|l| Ok(fault_over(l.unwrap()))).unwrap();
     }

@@ -5,6 +5,7 @@ use std::io;
 
 /// What went wrong in a ubc operation.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// The pager (backing store) failed while reading, writing, resizing or syncing.
     #[error("{op} at offset {offset} of {object}: {source}")]
@@ -27,6 +28,17 @@ pub enum Error {
         #[source]
         source: io::Error,
         lost: bool,
+    },
+    /// The file ends at `offset`, before all the bytes asked for (`read_exact_at`).
+    #[error("{object}: unexpected end of file at offset {offset}")]
+    UnexpectedEof { object: String, offset: u64 },
+    /// A layer's own metadata (an aead header, a zstd index) could not be written or read
+    /// back while the stack kept its layers coherent; `action` says which.
+    #[error("{action} a layer's metadata: {source}")]
+    LayerMetadata {
+        action: &'static str,
+        #[source]
+        source: io::Error,
     },
     /// Opening a host file failed.
     #[error("open {path}: {source}")]
@@ -62,6 +74,7 @@ pub enum Error {
 
 /// The pager call an [`Error::Io`] came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum PagerOp {
     GetPages,
     PutPages,
@@ -86,9 +99,12 @@ impl Error {
     /// The OS error number behind this error, if there is one (EIO, ENOSPC, ...).
     pub fn raw_os_error(&self) -> Option<i32> {
         match self {
-            Error::Io { source, .. } | Error::Os { source, .. } | Error::Open { source, .. } | Error::WritebackFailed { source, .. } => {
-                source.raw_os_error()
-            }
+            Error::Io { source, .. }
+            | Error::Os { source, .. }
+            | Error::Open { source, .. }
+            | Error::WritebackFailed { source, .. }
+            | Error::LayerMetadata { source, .. } => source.raw_os_error(),
+            Error::UnexpectedEof { .. } => None,
             Error::OffsetOverflow { .. } => Some(libc::EFBIG),
             Error::Closed => Some(libc::EBADF),
             Error::ReadOnly => Some(libc::EBADF),
@@ -105,9 +121,12 @@ impl Error {
 impl From<Error> for io::Error {
     fn from(e: Error) -> io::Error {
         let kind = match &e {
-            Error::Io { source, .. } | Error::Os { source, .. } | Error::Open { source, .. } | Error::WritebackFailed { source, .. } => {
-                source.kind()
-            }
+            Error::Io { source, .. }
+            | Error::Os { source, .. }
+            | Error::Open { source, .. }
+            | Error::WritebackFailed { source, .. }
+            | Error::LayerMetadata { source, .. } => source.kind(),
+            Error::UnexpectedEof { .. } => io::ErrorKind::UnexpectedEof,
             Error::OffsetOverflow { .. } => io::ErrorKind::FileTooLarge,
             Error::Closed => io::ErrorKind::Other,
             Error::ReadOnly => io::ErrorKind::PermissionDenied,

@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 /// Whether a handle may modify the file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Access {
     ReadOnly,
     ReadWrite,
@@ -65,12 +66,7 @@ impl File {
     pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         let n = self.read_at(buf, offset)?;
         if n < buf.len() {
-            return Err(Error::Io {
-                op: crate::error::PagerOp::GetPages,
-                offset: offset + n as u64,
-                object: self.obj.describe().to_string(),
-                source: io::ErrorKind::UnexpectedEof.into(),
-            });
+            return Err(Error::UnexpectedEof { object: self.obj.describe().to_string(), offset: offset + n as u64 });
         }
         Ok(())
     }
@@ -127,9 +123,10 @@ impl File {
     /// file, so the next access reads the pager again (Mach's `pager_flush_request`;
     /// `msync(MS_INVALIDATE)`). Used when the stored data changed underneath the cache —
     /// by the stack's cache manager when another layer wrote the same file. With
-    /// `reload_len` the file's length is re-read from the pager too. A store through a
+    /// [`Length::Reload`] the file's length is re-read from the pager too. A store through a
     /// mapping racing the drop may be lost; writers through this cache wait.
-    pub fn invalidate(&self, range: std::ops::Range<u64>, reload_len: bool) -> Result<()> {
+    pub fn invalidate(&self, range: std::ops::Range<u64>, length: Length) -> Result<()> {
+        let reload_len = length == Length::Reload;
         self.live()?.invalidate(range.start, range.end, reload_len)
     }
 
@@ -159,7 +156,7 @@ impl File {
 
     fn release_handle(&self) {
         if self.obj.handles.fetch_sub(1, SeqCst) == 1 {
-            self.obj.core.object_idle(&self.obj, true);
+            self.obj.core.object_idle(&self.obj, crate::cache::Idle::Closed);
         }
     }
 
@@ -431,4 +428,14 @@ impl Seek for File {
         self.pos = new as u64;
         Ok(self.pos)
     }
+}
+
+/// What [`File::invalidate`] does with the file's length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Length {
+    /// Keep the length the cache knows (only the bytes changed underneath).
+    Keep,
+    /// Read it from the pager again (the stored file was replaced or resized underneath).
+    Reload,
 }

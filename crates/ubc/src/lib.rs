@@ -36,14 +36,21 @@ mod stats;
 mod window;
 mod writeback;
 
-/// Page replacement policies (the `ubc-evict` crate).
+/// Page replacement policies (the `ubc-evict` crate): what a cache is configured with and
+/// what a policy of one's own implements. The simulator and its workload generators are
+/// test tooling (feature `testing`).
 pub mod evict {
-    pub use ubc_evict::*;
+    pub use ubc_evict::{
+        Admission, Clock, EvictAttempt, EvictionPolicy, PageKey, PageProbe, PolicyKind, S3Fifo, S3FifoParams, Sieve,
+        UnknownPolicy,
+    };
+    #[cfg(feature = "testing")]
+    pub use ubc_evict::sim;
 }
 
 pub use cache::{Cache, CacheBuilder};
 pub use error::{Error, PagerOp, Result};
-pub use file::{Access, File, Window, WindowMut};
+pub use file::{Access, File, Length, Window, WindowMut};
 pub use mapping::{Mapping, Sharing};
 pub use pager::{Fill, Identity, IoMode, Pager};
 pub use stats::{CacheStats, Stats};

@@ -16,12 +16,13 @@
 use crate::error::{Error, Result};
 use crate::file::File;
 use crate::map::UserMap;
-use crate::object::{Object, checked_end};
+use crate::object::{Harvest, Object, Pass, checked_end};
 use std::ops::{Deref, DerefMut, Range};
 use std::sync::Arc;
 
 /// Whether stores through a mapping reach the file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Sharing {
     /// `MAP_SHARED`: the cache's pages themselves; stores reach the file.
     Shared,
@@ -147,8 +148,8 @@ impl Mapping {
     pub fn flush(&self) -> Result<()> {
         let ps = self.obj.page_shift();
         let (a, b) = (self.offset >> ps, (self.offset + self.len as u64).div_ceil(1 << ps));
-        self.obj.harvest(a, b, true);
-        self.obj.writeback(a, b, true, true)?;
+        self.obj.harvest(a, b, Harvest::Explicit);
+        self.obj.writeback(a, b, Pass::Wait)?;
         self.obj.sync_pager()
     }
 }
@@ -176,7 +177,7 @@ impl Drop for Mapping {
         let ps = self.obj.page_shift();
         let (a, b) = (self.map.offset >> ps, (self.map.offset + self.map.len as u64) >> ps);
         // Stores made through this mapping are found before it goes (munmap forgets them).
-        self.obj.harvest(a, b, true);
+        self.obj.harvest(a, b, Harvest::Explicit);
         if let Some(svc) = self.obj.core.maps.get() {
             svc.unregister(&self.map);
         }

@@ -145,7 +145,7 @@ impl Object {
             });
             return;
         }
-        self.publish_filled(chunk, first, n, false, false, Admission::ReadAhead, mark);
+        self.publish_filled(chunk, first, n, crate::object::Publish::Clean, Admission::ReadAhead, mark);
         bump(&self.counters.mine().readahead_pages, n);
     }
 

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 
 /// Counts for one object or, summed, for the whole cache.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Stats {
     /// Pages found valid in the cache by reads and writes.
     pub hits: u64,
@@ -72,6 +73,7 @@ impl Stats {
 
 /// Whole-cache statistics.
 #[derive(Debug, Clone, Default, PartialEq)]
+#[non_exhaustive]
 pub struct CacheStats {
     /// Sums over all objects, live and gone.
     pub totals: Stats,

@@ -32,7 +32,7 @@
 
 use crate::cache::CacheCore;
 use crate::error::Result;
-use crate::object::Object;
+use crate::object::{Harvest, Object, Pass};
 use parking_lot::{Condvar, Mutex};
 use std::sync::atomic::{AtomicU64, Ordering::*};
 use std::sync::Arc;
@@ -185,46 +185,6 @@ impl Flusher {
     }
 }
 
-/// Marks the current thread, for its lifetime, as working for a pager of the given depth
-/// (see [`Pager::depth`](crate::Pager::depth)): the cache enters one around every pager
-/// call it makes, and a layer enters one itself when it holds its own locks and uses its
-/// lower file outside such a call (a metadata flush requested from outside the cache).
-/// It holds the rank `Pager(depth)` of the lock order (`order.rs`).
-///
-/// Inside a scope the thread is *cleaning* memory for the layer above, perhaps holding
-/// that layer's locks, so the cache, on this thread:
-/// * does not throttle its writes at the dirty limit nor make it write back other files
-///   there (Linux exempts loop devices and FUSE servers the same way: `PF_LOCAL_THROTTLE`);
-/// * when it must reclaim memory, writes back only files of *lower* depth than the scope —
-///   never the layer's own file or one above it, whose writeback would need the locks this
-///   thread holds (found by tests/stress.rs: an aead `put_pages`, holding its state lock,
-///   wrote its lower file, whose reclaim wrote back that same aead file and waited for the
-///   lock forever). Linux's `GFP_NOFS` / `memalloc_nofs_save` is the same rule, and it is
-///   the lock order's rule for any thread holding `Pager(depth)`;
-/// * may use the memory reserve that other allocations leave alone (`PF_MEMALLOC`): the
-///   cache full of the upper layer's dirty pages must not stop the lower writes that are
-///   the only way to clean them.
-///
-/// Scopes nest; the lowest depth wins.
-#[must_use = "the scope ends when this is dropped"]
-pub struct PagerScope {
-    _rank: crate::order::Hold,
-}
-
-impl PagerScope {
-    /// Enter a scope for a pager of `depth` (a layer over a file of depth `d` has `d + 1`).
-    /// => the thread holds nothing that ranks after `Pager(depth)` (debug builds check).
-    pub fn enter(depth: u32) -> PagerScope {
-        PagerScope { _rank: crate::order::hold(crate::order::Rank::pager(depth)) }
-    }
-}
-
-impl std::fmt::Debug for PagerScope {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PagerScope").finish_non_exhaustive()
-    }
-}
-
 impl CacheCore {
     /// Reserve an unclean slot for a clean page the caller is about to dirty, waiting while
     /// the cache is at its dirty limit. => the caller holds the page (WRITING or BUSY) and at
@@ -249,7 +209,7 @@ impl CacheCore {
             // pages (retained for `sync`); this write goes on.
             let batch = (f.limit / 4).clamp(1, self.max_put_pages);
             if f.unclean() >= f.limit && obj.dirty_pages() >= batch && crate::order::may_call_pager(obj.depth()) {
-                let _ = obj.writeback(0, u64::MAX, false, false);
+                let _ = obj.writeback(0, u64::MAX, Pass::Inline);
             }
             f.counts.fetch_add(1 << 32, SeqCst);
             return Ok(true);
@@ -281,7 +241,7 @@ impl CacheCore {
             if start.elapsed() > HELP_AFTER {
                 // No progress for a while: write back our own pages; an I/O error that keeps
                 // the cache at its limit is returned to the writer instead of blocking it.
-                obj.writeback(0, u64::MAX, false, false)?;
+                obj.writeback(0, u64::MAX, Pass::Inline)?;
                 // Our own pages were not what kept the cache at its limit (they may all be
                 // held by us, or clean): the published unclean pages belong to other objects
                 // whose store is failing or hung. Write those back too, oldest first, so a
@@ -300,7 +260,7 @@ impl CacheCore {
                         .collect();
                     others.sort_by_key(|d| d.0);
                     for (_, o) in others {
-                        o.writeback(0, u64::MAX, false, false)?;
+                        o.writeback(0, u64::MAX, Pass::Inline)?;
                     }
                 }
                 // Backstop for liveness: nothing was cleaned anywhere for a long time and no
@@ -384,7 +344,7 @@ impl CacheCore {
             let mapped: Vec<Arc<Object>> =
                 self.registry.read().by_id.values().filter(|o| o.nmaps.load(Relaxed) > 0).cloned().collect();
             for o in mapped {
-                o.harvest(0, u64::MAX, false);
+                o.harvest(0, u64::MAX, Harvest::Periodic);
             }
             let mut dirty: Vec<(u64, Arc<Object>)> = self
                 .registry
@@ -400,7 +360,7 @@ impl CacheCore {
                 if !expired && f.published() <= f.background {
                     break; // oldest first: the rest are younger and we are below threshold
                 }
-                if obj.writeback(0, u64::MAX, false, true).is_err() {
+                if obj.writeback(0, u64::MAX, Pass::Background).is_err() {
                     // The pages stay dirty; try again after another expiry period rather
                     // than spinning on a failing store. `sync` reports the error.
                     obj.set_dirtied_at(f.now_ms());

@@ -140,8 +140,8 @@ fn clean_and_invalidate_take_any_range() {
         for r in ranges {
             // Ranges are clipped to the file: nothing to do past its end, no error needed.
             f.clean(r.clone()).unwrap_or_else(|e| panic!("clean {r:?}: {e}"));
-            f.invalidate(r.clone(), false).unwrap_or_else(|e| panic!("invalidate {r:?}: {e}"));
-            f.invalidate(r.clone(), true).unwrap_or_else(|e| panic!("invalidate+reload {r:?}: {e}"));
+            f.invalidate(r.clone(), ubc::Length::Keep).unwrap_or_else(|e| panic!("invalidate {r:?}: {e}"));
+            f.invalidate(r.clone(), ubc::Length::Reload).unwrap_or_else(|e| panic!("invalidate+reload {r:?}: {e}"));
         }
         let mut back = vec![0u8; 50_000];
         f.read_exact_at(&mut back, 0).unwrap();
@@ -330,7 +330,7 @@ fn every_call_on_a_closed_handle_is_closed() {
         closed(g.set_len(0), "set_len");
         closed(g.sync(), "sync");
         closed(g.clean(0..10), "clean");
-        closed(g.invalidate(0..10, true), "invalidate");
+        closed(g.invalidate(0..10, ubc::Length::Reload), "invalidate");
         closed(g.try_clone().map(drop), "try_clone");
         closed(g.reopen(Access::ReadOnly).map(drop), "reopen");
         closed(g.window(0, 4).map(drop), "window");
@@ -391,7 +391,7 @@ fn writes_through_read_only_handles_and_pagers() {
         assert_eq!(b, [7; 4]);
         f.sync().unwrap();
         f.clean(0..4096).unwrap();
-        f.invalidate(0..4096, true).unwrap();
+        f.invalidate(0..4096, ubc::Length::Reload).unwrap();
         // A read-only handle on a writable pager is read-only too.
         let rw = mem_file(&cache);
         let r = rw.reopen(Access::ReadOnly).unwrap();

@@ -347,3 +347,20 @@ fn a_file_size_limit_is_an_error_past_it_not_a_signal() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// A short file read with `read_exact_at` is an end-of-file error naming where the file
+/// ends, not a pager failure: nothing went wrong with the store.
+#[test]
+fn read_exact_past_the_end_is_unexpected_eof_not_a_pager_error() {
+    let cache = small_cache(1 << 20);
+    let f = cache.open(Arc::new(MemPager::new()), Access::ReadWrite).unwrap();
+    f.write_at(&pattern(3, 0, 5000), 0).unwrap();
+    let mut buf = vec![0u8; 4096];
+    f.read_exact_at(&mut buf, 0).unwrap();
+    let err = f.read_exact_at(&mut buf, 2000).unwrap_err();
+    assert!(matches!(err, Error::UnexpectedEof { offset: 5000, .. }), "{err:?}");
+    assert_eq!(err.raw_os_error(), None, "no OS error behind it");
+    assert_eq!(std::io::Error::from(err).kind(), std::io::ErrorKind::UnexpectedEof);
+    // The bytes that were there were read.
+    assert_eq!(&buf[..3000], &pattern(3, 2000, 3000)[..]);
+}

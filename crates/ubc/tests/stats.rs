@@ -123,7 +123,7 @@ fn stats_snapshots_stay_sane_while_pages_move_between_objects() {
                         let _ = f.set_len(FILE);
                     }
                     _ => {
-                        let _ = f.invalidate(0..FILE, false);
+                        let _ = f.invalidate(0..FILE, ubc::Length::Keep);
                     }
                 }
                 ops.fetch_add(1, Relaxed);

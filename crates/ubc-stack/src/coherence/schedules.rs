@@ -191,7 +191,7 @@ impl Actions for Cached {
         }
         Ok(())
     }
-    fn invalidate(&self, r: Range<u64>, reload_len: bool) -> ubc::Result<()> {
+    fn invalidate(&self, r: Range<u64>, length: ubc::Length) -> ubc::Result<()> {
         for b in blocks(&r) {
             let mut s = self.m.lock().unwrap();
             s.clean(self.d, b);
@@ -200,7 +200,7 @@ impl Actions for Cached {
                 "  {:?} invalidate d{} b{b}{}",
                 thread::current().id(),
                 self.d,
-                if reload_len { " (reload)" } else { "" }
+                if length == ubc::Length::Reload { " (reload)" } else { "" }
             ));
             drop(s);
             thread::yield_now();

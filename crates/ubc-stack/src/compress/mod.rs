@@ -51,6 +51,7 @@ use ubc::{Fill, Identity, IoMode, Pager};
 /// Options for a new compressed file. For an existing file the chunk size stored in its
 /// superblock wins.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct CompressOptions {
     /// Logical chunk size: a power of two from 4 KiB to 16 MiB. Default 64 KiB.
     pub chunk_size: usize,
@@ -64,8 +65,23 @@ impl Default for CompressOptions {
     }
 }
 
+impl CompressOptions {
+    /// These options with chunk size `bytes`.
+    pub fn with_chunk_size(mut self, bytes: usize) -> Self {
+        self.chunk_size = bytes;
+        self
+    }
+
+    /// These options with zstd level `level`.
+    pub fn with_level(mut self, level: i32) -> Self {
+        self.level = level;
+        self
+    }
+}
+
 /// Space statistics of a compressed file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct CompressStats {
     /// Logical (uncompressed) length.
     pub logical_len: u64,

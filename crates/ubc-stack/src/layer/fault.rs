@@ -109,7 +109,7 @@ impl Layer for Fault {
         }
     }
 
-    fn wrap(&self, lower: ubc::File) -> Result<(Arc<dyn Pager>, Arc<dyn Translate>)> {
+    fn wrap(&self, _path: &str, lower: ubc::File) -> Result<(Arc<dyn Pager>, Arc<dyn Translate>)> {
         let p: Arc<dyn Pager> = Arc::new(FaultPager::with_faults(Arc::new(LowerFile(lower)), self.faults.clone()));
         Ok((p, Arc::new(Identical)))
     }

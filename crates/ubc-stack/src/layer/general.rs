@@ -55,10 +55,10 @@ impl Layer for Zstd {
     fn open(&self, _path: &str, _writable: bool, _below: &dyn Below) -> Result<Opened> {
         Ok(Opened::Wrap)
     }
-    fn wrap(&self, lower: ubc::File) -> Result<(Arc<dyn ubc::Pager>, Arc<dyn Translate>)> {
+    fn wrap(&self, path: &str, lower: ubc::File) -> Result<(Arc<dyn ubc::Pager>, Arc<dyn Translate>)> {
         let p = Arc::new(
             CompressPager::open(lower, CompressOptions { chunk_size: self.chunk_size, level: self.level })
-                .map_err(|e| Error::Io { path: String::new(), source: e })?, // the stack adds the path
+                .map_err(|e| Error::io(path, e))?,
         );
         Ok((p.clone(), Arc::new(ZstdXlate(p))))
     }
@@ -125,8 +125,8 @@ impl Layer for Aead {
     fn open(&self, _path: &str, _writable: bool, _below: &dyn Below) -> Result<Opened> {
         Ok(Opened::Wrap)
     }
-    fn wrap(&self, lower: ubc::File) -> Result<(Arc<dyn ubc::Pager>, Arc<dyn Translate>)> {
-        let p = Arc::new(EncryptPager::open(lower, self.key.clone()).map_err(|e| Error::Io { path: String::new(), source: e })?);
+    fn wrap(&self, path: &str, lower: ubc::File) -> Result<(Arc<dyn ubc::Pager>, Arc<dyn Translate>)> {
+        let p = Arc::new(EncryptPager::open(lower, self.key.clone()).map_err(|e| Error::io(path, e))?);
         Ok((p.clone(), Arc::new(AeadXlate(p))))
     }
 }

@@ -15,6 +15,7 @@
 //! in the clear), which is what lets name-cache invalidations be broadcast by path.
 
 pub mod dir;
+#[cfg(feature = "testing")]
 pub mod fault;
 pub mod general;
 pub mod mem;
@@ -125,9 +126,10 @@ pub trait Layer: Send + Sync {
     fn open(&self, path: &str, writable: bool, below: &dyn Below) -> Result<Opened>;
 
     /// A general layer's pager over the lower layer's file (opened writable when the
-    /// lower store allows it), and how ranges translate between the two namings.
-    fn wrap(&self, lower: ubc::File) -> Result<(Arc<dyn ubc::Pager>, Arc<dyn Translate>)> {
-        let _ = lower;
+    /// lower store allows it), and how ranges translate between the two namings. `path`
+    /// names the file in errors.
+    fn wrap(&self, path: &str, lower: ubc::File) -> Result<(Arc<dyn ubc::Pager>, Arc<dyn Translate>)> {
+        let _ = (path, lower);
         Err(Error::Invalid(format!("layer {} does not wrap files", self.spec())))
     }
 

@@ -8,19 +8,21 @@
 //! The trait is object safe and has no ubc-internal types in it, so layers and object
 //! stores outside this crate implement it directly.
 
+#[cfg(feature = "testing")]
 mod fault;
 mod file;
 mod mem;
 
+#[cfg(feature = "testing")]
 pub use fault::{FaultCounts, FaultPager, Faults};
 pub use file::FilePager;
 pub use mem::MemPager;
-pub use crate::writeback::PagerScope;
 
 use std::io;
 
 /// What [`Pager::get_pages`] put into the buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Fill {
     /// The buffer holds the data (bytes past the end of the store are zero).
     Data,
@@ -31,6 +33,7 @@ pub enum Fill {
 
 /// How a pager reaches its store, reported in [`Stats::io_mode`](crate::Stats::io_mode).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum IoMode {
     /// Not reported by the pager.
     #[default]
@@ -46,6 +49,7 @@ pub enum IoMode {
 /// A stable identity for the stored data, so that two opens of the same backing file
 /// share one cache object (one copy of each page).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Identity {
     /// A host file: device and inode number.
     HostFile { dev: u64, ino: u64 },
@@ -108,5 +112,45 @@ pub trait Pager: Send + Sync + 'static {
     /// How this pager reaches its store (for statistics).
     fn io_mode(&self) -> IoMode {
         IoMode::Unknown
+    }
+}
+
+/// Marks the current thread, for its lifetime, as working for a pager of the given depth
+/// (see [`Pager::depth`](crate::Pager::depth)): the cache enters one around every pager
+/// call it makes, and a layer enters one itself when it holds its own locks and uses its
+/// lower file outside such a call (a metadata flush requested from outside the cache).
+/// It holds the rank `Pager(depth)` of the lock order (`order.rs`).
+///
+/// Inside a scope the thread is *cleaning* memory for the layer above, perhaps holding
+/// that layer's locks, so the cache, on this thread:
+/// * does not throttle its writes at the dirty limit nor make it write back other files
+///   there (Linux exempts loop devices and FUSE servers the same way: `PF_LOCAL_THROTTLE`);
+/// * when it must reclaim memory, writes back only files of *lower* depth than the scope —
+///   never the layer's own file or one above it, whose writeback would need the locks this
+///   thread holds (an aead `put_pages` holds its state lock while it writes its lower
+///   file; reclaim there writing back that same aead file would wait for the lock forever).
+///   Linux's `GFP_NOFS` / `memalloc_nofs_save` is the same rule, and it is
+///   the lock order's rule for any thread holding `Pager(depth)`;
+/// * may use the memory reserve that other allocations leave alone (`PF_MEMALLOC`): the
+///   cache full of the upper layer's dirty pages must not stop the lower writes that are
+///   the only way to clean them.
+///
+/// Scopes nest; the lowest depth wins.
+#[must_use = "the scope ends when this is dropped"]
+pub struct PagerScope {
+    _rank: crate::order::Hold,
+}
+
+impl PagerScope {
+    /// Enter a scope for a pager of `depth` (a layer over a file of depth `d` has `d + 1`).
+    /// => the thread holds nothing that ranks after `Pager(depth)` (debug builds check).
+    pub fn enter(depth: u32) -> PagerScope {
+        PagerScope { _rank: crate::order::hold(crate::order::Rank::pager(depth)) }
+    }
+}
+
+impl std::fmt::Debug for PagerScope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PagerScope").finish_non_exhaustive()
     }
 }

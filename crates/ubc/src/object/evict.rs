@@ -1,0 +1,106 @@
+//! The object's side of eviction: freeing the pages the replacement policy took (after
+//! zapping them from mappings and looking for stores made through them), and evicting
+//! every clean page of a closed object.
+
+use super::*;
+
+impl Object {
+    /// The state word of a cached page, if its chunk exists.
+    pub(crate) fn page_state(&self, page: u64) -> Option<&state::PageState> {
+        let (ci, slot) = self.locate(page);
+        self.table.get(ci).map(|c| &c.pages[slot])
+    }
+
+    /// Free pages the replacement policy took for eviction (each held VALID|BUSY, already
+    /// forgotten by the policy). `pages` sorted ascending.
+    pub(crate) fn release_evicted(&self, pages: &[u64]) {
+        let ps = self.ps();
+        // Pages that may be mapped: zap them out of the tracked mappings first (a store now
+        // traps and waits for us), then look for stores made before; a page found written
+        // stays, dirty. The scan lock keeps another scan from taking those stores meanwhile.
+        let _scan = (self.nmaps.load(SeqCst) > 0).then(|| self.scan_lock.lock());
+        if _scan.is_some() {
+            let mut found = Vec::new();
+            if let Some(svc) = self.core.maps.get() {
+                for m in self.maps.read().iter().filter(|m| m.tracked) {
+                    for (a, b) in runs(pages) {
+                        svc.zap(m, a, b, ps);
+                        svc.take_written(m, a, b, ps, &mut found);
+                    }
+                }
+            }
+            crate::map::dedup_pages(&mut found);
+            self.mark_found_dirty(&found);
+        }
+        // A page dirtied while we held it stays, dirty: by a store found just above, or by
+        // the last scan of a mapping dropped since the policy took the page — that scan
+        // (`Mapping`'s drop) marks it dirty, then the mapping is gone and `nmaps` may read 0
+        // above (the stress test lost such stores: the page was punched dirty and refilled
+        // from the pager). Checked whatever `nmaps` said.
+        let is_dirty = |p: &u64| self.page_state(*p).is_some_and(|st| st.load() & DIRTY != 0);
+        let kept_back;
+        let pages = if pages.iter().any(is_dirty) {
+            let (keep, go): (Vec<u64>, Vec<u64>) = pages.iter().partition(|p| is_dirty(p));
+            {
+                let mut pol = self.core.policy.lock();
+                for &p in &keep {
+                    pol.insert(self.key(p), Admission::Demand);
+                }
+            }
+            for &p in &keep {
+                if let Some(st) = self.page_state(p) {
+                    st.cancel_evict();
+                }
+            }
+            kept_back = go;
+            &kept_back[..]
+        } else {
+            pages
+        };
+        if let Some(m) = self.memfd.get() {
+            for (a, b) in runs(pages) {
+                // A failed punch would leave memory allocated that we no longer account; it
+                // cannot fail for a valid range of a memfd, so there is nothing to undo.
+                let _ = m.punch(a << ps, (b - a) << ps);
+            }
+        }
+        let mut waste = 0;
+        for &p in pages {
+            if let Some(st) = self.page_state(p) {
+                waste += u64::from(st.load() & state::SPECULATIVE != 0);
+                st.release_empty();
+            }
+        }
+        let n = pages.len() as u64;
+        self.resident.fetch_sub(n, Relaxed);
+        self.core.unreserve(n);
+        let sh = self.counters.mine();
+        bump(&sh.evictions, n);
+        bump(&sh.readahead_waste, waste);
+    }
+
+    /// Evict every clean, unheld page (deactivation of a closed object). Returns pages freed.
+    pub(crate) fn evict_clean(&self) -> u64 {
+        let cs = self.core.chunk_shift;
+        let mut freed = 0;
+        self.table.for_each(0, u64::MAX, |chunk| {
+            let base = chunk.index << cs;
+            let taken: Vec<u64> = (0..chunk.pages.len())
+                .filter(|&i| chunk.pages[i].try_lock_for_evict())
+                .map(|i| base + i as u64)
+                .collect();
+            if taken.is_empty() {
+                return;
+            }
+            {
+                let mut pol = self.core.policy.lock();
+                for &p in &taken {
+                    pol.remove(self.key(p));
+                }
+            }
+            self.release_evicted(&taken);
+            freed += taken.len() as u64;
+        });
+        freed
+    }
+}

@@ -1,0 +1,256 @@
+//! Fill and the read path: pages come in from the pager in clusters (`fill_run`), and
+//! `read` copies out of resident pages, pinning each run while it copies (NetBSD
+//! `uvm_bio.c` `ubc_uiomove`, Linux `filemap_read`).
+
+use super::*;
+
+/// What filled pages become when they are published.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Publish {
+    /// Clean, not held (read-ahead).
+    Clean,
+    /// Clean, and pinned for the caller, who copies out of them (a read).
+    Pinned,
+    /// Dirty: a writer filled the page it is writing.
+    Dirty,
+}
+
+impl Object {
+    /// Fill pages `first..=last` of `chunk` (a cluster) from the pager; they come back
+    /// valid and pinned. Returns how many pages were filled starting at `first`
+    /// (fewer than asked if a later page was not empty), or 0 if `first` itself was taken
+    /// by someone else (the caller retries its pin, which waits for that filler).
+    fn fill_run(&self, chunk: &Chunk, first: u64, last: u64, admission: Admission) -> Result<u64> {
+        let base = chunk.index << self.core.chunk_shift;
+        let s0 = (first - base) as usize;
+        let max = self.core.max_fill_pages;
+        // Memory first, pages second (Linux allocates a page before it adds it locked to
+        // the page cache): reserving may reclaim, and reclaim may write back any file —
+        // which it could not do while this thread held pages BUSY (`order.rs`: a pager
+        // above could be waiting for them).
+        let mut want = 0u64;
+        while first + want <= last && want < max && chunk.pages[s0 + want as usize].is_empty() {
+            want += 1;
+        }
+        if want == 0 {
+            return Ok(0);
+        }
+        self.core.reserve(want)?;
+        let _pages = crate::order::hold(crate::order::Rank::page(self.depth()));
+        if !chunk.pages[s0].try_lock_empty() {
+            self.core.unreserve(want);
+            return Ok(0);
+        }
+        let mut n = 1u64;
+        while n < want && chunk.pages[s0 + n as usize].try_lock_empty() {
+            n += 1;
+        }
+        if n < want {
+            self.core.unreserve(want - n);
+        }
+        let locked = &chunk.pages[s0..s0 + n as usize];
+        if let Err(e) = self.fill_locked(chunk, first, n) {
+            self.core.unreserve(n);
+            locked.iter().for_each(|p| {
+                p.release_empty();
+            });
+            return Err(e);
+        }
+        self.publish_filled(chunk, first, n, Publish::Pinned, admission, None);
+        bump(&self.counters.mine().misses, n);
+        Ok(n)
+    }
+
+    /// Read pages `first..first+n` of `chunk` from the pager into the cache.
+    /// => caller holds those pages BUSY and has reserved budget for them.
+    pub(crate) fn fill_locked(&self, chunk: &Chunk, first: u64, n: u64) -> Result<()> {
+        let offset = first << self.ps();
+        if offset >= self.len() {
+            // Entirely past the end of the file: a hole, zero-filled by the memfd.
+            return Ok(());
+        }
+        let memfd = self.memfd()?;
+        let win = self.core.windows.address(chunk, memfd)?;
+        let bytes = (n << self.ps()) as usize;
+        // SAFETY: the window maps the whole chunk; the caller holds these pages BUSY, so no
+        // one else reads or writes these bytes, and the window cannot be retired.
+        let buf = unsafe {
+            std::slice::from_raw_parts_mut(win.add((offset - self.chunk_offset(chunk)) as usize), bytes)
+        };
+        let sh = self.counters.mine();
+        bump(&sh.get_calls, 1);
+        match self.call_pager(PagerOp::GetPages, offset, |p| p.get_pages(offset, buf)) {
+            Ok(Fill::Data) => {
+                bump(&sh.read_bytes, bytes as u64);
+                Ok(())
+            }
+            Ok(Fill::Hole) => Ok(()),
+            Err(e) => {
+                // The pager may have written part of the buffer: free whatever it allocated.
+                let _ = memfd.punch(offset, bytes as u64);
+                Err(e)
+            }
+        }
+    }
+
+    /// Make filled BUSY pages valid (as `publish` says) and hand them to the replacement
+    /// policy; `mark` puts the read-ahead trigger on one of them.
+    pub(crate) fn publish_filled(&self, chunk: &Chunk, first: u64, n: u64, publish: Publish, admission: Admission, mark: Option<u64>) {
+        let (dirty, pin) = (publish == Publish::Dirty, publish == Publish::Pinned);
+        let base = chunk.index << self.core.chunk_shift;
+        // Insert into the policy before the pages become visible as valid: a page must
+        // never be valid (evictable) without the policy knowing it.
+        {
+            let mut pol = self.core.policy.lock();
+            for p in first..first + n {
+                pol.insert(self.key(p), admission);
+            }
+        }
+        // Valid first, then mapped into every user mapping, held by a pin meanwhile (a page
+        // reaches a user page table only while held: it cannot be evicted in between).
+        // Mapped while still BUSY, a store through the mapping could land before the page is
+        // valid; a scan (the flusher's harvest) finding it could not mark a page that is not
+        // valid yet dirty and would re-protect it: the store would be lost. The contents are
+        // final at `finish_fill`, so no mapping sees a half-made page either way. Resident
+        // pages never trap, except the read-ahead marker, which `map_pages` leaves out.
+        let svc = if self.nmaps.load(SeqCst) > 0 { self.core.maps.get() } else { None };
+        let pins = u32::from(pin) + u32::from(svc.is_some());
+        // Counted before they are valid (and dirty): from `finish_fill` on, an eviction or a
+        // writeback may count them out (see `dirty`).
+        self.resident.fetch_add(n, Relaxed);
+        if dirty {
+            self.publish_dirtied(n);
+        }
+        for p in first..first + n {
+            chunk.pages[(p - base) as usize].finish_fill(dirty, pins, admission == Admission::ReadAhead, mark == Some(p));
+        }
+        if let Some(svc) = svc {
+            for m in self.maps.read().iter() {
+                svc.map_pages(self, m, first, first + n, false);
+            }
+            self.unpin_run(chunk, first, n);
+        }
+    }
+
+    // ---------------------------------------------------------------- read
+
+    /// Pin a run of valid pages `first..=last` of `chunk`, filling the first one if needed.
+    /// Returns the number pinned (at least 1). `req_last` is the last page of the whole read
+    /// (for read-ahead decisions); `None` for accesses that get no read-ahead (windows).
+    pub(super) fn pin_run(&self, chunk: &Chunk, first: u64, last: u64, req_last: Option<u64>) -> Result<u64> {
+        // A pin waits while the page is BUSY (a fill, perhaps a queued read-ahead job).
+        crate::order::check_wait(crate::order::Rank::page(self.depth()));
+        let base = chunk.index << self.core.chunk_shift;
+        let mut n = 0;
+        loop {
+            let p = first + n;
+            if p > last {
+                break;
+            }
+            match chunk.pages[(p - base) as usize].pin() {
+                Pin::Pinned { ra_mark, first_use } => {
+                    n += 1;
+                    if first_use {
+                        bump(&self.counters.mine().readahead_hits, 1);
+                    }
+                    if ra_mark && req_last.is_some() {
+                        self.readahead_on_mark(p);
+                    }
+                }
+                Pin::Invalid if n > 0 => break,
+                Pin::Invalid => {
+                    if let Some(rl) = req_last {
+                        self.readahead_on_miss(p, rl);
+                    }
+                    let got = self.fill_run(chunk, p, last, Admission::Demand)?;
+                    if got > 0 {
+                        return Ok(got);
+                    }
+                    // Someone else is filling it; pin() will wait for them.
+                }
+            }
+        }
+        bump(&self.counters.mine().hits, n);
+        Ok(n)
+    }
+
+    pub(super) fn unpin_run(&self, chunk: &Chunk, first: u64, n: u64) {
+        let base = chunk.index << self.core.chunk_shift;
+        for p in first..first + n {
+            chunk.pages[(p - base) as usize].unpin();
+        }
+    }
+
+    /// `read_at`: copy `buf.len()` bytes at `offset` (fewer at end of file).
+    pub(crate) fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        checked_end(offset, buf.len())?;
+        let mut end = offset.saturating_add(buf.len() as u64).min(self.len());
+        let ps = self.ps();
+        let mut pos = offset;
+        while pos < end {
+            let page = pos >> ps;
+            let (ci, _) = self.locate(page);
+            let chunk = self.table.get_or_create(ci);
+            let chunk_last = ((ci + 1) << self.core.chunk_shift) - 1;
+            let req_last = (end - 1) >> ps;
+            let last = req_last.min(chunk_last);
+            let n = self.pin_run(chunk, page, last, Some(req_last))?;
+            // A truncation may have raced with us; pinned pages are stable, but do not
+            // return bytes past the current end.
+            end = end.min(self.len());
+            let to = end.min((page + n) << ps);
+            if pos < to {
+                let r = self.memfd().and_then(|m| self.core.windows.address(chunk, m));
+                match r {
+                    Ok(win) => {
+                        // SAFETY: pages page..page+n are pinned (valid, cannot be evicted or
+                        // retired); the window maps the whole chunk.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                win.add((pos - self.chunk_offset(chunk)) as usize),
+                                buf.as_mut_ptr().add((pos - offset) as usize),
+                                (to - pos) as usize,
+                            );
+                        }
+                    }
+                    Err(e) => {
+                        self.unpin_run(chunk, page, n);
+                        return Err(e);
+                    }
+                }
+            }
+            self.unpin_run(chunk, page, n);
+            pos = to.max(pos);
+            if pos >= end {
+                break;
+            }
+        }
+        Ok((pos.max(offset) - offset) as usize)
+    }
+
+    /// Pin every page of `offset..offset+len` (one chunk) for a read window. Returns the
+    /// window address of the chunk. => range within one chunk and within the file.
+    pub(crate) fn pin_range(&self, chunk: &Chunk, first: u64, last: u64) -> Result<*mut u8> {
+        let mut p = first;
+        while p <= last {
+            match self.pin_run(chunk, p, last, None) {
+                Ok(n) => p += n,
+                Err(e) => {
+                    self.unpin_run(chunk, first, p - first);
+                    return Err(e);
+                }
+            }
+        }
+        match self.memfd().and_then(|m| self.core.windows.address(chunk, m)) {
+            Ok(w) => Ok(w),
+            Err(e) => {
+                self.unpin_run(chunk, first, last + 1 - first);
+                Err(e)
+            }
+        }
+    }
+
+    pub(crate) fn unpin_range(&self, chunk: &Chunk, first: u64, last: u64) {
+        self.unpin_run(chunk, first, last + 1 - first);
+    }
+}

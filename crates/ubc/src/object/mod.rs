@@ -1,0 +1,331 @@
+//! Objects: one cached file (NetBSD's `uvm_object` / vnode). An object owns its page table,
+//! the memfd holding its pages and its pager, and implements the data paths every front
+//! end uses, one mechanism per file:
+//!
+//! * `fill.rs` — fills from the pager and the read path;
+//! * `write.rs` — the write path and writable windows;
+//! * `truncate.rs` — `set_len`, dropping pages, invalidation;
+//! * `writeback.rs` — writing dirty pages to the pager, `clean`, `sync`;
+//! * `evict.rs` — releasing pages the replacement policy took;
+//! * `mapped.rs` — what memory mappings need (found stores, fault pins).
+//!
+//! This file holds the object itself, its accessors and the one way to call its pager.
+//!
+//! Locking, from outside in:
+//! * `size_lock` — shared by writers, exclusive for `set_len` (like `i_rwsem` for truncate);
+//!   readers never take it.
+//! * page state words (see `page/state.rs`) — per page, lock-free CAS transitions. Threads
+//!   that hold several pages took them in ascending order.
+//! * the cache's policy mutex — only on fills, truncation and reclaim, never on hits.
+
+use crate::cache::CacheCore;
+use crate::map::UserMap;
+use crate::error::{Error, PagerOp, Result};
+use crate::evict::{Admission, PageKey};
+use crate::memfd::Memfd;
+use crate::page::state::{self, Pin, WriteLock, BUSY, DIRTY, VALID, WRITEBACK};
+use crate::page::table::{Chunk, PageTable};
+use crate::pager::{Fill, Pager};
+use crate::stats::{bump, Counters, Stats};
+use parking_lot::{Mutex, RwLock};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock, Weak};
+
+mod evict;
+mod fill;
+mod mapped;
+mod truncate;
+mod write;
+mod writeback;
+
+pub(crate) use fill::Publish;
+pub(crate) use mapped::Harvest;
+use write::Held;
+pub(crate) use writeback::Pass;
+
+/// Largest file length ubc supports: 2^63 - 64 KiB (offsets are `i64` in POSIX, and a
+/// memfd holds at most 2^63 - 1 bytes), or less under a finite `RLIMIT_FSIZE` (see
+/// `memfd::max_size`).
+#[inline]
+pub(crate) fn max_end() -> u64 {
+    crate::memfd::max_size()
+}
+
+/// `offset + len`, or an `OffsetOverflow` error past `max_end()`.
+pub(crate) fn checked_end(offset: u64, len: usize) -> Result<u64> {
+    match offset.checked_add(len as u64) {
+        Some(end) if end <= max_end() => Ok(end),
+        _ => Err(Error::OffsetOverflow { offset, len: len as u64 }),
+    }
+}
+
+pub(crate) struct Object {
+    pub(crate) id: u64,
+    /// Ourselves, for handing work to I/O threads.
+    pub(crate) me: Weak<Object>,
+    /// Read-ahead windows in flight: marker page → window size (see `readahead.rs`).
+    pub(crate) ra_windows: Mutex<HashMap<u64, u64>>,
+    pub(crate) core: Arc<CacheCore>,
+    pager: RwLock<Arc<dyn Pager>>,
+    pub(crate) table: PageTable,
+    memfd: OnceLock<Memfd>,
+    memfd_init: Mutex<()>,
+    /// Logical length: the cache's, authoritative while the object lives.
+    len: AtomicU64,
+    pub(crate) size_lock: RwLock<()>,
+    /// Open `File` handles.
+    pub(crate) handles: AtomicUsize,
+    /// Valid pages of this object.
+    resident: AtomicU64,
+    /// Pages with the DIRTY bit.
+    dirty: AtomicU64,
+    // `resident` and `dirty` (and the flusher's unclean count) are gauges: one thread counts
+    // a page in, another may count it out. They stay single atomics, and a page is counted in
+    // *before* the state change that lets anyone else see it valid or dirty (or while its
+    // counter holds it WRITING, which no one else can act on), and counted out only *after*
+    // the state change that takes it out. The decrement then happens-after its increment
+    // (through the page's state word), so in the counter's modification order every
+    // decrement follows the increment it pays for: a gauge read at any moment is at least
+    // the pages truly in that state, never below zero. (Counted after the state change, a
+    // writeback or an eviction on another thread could uncount a page first: `dirty` and
+    // `resident` wrapped below zero and `Cache::stats` overflowed summing them.)
+    /// When the object last went from clean to dirty (flusher clock, ms; see writeback.rs).
+    dirtied_at: AtomicU64,
+    pub(crate) counters: Counters,
+    /// The registry key this object is filed under.
+    pub(crate) key: crate::cache::ObjectKey,
+    name: String,
+    /// The pager's depth (the highest any of its pagers reported): reclaim inside a pager
+    /// call writes back only objects of lower depth.
+    depth: AtomicU32,
+    /// User mappings of this object (`File::map`), and how many there are (checked on every
+    /// fill, so kept apart from the lock).
+    pub(crate) maps: RwLock<Vec<Arc<UserMap>>>,
+    pub(crate) nmaps: AtomicUsize,
+    /// Serializes finding stores through mappings (a scan takes the written state and
+    /// re-protects): eviction holds it from zapping its pages to punching them, so a store
+    /// found by another scan meanwhile is never lost with the page.
+    scan_lock: Mutex<()>,
+    /// Writeback failures, reported to every handle once (see `errseq.rs`).
+    pub(crate) wb_errors: crate::errseq::WbErrors,
+}
+
+
+impl Object {
+    pub(crate) fn new(id: u64, core: Arc<CacheCore>, pager: Arc<dyn Pager>, key: crate::cache::ObjectKey) -> Result<Arc<Object>> {
+        let len = pager.len().map_err(|e| Error::Io { op: PagerOp::Len, offset: 0, object: pager.describe(), source: e })?;
+        Ok(Arc::new_cyclic(|me| Object {
+            id,
+            me: me.clone(),
+            ra_windows: Mutex::new(HashMap::new()),
+            table: PageTable::new(1 << core.chunk_shift),
+            key,
+            name: pager.describe(),
+            depth: AtomicU32::new(pager.depth()),
+            pager: RwLock::new(pager),
+            core,
+            memfd: OnceLock::new(),
+            memfd_init: Mutex::new(()),
+            len: AtomicU64::new(len),
+            size_lock: RwLock::new(()),
+            handles: AtomicUsize::new(0),
+            resident: AtomicU64::new(0),
+            dirty: AtomicU64::new(0),
+            dirtied_at: AtomicU64::new(0),
+            counters: Counters::default(),
+            maps: RwLock::new(Vec::new()),
+            nmaps: AtomicUsize::new(0),
+            scan_lock: Mutex::new(()),
+            wb_errors: Default::default(),
+        }))
+    }
+
+    pub(crate) fn pager(&self) -> Arc<dyn Pager> {
+        self.pager.read().clone()
+    }
+
+    /// Replace a read-only pager by a writable one for the same data (a later writable open).
+    pub(crate) fn upgrade_pager(&self, pager: Arc<dyn Pager>) {
+        let mut p = self.pager.write();
+        self.depth.fetch_max(pager.depth(), SeqCst);
+        if !p.is_writable() && pager.is_writable() {
+            *p = pager;
+        }
+    }
+
+    /// `size_lock` shared (writers, the stored-length fix-up of `sync`), its rank held.
+    fn size_shared(&self) -> SizeGuard<parking_lot::RwLockReadGuard<'_, ()>> {
+        let rank = crate::order::hold(crate::order::Rank::size(self.depth()));
+        SizeGuard { _lock: self.size_lock.read(), _rank: rank }
+    }
+
+    /// `size_lock` exclusive (truncation, invalidation), its rank held.
+    fn size_exclusive(&self) -> SizeGuard<parking_lot::RwLockWriteGuard<'_, ()>> {
+        let rank = crate::order::hold(crate::order::Rank::size(self.depth()));
+        SizeGuard { _lock: self.size_lock.write(), _rank: rank }
+    }
+
+    /// How many pagers of this cache lie below this object's (see [`Pager::depth`]).
+    pub(crate) fn depth(&self) -> u32 {
+        self.depth.load(Relaxed)
+    }
+
+    pub(crate) fn describe(&self) -> &str {
+        &self.name
+    }
+
+    #[inline]
+    pub(crate) fn len(&self) -> u64 {
+        self.len.load(SeqCst)
+    }
+
+    pub(crate) fn resident_pages(&self) -> u64 {
+        self.resident.load(Relaxed)
+    }
+
+    pub(crate) fn dirty_pages(&self) -> u64 {
+        self.dirty.load(Relaxed)
+    }
+
+    pub(crate) fn dirtied_at(&self) -> u64 {
+        self.dirtied_at.load(Relaxed)
+    }
+
+    pub(crate) fn set_dirtied_at(&self, ms: u64) {
+        self.dirtied_at.store(ms, Relaxed);
+    }
+
+    /// `n` pages got the DIRTY bit whose unclean slots their writer reserved.
+    fn publish_dirtied(&self, n: u64) {
+        self.core.flusher.publish(n);
+        self.note_dirtied(n);
+    }
+
+    /// `n` pages get the DIRTY bit (already counted unclean: a failed writeback). Called
+    /// before the bit is set, unless the caller holds the pages WRITING (see `dirty`).
+    fn note_dirtied(&self, n: u64) {
+        if self.dirty.fetch_add(n, Relaxed) == 0 {
+            self.dirtied_at.store(self.core.flusher.now_ms(), Relaxed);
+        }
+    }
+
+    pub(crate) fn allocated_bytes(&self) -> u64 {
+        self.memfd.get().map_or(0, |m| m.allocated_bytes())
+    }
+
+    pub(crate) fn stats(&self) -> Stats {
+        let mut s = self.counters.snapshot();
+        s.resident_bytes = self.resident_pages() << self.core.page_shift;
+        s.dirty_bytes = self.dirty_pages() << self.core.page_shift;
+        s.io_mode = self.pager.read().io_mode();
+        s
+    }
+
+    fn memfd(&self) -> Result<&Memfd> {
+        if let Some(m) = self.memfd.get() {
+            return Ok(m);
+        }
+        let _g = self.memfd_init.lock();
+        if let Some(m) = self.memfd.get() {
+            return Ok(m);
+        }
+        let m = Memfd::create(&self.id.to_string())?;
+        Ok(self.memfd.get_or_init(|| m))
+    }
+
+    fn io_err(&self, op: PagerOp, offset: u64, source: std::io::Error) -> Error {
+        Error::Io { op, offset, object: self.name.clone(), source }
+    }
+
+    /// Call the pager (every call after the object is made goes through here). The call
+    /// runs in a [`PagerScope`](crate::pager::PagerScope) of this object's depth: a layer's
+    /// pager writes its lower file of the same cache, maybe holding a lock that writeback of
+    /// its own object needs, so that write must not wait at the dirty limit (without it the
+    /// stress test hung in an aead `set_len`) nor reclaim by writing back this object or one
+    /// above it (it hung in an aead `put_pages`). A failure comes back with `op`, `offset`
+    /// and the object; `f` sees the raw error first (to record it, see `errseq.rs`).
+    fn call_pager<T>(&self, op: PagerOp, offset: u64, f: impl FnOnce(&dyn Pager) -> std::io::Result<T>) -> Result<T> {
+        let pager = self.pager();
+        let _in = crate::pager::PagerScope::enter(self.depth());
+        f(&*pager).map_err(|e| self.io_err(op, offset, e))
+    }
+
+    #[inline]
+    fn ps(&self) -> u32 {
+        self.core.page_shift
+    }
+
+    pub(crate) fn page_shift(&self) -> u32 {
+        self.core.page_shift
+    }
+
+    /// The memfd holding this object's pages (made on first use).
+    pub(crate) fn memfd_for_map(&self) -> Result<&Memfd> {
+        self.memfd()
+    }
+
+    /// Allocate (zeroed) memfd memory for `offset..offset+len` of a valid page that is a hole
+    /// (counted resident, never written), so it can be mapped into a user mapping.
+    /// => caller holds the page.
+    pub(crate) fn materialize(&self, offset: u64, len: u64) {
+        if let Ok(m) = self.memfd() {
+            let _ = m.allocate(offset, len);
+        }
+    }
+
+    /// Chunk index and slot of a page.
+    #[inline]
+    pub(crate) fn locate(&self, page: u64) -> (u64, usize) {
+        let cs = self.core.chunk_shift;
+        (page >> cs, (page & ((1 << cs) - 1)) as usize)
+    }
+
+    /// Byte offset of the start of `chunk` in the file (and the memfd).
+    #[inline]
+    fn chunk_offset(&self, chunk: &Chunk) -> u64 {
+        chunk.index << (self.core.chunk_shift + self.ps())
+    }
+
+    fn key(&self, page: u64) -> PageKey {
+        PageKey { object: self.id, index: page }
+    }
+}
+
+impl Drop for Object {
+    fn drop(&mut self) {
+        // Teardown: the registry no longer lists us and no File exists, so no page is held.
+        let resident = self.resident.load(Relaxed);
+        if resident > 0 {
+            let _ = self.drop_pages(0, u64::MAX);
+        }
+        let table = &self.table;
+        self.core.windows.release_all(|f| table.for_each(0, u64::MAX, |c| f(c)));
+        self.core.retire_stats(self.counters.snapshot());
+    }
+}
+
+/// A `size_lock` guard and its place in the lock order (`order.rs`); the lock is released
+/// first (fields drop in order).
+struct SizeGuard<G> {
+    _lock: G,
+    _rank: crate::order::Hold,
+}
+
+/// Contiguous runs `[a, b)` of a sorted list of page indexes.
+fn runs(pages: &[u64]) -> impl Iterator<Item = (u64, u64)> + '_ {
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        if i >= pages.len() {
+            return None;
+        }
+        let a = pages[i];
+        let mut b = a + 1;
+        i += 1;
+        while i < pages.len() && pages[i] == b {
+            b += 1;
+            i += 1;
+        }
+        Some((a, b))
+    })
+}

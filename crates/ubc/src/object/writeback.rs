@@ -1,0 +1,177 @@
+//! Writing an object's dirty pages to its pager: clustered runs over the I/O pool, `clean`
+//! (Mach's `pager_clean_request`) and `sync`. *When* to write back (dirty limits, age, the
+//! flusher) is decided cache-wide in `crate::writeback`.
+
+use super::*;
+
+/// How a writeback pass treats pages others hold, and where its runs are written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Pass {
+    /// `clean`, `sync`: also wait for pages being written or written back by others (and
+    /// retry those whose writeback failed); runs are spread over the I/O pool (several
+    /// requests in flight) and waited for — except on an I/O thread, which must not wait
+    /// for the pool and writes them itself.
+    Wait,
+    /// The flusher: skip busy pages; runs over the I/O pool, waited for.
+    Background,
+    /// Reclaim and the dirty throttle: skip busy pages; runs written on this thread.
+    Inline,
+}
+
+impl Object {
+    /// Mach's `pager_clean_request`: write back the dirty pages in bytes `from..to`
+    /// (stores through mappings included) and wait for writebacks in flight there. On error
+    /// the pages stay dirty and the first error is returned.
+    pub(crate) fn clean(&self, from: u64, to: u64) -> Result<()> {
+        let ps = self.ps();
+        let (a, b) = (from >> ps, to.div_ceil(1 << ps).max(from >> ps));
+        self.harvest(a, b, Harvest::Explicit);
+        self.writeback(a, b, Pass::Wait)
+    }
+
+    /// Write back dirty pages with index in `from..to`, clustered into contiguous runs of at
+    /// most `max_put_pages`, as `pass` says (see [`Pass`]). Failed runs stay dirty; the first
+    /// error is returned after trying every run.
+    pub(crate) fn writeback(&self, from: u64, to: u64, pass: Pass) -> Result<()> {
+        let wait = pass == Pass::Wait;
+        let parallel = pass != Pass::Inline;
+        if self.dirty_pages() == 0 && !wait {
+            return Ok(());
+        }
+        let depth = self.depth();
+        if wait {
+            crate::order::check_wait(crate::order::Rank::page(depth));
+        }
+        // This thread holds the pages it takes WRITEBACK until it hands them to a job or
+        // has written them itself.
+        let _pages = crate::order::hold(crate::order::Rank::page(depth));
+        let me = if parallel && !crate::io::on_io_thread() { self.me.upgrade() } else { None };
+        let batch = crate::io::Batch::default();
+        let cs = self.core.chunk_shift;
+        let mut first_err: Option<Error> = None;
+        self.table.for_each(from >> cs, (to >> cs).saturating_add(1), |chunk| {
+            let base = chunk.index << cs;
+            let lo = from.max(base);
+            let hi = to.min(base + (1 << cs));
+            let mut p = lo;
+            while p < hi {
+                let st = &chunk.pages[(p - base) as usize];
+                let s = st.load();
+                if s & (DIRTY | WRITEBACK) == 0 || !st.begin_writeback(wait) {
+                    p += 1;
+                    continue;
+                }
+                let mut n = 1;
+                while p + n < hi
+                    && n < self.core.max_put_pages
+                    && chunk.pages[(p + n - base) as usize].begin_writeback(false)
+                {
+                    n += 1;
+                }
+                match &me {
+                    Some(obj) => {
+                        let (obj, ticket, ci, first) = (obj.clone(), batch.ticket(), chunk.index, p);
+                        self.core.io.submit(depth, move || {
+                            let chunk = obj.table.get(ci).expect("chunk of pages under writeback");
+                            let _pages = crate::order::hold(crate::order::Rank::page(depth));
+                            ticket.done(obj.write_run(chunk, first, n));
+                        });
+                    }
+                    None => {
+                        if let Err(e) = self.write_run(chunk, p, n) {
+                            first_err.get_or_insert(e);
+                        }
+                    }
+                }
+                p += n;
+            }
+        });
+        let r = batch.wait(depth);
+        match first_err {
+            Some(e) => Err(e),
+            None => r,
+        }
+    }
+
+    /// Write pages `first..first+n` (WRITEBACK, taken by the caller) to the pager.
+    fn write_run(&self, chunk: &Chunk, first: u64, n: u64) -> Result<()> {
+        let ps = self.ps();
+        let base = chunk.index << self.core.chunk_shift;
+        // begin_writeback cleared DIRTY; the pages stay unclean until they are written.
+        self.dirty.fetch_sub(n, Relaxed);
+        let offset = first << ps;
+        // Clip at the end of the file: the store must not grow past the length we know.
+        let bytes = ((n << ps).min(self.len().saturating_sub(offset))) as usize;
+        let sh = self.counters.mine();
+        let r = if bytes == 0 {
+            Ok(())
+        } else {
+            self.memfd().and_then(|m| self.core.windows.address(chunk, m)).and_then(|win| {
+                // SAFETY: pages held WRITEBACK (stable: no writer, no eviction, no retirement).
+                let data = unsafe {
+                    std::slice::from_raw_parts(win.add((offset - self.chunk_offset(chunk)) as usize), bytes)
+                };
+                bump(&sh.put_calls, 1);
+                self.call_pager(PagerOp::PutPages, offset, |p| {
+                    p.put_pages(offset, data).inspect_err(|e| self.wb_errors.retained(PagerOp::PutPages, e))
+                })
+            })
+        };
+        let ok = r.is_ok();
+        if !ok {
+            // Dirty again: counted before `end_writeback` sets DIRTY, since another writeback
+            // may take the pages (and count them out) at once (see `dirty`).
+            self.note_dirtied(n);
+        }
+        let mut redirtied = 0;
+        for p in first..first + n {
+            redirtied += chunk.pages[(p - base) as usize].end_writeback(ok) as u64;
+        }
+        if ok {
+            bump(&sh.written_bytes, bytes as u64);
+            bump(&sh.writebacks, n);
+            self.core.flusher.cleaned(n);
+        } else {
+            // Each page is dirty again, counted once: pages re-dirtied meanwhile (by a store
+            // found through a mapping) were counted dirty and unclean when found, so the
+            // count just made for them and their writeback's unclean slot go.
+            if redirtied > 0 {
+                self.dirty.fetch_sub(redirtied, Relaxed);
+                self.core.flusher.cleaned(redirtied);
+            }
+            bump(&sh.writeback_errors, 1);
+        }
+        r
+    }
+
+    /// `sync`: every dirty page reaches the pager, the stored length matches, then the
+    /// pager's own sync. On error the pages stay dirty and the error is returned.
+    pub(crate) fn sync(&self) -> Result<()> {
+        self.harvest(0, u64::MAX, Harvest::Explicit);
+        self.writeback(0, u64::MAX, Pass::Wait)?;
+        self.sync_pager()
+    }
+
+    /// The stored length matches ours, then the pager's own sync (the durable half of
+    /// `sync`). => dirty pages were written back.
+    pub(crate) fn sync_pager(&self) -> Result<()> {
+        let stored = self.call_pager(PagerOp::Len, 0, |p| p.len())?;
+        if stored != self.len() && self.pager().is_writable() {
+            // Exclusive, and both lengths read again under it: with writers running (they
+            // hold the lock shared), the length read before could be stale by the time the
+            // pager is told, and a writer's page past it could already be written back —
+            // `set_len` to the stale length then cut that page off the store while the
+            // cache kept it clean, and it read back as zeros after eviction (a zstd chunk
+            // failing its checksum when a commit synced its lower file while other threads
+            // wrote: tests/nested_writeback.rs). Held exclusive, the length cannot move and
+            // writebacks in flight are clipped to it, so the store cannot pass it meanwhile.
+            let _size = self.size_exclusive();
+            let len = self.len();
+            let stored = self.call_pager(PagerOp::Len, 0, |p| p.len())?;
+            if stored != len {
+                self.call_pager(PagerOp::SetLen, len, |p| p.set_len(len))?;
+            }
+        }
+        self.call_pager(PagerOp::Sync, 0, |p| p.sync().inspect_err(|e| self.wb_errors.lost(PagerOp::Sync, e)))
+    }
+}
