@@ -5,6 +5,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+use ubc_cli::mounts::is_mounted;
 
 fn fuse_available() -> bool {
     if !Path::new("/dev/fuse").exists() {
@@ -25,82 +26,138 @@ fn ubc() -> Command {
     Command::new(env!("CARGO_BIN_EXE_ubc"))
 }
 
-fn is_mounted(mp: &Path) -> bool {
-    let m = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    let mp = mp.canonicalize().unwrap_or(mp.to_path_buf());
-    m.lines().any(|l| l.split(' ').nth(4) == Some(mp.to_str().unwrap()))
-}
-
-/// The stack `dir:data | zstd | aead:keyfile=key`, layer 2 at `clear/` and 0 at `stored/`.
-struct Mounted {
-    t: tempfile::TempDir,
-    spec: String,
+/// One `ubc mount` daemon, its stderr in a file. Drop unmounts (lazily) and kills it, and
+/// shows the stderr if the test is failing.
+struct Daemon {
     child: Option<Child>,
-    clear: PathBuf,
-    stored: PathBuf,
+    mps: Vec<PathBuf>,
+    err: PathBuf,
 }
 
-impl Mounted {
-    fn start(extra: &[&str]) -> Mounted {
-        let t = tempfile::tempdir().unwrap();
-        for d in ["data", "clear", "stored"] {
-            std::fs::create_dir(t.path().join(d)).unwrap();
+impl Daemon {
+    fn start(spec: &str, ats: &[(usize, &Path)], extra: &[&str], err: &Path) -> Daemon {
+        let mut cmd = ubc();
+        cmd.args(["mount", "--stack", spec]);
+        for (n, mp) in ats {
+            cmd.arg("--at").arg(format!("{n}:{}", mp.display()));
         }
-        let st = ubc().arg("keygen").arg(t.path().join("key")).status().unwrap();
-        assert!(st.success());
-        let spec = format!("dir:{} | zstd | aead:keyfile={}", t.path().join("data").display(), t.path().join("key").display());
-        let clear = t.path().join("clear");
-        let stored = t.path().join("stored");
-        let child = ubc()
-            .args(["mount", "--stack", &spec, "--at"])
-            .arg(format!("2:{}", clear.display()))
-            .arg("--at")
-            .arg(format!("0:{}", stored.display()))
-            .args(extra)
-            .stdin(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut m = Mounted { t, spec, child: Some(child), clear, stored };
+        let child = cmd.args(extra).stdin(Stdio::null()).stderr(std::fs::File::create(err).unwrap()).spawn().unwrap();
+        let mut d = Daemon { child: Some(child), mps: ats.iter().map(|(_, p)| p.to_path_buf()).collect(), err: err.to_path_buf() };
         let start = Instant::now();
-        while !(is_mounted(&m.clear) && is_mounted(&m.stored)) {
-            if let Some(st) = m.child.as_mut().unwrap().try_wait().unwrap() {
-                panic!("ubc mount exited early: {st}");
+        while !d.mps.iter().all(|p| is_mounted(p)) {
+            if let Some(st) = d.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("ubc mount exited early: {st}: {}", d.stderr());
             }
             assert!(start.elapsed() < Duration::from_secs(20), "mounts did not appear");
-            std::thread::sleep(Duration::from_millis(50));
+            std::thread::sleep(Duration::from_millis(20));
         }
-        m
+        d
     }
 
-    /// `fusermount3 -u` both; the process must exit 0.
+    fn pid(&self) -> i32 {
+        self.child.as_ref().unwrap().id() as i32
+    }
+
+    fn signal(&self, sig: i32) {
+        // SAFETY: kill only sends a signal; it takes no pointers.
+        assert_eq!(unsafe { libc::kill(self.pid(), sig) }, 0);
+    }
+
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.err).unwrap_or_default()
+    }
+
+    /// Wait until stderr contains `what`; how long that took.
+    fn wait_for_message(&self, what: &str, limit: Duration) -> Duration {
+        let start = Instant::now();
+        while !self.stderr().contains(what) {
+            assert!(start.elapsed() < limit, "no {what:?} within {limit:?}; stderr:\n{}", self.stderr());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        start.elapsed()
+    }
+
+    /// `fusermount3 -u` every mount point; the daemon must then exit 0.
     fn unmount(&mut self) {
-        for mp in [&self.clear, &self.stored] {
+        for mp in &self.mps {
             let st = Command::new("fusermount3").arg("-u").arg(mp).status().unwrap();
             assert!(st.success(), "fusermount3 -u {}", mp.display());
         }
-        let mut child = self.child.take().unwrap();
+        let (code, _) = self.wait(Duration::from_secs(20));
+        assert_eq!(code, Some(0), "ubc mount exit status; stderr:\n{}", self.stderr());
+    }
+
+    /// Wait for the exit (at most `limit`): its exit code and how long it took.
+    fn wait(&mut self, limit: Duration) -> (Option<i32>, Duration) {
         let start = Instant::now();
+        let child = self.child.as_mut().unwrap();
         let st = loop {
             if let Some(st) = child.try_wait().unwrap() {
                 break st;
             }
-            assert!(start.elapsed() < Duration::from_secs(20), "ubc mount did not exit");
-            std::thread::sleep(Duration::from_millis(50));
+            assert!(start.elapsed() < limit, "ubc mount did not exit within {limit:?}; stderr:\n{}", self.stderr());
+            std::thread::sleep(Duration::from_millis(10));
         };
-        assert_eq!(st.code(), Some(0), "ubc mount exit status");
+        self.child = None;
+        (st.code(), start.elapsed())
     }
 }
 
-impl Drop for Mounted {
+impl Drop for Daemon {
     fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            for mp in [&self.clear, &self.stored] {
-                let _ = Command::new("fusermount3").args(["-u", "-z"]).arg(mp).status();
+        if std::thread::panicking() {
+            eprintln!("ubc mount's stderr:\n{}", self.stderr());
+        }
+        for mp in &self.mps {
+            if is_mounted(mp) {
+                let _ = Command::new("fusermount3").args(["-u", "-z", "-q"]).arg(mp).status();
             }
+        }
+        if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
         }
     }
+}
+
+/// SIGCONT on drop, so that a failing test never leaves a stopped daemon (and every
+/// process waiting on its mount) behind. Declare it after the daemons that use the stopped one.
+struct Resume(i32);
+
+impl Drop for Resume {
+    fn drop(&mut self) {
+        // SAFETY: kill only sends a signal; it takes no pointers.
+        unsafe { libc::kill(self.0, libc::SIGCONT) };
+    }
+}
+
+/// A temp dir with `data/`, `mnt/`, `mnt2/` and a key; the spec `dir:data` + `tail` (KEY → the key).
+fn stack_dir(tail: &str) -> (tempfile::TempDir, String, PathBuf) {
+    let t = tempfile::tempdir().unwrap();
+    for d in ["data", "mnt", "mnt2"] {
+        std::fs::create_dir(t.path().join(d)).unwrap();
+    }
+    assert!(ubc().arg("keygen").arg(t.path().join("key")).status().unwrap().success());
+    let spec = format!("dir:{}{}", t.path().join("data").display(), tail.replace("KEY", &t.path().join("key").display().to_string()));
+    let mnt = t.path().join("mnt");
+    (t, spec, mnt)
+}
+
+fn top_of(spec: &str) -> usize {
+    spec.matches('|').count()
+}
+
+/// The stack `dir:data | zstd | aead:keyfile=key` (`stack_dir`) served by one daemon: layer 2
+/// (clear text) at `clear/`, layer 0 (the stored bytes) at `stored/`. Returns (dir, spec,
+/// clear, stored, daemon).
+fn clear_and_stored(extra: &[&str]) -> (tempfile::TempDir, String, PathBuf, PathBuf, Daemon) {
+    let (t, spec, _) = stack_dir(" | zstd | aead:keyfile=KEY");
+    let (clear, stored) = (t.path().join("clear"), t.path().join("stored"));
+    for d in [&clear, &stored] {
+        std::fs::create_dir(d).unwrap();
+    }
+    let d = Daemon::start(&spec, &[(2, &clear), (0, &stored)], extra, &t.path().join("err"));
+    (t, spec, clear, stored, d)
 }
 
 fn sample(len: usize) -> Vec<u8> {
@@ -122,10 +179,9 @@ fn two_mounts_of_one_stack_with_ordinary_tools() {
     if !fuse_available() {
         return;
     }
-    let mut m = Mounted::start(&[]);
-    let (clear, stored) = (m.clear.clone(), m.stored.clone());
+    let (t, spec, clear, stored, mut d) = clear_and_stored(&[]);
     let data = sample(300_000);
-    let host = m.t.path().join("host.txt");
+    let host = t.path().join("host.txt");
     std::fs::write(&host, &data).unwrap();
 
     // Write through the cleartext mount (cp and std::fs), read back (cat and std::fs).
@@ -190,7 +246,7 @@ fn two_mounts_of_one_stack_with_ordinary_tools() {
         let script = "import mmap,sys\nf=open(sys.argv[1],'rb')\ntry:\n m=mmap.mmap(f.fileno(),0,access=mmap.ACCESS_READ)\n sys.stdout.buffer.write(m[:])\nexcept OSError as e:\n print('ERRNO',e.errno);sys.exit(3)\n";
         let out = Command::new("python3").args(["-c", script]).arg(clear.join("b2.txt")).output().unwrap();
         if out.status.code() == Some(3) {
-            assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), format!("ERRNO {}", libc_enodev()));
+            assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), format!("ERRNO {}", libc::ENODEV));
             eprintln!("note: shared mmap of direct-I/O files is refused by this kernel (ENODEV)");
         } else {
             assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -205,11 +261,11 @@ fn two_mounts_of_one_stack_with_ordinary_tools() {
     std::fs::remove_dir(stored.join("empty")).unwrap();
     assert!(!clear.join("empty").exists());
 
-    m.unmount();
+    d.unmount();
 
     // The data is on disk: re-open the stack in-process.
     let cache = ubc::Cache::new(16 << 20).unwrap();
-    let stack = ubc_stack::Stack::open(&m.spec, cache).unwrap();
+    let stack = ubc_stack::Stack::open(&spec, cache).unwrap();
     let top = stack.top();
     let read_all = |p: &str| {
         let f = top.open(p).unwrap();
@@ -222,12 +278,8 @@ fn two_mounts_of_one_stack_with_ordinary_tools() {
     assert!(top.getattr("doomed").is_err());
     assert!(top.getattr("a.txt").is_err());
     // And on the host, stored (not clear).
-    let host_raw = std::fs::read(m.t.path().join("data/b2.txt")).unwrap();
+    let host_raw = std::fs::read(t.path().join("data/b2.txt")).unwrap();
     assert!(!contains(&host_raw, b"hello through fuse"));
-}
-
-fn libc_enodev() -> i32 {
-    19
 }
 
 #[test]
@@ -235,24 +287,13 @@ fn sigterm_unmounts_and_exits_zero() {
     if !fuse_available() {
         return;
     }
-    let mut m = Mounted::start(&[]);
-    std::fs::write(m.clear.join("f"), b"kept after SIGTERM").unwrap();
-    // The child stays in `m` until it has exited, so a failure still unmounts (Drop).
-    let child = m.child.as_mut().unwrap();
-    let st = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
-    assert!(st.success());
-    let start = Instant::now();
-    let st = loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            break st;
-        }
-        assert!(start.elapsed() < Duration::from_secs(20), "ubc mount did not exit on SIGTERM");
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    assert!(!is_mounted(&m.clear) && !is_mounted(&m.stored));
-    m.child = None;
-    assert_eq!(st.code(), Some(0));
-    let stack = ubc_stack::Stack::open(&m.spec, ubc::Cache::new(16 << 20).unwrap()).unwrap();
+    let (_t, spec, clear, stored, mut d) = clear_and_stored(&[]);
+    std::fs::write(clear.join("f"), b"kept after SIGTERM").unwrap();
+    d.signal(libc::SIGTERM);
+    let (code, _) = d.wait(Duration::from_secs(20));
+    assert!(!is_mounted(&clear) && !is_mounted(&stored));
+    assert_eq!(code, Some(0), "stderr:\n{}", d.stderr());
+    let stack = ubc_stack::Stack::open(&spec, ubc::Cache::new(16 << 20).unwrap()).unwrap();
     let f = stack.top().open("f").unwrap();
     let mut v = vec![0u8; f.len().unwrap() as usize];
     f.read_exact_at(&mut v, 0).unwrap();
@@ -278,8 +319,8 @@ fn fsx_random_ops_match_a_model() {
     if !fuse_available() {
         return;
     }
-    let mut m = Mounted::start(&[]);
-    let path = m.clear.join("fsx");
+    let (_t, spec, clear, stored, mut d) = clear_and_stored(&[]);
+    let path = clear.join("fsx");
     let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
     let mut model: Vec<u8> = Vec::new();
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
@@ -317,13 +358,13 @@ fn fsx_random_ops_match_a_model() {
         if op % 50 == 0 {
             assert_eq!(f.metadata().unwrap().len(), model.len() as u64, "op {op}: size");
             // Through the other mount: the stored file exists and holds no model bytes in clear.
-            assert!(m.stored.join("fsx").exists());
+            assert!(stored.join("fsx").exists());
         }
     }
     drop(f);
     assert_eq!(std::fs::read(&path).unwrap(), model);
-    m.unmount();
-    let stack = ubc_stack::Stack::open(&m.spec, ubc::Cache::new(16 << 20).unwrap()).unwrap();
+    d.unmount();
+    let stack = ubc_stack::Stack::open(&spec, ubc::Cache::new(16 << 20).unwrap()).unwrap();
     let g = stack.top().open("fsx").unwrap();
     let mut v = vec![0u8; g.len().unwrap() as usize];
     g.read_exact_at(&mut v, 0).unwrap();
@@ -347,13 +388,13 @@ fn kernel_cache_mode_round_trips() {
     if !fuse_available() {
         return;
     }
-    let mut m = Mounted::start(&["--kernel-cache"]);
+    let (_t, _, clear, stored, mut d) = clear_and_stored(&["--kernel-cache"]);
     let data = sample(100_000);
-    std::fs::write(m.clear.join("k"), &data).unwrap();
-    assert_eq!(std::fs::read(m.clear.join("k")).unwrap(), data);
+    std::fs::write(clear.join("k"), &data).unwrap();
+    assert_eq!(std::fs::read(clear.join("k")).unwrap(), data);
     // A re-open through the other mount sees the stored file (close-to-open).
-    assert!(!contains(&std::fs::read(m.stored.join("k")).unwrap(), b"the quick brown fox"));
-    m.unmount();
+    assert!(!contains(&std::fs::read(stored.join("k")).unwrap(), b"the quick brown fox"));
+    d.unmount();
 }
 
 /// `cmd` run as user nobody (65534): (exit ok, stdout, stderr).
@@ -372,17 +413,18 @@ fn only_the_owner_gets_in_unless_allow_other_and_then_modes_hold() {
         return;
     }
     let setpriv = Command::new("setpriv").arg("--version").output().map(|o| o.status.success()).unwrap_or(false);
+    // SAFETY: geteuid takes no arguments and always succeeds.
     if unsafe { libc::geteuid() } != 0 || !setpriv {
         eprintln!("SKIP: needs root and setpriv to act as another user");
         return;
     }
     for allow_other in [false, true] {
-        let mut m = Mounted::start(if allow_other { &["--allow-other"] } else { &[] });
+        let (t, _, clear, stored, mut d) = clear_and_stored(if allow_other { &["--allow-other"] } else { &[] });
         use std::os::unix::fs::PermissionsExt;
         // Let nobody reach the mount points themselves (tempdirs are 0700).
-        std::fs::set_permissions(m.t.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-        let public = m.clear.join("public.txt");
-        let private = m.clear.join("private.txt");
+        std::fs::set_permissions(t.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let public = clear.join("public.txt");
+        let private = clear.join("private.txt");
         std::fs::write(&public, b"for everyone\n").unwrap();
         std::fs::write(&private, b"owner only\n").unwrap();
         std::fs::set_permissions(&public, std::fs::Permissions::from_mode(0o644)).unwrap();
@@ -395,7 +437,7 @@ fn only_the_owner_gets_in_unless_allow_other_and_then_modes_hold() {
             assert_eq!(out, b"for everyone\n");
         } else {
             assert!(!ok && err.contains("Permission denied"), "owner-only mount let nobody read: {err}");
-            let (ok, _, err) = as_nobody(&["ls", m.stored.to_str().unwrap()]);
+            let (ok, _, err) = as_nobody(&["ls", stored.to_str().unwrap()]);
             assert!(!ok && err.contains("Permission denied"), "owner-only mount let nobody list: {err}");
         }
         // Modes hold either way: no reading 0600, no writing 0644.
@@ -404,116 +446,11 @@ fn only_the_owner_gets_in_unless_allow_other_and_then_modes_hold() {
         let (ok, _, err) = as_nobody(&["sh", "-c", &format!("echo x >> {p}")]);
         assert!(!ok, "allow_other={allow_other}: nobody appended to a 0644 file: {err}");
         assert_eq!(std::fs::read(&public).unwrap(), b"for everyone\n");
-        m.unmount();
+        d.unmount();
     }
 }
 
 // ------------------------------------------------------------------------------ shutdown
-
-/// One `ubc mount` daemon, its stderr in a file. Drop unmounts (lazily) and kills it.
-struct Daemon {
-    child: Option<Child>,
-    mps: Vec<PathBuf>,
-    err: PathBuf,
-}
-
-impl Daemon {
-    fn start(spec: &str, ats: &[(usize, &Path)], extra: &[&str], err: &Path) -> Daemon {
-        let mut cmd = ubc();
-        cmd.args(["mount", "--stack", spec]);
-        for (n, mp) in ats {
-            cmd.arg("--at").arg(format!("{n}:{}", mp.display()));
-        }
-        let child = cmd.args(extra).stdin(Stdio::null()).stderr(std::fs::File::create(err).unwrap()).spawn().unwrap();
-        let mut d = Daemon { child: Some(child), mps: ats.iter().map(|(_, p)| p.to_path_buf()).collect(), err: err.to_path_buf() };
-        let start = Instant::now();
-        while !d.mps.iter().all(|p| is_mounted(p)) {
-            if let Some(st) = d.child.as_mut().unwrap().try_wait().unwrap() {
-                panic!("ubc mount exited early: {st}: {}", d.stderr());
-            }
-            assert!(start.elapsed() < Duration::from_secs(20), "mounts did not appear");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        d
-    }
-
-    fn pid(&self) -> i32 {
-        self.child.as_ref().unwrap().id() as i32
-    }
-
-    fn signal(&self, sig: i32) {
-        assert_eq!(unsafe { libc::kill(self.pid(), sig) }, 0);
-    }
-
-    fn stderr(&self) -> String {
-        std::fs::read_to_string(&self.err).unwrap_or_default()
-    }
-
-    /// Wait until stderr contains `what`; how long that took.
-    fn wait_for_message(&self, what: &str, limit: Duration) -> Duration {
-        let start = Instant::now();
-        while !self.stderr().contains(what) {
-            assert!(start.elapsed() < limit, "no {what:?} within {limit:?}; stderr:\n{}", self.stderr());
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        start.elapsed()
-    }
-
-    /// Wait for the exit (at most `limit`): its exit code and how long it took.
-    fn wait(&mut self, limit: Duration) -> (Option<i32>, Duration) {
-        let start = Instant::now();
-        let child = self.child.as_mut().unwrap();
-        let st = loop {
-            if let Some(st) = child.try_wait().unwrap() {
-                break st;
-            }
-            assert!(start.elapsed() < limit, "ubc mount did not exit within {limit:?}; stderr:\n{}", self.stderr());
-            std::thread::sleep(Duration::from_millis(10));
-        };
-        self.child = None;
-        (st.code(), start.elapsed())
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        for mp in &self.mps {
-            if is_mounted(mp) {
-                let _ = Command::new("fusermount3").args(["-u", "-z", "-q"]).arg(mp).status();
-            }
-        }
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-/// SIGCONT on drop, so that a failing test never leaves a stopped daemon (and every
-/// process waiting on its mount) behind. Declare it after the daemons that use the stopped one.
-struct Resume(i32);
-
-impl Drop for Resume {
-    fn drop(&mut self) {
-        unsafe { libc::kill(self.0, libc::SIGCONT) };
-    }
-}
-
-/// A temp dir with `data/`, `mnt/` and a key; the spec `dir:data` + `tail` (KEY → the key).
-fn stack_dir(tail: &str) -> (tempfile::TempDir, String, PathBuf) {
-    let t = tempfile::tempdir().unwrap();
-    for d in ["data", "mnt", "mnt2"] {
-        std::fs::create_dir(t.path().join(d)).unwrap();
-    }
-    assert!(ubc().arg("keygen").arg(t.path().join("key")).status().unwrap().success());
-    let spec = format!("dir:{}{}", t.path().join("data").display(), tail.replace("KEY", &t.path().join("key").display().to_string()));
-    let mnt = t.path().join("mnt");
-    (t, spec, mnt)
-}
-
-fn top_of(spec: &str) -> usize {
-    spec.matches('|').count()
-}
 
 /// Every file of `names` through a fresh stack (new process state, new cache): its bytes,
 /// after checking that every layer below opens and reads it too (no corrupt metadata).
@@ -693,6 +630,7 @@ fn a_stuck_sync_gives_up_at_its_deadline_or_at_a_second_signal_listing_what_was_
     let second = t1.elapsed();
     bs[0].0.wait_for_message("exiting without syncing", Duration::from_secs(20));
     let deadline = t0.elapsed();
+    // SAFETY: kill only sends a signal; it takes no pointers.
     unsafe { libc::kill(a.pid(), libc::SIGCONT) };
     for (i, (b, mp)) in bs.iter_mut().enumerate() {
         let (code, _) = b.wait(Duration::from_secs(20));

@@ -32,6 +32,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use ubc_cli::mounts;
 
 type R<T> = Result<T, String>;
 
@@ -457,12 +458,6 @@ fn spec_of(stack: &str, l: &Layout) -> R<(String, usize)> {
     Ok(s)
 }
 
-fn is_mounted(mp: &Path) -> bool {
-    let m = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    let mp = mp.canonicalize().unwrap_or(mp.to_path_buf());
-    m.lines().any(|l| l.split(' ').nth(4) == Some(mp.to_str().unwrap_or("")))
-}
-
 struct Mount {
     child: Option<Child>,
     mps: Vec<PathBuf>,
@@ -482,7 +477,7 @@ impl Mount {
         prog.set_dump_pids(&[child.id()]);
         prog.w(SERVER).store(child.id() as u64, SeqCst);
         let t0 = Instant::now();
-        while !ats.iter().all(|(_, mp)| is_mounted(mp)) {
+        while !ats.iter().all(|(_, mp)| mounts::is_mounted(mp)) {
             if let Some(st) = child.try_wait().ctx("wait")? {
                 return Err(format!("ubc mount exited early: {st} (see {})", log.display()));
             }
@@ -1507,14 +1502,8 @@ fn run_case(ca: &CaseArgs, a: &RunArgs, row: &mut Row) {
 }
 
 fn lazy_unmount_under(dir: &Path) {
-    let d = dir.canonicalize().unwrap_or(dir.to_path_buf());
-    let m = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    for l in m.lines() {
-        if let Some(mp) = l.split(' ').nth(4)
-            && Path::new(mp).starts_with(&d)
-        {
-            let _ = Command::new("fusermount3").args(["-u", "-z", mp]).stderr(Stdio::null()).status();
-        }
+    for mp in mounts::under(dir) {
+        let _ = Command::new("fusermount3").args(["-u", "-z"]).arg(mp).stderr(Stdio::null()).status();
     }
 }
 

@@ -1,0 +1,61 @@
+//! The gate every change (write, create, rename, …) passes through, which the shutdown
+//! closes: from then on changes fail with EROFS, and the shutdown knows when those already
+//! in flight are done, so that every change that returned Ok is in the cache before the
+//! final sync.
+
+use fuser::Errno;
+use std::sync::{Condvar, Mutex};
+use std::time::Instant;
+
+#[derive(Default)]
+pub(super) struct Gate {
+    state: Mutex<State>,
+    drained: Condvar,
+}
+
+#[derive(Default)]
+struct State {
+    closed: bool,
+    /// Changes in flight (live `Pass`es).
+    busy: usize,
+}
+
+/// A change in flight: hold it until the change is in the cache.
+pub(super) struct Pass<'a>(&'a Gate);
+
+impl Drop for Pass<'_> {
+    fn drop(&mut self) {
+        let mut s = self.0.state.lock().unwrap();
+        s.busy -= 1;
+        if s.busy == 0 {
+            self.0.drained.notify_all();
+        }
+    }
+}
+
+impl Gate {
+    /// Admit a change, or EROFS once the gate is closed.
+    pub(super) fn enter(&self) -> Result<Pass<'_>, Errno> {
+        let mut s = self.state.lock().unwrap();
+        if s.closed {
+            return Err(Errno::EROFS);
+        }
+        s.busy += 1;
+        Ok(Pass(self))
+    }
+
+    /// Refuse new changes and wait, until `deadline`, for those in flight; false if some
+    /// are still running then.
+    pub(super) fn close(&self, deadline: Instant) -> bool {
+        let mut s = self.state.lock().unwrap();
+        s.closed = true;
+        while s.busy > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            s = self.drained.wait_timeout(s, left).unwrap().0;
+        }
+        true
+    }
+}

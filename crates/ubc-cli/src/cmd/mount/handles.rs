@@ -1,0 +1,72 @@
+//! The handle table of one mount: FUSE file handle numbers ↔ open files of the layer.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed, Ordering::SeqCst};
+use std::sync::{Arc, Mutex};
+
+/// One open of a file.
+pub(super) struct Handle {
+    pub(super) file: ubc_stack::File,
+    /// Opened with O_APPEND: every write goes to the end of the file as the stack knows it.
+    pub(super) append: bool,
+    /// The process (thread group) that opened it: only its `close` waits for a sync.
+    pub(super) pid: u32,
+    /// Written (or resized) through this handle since its last successful sync.
+    written: AtomicBool,
+}
+
+impl Handle {
+    /// Note a write or resize through this handle. Call it after the bytes are in (failed
+    /// or not): a sync that cleared the mark while they went in may have missed them.
+    pub(super) fn mark_written(&self) {
+        self.written.store(true, SeqCst);
+    }
+
+    /// Written (or resized) since the last successful sync.
+    pub(super) fn written(&self) -> bool {
+        self.written.load(SeqCst)
+    }
+
+    /// Sync the file. The mark is cleared first, so a write racing with the sync sets it
+    /// again, and set again if the sync fails.
+    pub(super) fn sync(&self) -> ubc_stack::Result<()> {
+        self.written.store(false, SeqCst);
+        let r = self.file.sync();
+        if r.is_err() {
+            self.written.store(true, SeqCst);
+        }
+        r
+    }
+}
+
+pub(super) struct Handles {
+    open: Mutex<HashMap<u64, Arc<Handle>>>,
+    /// The next handle number: numbers start at 1 and are never reused.
+    next: AtomicU64,
+}
+
+impl Handles {
+    pub(super) fn new() -> Handles {
+        Handles { open: Mutex::new(HashMap::new()), next: AtomicU64::new(1) }
+    }
+
+    /// Enter an open of `file` by process `pid`; its handle number.
+    pub(super) fn add(&self, file: ubc_stack::File, append: bool, pid: u32) -> u64 {
+        let fh = self.next.fetch_add(1, Relaxed);
+        self.open.lock().unwrap().insert(fh, Arc::new(Handle { file, append, pid, written: AtomicBool::new(false) }));
+        fh
+    }
+
+    pub(super) fn get(&self, fh: u64) -> Option<Arc<Handle>> {
+        self.open.lock().unwrap().get(&fh).cloned()
+    }
+
+    pub(super) fn remove(&self, fh: u64) -> Option<Arc<Handle>> {
+        self.open.lock().unwrap().remove(&fh)
+    }
+
+    /// Every open handle now.
+    pub(super) fn all(&self) -> Vec<Arc<Handle>> {
+        self.open.lock().unwrap().values().cloned().collect()
+    }
+}

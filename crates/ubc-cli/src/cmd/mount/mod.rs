@@ -1,0 +1,239 @@
+//! `ubc mount`: serve several layers of ONE stack through FUSE, one mount (and one
+//! thread) per layer, all sharing the same `Stack`, so that unmodified programs see
+//! coherent data through every mount at once.
+//!
+//! Policy: files are opened with `FOPEN_DIRECT_IO` and attributes/entries are not cached
+//! by the kernel (TTL 0), so the kernel keeps no second copy and every read goes to the
+//! stack's one cache. Shared `mmap` of such files needs `FUSE_DIRECT_IO_ALLOW_MMAP`
+//! (Linux >= 6.6), which is requested at init; on older kernels shared mappings fail with
+//! ENODEV (private mappings work).
+//!
+//! `--kernel-cache` keeps the kernel page cache (and 1 s attribute/entry TTLs) instead.
+//! Invalidation across mounts is NOT implemented: a write through one mount is seen
+//! through another only when that file is next opened there (close-to-open, the page
+//! cache is dropped at each open) or the attributes time out.
+//!
+//! Each mount runs four request threads, so that one request waiting on a slow store does
+//! not hold up the others. `close` (FLUSH) syncs the file — and reports write-back errors —
+//! only when the process that opened it closes it; a close by anybody else (a forked child
+//! closing the descriptors it inherited, at exec or exit) returns at once, so a program
+//! that forks is never held up by a sync. The last close (RELEASE) syncs too, in the
+//! background; `fsync` syncs.
+//!
+//! # Shutdown
+//!
+//! The command ends in one of three ways:
+//!
+//! * **Unmounted** (`fusermount3 -u` of every mount, or `umount`): the sessions end, the
+//!   whole stack is synced and the command exits 0.
+//! * **SIGTERM, SIGINT (Ctrl-C) or SIGHUP**, also with files open and writers active:
+//!   1. from then on every change — `write`, create, open for writing, truncate, chmod,
+//!      rename, remove, mkdir — fails with **EROFS** (the file system is read-only now;
+//!      reads still work), and the writes already in flight are waited for: every write
+//!      that returned Ok, before the signal or after it, is in the cache;
+//!   2. the whole stack is synced (`Stack::sync_all`: every file's dirty pages pushed down
+//!      through every layer, top first, so each layer's metadata — aead headers, zstd
+//!      commits — reaches the bottom, then every store synced), with progress on stderr;
+//!   3. every mount is unmounted lazily (`umount2(MNT_DETACH)` as root, else
+//!      `fusermount3 -u -z`), which works with files open: those files then fail with
+//!      ENOTCONN once the command is gone;
+//!   4. the command exits 0 (or 74 if the sync failed, after listing what was not synced).
+//!
+//!   The sync has a deadline, `--sync-timeout` (60 s): past it the command lists what was
+//!   not synced, unmounts and exits **75** (EX_TEMPFAIL). A **second signal** during the
+//!   shutdown does the same at once. "Not synced" is the amount the cache still holds
+//!   unwritten (all layers) and every open file written since its last sync, by path.
+//! * **The mounts left the mount table** (`fusermount3 -u -z`, `umount -l`) while some
+//!   process still holds a file open in them (the kernel then keeps the sessions alive):
+//!   after a second's grace, the shutdown above runs as if signalled. With nothing open
+//!   the kernel ends the sessions itself and this is the first case.
+//!
+//! SIGKILL loses only what was not synced (`fsync`, the opener's `close`, or the shutdown):
+//! what a crash of the stack keeps is documented in docs/guarantees.md, section 2. Stores
+//! through a shared mapping reach the stack when the kernel writes the mapping back
+//! (`msync`); those not yet written back at the shutdown are not covered.
+//!
+//! # Parts
+//!
+//! * this module: the command's options, the mounts' setup, and the wait for what ends it;
+//! * `fs`: the FUSE request handlers of one mount (one layer), over
+//!   * `inodes` and `handles`: the mount's inode table and open-file table,
+//!   * `attr`: stack metadata as FUSE attributes;
+//! * `gate`: what changes pass through and the shutdown closes;
+//! * `shutdown`: signals, the final sync and its deadline, the lazy unmount, exit statuses.
+//!
+//! Imports go one way: `fs` uses the tables, `attr` and `gate`; `shutdown` uses `gate` and
+//! `handles` (to name the files not synced); nothing uses `fs` or `shutdown` but this
+//! module, and the tables, `attr` and `gate` use none of the others.
+
+mod attr;
+mod fs;
+mod gate;
+mod handles;
+mod inodes;
+mod shutdown;
+
+use crate::common::StackArgs;
+use crate::error::{EX_IOERR, EX_UNAVAILABLE, Fail, Result};
+use fs::LayerFs;
+use fuser::{Config, MountOption, Session, SessionUnmounter};
+use handles::Handles;
+use shutdown::{Daemon, Event, Sessions, Signals};
+use std::path::PathBuf;
+use std::sync::{Arc, mpsc};
+use std::time::{Duration, Instant};
+use ubc_cli::mounts;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The stack, bottom layer first, e.g. 'dir:/data | zstd | aead:keyfile=/etc/k'
+    #[arg(long, short = 's', value_name = "SPEC")]
+    stack: String,
+    /// Serve layer N at MOUNTPOINT (repeatable; 0 is the bottom layer)
+    #[arg(long = "at", value_name = "LAYER:MOUNTPOINT", required = true)]
+    at: Vec<String>,
+    /// Keep the kernel page cache (no direct I/O). Writes through one mount are then seen
+    /// through another only after a re-open there: cross-mount invalidation is not done
+    #[arg(long)]
+    kernel_cache: bool,
+    /// Let other users in (FUSE `allow_other`; non-root mounters need `user_allow_other` in
+    /// /etc/fuse.conf). The kernel then checks file modes (`default_permissions`, always on).
+    /// Without it only the user who mounted can use the mounts — not even root
+    #[arg(long)]
+    allow_other: bool,
+    /// Cache budget in MiB
+    #[arg(long, value_name = "MiB", default_value_t = 64)]
+    budget: u64,
+    /// At shutdown, give up syncing after this many seconds: what is still dirty is listed
+    /// and the command exits 75
+    #[arg(long, value_name = "SECONDS", default_value_t = 60)]
+    sync_timeout: u64,
+}
+
+/// Request-loop threads per mount: a request stuck in the stack (a sync waiting on a slow
+/// store) does not hold up the others — a `close` by a forked child, a `stat` — nor
+/// the shutdown.
+const LOOP_THREADS: usize = 4;
+
+fn parse_at(s: &str) -> Result<(usize, PathBuf)> {
+    let bad = || Fail::usage(format!("--at {s}"), "expected LAYER:MOUNTPOINT, e.g. 2:/mnt/clear");
+    let (n, p) = s.split_once(':').ok_or_else(bad)?;
+    let n: usize = n.trim().parse().map_err(|_| bad())?;
+    if p.is_empty() {
+        return Err(bad());
+    }
+    Ok((n, PathBuf::from(p)))
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let ats = a.at.iter().map(|s| parse_at(s)).collect::<Result<Vec<_>>>()?;
+    // Before any thread exists (the cache's own threads included): they inherit the mask,
+    // and one thread takes the signals.
+    let signals = Signals::block();
+    let sa = StackArgs { stack: a.stack.clone(), layer: None, budget: a.budget };
+    let (stack, _) = sa.open()?;
+    let mut layers = Vec::new();
+    for (n, mp) in &ats {
+        let layer = stack.layer(*n).map_err(|_| {
+            Fail::usage(
+                format!("--at {n}:{}", mp.display()),
+                format!("the stack has {} layers (0..={})", stack.depth(), stack.depth() - 1),
+            )
+        })?;
+        match std::fs::metadata(mp) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => return Err(Fail::usage(mp.display().to_string(), "mount point is not a directory")),
+            Err(e) => return Err(Fail::io(crate::error::Side::Input, &mp.display().to_string(), e)),
+        }
+        layers.push((layer, mp.clone()));
+    }
+    let statfs_dir = stack.layer(0).ok().and_then(|l| l.spec().strip_prefix("dir:").map(|p| PathBuf::from(p.trim())));
+
+    let daemon = Arc::new(Daemon::new(stack));
+    let (tx, rx) = mpsc::channel::<Event>();
+    let mut unmounters: Vec<SessionUnmounter> = Vec::new();
+    // Each mount's id in the mount table, if it was found.
+    let mut ids: Vec<Option<u64>> = Vec::new();
+    for (layer, mp) in layers {
+        let handles = Arc::new(Handles::new());
+        let fs = LayerFs::new(layer, a.kernel_cache, statfs_dir.clone(), daemon.gate.clone(), handles.clone());
+        let mut config = Config::default();
+        config.mount_options = vec![
+            MountOption::FSName("ubc".into()),
+            MountOption::Subtype("ubc".into()),
+            MountOption::DefaultPermissions,
+        ];
+        if a.allow_other {
+            config.acl = fuser::SessionACL::All;
+        }
+        config.n_threads = Some(LOOP_THREADS);
+        let canon = mp.canonicalize().unwrap_or_else(|_| mp.clone());
+        let before = mounts::ubc_ids(&canon);
+        let mut session = match Session::new(fs, &mp, &config) {
+            Ok(s) => s,
+            Err(e) => {
+                // Undo the mounts made so far.
+                for u in unmounters.iter_mut() {
+                    let _ = u.unmount();
+                }
+                return Err(Fail::new(
+                    EX_UNAVAILABLE,
+                    mp.display().to_string(),
+                    format!("cannot mount: {}", crate::error::io_cause(&e)),
+                ));
+            }
+        };
+        unmounters.push(session.unmount_callable());
+        let id = mounts::ubc_ids(&canon).into_iter().filter(|i| !before.contains(i)).max();
+        let connection = mounts::table().into_iter().find(|m| Some(m.id) == id).map(|m| m.minor);
+        daemon.add_mount(mp.clone(), canon, handles, connection);
+        ids.push(id);
+        let name = format!("ubc-mount-{}", mp.display());
+        let tx = tx.clone();
+        std::thread::Builder::new()
+            .name(name)
+            .spawn(move || {
+                let r = session.run();
+                let _ = tx.send(Event::Ended(mp, r));
+            })
+            .map_err(|e| Fail::new(EX_IOERR, "<thread>", e.to_string()))?;
+    }
+
+    signals.take(daemon.clone(), tx.clone());
+    // Only if every mount was found in the table: one that was not cannot be seen leaving it.
+    let found: Vec<u64> = ids.iter().flatten().copied().collect();
+    if found.len() == ids.len() {
+        shutdown::watch_detach(found, tx.clone());
+    }
+    drop(tx);
+
+    let mut sessions = Sessions::new(rx, ids.len());
+    let why = wait_for_end(&mut sessions);
+    shutdown::finish(&daemon, why, &mut sessions, a.sync_timeout, &a.stack);
+    sessions.result()
+}
+
+/// Wait until every session has ended (None), a signal comes, or the mounts were detached
+/// with files still open: what starts the shutdown.
+fn wait_for_end(sessions: &mut Sessions) -> Option<String> {
+    loop {
+        match sessions.next() {
+            Some(Event::Ended(mp, r)) => {
+                sessions.ended(mp, r);
+                if sessions.all_ended() {
+                    return None;
+                }
+            }
+            Some(Event::Signal(sig)) => return Some(shutdown::signal_name(sig).to_string()),
+            Some(Event::Detached) => {
+                // Give the kernel a moment: with nothing open it ends the sessions itself.
+                sessions.wait_until(Instant::now() + Duration::from_secs(1));
+                if sessions.all_ended() {
+                    return None;
+                }
+                return Some("mounts detached with files still open".to_string());
+            }
+            None => return None,
+        }
+    }
+}

@@ -1,0 +1,392 @@
+//! How the command ends (see the module above for the user's view): what ends it
+//! (sessions that end, signals, mounts that leave the mount table), the final sync with its
+//! deadline, the lazy unmount, and the exit status.
+
+use super::gate::Gate;
+use super::handles::Handles;
+use crate::error::{EX_IOERR, Fail};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant};
+use ubc_cli::mounts;
+use ubc_stack::Stack;
+
+/// Exit status when the command gave up before everything was synced (a second signal, or
+/// the sync deadline passed): sysexits' EX_TEMPFAIL.
+const EX_TEMPFAIL: i32 = 75;
+
+/// What the main thread waits for.
+pub(super) enum Event {
+    /// A mount's session ended (unmounted, or the connection was aborted).
+    Ended(PathBuf, std::io::Result<()>),
+    /// The first SIGINT/SIGTERM/SIGHUP.
+    Signal(i32),
+    /// None of the mounts is in the mount table any more (`umount -l`, `fusermount3 -u -z`)
+    /// but sessions still run: some process holds files of a detached mount open.
+    Detached,
+}
+
+/// What the shutdown works on, from the main thread or from the signal thread: the stack,
+/// the gate, and every mount with its open handles and FUSE connection.
+pub(super) struct Daemon {
+    stack: Stack,
+    pub(super) gate: Arc<Gate>,
+    /// Set once when the shutdown starts (by a signal or because the mounts went away).
+    stopping: AtomicBool,
+    mounts: Mutex<Vec<Served>>,
+    /// The FUSE connections of the mounts (their device minors: /sys/fs/fuse/connections/N).
+    connections: Mutex<Vec<u32>>,
+}
+
+/// A mount: its point (as given, and canonical) and its open handles (for the report of
+/// what was not synced).
+struct Served {
+    point: PathBuf,
+    canon: PathBuf,
+    handles: Arc<Handles>,
+}
+
+impl Daemon {
+    pub(super) fn new(stack: Stack) -> Daemon {
+        Daemon {
+            stack,
+            gate: Arc::default(),
+            stopping: AtomicBool::new(false),
+            mounts: Mutex::default(),
+            connections: Mutex::default(),
+        }
+    }
+
+    /// A mount made at `point` (canonical: `canon`), its connection if it was found.
+    pub(super) fn add_mount(&self, point: PathBuf, canon: PathBuf, handles: Arc<Handles>, connection: Option<u32>) {
+        if let Some(c) = connection {
+            self.connections.lock().unwrap().push(c);
+        }
+        self.mounts.lock().unwrap().push(Served { point, canon, handles });
+    }
+
+    /// Open files written since their last sync, or with dirty pages: (mount path, dirty
+    /// bytes at that layer — pages already being written back are not counted).
+    fn dirty_files(&self) -> Vec<(PathBuf, u64)> {
+        let mounts: Vec<(PathBuf, Arc<Handles>)> =
+            self.mounts.lock().unwrap().iter().map(|m| (m.point.clone(), m.handles.clone())).collect();
+        let mut out: Vec<(PathBuf, u64)> = Vec::new();
+        for (mp, handles) in mounts {
+            for h in handles.all() {
+                let dirty = h.file.stats().dirty_bytes;
+                let path = mp.join(h.file.path());
+                if (dirty > 0 || h.written()) && !out.iter().any(|(p, _)| *p == path) {
+                    out.push((path, dirty));
+                }
+            }
+        }
+        out.sort();
+        out
+    }
+
+    /// Print what is not synced, unmount (lazily) every mount, and leave at once with
+    /// EX_TEMPFAIL — each step bounded (one second each), since the stack may be stuck.
+    fn give_up(self: &Arc<Self>, why: &str) -> ! {
+        eprintln!("ubc: {why}: exiting without syncing everything");
+        self.report_unsynced();
+        let (tx, rx) = mpsc::channel();
+        let d = self.clone();
+        std::thread::spawn(move || {
+            d.detach_all();
+            // Abort the connections (root, with fusectl mounted): every process waiting on a
+            // mount gets ENOTCONN now, not when this process has finished exiting — which can
+            // take as long as the stuck store (the exit closes the store's files, and a FUSE
+            // store's close waits unkillably).
+            for c in d.connections.lock().unwrap().iter() {
+                let _ = std::fs::write(format!("/sys/fs/fuse/connections/{c}/abort"), "1");
+            }
+            let _ = tx.send(());
+        });
+        let _ = rx.recv_timeout(Duration::from_secs(1));
+        // Not `std::process::exit`: it runs exit handlers and flushes stdout, which can
+        // wait on a lock that a thread stuck in the stack holds.
+        // SAFETY: _exit has no preconditions; it ends the process without returning.
+        unsafe { libc::_exit(EX_TEMPFAIL) }
+    }
+
+    fn detach_all(&self) {
+        let points: Vec<(PathBuf, PathBuf)> =
+            self.mounts.lock().unwrap().iter().map(|m| (m.point.clone(), m.canon.clone())).collect();
+        for (mp, canon) in points {
+            if let Err(e) = detach(&canon) {
+                eprintln!("ubc: {}: unmount: {e}", mp.display());
+            }
+        }
+    }
+
+    /// Print how much the cache holds unwritten and which open files were written since
+    /// their last sync; bounded to one second, since the stack may be stuck.
+    fn report_unsynced(self: &Arc<Self>) {
+        let (tx, rx) = mpsc::channel();
+        let d = self.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send((d.stack.cache().stats().unclean_bytes, d.dirty_files()));
+        });
+        match rx.recv_timeout(Duration::from_secs(1)) {
+            Ok((unclean, files)) => {
+                eprintln!("ubc: not synced: {} in the cache (all layers)", mib(unclean));
+                for (p, b) in files {
+                    let dirty = if b > 0 { format!("; {} dirty", mib(b)) } else { String::new() };
+                    eprintln!("ubc: not synced: {} (written since its last sync{dirty})", p.display());
+                }
+            }
+            Err(_) => eprintln!("ubc: not synced: unknown (the cache did not answer within 1s)"),
+        }
+    }
+}
+
+/// The sessions still running, and the error the last failed one ended with: the
+/// command's failure, unless the final sync fails after it.
+pub(super) struct Sessions {
+    events: mpsc::Receiver<Event>,
+    live: usize,
+    fail: Option<Fail>,
+}
+
+impl Sessions {
+    pub(super) fn new(events: mpsc::Receiver<Event>, live: usize) -> Sessions {
+        Sessions { events, live, fail: None }
+    }
+
+    /// Every session has ended.
+    pub(super) fn all_ended(&self) -> bool {
+        self.live == 0
+    }
+
+    /// The next event; None once nothing can send one any more.
+    pub(super) fn next(&self) -> Option<Event> {
+        self.events.recv().ok()
+    }
+
+    /// Note that the session of `mp` ended, with `r`.
+    pub(super) fn ended(&mut self, mp: PathBuf, r: std::io::Result<()>) {
+        if let Err(e) = r {
+            self.fail = Some(Fail::new(EX_IOERR, mp.display().to_string(), crate::error::io_cause(&e)));
+        }
+        self.live -= 1;
+    }
+
+    /// Wait until every session has ended, or until `until`; other events are dropped.
+    pub(super) fn wait_until(&mut self, until: Instant) {
+        while self.live > 0 {
+            match self.events.recv_timeout(until.saturating_duration_since(Instant::now())) {
+                Ok(Event::Ended(mp, r)) => self.ended(mp, r),
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+    }
+
+    /// How the command ends: Ok, or the last failure.
+    pub(super) fn result(self) -> crate::error::Result<()> {
+        self.fail.map_or(Ok(()), Err)
+    }
+}
+
+/// Close the gate, sync the whole stack (`spec`) within `sync_timeout` seconds, and
+/// unmount what is still mounted. `why` names what started the shutdown; None when every
+/// session ended by itself, which makes it quiet. Past the deadline it gives up: the
+/// process exits 75 here.
+pub(super) fn finish(
+    daemon: &Arc<Daemon>,
+    why: Option<String>,
+    sessions: &mut Sessions,
+    sync_timeout: u64,
+    spec: &str,
+) {
+    let loud = why.is_some();
+    // From here on a signal (a second one, if one started this) exits at once.
+    daemon.stopping.store(true, SeqCst);
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs(sync_timeout);
+    if let Some(why) = &why {
+        let u = daemon.stack.cache().stats().unclean_bytes;
+        let files = daemon.dirty_files().len();
+        eprintln!(
+            "ubc: {why}: shutting down: writes now fail (EROFS); syncing {} ({files} open files written since their last sync); a second signal exits at once",
+            mib(u)
+        );
+    }
+    if !daemon.gate.close(deadline) {
+        daemon.give_up(&format!("{sync_timeout}s sync deadline passed (a write did not finish)"));
+    }
+    match timed_sync(&daemon.stack, deadline, loud) {
+        Sync::Done(Ok(())) => {
+            if loud {
+                eprintln!("ubc: synced in {:.1}s", start.elapsed().as_secs_f64());
+            }
+        }
+        Sync::Done(Err(e)) => {
+            daemon.report_unsynced();
+            sessions.fail = Some(Fail::stack(crate::error::Side::Output, spec, e));
+        }
+        Sync::TimedOut => daemon.give_up(&format!("{sync_timeout}s sync deadline passed")),
+    }
+    if sessions.live > 0 {
+        // Unmount every mount, also those with files open (a lazy unmount: the open files
+        // fail with ENOTCONN once this process is gone).
+        // Not fuser's unmount: a plain umount fails (EBUSY) with files open.
+        daemon.detach_all();
+        sessions.wait_until(Instant::now() + Duration::from_millis(500));
+        if sessions.live > 0 {
+            eprintln!(
+                "ubc: {} mount(s) unmounted with files still open: their further use fails (ENOTCONN)",
+                sessions.live
+            );
+        }
+    }
+}
+
+enum Sync {
+    Done(ubc_stack::Result<()>),
+    TimedOut,
+}
+
+/// `Stack::sync_all` with a deadline (it runs on in another thread if the deadline passes),
+/// printing what is left every two seconds when `loud` or slow.
+fn timed_sync(stack: &Stack, deadline: Instant, loud: bool) -> Sync {
+    let (tx, rx) = mpsc::channel();
+    let s = stack.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(s.sync_all());
+    });
+    let start = Instant::now();
+    loop {
+        let now = Instant::now();
+        if now >= deadline {
+            return Sync::TimedOut;
+        }
+        match rx.recv_timeout((deadline - now).min(Duration::from_secs(2))) {
+            Ok(r) => return Sync::Done(r),
+            // The sync thread died without an answer (it panicked): nothing says the data
+            // is down, so this is a failed sync, never a clean exit.
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                let e = std::io::Error::other("the sync thread panicked");
+                return Sync::Done(Err(ubc_stack::Error::Cache(ubc::Error::Os { call: "sync", source: e })));
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if loud || start.elapsed() >= Duration::from_secs(2) {
+                    let left = deadline.saturating_duration_since(Instant::now()).as_secs();
+                    let unclean = mib(stack.cache().stats().unclean_bytes);
+                    eprintln!("ubc: syncing: {unclean} not yet written back ({left}s to the deadline)");
+                }
+            }
+        }
+    }
+}
+
+/// Lazily unmount `mp` (MNT_DETACH: also with files open): `umount2` as root, else
+/// `fusermount3 -u -z`. Not mounted any more is success.
+fn detach(mp: &Path) -> Result<(), String> {
+    let is_mounted = || !mounts::ubc_ids(mp).is_empty();
+    if !is_mounted() {
+        return Ok(());
+    }
+    // SAFETY: geteuid takes no arguments, touches no memory of ours and always succeeds.
+    if unsafe { libc::geteuid() } == 0 {
+        let c = std::ffi::CString::new(mp.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+        // SAFETY: `c` is a NUL-terminated path that lives across the call, which only reads it.
+        if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } == 0 {
+            return Ok(());
+        }
+    }
+    let out = std::process::Command::new("fusermount3")
+        .args(["-u", "-z", "-q"])
+        .arg(mp)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| format!("fusermount3: {e}"))?;
+    if out.status.success() || !is_mounted() {
+        Ok(())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
+    }
+}
+
+/// Send `Event::Detached` once none of `ids` is in the mount table (checked on every change
+/// of the table, and every second).
+pub(super) fn watch_detach(ids: Vec<u64>, tx: mpsc::Sender<Event>) {
+    std::thread::spawn(move || {
+        let watch = mounts::Watch::new();
+        loop {
+            watch.wait(Duration::from_secs(1));
+            let now: Vec<u64> = mounts::table().into_iter().map(|m| m.id).collect();
+            if !ids.iter().any(|i| now.contains(i)) {
+                let _ = tx.send(Event::Detached);
+                return;
+            }
+        }
+    });
+}
+
+/// The termination signals (SIGINT, SIGTERM, SIGHUP), blocked in every thread and taken by
+/// one thread with `sigwait`.
+pub(super) struct Signals(libc::sigset_t);
+
+impl Signals {
+    /// Block the termination signals in the calling thread and in the threads it starts
+    /// from now on (they inherit the mask). Call it before any other thread exists, else
+    /// those threads may still take the signals (and die of them).
+    pub(super) fn block() -> Signals {
+        // SAFETY: sigset_t is plain data: all zeroes is a value sigemptyset may overwrite,
+        // and it is initialized by sigemptyset before sigaddset and pthread_sigmask read it.
+        // The pointers are to this local set; a null old set is allowed.
+        unsafe {
+            let mut s: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut s);
+            libc::sigaddset(&mut s, libc::SIGINT);
+            libc::sigaddset(&mut s, libc::SIGTERM);
+            libc::sigaddset(&mut s, libc::SIGHUP);
+            libc::pthread_sigmask(libc::SIG_BLOCK, &s, std::ptr::null_mut());
+            Signals(s)
+        }
+    }
+
+    /// Take the signals in a thread of their own: the first sends `Event::Signal` (unless
+    /// the shutdown has already begun: then it only announces itself), the next gives up.
+    pub(super) fn take(self, daemon: Arc<Daemon>, tx: mpsc::Sender<Event>) {
+        std::thread::spawn(move || {
+            let mut seen = false;
+            loop {
+                let mut sig = 0;
+                // SAFETY: the set is initialized (`block`) and `sig` a writable int, both
+                // live across the call.
+                if unsafe { libc::sigwait(&self.0, &mut sig) } != 0 {
+                    return;
+                }
+                if !daemon.stopping.swap(true, SeqCst) {
+                    seen = true;
+                    let _ = tx.send(Event::Signal(sig));
+                } else if !seen {
+                    // The mounts went away and the final sync runs: this is the first signal.
+                    seen = true;
+                    eprintln!(
+                        "ubc: {}: syncing before exit; another signal exits at once without waiting",
+                        signal_name(sig)
+                    );
+                } else {
+                    daemon.give_up(&format!("second {}", signal_name(sig)));
+                }
+            }
+        });
+    }
+}
+
+pub(super) fn signal_name(sig: i32) -> &'static str {
+    match sig {
+        libc::SIGINT => "SIGINT",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGHUP => "SIGHUP",
+        _ => "signal",
+    }
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.1} MiB", b as f64 / (1 << 20) as f64)
+}
