@@ -25,7 +25,7 @@ pub enum Access {
 /// many threads at once. The `Read`/`Write`/`Seek` adapters use the handle's own position;
 /// [`File::try_clone`] gives another handle (with its own position) on the same file.
 pub struct File {
-    obj: Arc<Object>,
+    pub(crate) obj: Arc<Object>,
     cache: Cache,
     writable: bool,
     closed: AtomicBool,
@@ -41,14 +41,14 @@ impl File {
     }
 
     #[inline]
-    fn live(&self) -> Result<&Object> {
+    pub(crate) fn live(&self) -> Result<&Object> {
         if self.closed.load(Relaxed) {
             return Err(Error::Closed);
         }
         Ok(&self.obj)
     }
 
-    fn live_writable(&self) -> Result<&Object> {
+    pub(crate) fn live_writable(&self) -> Result<&Object> {
         let o = self.live()?;
         if !self.writable {
             return Err(Error::ReadOnly);
@@ -189,29 +189,6 @@ impl File {
         }
         o.handles.fetch_add(1, SeqCst);
         Ok(File::new(self.obj.clone(), self.cache.clone(), access == Access::ReadWrite))
-    }
-
-    /// Map bytes `range` of the file into memory (`mmap(2)` served by the cache): the
-    /// mapping shows the cache's own pages, so it is coherent with `read_at`/`write_at`,
-    /// windows and every other mapping of the file, with no second copy.
-    ///
-    /// `access` is the protection: a `ReadWrite` `Shared` mapping needs a writable handle
-    /// ([`Error::ReadOnly`] otherwise); a `Private` mapping may be written through a
-    /// read-only handle (its stores never reach the file). The range may extend past the
-    /// end of the file; touching a page wholly past the end raises `SIGBUS`, as with the
-    /// kernel's `mmap`. An empty range or one ending past 2^63 is an error.
-    ///
-    /// Pages are faulted in on demand by the cache's userfaultfd handler and count against
-    /// the cache budget; without userfaultfd the range is populated and pinned at once and
-    /// may be at most half the budget ([`Error::BudgetExceeded`]). See [`Mapping`].
-    pub fn map(&self, range: std::ops::Range<u64>, access: Access, sharing: crate::mapping::Sharing) -> Result<crate::mapping::Mapping> {
-        let writable = access == Access::ReadWrite;
-        if writable && sharing == crate::mapping::Sharing::Shared {
-            self.live_writable()?;
-        } else {
-            self.live()?;
-        }
-        crate::mapping::Mapping::new(self, &self.obj, range, writable, sharing)
     }
 
     /// Statistics of this file's cached object (shared by all its handles).

@@ -11,9 +11,8 @@
 //! (compression, encryption) reads and writes its lower file through this same cache, from
 //! an I/O thread, and may wait there for a lower page whose fill or writeback is itself a
 //! queued job. With one shared pool, jobs that wait for queued jobs can occupy every thread
-//! (found by the stack benchmarks, then under the mount: 68 threads, all in zstd
-//! `put_pages` waiting for aead pages whose fills were queued behind them). Growing the pool
-//! on starvation only postponed that. Instead, a job for an object of depth `d` runs in pool
+//! (all in zstd `put_pages`, waiting for aead pages whose fills are queued behind them), and
+//! growing the pool on starvation only postpones that. Instead, a job for an object of depth `d` runs in pool
 //! `d`, and by the lock order (`order.rs`) a job of depth `d` only waits for work of depth
 //! `< d`: pool 0 (host files) waits for nothing in the cache, so its jobs finish; then those
 //! of pool 1 do, and so on. No job waits for a job of its own pool, so each pool's size is a

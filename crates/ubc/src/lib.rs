@@ -31,7 +31,6 @@ mod object;
 pub mod order;
 mod page;
 pub mod pager;
-mod readahead;
 mod stats;
 mod window;
 mod writeback;

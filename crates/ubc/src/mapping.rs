@@ -14,7 +14,7 @@
 //! tells which mode is in use and why.
 
 use crate::error::{Error, Result};
-use crate::file::File;
+use crate::file::{Access, File};
 use crate::map::UserMap;
 use crate::object::{Harvest, Object, Pass, checked_end};
 use std::ops::{Deref, DerefMut, Range};
@@ -57,6 +57,31 @@ pub struct Mapping {
 unsafe impl Send for Mapping {}
 // SAFETY: as above; `&Mapping` only hands out shared slices and thread-safe calls.
 unsafe impl Sync for Mapping {}
+
+impl File {
+    /// Map bytes `range` of the file into memory (`mmap(2)` served by the cache): the
+    /// mapping shows the cache's own pages, so it is coherent with `read_at`/`write_at`,
+    /// windows and every other mapping of the file, with no second copy.
+    ///
+    /// `access` is the protection: a `ReadWrite` `Shared` mapping needs a writable handle
+    /// ([`Error::ReadOnly`] otherwise); a `Private` mapping may be written through a
+    /// read-only handle (its stores never reach the file). The range may extend past the
+    /// end of the file; touching a page wholly past the end raises `SIGBUS`, as with the
+    /// kernel's `mmap`. An empty range or one ending past 2^63 is an error.
+    ///
+    /// Pages are faulted in on demand by the cache's userfaultfd handler and count against
+    /// the cache budget; without userfaultfd the range is populated and pinned at once and
+    /// may be at most half the budget ([`Error::BudgetExceeded`]). See [`Mapping`].
+    pub fn map(&self, range: std::ops::Range<u64>, access: Access, sharing: Sharing) -> Result<Mapping> {
+        let writable = access == Access::ReadWrite;
+        if writable && sharing == Sharing::Shared {
+            self.live_writable()?;
+        } else {
+            self.live()?;
+        }
+        Mapping::new(self, &self.obj, range, writable, sharing)
+    }
+}
 
 impl Mapping {
     /// Map `range` of `file`. => `file` is open.
@@ -209,9 +234,9 @@ mod tests {
     /// The eviction daemon takes a clean mapped page; a store through the mapping lands
     /// before the page is zapped, and the mapping is dropped (its last scan marks the held
     /// page dirty); only then does the eviction go on, with no mapping left. The store must
-    /// stay: `release_evicted` looked for dirty pages only while mappings existed, so it
-    /// punched the page and the store was lost (the stress test, `dir | aead | null`: reading
-    /// right after unmapping showed zeros or old data).
+    /// stay: `release_evicted` must look for dirty pages whether or not mappings still
+    /// exist, else it punches the page and the store is lost (reading right after
+    /// unmapping shows zeros or old data).
     #[test]
     fn store_found_when_its_mapping_is_dropped_survives_an_eviction_in_flight() {
         let cache = Cache::builder().budget(16 << 20).build().unwrap();
@@ -229,7 +254,7 @@ mod tests {
         let st = obj.page_state(1).unwrap();
         let t0 = std::time::Instant::now();
         while !st.try_lock_for_evict() {
-            assert!(t0.elapsed().as_secs() < 10, "page 1 never became clean and idle: {:#x}", st.load());
+            assert!(t0.elapsed().as_secs() < 10, "page 1 never became clean and idle: {:?}", st.snapshot());
             std::thread::yield_now();
         }
         obj.core.policy.lock().remove(PageKey { object: obj.id, index: 1 });

@@ -25,7 +25,7 @@
 
 use crate::error::Result;
 use crate::memfd::{self, Memfd};
-use crate::page::state::{self, BUSY, WRITEBACK, WRITING};
+
 use crate::page::table::{Chunk, WIN_NONE, WIN_RETIRING};
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering::*};
@@ -217,8 +217,7 @@ fn try_retire(chunk: &Chunk) -> bool {
     let a = chunk.window.swap(WIN_RETIRING, SeqCst);
     debug_assert!(a > WIN_RETIRING);
     let held = chunk.pages.iter().any(|p| {
-        let s = p.load();
-        state::pins(s) > 0 || s & (BUSY | WRITING | WRITEBACK) != 0
+        p.snapshot().held()
     });
     if held {
         chunk.window.store(a, SeqCst);

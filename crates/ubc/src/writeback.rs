@@ -201,8 +201,8 @@ impl CacheCore {
             // Not throttled (see `PagerScope`), but not unbounded either: a layer's call can
             // dirty a lot of its lower file at once (an aead growth seals every gap block),
             // and if those pages filled the cache, only lower writes could clean them — which
-            // need memory (found by tests/security.rs at a 2 MiB budget: zstd writeback inside
-            // an aead set_len failed with BudgetExceeded). Past the limit this thread cleans
+            // need memory (at a 2 MiB budget, zstd writeback inside an aead `set_len` would
+            // fail with BudgetExceeded). Past the limit this thread cleans
             // the file it is writing once it holds a cluster's worth: allowed, the file is
             // below the scope (Linux's PF_LOCAL_THROTTLE: a loop device's writer is throttled
             // on its own device's dirty pages, not on everyone's). An error stays with the
@@ -217,7 +217,7 @@ impl CacheCore {
         let mut waited: Option<Instant> = None;
         let cleaned_at_start = f.cleaned.load(SeqCst);
         loop {
-            if page.is_some_and(|st| st.load() & crate::page::state::DIRTY != 0) {
+            if page.is_some_and(|st| st.snapshot().dirty()) {
                 return Ok(false);
             }
             let c = f.counts.load(SeqCst);

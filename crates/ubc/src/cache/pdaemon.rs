@@ -6,7 +6,6 @@
 use super::*;
 use crate::object::Pass;
 use crate::evict::{EvictAttempt, PageKey, PageProbe};
-use crate::page::state::{BUSY, DIRTY, VALID, WRITEBACK};
 
 #[derive(Default)]
 pub(super) struct DaemonCtl {
@@ -271,7 +270,7 @@ impl PageProbe for Prober<'_> {
     fn take_accesses(&mut self, key: PageKey) -> Option<u8> {
         let obj = self.object(key.object)?;
         let st = obj.page_state(key.index)?;
-        if st.load() & (VALID | BUSY) == 0 {
+        if !st.snapshot().cached() {
             return None;
         }
         Some(st.take_accesses())
@@ -283,11 +282,11 @@ impl PageProbe for Prober<'_> {
         if st.try_lock_for_evict() {
             return EvictAttempt::Taken;
         }
-        let s = st.load();
-        if s & (VALID | BUSY) == 0 {
+        let s = st.snapshot();
+        if !s.cached() {
             return EvictAttempt::Gone;
         }
-        if s & DIRTY != 0 && s & WRITEBACK == 0 && self.dirty.len() < MAX_DIRTY_VICTIMS {
+        if s.writeback_due() && self.dirty.len() < MAX_DIRTY_VICTIMS {
             self.dirty.push(key);
         }
         EvictAttempt::Unavailable

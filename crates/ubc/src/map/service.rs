@@ -6,7 +6,7 @@
 //! read it, so faults on different files (or different pages) are resolved in parallel: the
 //! only shared lock on the fault path is the read side of the address table.
 //!
-//! The scheme (see `mod.rs` and `../shared/DESIGN.md`), as the cache uses it:
+//! The scheme (see `mod.rs`, "How the cache uses it"):
 //! * user mappings are registered MISSING + MINOR (+ WP for shared writable ones): a page
 //!   reaches a user page table only through [`MapService::map_pages`] (`UFFDIO_CONTINUE`),
 //!   called by someone holding the page (pinned, or BUSY at the end of a fill). The kernel

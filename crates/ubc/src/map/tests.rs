@@ -581,7 +581,7 @@ fn store_racing_with_eviction_is_detected_after_punch() {
     assert_eq!(a.take_written(&pm), vec![1..2], "detected after the fact");
 }
 
-/// A way to close that race (not the DESIGN.md scheme; measured in bench_costs): register
+/// How the cache closes that race (the scheme `service.rs` uses; measured in bench_costs): register
 /// user mappings MISSING + MINOR + WP and map resident pages in bulk with UFFDIO_CONTINUE
 /// (WP). Then a pte that is zapped cannot come back without the handler (MINOR traps a
 /// resident page with no pte), so eviction = zap the range in every user mapping

@@ -35,9 +35,9 @@ impl Object {
         // A page dirtied while we held it stays, dirty: by a store found just above, or by
         // the last scan of a mapping dropped since the policy took the page — that scan
         // (`Mapping`'s drop) marks it dirty, then the mapping is gone and `nmaps` may read 0
-        // above (the stress test lost such stores: the page was punched dirty and refilled
-        // from the pager). Checked whatever `nmaps` said.
-        let is_dirty = |p: &u64| self.page_state(*p).is_some_and(|st| st.load() & DIRTY != 0);
+        // above; punched, the page would be refilled from the pager and the store lost.
+        // Checked whatever `nmaps` said.
+        let is_dirty = |p: &u64| self.page_state(*p).is_some_and(|st| st.snapshot().dirty());
         let kept_back;
         let pages = if pages.iter().any(is_dirty) {
             let (keep, go): (Vec<u64>, Vec<u64>) = pages.iter().partition(|p| is_dirty(p));
@@ -67,7 +67,7 @@ impl Object {
         let mut waste = 0;
         for &p in pages {
             if let Some(st) = self.page_state(p) {
-                waste += u64::from(st.load() & state::SPECULATIVE != 0);
+                waste += u64::from(st.snapshot().speculative());
                 st.release_empty();
             }
         }

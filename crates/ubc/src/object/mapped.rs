@@ -24,7 +24,7 @@ impl Object {
         // copies it); pages that became dirty or were dropped by the time we mark them give
         // their counts back.
         let clean: Vec<&state::PageState> =
-            found.iter().filter_map(|&p| self.page_state(p)).filter(|st| st.load() & (VALID | DIRTY) == VALID).collect();
+            found.iter().filter_map(|&p| self.page_state(p)).filter(|st| st.snapshot().clean()).collect();
         let k = clean.len() as u64;
         if k == 0 {
             return 0;
@@ -105,7 +105,7 @@ impl Object {
                 let mut n = 0;
                 while p + n < hi {
                     let st = &chunk.pages[(p + n - base) as usize];
-                    if st.load() & (VALID | BUSY) == 0 || !matches!(st.pin(), Pin::Pinned { .. }) {
+                    if !st.snapshot().cached() || !matches!(st.pin(), Pin::Pinned { .. }) {
                         break;
                     }
                     n += 1;

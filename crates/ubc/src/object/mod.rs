@@ -3,6 +3,7 @@
 //! end uses, one mechanism per file:
 //!
 //! * `fill.rs` — fills from the pager and the read path;
+//! * `readahead.rs` — sequential detection and asynchronous read-ahead;
 //! * `write.rs` — the write path and writable windows;
 //! * `truncate.rs` — `set_len`, dropping pages, invalidation;
 //! * `writeback.rs` — writing dirty pages to the pager, `clean`, `sync`;
@@ -23,7 +24,7 @@ use crate::map::UserMap;
 use crate::error::{Error, PagerOp, Result};
 use crate::evict::{Admission, PageKey};
 use crate::memfd::Memfd;
-use crate::page::state::{self, Pin, WriteLock, BUSY, DIRTY, VALID, WRITEBACK};
+use crate::page::state::{self, Pin, WriteLock};
 use crate::page::table::{Chunk, PageTable};
 use crate::pager::{Fill, Pager};
 use crate::stats::{bump, Counters, Stats};
@@ -35,6 +36,7 @@ use std::sync::{Arc, OnceLock, Weak};
 mod evict;
 mod fill;
 mod mapped;
+mod readahead;
 mod truncate;
 mod write;
 mod writeback;
@@ -241,9 +243,9 @@ impl Object {
     /// Call the pager (every call after the object is made goes through here). The call
     /// runs in a [`PagerScope`](crate::pager::PagerScope) of this object's depth: a layer's
     /// pager writes its lower file of the same cache, maybe holding a lock that writeback of
-    /// its own object needs, so that write must not wait at the dirty limit (without it the
-    /// stress test hung in an aead `set_len`) nor reclaim by writing back this object or one
-    /// above it (it hung in an aead `put_pages`). A failure comes back with `op`, `offset`
+    /// its own object needs (an aead `set_len` or `put_pages` holds its state lock), so that
+    /// write must not wait at the dirty limit nor reclaim by writing back this object or one
+    /// above it: either would wait for that lock. A failure comes back with `op`, `offset`
     /// and the object; `f` sees the raw error first (to record it, see `errseq.rs`).
     fn call_pager<T>(&self, op: PagerOp, offset: u64, f: impl FnOnce(&dyn Pager) -> std::io::Result<T>) -> Result<T> {
         let pager = self.pager();

@@ -54,7 +54,7 @@ impl Object {
         let (ci, slot) = self.locate(page);
         let Some(chunk) = self.table.get(ci) else { return Ok(()) };
         let st = &chunk.pages[slot];
-        if st.load() & (VALID | BUSY) == 0 {
+        if !st.snapshot().cached() {
             return Ok(()); // not cached, no fill in flight
         }
         // Waits for a fill in flight (BUSY) to finish.
@@ -62,10 +62,10 @@ impl Object {
             WriteLock::Resident => {
                 // Dirty without waiting at the dirty limit: a truncation must not stop
                 // half-way (its length is published already) because other pages cannot be
-                // written back — that left old bytes past the new end, in the cache and in
-                // the store, to reappear when the file grew again (found by the long model
-                // run). One page over the limit, like a store found through a mapping.
-                if st.load() & DIRTY != 0 {
+                // written back — that would leave old bytes past the new end, in the cache and
+                // in the store, to reappear when the file grows again. One page over the
+                // limit, like a store found through a mapping.
+                if st.snapshot().dirty() {
                     self.core.flusher.hold(1);
                 } else if st.mark_dirty() {
                     self.core.flusher.add_unclean(1);
@@ -109,11 +109,11 @@ impl Object {
             let mut dropped = Vec::new();
             for p in lo..hi {
                 let st = &chunk.pages[(p - base) as usize];
-                if st.load() & (VALID | BUSY) == 0 {
+                if !st.snapshot().cached() {
                     continue;
                 }
                 let prior = st.lock_for_drop();
-                if prior & VALID == 0 {
+                if !prior.valid() {
                     st.release_empty(); // was empty by the time we got it
                     continue;
                 }
@@ -142,7 +142,7 @@ impl Object {
             let mut late_dirty = 0;
             for &p in &dropped {
                 // A store through a mapping found at the last moment dirtied it: dropped too.
-                late_dirty += u64::from(chunk.pages[(p - base) as usize].release_empty() & DIRTY != 0);
+                late_dirty += u64::from(chunk.pages[(p - base) as usize].release_empty().dirty());
             }
             if late_dirty > 0 {
                 self.dirty.fetch_sub(late_dirty, Relaxed);

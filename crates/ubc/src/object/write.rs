@@ -80,7 +80,7 @@ impl Object {
     /// could clean. An already dirty page's published slot moves to held.
     fn dirty_held(&self, st: &state::PageState) -> Result<()> {
         // Nobody else clears DIRTY while we hold the page WRITING (writeback cannot begin).
-        if st.load() & DIRTY != 0 {
+        if st.snapshot().dirty() {
             self.core.flusher.hold(1);
             return Ok(());
         }
@@ -269,7 +269,7 @@ impl Object {
         for page in from >> ps..=(to - 1) >> ps {
             let (_, slot) = self.locate(page);
             let st = &chunk.pages[slot];
-            if st.load() & VALID != 0 {
+            if st.snapshot().valid() {
                 self.release_written(Held::Writing(st));
             } else {
                 self.release_written(Held::Filled(chunk, page, false));

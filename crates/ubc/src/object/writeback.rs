@@ -56,8 +56,7 @@ impl Object {
             let mut p = lo;
             while p < hi {
                 let st = &chunk.pages[(p - base) as usize];
-                let s = st.load();
-                if s & (DIRTY | WRITEBACK) == 0 || !st.begin_writeback(wait) {
+                if !st.snapshot().unclean() || !st.begin_writeback(wait) {
                     p += 1;
                     continue;
                 }

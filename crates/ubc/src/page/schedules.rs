@@ -144,7 +144,7 @@ impl Page {
         if fail {
             self.data.store(EMPTY, SeqCst);
             self.busy.store(false, SeqCst);
-            let old = self.st.release_empty();
+            let old = self.st.release_empty().bits();
             assert_eq!(old & (VALID | DIRTY), 0);
         } else {
             self.data.store(self.disk.load(SeqCst), SeqCst);
@@ -284,7 +284,7 @@ impl Page {
             self.st.cancel_evict();
         } else {
             self.data.store(EMPTY, SeqCst);
-            let old = self.st.release_empty();
+            let old = self.st.release_empty().bits();
             assert_eq!(old & DIRTY, 0);
         }
         self.observe();
@@ -293,7 +293,7 @@ impl Page {
 
     /// Truncate the page away: the file's bytes there become a new version (zeros).
     fn truncate(&self) {
-        let old = self.st.lock_for_drop();
+        let old = self.st.lock_for_drop().bits();
         assert_eq!(old & (BUSY | WRITING | WRITEBACK), 0);
         assert_eq!(pins(old), 0);
         self.took_busy("truncation");

@@ -34,15 +34,15 @@
 use super::sync::{AtomicU32, wait, wake_all};
 use std::sync::atomic::Ordering::SeqCst;
 
-pub(crate) const ACCESS_MASK: u32 = 0b11;
-pub(crate) const VALID: u32 = 1 << 2;
-pub(crate) const DIRTY: u32 = 1 << 3;
-pub(crate) const BUSY: u32 = 1 << 4;
-pub(crate) const WRITEBACK: u32 = 1 << 5;
-pub(crate) const WRITING: u32 = 1 << 6;
-pub(crate) const WAITERS: u32 = 1 << 7;
-pub(crate) const RA_MARK: u32 = 1 << 8;
-pub(crate) const SPECULATIVE: u32 = 1 << 9;
+pub(super) const ACCESS_MASK: u32 = 0b11;
+pub(super) const VALID: u32 = 1 << 2;
+pub(super) const DIRTY: u32 = 1 << 3;
+pub(super) const BUSY: u32 = 1 << 4;
+pub(super) const WRITEBACK: u32 = 1 << 5;
+pub(super) const WRITING: u32 = 1 << 6;
+pub(super) const WAITERS: u32 = 1 << 7;
+pub(super) const RA_MARK: u32 = 1 << 8;
+pub(super) const SPECULATIVE: u32 = 1 << 9;
 const PIN_SHIFT: u32 = 16;
 const PIN_ONE: u32 = 1 << PIN_SHIFT;
 const PIN_MAX: u32 = 0xffff;
@@ -76,10 +76,78 @@ pub(crate) fn pins(s: u32) -> u32 {
     s >> PIN_SHIFT
 }
 
+/// A page's state word as read once, for decisions made outside `page/`: the bits and their
+/// combinations are this module's business, callers ask what they mean.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Snapshot(u32);
+
+impl Snapshot {
+    /// Valid, or being filled (BUSY): something is or will be cached here.
+    #[inline]
+    pub(crate) fn cached(self) -> bool {
+        self.0 & (VALID | BUSY) != 0
+    }
+    /// Valid contents.
+    #[inline]
+    pub(crate) fn valid(self) -> bool {
+        self.0 & VALID != 0
+    }
+    /// Changed since it was last written back.
+    #[inline]
+    pub(crate) fn dirty(self) -> bool {
+        self.0 & DIRTY != 0
+    }
+    /// Valid and not dirty.
+    #[inline]
+    pub(crate) fn clean(self) -> bool {
+        self.0 & (VALID | DIRTY) == VALID
+    }
+    /// Dirty, or being written back: a writeback pass has something to do or wait for.
+    #[inline]
+    pub(crate) fn unclean(self) -> bool {
+        self.0 & (DIRTY | WRITEBACK) != 0
+    }
+    /// Dirty and not being written back: a writeback would clean it.
+    #[inline]
+    pub(crate) fn writeback_due(self) -> bool {
+        self.0 & (DIRTY | WRITEBACK) == DIRTY
+    }
+    /// Read ahead and not touched since.
+    #[inline]
+    pub(crate) fn speculative(self) -> bool {
+        self.0 & SPECULATIVE != 0
+    }
+    /// Pinned, being filled, written or written back: its memory is in use.
+    #[inline]
+    pub(crate) fn held(self) -> bool {
+        pins(self.0) > 0 || self.0 & (BUSY | WRITING | WRITEBACK) != 0
+    }
+}
+
+impl Snapshot {
+    /// The raw word (the randomized-schedule tests).
+    #[cfg(all(test, feature = "shuttle"))]
+    pub(super) fn bits(self) -> u32 {
+        self.0
+    }
+}
+
+impl std::fmt::Debug for Snapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:#x}", self.0)
+    }
+}
+
 impl PageState {
     #[inline]
     pub(crate) fn load(&self) -> u32 {
         self.0.load(SeqCst)
+    }
+
+    /// The state word now, for a decision outside `page/`.
+    #[inline]
+    pub(crate) fn snapshot(&self) -> Snapshot {
+        Snapshot(self.load())
     }
 
     /// Valid contents (may be pinned, dirty, under writeback).
@@ -206,11 +274,11 @@ impl PageState {
     /// => caller holds the page BUSY.
     /// Returns the prior state (DIRTY tells a caller dropping data whether a store found
     /// through a mapping dirtied it at the last moment).
-    pub(crate) fn release_empty(&self) -> u32 {
+    pub(crate) fn release_empty(&self) -> Snapshot {
         let old = self.0.swap(0, SeqCst);
         debug_assert!(old & BUSY != 0, "release_empty on {old:#x}");
         self.wake_if(old);
-        old
+        Snapshot(old)
     }
 
     /// Take a valid, clean, unpinned, idle page for eviction (VALID|BUSY).
@@ -323,12 +391,12 @@ impl PageState {
 
     /// Take a page for truncation or invalidation, whatever its state: waits until nobody
     /// pins, fills, writes or writes it back, then makes it BUSY. Returns the prior state.
-    pub(crate) fn lock_for_drop(&self) -> u32 {
+    pub(crate) fn lock_for_drop(&self) -> Snapshot {
         loop {
             let s = self.wait_until(|s| s & (BUSY | WRITING | WRITEBACK) == 0 && pins(s) == 0);
             // Keep the other bits: the caller inspects VALID and DIRTY while it holds BUSY.
             if self.0.compare_exchange(s, s | BUSY, SeqCst, SeqCst).is_ok() {
-                return s;
+                return Snapshot(s);
             }
         }
     }

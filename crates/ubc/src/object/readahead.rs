@@ -20,10 +20,7 @@
 //!   (hits) and those evicted unused (waste). Read-ahead never waits for memory: if the
 //!   budget has no room without waiting for pinned pages, it gives up.
 
-use crate::evict::Admission;
-use crate::object::Object;
-use crate::stats::bump;
-use std::sync::Arc;
+use super::*;
 
 /// Most windows remembered per object (interleaved streams); beyond it the table is reset.
 const MAX_WINDOWS: usize = 64;
@@ -145,7 +142,7 @@ impl Object {
             });
             return;
         }
-        self.publish_filled(chunk, first, n, crate::object::Publish::Clean, Admission::ReadAhead, mark);
+        self.publish_filled(chunk, first, n, Publish::Clean, Admission::ReadAhead, mark);
         bump(&self.counters.mine().readahead_pages, n);
     }
 
