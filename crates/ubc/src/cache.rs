@@ -219,7 +219,10 @@ impl CacheBuilder {
         // Each chunk keeps a state word per page of its window: a giant window would make
         // the first access allocate a giant table.
         if !self.window_size.is_power_of_two() || self.window_size < self.page_size || self.window_size > MAX_WINDOW {
-            return bad(format!("window size {} must be a power of two from the page size to {MAX_WINDOW}", self.window_size));
+            return bad(format!(
+                "window size {} must be a power of two from the page size to {MAX_WINDOW}",
+                self.window_size
+            ));
         }
         let budget_pages = self.budget / self.page_size as u64;
         if budget_pages < 2 {
@@ -243,7 +246,10 @@ impl CacheBuilder {
             let nofile = rustix::process::getrlimit(rustix::process::Resource::Nofile).current.unwrap_or(1024);
             (nofile as usize / 4).clamp(64, 16384)
         });
-        if self.dirty_limit_percent == 0 || self.dirty_limit_percent > 90 || self.dirty_background_percent >= self.dirty_limit_percent {
+        if self.dirty_limit_percent == 0
+            || self.dirty_limit_percent > 90
+            || self.dirty_background_percent >= self.dirty_limit_percent
+        {
             return bad(format!(
                 "dirty ratios must satisfy 0 <= background ({}) < limit ({}) <= 90",
                 self.dirty_background_percent, self.dirty_limit_percent
@@ -402,10 +408,11 @@ impl CacheCore {
         let mut victims = Vec::new();
         while victims.len() < excess {
             let Some(id) = reg.closed.pop_front() else { break };
-            if let Some(o) = reg.by_id.get(&id) {
-                if o.handles.load(SeqCst) == 0 && !victims.iter().any(|v: &Arc<Object>| v.id == id) {
-                    victims.push(o.clone());
-                }
+            if let Some(o) = reg.by_id.get(&id)
+                && o.handles.load(SeqCst) == 0
+                && !victims.iter().any(|v: &Arc<Object>| v.id == id)
+            {
+                victims.push(o.clone());
             }
         }
         // Bound the queue of stale ids too.
@@ -494,10 +501,10 @@ impl CacheCore {
         let objects: Vec<Arc<Object>> = self.registry.read().by_id.values().cloned().collect();
         let mut first = Ok(());
         for o in objects {
-            if let Err(e) = o.sync() {
-                if first.is_ok() {
-                    first = Err(e);
-                }
+            if let Err(e) = o.sync()
+                && first.is_ok()
+            {
+                first = Err(e);
             }
         }
         first

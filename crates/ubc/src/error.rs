@@ -49,7 +49,9 @@ pub enum Error {
     },
     /// `offset + len` is past the largest file offset ubc supports (2^63 - 64 KiB, or the
     /// process's `RLIMIT_FSIZE` if that is lower).
-    #[error("offset {offset} + length {len} is past the largest supported file offset (2^63 - 64 KiB, or the process's RLIMIT_FSIZE)")]
+    #[error(
+        "offset {offset} + length {len} is past the largest supported file offset (2^63 - 64 KiB, or the process's RLIMIT_FSIZE)"
+    )]
     OffsetOverflow { offset: u64, len: u64 },
     /// The file handle was closed with [`File::close`](crate::File::close).
     #[error("file handle is closed")]

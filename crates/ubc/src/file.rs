@@ -4,12 +4,12 @@
 
 use crate::cache::Cache;
 use crate::error::{Error, Result};
-use crate::object::{checked_end, Object};
+use crate::object::{Object, checked_end};
 use crate::page::table::Chunk;
 use crate::stats::Stats;
 use std::io::{self, Read, Seek, SeekFrom, Write};
-use std::sync::atomic::{AtomicBool, Ordering::*};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering::*};
 
 /// Whether a handle may modify the file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -229,7 +229,10 @@ impl File {
         if end > offset {
             let pages = ((end - 1) >> core.page_shift) - (offset >> core.page_shift) + 1;
             if pages > core.budget_pages / 2 {
-                return Err(Error::BudgetExceeded { needed: pages << core.page_shift, budget: core.budget_pages << core.page_shift });
+                return Err(Error::BudgetExceeded {
+                    needed: pages << core.page_shift,
+                    budget: core.budget_pages << core.page_shift,
+                });
             }
         }
         Ok((offset / chunk_bytes, end))

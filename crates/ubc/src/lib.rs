@@ -39,12 +39,12 @@ mod writeback;
 /// what a policy of one's own implements. The simulator and its workload generators are
 /// test tooling (feature `testing`).
 pub mod evict {
+    #[cfg(feature = "testing")]
+    pub use ubc_evict::sim;
     pub use ubc_evict::{
         Admission, Clock, EvictAttempt, EvictionPolicy, PageKey, PageProbe, PolicyKind, S3Fifo, S3FifoParams, Sieve,
         UnknownPolicy,
     };
-    #[cfg(feature = "testing")]
-    pub use ubc_evict::sim;
 }
 
 pub use cache::{Cache, CacheBuilder};

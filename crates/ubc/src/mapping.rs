@@ -85,7 +85,13 @@ impl File {
 
 impl Mapping {
     /// Map `range` of `file`. => `file` is open.
-    pub(crate) fn new(file: &File, obj: &Arc<Object>, range: Range<u64>, writable: bool, sharing: Sharing) -> Result<Mapping> {
+    pub(crate) fn new(
+        file: &File,
+        obj: &Arc<Object>,
+        range: Range<u64>,
+        writable: bool,
+        sharing: Sharing,
+    ) -> Result<Mapping> {
         if range.end <= range.start {
             return Err(Error::InvalidArgument(format!("cannot map an empty range {range:?}")));
         }
@@ -220,7 +226,11 @@ impl Drop for Mapping {
 
 impl std::fmt::Debug for Mapping {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Mapping").field("offset", &self.offset).field("len", &self.len).field("writable", &self.writable).finish()
+        f.debug_struct("Mapping")
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .field("writable", &self.writable)
+            .finish()
     }
 }
 

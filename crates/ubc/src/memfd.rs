@@ -25,11 +25,7 @@ pub(crate) fn max_size() -> u64 {
         let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
         // SAFETY: getrlimit writes the struct we pass.
         let ok = unsafe { libc::getrlimit(libc::RLIMIT_FSIZE, &mut r) } == 0;
-        if !ok || r.rlim_cur == libc::RLIM_INFINITY {
-            MEMFD_SIZE
-        } else {
-            (r.rlim_cur as u64).min(MEMFD_SIZE) & !0xffff
-        }
+        if !ok || r.rlim_cur == libc::RLIM_INFINITY { MEMFD_SIZE } else { r.rlim_cur.min(MEMFD_SIZE) & !0xffff }
     })
 }
 
@@ -41,8 +37,7 @@ impl Memfd {
     /// A new, empty memfd sized to cover every file offset (sparse: costs nothing).
     pub(crate) fn create(name: &str) -> Result<Memfd> {
         let cname = CString::new(format!("ubc:{name}")).unwrap_or_else(|_| CString::new("ubc").unwrap());
-        let fd = rustix::fs::memfd_create(&cname, MemfdFlags::CLOEXEC)
-            .map_err(|e| Error::os("memfd_create", e))?;
+        let fd = rustix::fs::memfd_create(&cname, MemfdFlags::CLOEXEC).map_err(|e| Error::os("memfd_create", e))?;
         rustix::fs::ftruncate(&fd, max_size()).map_err(|e| Error::os("ftruncate(memfd)", e))?;
         Ok(Memfd { fd })
     }

@@ -127,15 +127,14 @@ fn top() -> Option<Rank> {
 
 #[inline]
 fn check(rank: Rank, what: &str) {
-    if cfg!(debug_assertions) {
-        if let Some(t) = top() {
-            if rank < t || (rank == t && !rank.repeatable()) {
-                panic!(
-                    "lock order violated: {what} {rank} while holding {t} (see crates/ubc/src/order.rs); held: {}",
-                    held_list()
-                );
-            }
-        }
+    if cfg!(debug_assertions)
+        && let Some(t) = top()
+        && (rank < t || (rank == t && !rank.repeatable()))
+    {
+        panic!(
+            "lock order violated: {what} {rank} while holding {t} (see crates/ubc/src/order.rs); held: {}",
+            held_list()
+        );
     }
 }
 

@@ -119,16 +119,63 @@ impl std::fmt::Display for CacheStats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let t = &self.totals;
         let mib = |b: u64| b as f64 / (1 << 20) as f64;
-        writeln!(f, "budget        {:>10.1} MiB   page size {} B   policy {}", mib(self.budget_bytes), self.page_size, self.policy)?;
-        writeln!(f, "resident      {:>10.1} MiB   (allocated {:.1} MiB)   dirty {:.1} MiB", mib(t.resident_bytes), mib(self.allocated_bytes), mib(t.dirty_bytes))?;
-        writeln!(f, "hits          {:>10}       misses {}   hit ratio {:.1}%", t.hits, t.misses, 100.0 * t.hit_ratio())?;
+        writeln!(
+            f,
+            "budget        {:>10.1} MiB   page size {} B   policy {}",
+            mib(self.budget_bytes),
+            self.page_size,
+            self.policy
+        )?;
+        writeln!(
+            f,
+            "resident      {:>10.1} MiB   (allocated {:.1} MiB)   dirty {:.1} MiB",
+            mib(t.resident_bytes),
+            mib(self.allocated_bytes),
+            mib(t.dirty_bytes)
+        )?;
+        writeln!(
+            f,
+            "hits          {:>10}       misses {}   hit ratio {:.1}%",
+            t.hits,
+            t.misses,
+            100.0 * t.hit_ratio()
+        )?;
         writeln!(f, "pager reads   {:>10.1} MiB   in {} calls", mib(t.read_bytes), t.get_calls)?;
-        writeln!(f, "pager writes  {:>10.1} MiB   in {} calls   ({} errors)", mib(t.written_bytes), t.put_calls, t.writeback_errors)?;
-        writeln!(f, "evictions     {:>10}       writebacks {}   page daemon runs {} (freed {})", t.evictions, t.writebacks, self.daemon_runs, self.daemon_evictions)?;
-        writeln!(f, "read-ahead    {:>10} pages  used {}   wasted {}", t.readahead_pages, t.readahead_hits, t.readahead_waste)?;
-        writeln!(f, "write-behind  {:>10.1} MiB unclean (limit {:.1} MiB)   writers throttled {} ms   flusher rounds {}", mib(self.unclean_bytes), mib(self.dirty_limit_bytes), self.throttled_ms, self.flusher_runs)?;
-        writeln!(f, "mappings      {:>10}       faults {} ({} pages)   SIGBUS {}   dirty found by scans {}   mode {}", self.mappings, self.map_faults, self.map_fault_pages, self.map_sigbus, self.map_dirty_found, self.map_mode)?;
-        write!(f, "objects       {:>10}       windows {} (mapped {}, retired {})", self.objects, self.windows, self.window_maps, self.window_retires)
+        writeln!(
+            f,
+            "pager writes  {:>10.1} MiB   in {} calls   ({} errors)",
+            mib(t.written_bytes),
+            t.put_calls,
+            t.writeback_errors
+        )?;
+        writeln!(
+            f,
+            "evictions     {:>10}       writebacks {}   page daemon runs {} (freed {})",
+            t.evictions, t.writebacks, self.daemon_runs, self.daemon_evictions
+        )?;
+        writeln!(
+            f,
+            "read-ahead    {:>10} pages  used {}   wasted {}",
+            t.readahead_pages, t.readahead_hits, t.readahead_waste
+        )?;
+        writeln!(
+            f,
+            "write-behind  {:>10.1} MiB unclean (limit {:.1} MiB)   writers throttled {} ms   flusher rounds {}",
+            mib(self.unclean_bytes),
+            mib(self.dirty_limit_bytes),
+            self.throttled_ms,
+            self.flusher_runs
+        )?;
+        writeln!(
+            f,
+            "mappings      {:>10}       faults {} ({} pages)   SIGBUS {}   dirty found by scans {}   mode {}",
+            self.mappings, self.map_faults, self.map_fault_pages, self.map_sigbus, self.map_dirty_found, self.map_mode
+        )?;
+        write!(
+            f,
+            "objects       {:>10}       windows {} (mapped {}, retired {})",
+            self.objects, self.windows, self.window_maps, self.window_retires
+        )
     }
 }
 

@@ -34,8 +34,8 @@ use crate::cache::CacheCore;
 use crate::error::Result;
 use crate::object::{Harvest, Object, Pass};
 use parking_lot::{Condvar, Mutex};
-use std::sync::atomic::{AtomicU64, Ordering::*};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::*};
 use std::time::{Duration, Instant};
 
 /// Longest single pause of a throttled writer.
@@ -325,7 +325,7 @@ impl CacheCore {
             let over = f.published() > f.background;
             {
                 let mut c = f.ctl.lock();
-                if !c.shutdown && !(over && progressed) {
+                if !c.shutdown && (!over || !progressed) {
                     let nap = if over { Duration::from_millis(20) } else { f.interval.min(f.expire) };
                     if !c.kick {
                         f.ctl_cv.wait_for(&mut c, nap.max(Duration::from_millis(1)));

@@ -136,7 +136,8 @@ fn clean_and_invalidate_take_any_range() {
         let f = mem_file(&cache);
         f.write_at(&pattern(1, 0, 50_000), 0).unwrap();
         #[allow(clippy::reversed_empty_ranges)]
-        let ranges = [0..u64::MAX, u64::MAX - 1..u64::MAX, 1 << 63..u64::MAX, MAX..MAX + 1, 100..5, u64::MAX..0, 7..7, 0..1];
+        let ranges =
+            [0..u64::MAX, u64::MAX - 1..u64::MAX, 1 << 63..u64::MAX, MAX..MAX + 1, 100..5, u64::MAX..0, 7..7, 0..1];
         for r in ranges {
             // Ranges are clipped to the file: nothing to do past its end, no error needed.
             f.clean(r.clone()).unwrap_or_else(|e| panic!("clean {r:?}: {e}"));
@@ -202,7 +203,10 @@ fn seek_and_io_adapters_with_bad_positions() {
         assert_eq!(f.read(&mut b).unwrap_err().kind(), std::io::ErrorKind::FileTooLarge);
         assert_eq!(f.write(b"x").unwrap_err().kind(), std::io::ErrorKind::FileTooLarge);
         let e = f.write(b"x").unwrap_err();
-        assert!(matches!(e.get_ref().and_then(|i| i.downcast_ref::<Error>()), Some(Error::OffsetOverflow { .. })), "{e:?}");
+        assert!(
+            matches!(e.get_ref().and_then(|i| i.downcast_ref::<Error>()), Some(Error::OffsetOverflow { .. })),
+            "{e:?}"
+        );
     });
 }
 
@@ -238,7 +242,9 @@ fn builder_page_sizes() {
     }
     // Powers of two from the system page up are fine (with a budget of a few pages).
     for ps in [4096usize, 8192, 1 << 16] {
-        assert!(build_or_refuse(format!("page_size {ps}"), Cache::builder().page_size(ps).budget(64 * ps as u64)).is_none());
+        assert!(
+            build_or_refuse(format!("page_size {ps}"), Cache::builder().page_size(ps).budget(64 * ps as u64)).is_none()
+        );
     }
 }
 
@@ -302,7 +308,15 @@ fn builder_other_settings() {
         }
     }
     // The settings that cannot work are among the refused (the rest must have worked above).
-    for must in ["window_size 0", "window_size 3", "window_size 2048", "dirty_ratios 0 0", "dirty_ratios 50 40", "dirty_ratios 10 100", "dirty_ratios max"] {
+    for must in [
+        "window_size 0",
+        "window_size 3",
+        "window_size 2048",
+        "dirty_ratios 0 0",
+        "dirty_ratios 50 40",
+        "dirty_ratios 10 100",
+        "dirty_ratios max",
+    ] {
         assert!(refused.iter().any(|r| r.starts_with(&format!("{must}:"))), "{must} accepted; refused: {refused:#?}");
     }
 }
@@ -341,7 +355,12 @@ fn every_call_on_a_closed_handle_is_closed() {
         // Bad arguments on a closed handle: closed wins (or the argument error), no panic.
         assert!(matches!(g.read_at(&mut b, u64::MAX), Err(Error::Closed) | Err(Error::OffsetOverflow { .. })));
         // The io adapters carry Closed through io::Error.
-        for e in [g.read(&mut b).unwrap_err(), g.write(b"x").unwrap_err(), g.flush().unwrap_err(), g.seek(SeekFrom::End(0)).unwrap_err()] {
+        for e in [
+            g.read(&mut b).unwrap_err(),
+            g.write(b"x").unwrap_err(),
+            g.flush().unwrap_err(),
+            g.seek(SeekFrom::End(0)).unwrap_err(),
+        ] {
             assert!(matches!(e.get_ref().and_then(|i| i.downcast_ref::<Error>()), Some(Error::Closed)), "{e:?}");
         }
         // Per-handle: the original is untouched, and metadata calls still answer.
@@ -412,7 +431,9 @@ fn opening_bad_host_paths_is_an_open_error() {
             std::path::PathBuf::from(""),
             dir.path().join("x".repeat(300)),
         ] {
-            for r in [cache.open_path(&p, Access::ReadOnly), cache.open_path(&p, Access::ReadWrite), cache.create_path(&p)] {
+            for r in
+                [cache.open_path(&p, Access::ReadOnly), cache.open_path(&p, Access::ReadWrite), cache.create_path(&p)]
+            {
                 match r {
                     Err(Error::Open { .. }) => {}
                     other => panic!("{p:?}: expected an Open error, got {other:?}"),

@@ -4,8 +4,8 @@
 mod common;
 use common::*;
 use rand::{RngExt, SeedableRng, rngs::StdRng};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
 use ubc::pager::MemPager;
 use ubc::{Access, Cache};
 
@@ -34,7 +34,8 @@ fn memory_stays_within_budget_with_a_working_set_ten_times_larger() {
     let max_alloc = Arc::new(AtomicU64::new(0));
     let max_resident = Arc::new(AtomicU64::new(0));
     let sampler = {
-        let (cache, stop, max_alloc, max_resident) = (cache.clone(), stop.clone(), max_alloc.clone(), max_resident.clone());
+        let (cache, stop, max_alloc, max_resident) =
+            (cache.clone(), stop.clone(), max_alloc.clone(), max_resident.clone());
         std::thread::spawn(move || {
             // A real-time sampler is not preempted halfway through summing the memfds, so
             // each sample is a near-instant snapshot (needs root; without it, samples are
@@ -109,13 +110,8 @@ fn memory_stays_within_budget_with_a_working_set_ten_times_larger() {
 #[test]
 fn thousands_of_cached_files_stay_within_fd_and_mapping_limits() {
     let dir = tempfile::tempdir().unwrap();
-    let cache = Cache::builder()
-        .budget(64 << 20)
-        .window_size(64 << 10)
-        .max_windows(128)
-        .max_cached_files(300)
-        .build()
-        .unwrap();
+    let cache =
+        Cache::builder().budget(64 << 20).window_size(64 << 10).max_windows(128).max_cached_files(300).build().unwrap();
     let fds_before = count_dir("/proc/self/fd");
     let maps_before = count_maps();
     let n = 3000u64;

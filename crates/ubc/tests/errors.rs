@@ -19,7 +19,9 @@ fn read_error_reaches_read_at_and_leaves_nothing_behind() {
     let mut buf = vec![0u8; 8192];
     let err = f.read_at(&mut buf, 4096).unwrap_err();
     match &err {
-        Error::Io { op: PagerOp::GetPages, offset: 4096, source, .. } => assert_eq!(source.raw_os_error(), Some(libc::EIO)),
+        Error::Io { op: PagerOp::GetPages, offset: 4096, source, .. } => {
+            assert_eq!(source.raw_os_error(), Some(libc::EIO))
+        }
         e => panic!("unexpected error {e:?}"),
     }
     assert_eq!(err.raw_os_error(), Some(libc::EIO));
@@ -309,12 +311,15 @@ fn a_file_size_limit_is_an_error_past_it_not_a_signal() {
     if std::env::var("UBC_CHILD").is_ok_and(|v| v == "fsize") {
         let dir = tempfile::tempdir().unwrap();
         let cache = Cache::builder().budget(8 << 20).build().unwrap();
-        let f = cache.create_path(&dir.path().join("f")).unwrap();
+        let f = cache.create_path(dir.path().join("f")).unwrap();
         let data = vec![0x5au8; 1 << 20];
         f.write_at(&data, 0).unwrap();
         f.write_at(&data, LIMIT - (1 << 20)).unwrap(); // up to the limit exactly
         let past = f.write_at(b"x", LIMIT).unwrap_err();
-        assert!(matches!(past, ubc::Error::OffsetOverflow { .. }) && past.raw_os_error() == Some(libc::EFBIG), "{past}");
+        assert!(
+            matches!(past, ubc::Error::OffsetOverflow { .. }) && past.raw_os_error() == Some(libc::EFBIG),
+            "{past}"
+        );
         assert!(matches!(f.set_len(LIMIT + 1), Err(ubc::Error::OffsetOverflow { .. })));
         let m = f.map(0..LIMIT, Access::ReadOnly, ubc::Sharing::Shared).unwrap();
         assert_eq!(m[LIMIT as usize - 1], 0x5a);

@@ -156,7 +156,7 @@ fn io_adapters_read_write_seek() {
     let mut f = cache.open(Arc::new(MemPager::new()), Access::ReadWrite).unwrap();
     f.write_all(b"hello world").unwrap();
     f.flush().unwrap();
-    assert_eq!(f.seek(SeekFrom::Current(0)).unwrap(), 11);
+    assert_eq!(f.stream_position().unwrap(), 11);
     f.seek(SeekFrom::Start(6)).unwrap();
     f.write_all(b"ubc!!").unwrap();
     f.seek(SeekFrom::End(-11)).unwrap();

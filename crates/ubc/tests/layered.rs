@@ -6,8 +6,8 @@
 
 use parking_lot::Mutex;
 use std::io;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
 use std::time::Duration;
 use ubc::pager::MemPager;
 use ubc::{Access, Cache, Fill, Pager};
@@ -78,7 +78,13 @@ fn a_layers_writeback_reclaims_without_writing_back_itself_and_finds_memory() {
         .build()
         .unwrap();
     let lower = cache.open(Arc::new(MemPager::new()), Access::ReadWrite).unwrap();
-    let layer = Arc::new(Layer { lower, lock: Mutex::new(()), amplify: 16, reentered: AtomicBool::new(false), puts: AtomicU64::new(0) });
+    let layer = Arc::new(Layer {
+        lower,
+        lock: Mutex::new(()),
+        amplify: 16,
+        reentered: AtomicBool::new(false),
+        puts: AtomicU64::new(0),
+    });
     let upper = cache.open(layer.clone(), Access::ReadWrite).unwrap();
     assert_eq!(upper.depth(), 1);
     // 56 dirty pages of the layer, oldest first in the replacement order.

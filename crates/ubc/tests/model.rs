@@ -12,21 +12,42 @@ use ubc::{Access, Cache, Mapping, Pager, Sharing};
 
 #[derive(Debug, Clone)]
 enum Op {
-    Write { off: u64, len: usize, seed: u8 },
-    Read { off: u64, len: usize },
+    Write {
+        off: u64,
+        len: usize,
+        seed: u8,
+    },
+    Read {
+        off: u64,
+        len: usize,
+    },
     SetLen(u64),
     Sync,
     EvictAll,
-    WindowMut { off: u64, len: usize, seed: u8 },
-    Window { off: u64, len: usize },
+    WindowMut {
+        off: u64,
+        len: usize,
+        seed: u8,
+    },
+    Window {
+        off: u64,
+        len: usize,
+    },
     FailWrites(bool),
     Reopen,
     /// Map (or re-map) `0..MAP_SPAN` shared and writable.
     Map,
     Unmap,
     /// Store through the mapping (clipped to the file: past it is SIGBUS).
-    MapWrite { off: u64, len: usize, seed: u8 },
-    MapRead { off: u64, len: usize },
+    MapWrite {
+        off: u64,
+        len: usize,
+        seed: u8,
+    },
+    MapRead {
+        off: u64,
+        len: usize,
+    },
 }
 
 const MAP_SPAN: u64 = SPAN + 32 * 1024;
@@ -63,7 +84,8 @@ impl Watchdog {
     fn arm(case: String) -> Watchdog {
         let (tx, rx) = std::sync::mpsc::channel::<()>();
         std::thread::spawn(move || {
-            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(std::time::Duration::from_secs(60)) {
+            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(std::time::Duration::from_secs(60))
+            {
                 // Straight to fd 2: the test harness captures `eprintln!`, and we abort.
                 use std::io::Write;
                 let _ = writeln!(std::io::stderr(), "model case hung for 60 s: {case}");
@@ -82,7 +104,8 @@ impl Drop for Watchdog {
 
 fn run(ops: Vec<Op>, budget_pages: u64, window: usize) {
     let _watchdog = Watchdog::arm(format!("budget_pages={budget_pages} window={window} ops={ops:?}"));
-    let cache = Cache::builder().budget(budget_pages * 4096).window_size(window).daemon(budget_pages > 4).build().unwrap();
+    let cache =
+        Cache::builder().budget(budget_pages * 4096).window_size(window).daemon(budget_pages > 4).build().unwrap();
     let mem = Arc::new(MemPager::new());
     let fault = Arc::new(FaultPager::new(mem.clone()));
     let mut f = cache.open(fault.clone(), Access::ReadWrite).unwrap();
@@ -308,5 +331,69 @@ fn regression_window_over_own_dirty_pages_at_the_dirty_limit() {
 /// under the watchdog so a regression fails instead of hanging.
 #[test]
 fn regression_hang_found_by_the_long_run() {
-    run(vec![Op::MapWrite { off: 9135, len: 10822, seed: 55 }, Op::MapRead { off: 95911, len: 499 }, Op::WindowMut { off: 31171, len: 3704, seed: 42 }, Op::Write { off: 97922, len: 2354, seed: 244 }, Op::MapWrite { off: 43200, len: 7350, seed: 244 }, Op::Write { off: 44172, len: 11360, seed: 202 }, Op::MapWrite { off: 74304, len: 16121, seed: 164 }, Op::Reopen, Op::Unmap, Op::MapWrite { off: 88538, len: 11304, seed: 31 }, Op::Unmap, Op::Write { off: 69814, len: 7674, seed: 42 }, Op::MapWrite { off: 79338, len: 16416, seed: 6 }, Op::Reopen, Op::MapRead { off: 23874, len: 1173 }, Op::Read { off: 27838, len: 13272 }, Op::WindowMut { off: 68659, len: 1026, seed: 103 }, Op::Write { off: 35828, len: 19932, seed: 225 }, Op::MapWrite { off: 35061, len: 13062, seed: 84 }, Op::Read { off: 81044, len: 4590 }, Op::Read { off: 39076, len: 14024 }, Op::MapRead { off: 52993, len: 3646 }, Op::Unmap, Op::WindowMut { off: 11201, len: 6400, seed: 224 }, Op::Read { off: 76979, len: 10581 }, Op::Read { off: 92942, len: 2535 }, Op::Write { off: 95875, len: 7288, seed: 98 }, Op::EvictAll, Op::MapRead { off: 91441, len: 17850 }, Op::Write { off: 4408, len: 15296, seed: 71 }, Op::MapWrite { off: 27193, len: 3329, seed: 116 }, Op::Sync, Op::Map, Op::Read { off: 34334, len: 16677 }, Op::Read { off: 102754, len: 4619 }, Op::SetLen(67451), Op::Read { off: 54384, len: 17293 }, Op::Read { off: 30095, len: 2178 }, Op::Write { off: 53169, len: 7893, seed: 5 }, Op::Write { off: 21508, len: 10133, seed: 94 }, Op::Write { off: 35203, len: 7060, seed: 98 }, Op::Sync, Op::MapWrite { off: 71025, len: 8736, seed: 90 }, Op::MapWrite { off: 70825, len: 8040, seed: 7 }, Op::EvictAll, Op::Window { off: 4773, len: 7480 }, Op::Sync, Op::Write { off: 10611, len: 696, seed: 47 }, Op::MapRead { off: 1302, len: 5149 }, Op::MapRead { off: 19793, len: 18908 }, Op::MapWrite { off: 59602, len: 5494, seed: 202 }, Op::Write { off: 56592, len: 17645, seed: 80 }, Op::Write { off: 94419, len: 10729, seed: 41 }, Op::Sync, Op::EvictAll, Op::MapRead { off: 6917, len: 13672 }, Op::Write { off: 21565, len: 9025, seed: 159 }, Op::Map, Op::Read { off: 87550, len: 12160 }], 8, 65536);
+    run(
+        vec![
+            Op::MapWrite { off: 9135, len: 10822, seed: 55 },
+            Op::MapRead { off: 95911, len: 499 },
+            Op::WindowMut { off: 31171, len: 3704, seed: 42 },
+            Op::Write { off: 97922, len: 2354, seed: 244 },
+            Op::MapWrite { off: 43200, len: 7350, seed: 244 },
+            Op::Write { off: 44172, len: 11360, seed: 202 },
+            Op::MapWrite { off: 74304, len: 16121, seed: 164 },
+            Op::Reopen,
+            Op::Unmap,
+            Op::MapWrite { off: 88538, len: 11304, seed: 31 },
+            Op::Unmap,
+            Op::Write { off: 69814, len: 7674, seed: 42 },
+            Op::MapWrite { off: 79338, len: 16416, seed: 6 },
+            Op::Reopen,
+            Op::MapRead { off: 23874, len: 1173 },
+            Op::Read { off: 27838, len: 13272 },
+            Op::WindowMut { off: 68659, len: 1026, seed: 103 },
+            Op::Write { off: 35828, len: 19932, seed: 225 },
+            Op::MapWrite { off: 35061, len: 13062, seed: 84 },
+            Op::Read { off: 81044, len: 4590 },
+            Op::Read { off: 39076, len: 14024 },
+            Op::MapRead { off: 52993, len: 3646 },
+            Op::Unmap,
+            Op::WindowMut { off: 11201, len: 6400, seed: 224 },
+            Op::Read { off: 76979, len: 10581 },
+            Op::Read { off: 92942, len: 2535 },
+            Op::Write { off: 95875, len: 7288, seed: 98 },
+            Op::EvictAll,
+            Op::MapRead { off: 91441, len: 17850 },
+            Op::Write { off: 4408, len: 15296, seed: 71 },
+            Op::MapWrite { off: 27193, len: 3329, seed: 116 },
+            Op::Sync,
+            Op::Map,
+            Op::Read { off: 34334, len: 16677 },
+            Op::Read { off: 102754, len: 4619 },
+            Op::SetLen(67451),
+            Op::Read { off: 54384, len: 17293 },
+            Op::Read { off: 30095, len: 2178 },
+            Op::Write { off: 53169, len: 7893, seed: 5 },
+            Op::Write { off: 21508, len: 10133, seed: 94 },
+            Op::Write { off: 35203, len: 7060, seed: 98 },
+            Op::Sync,
+            Op::MapWrite { off: 71025, len: 8736, seed: 90 },
+            Op::MapWrite { off: 70825, len: 8040, seed: 7 },
+            Op::EvictAll,
+            Op::Window { off: 4773, len: 7480 },
+            Op::Sync,
+            Op::Write { off: 10611, len: 696, seed: 47 },
+            Op::MapRead { off: 1302, len: 5149 },
+            Op::MapRead { off: 19793, len: 18908 },
+            Op::MapWrite { off: 59602, len: 5494, seed: 202 },
+            Op::Write { off: 56592, len: 17645, seed: 80 },
+            Op::Write { off: 94419, len: 10729, seed: 41 },
+            Op::Sync,
+            Op::EvictAll,
+            Op::MapRead { off: 6917, len: 13672 },
+            Op::Write { off: 21565, len: 9025, seed: 159 },
+            Op::Map,
+            Op::Read { off: 87550, len: 12160 },
+        ],
+        8,
+        65536,
+    );
 }

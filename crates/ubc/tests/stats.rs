@@ -86,7 +86,11 @@ fn stats_snapshots_stay_sane_while_pages_move_between_objects() {
                         }
                     }
                     35..65 => {
-                        let n = if rng.random_bool(0.5) { PAGE as usize * rng.random_range(1..8) } else { rng.random_range(1..3000) };
+                        let n = if rng.random_bool(0.5) {
+                            PAGE as usize * rng.random_range(1..8)
+                        } else {
+                            rng.random_range(1..3000)
+                        };
                         let off = rng.random_range(0..FILE - n as u64);
                         buf[..n].fill(t as u8 + 1);
                         let _ = f.write_at(&buf[..n], off);
@@ -197,7 +201,10 @@ fn stats_snapshots_stay_sane_while_pages_move_between_objects() {
         if sum == cs.totals.resident_bytes {
             break;
         }
-        assert!(t0.elapsed() < Duration::from_secs(5), "at rest, the objects' resident pages ({sum}) are the cache's\n{cs}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "at rest, the objects' resident pages ({sum}) are the cache's\n{cs}"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
 }

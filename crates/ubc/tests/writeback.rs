@@ -5,8 +5,8 @@
 mod common;
 use common::*;
 use parking_lot::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
 use std::time::{Duration, Instant};
 use ubc::pager::{FaultPager, MemPager};
 use ubc::{Access, Cache, Pager};
@@ -21,10 +21,13 @@ fn eventually(what: &str, cond: impl Fn() -> bool) {
 }
 
 /// A memory pager that logs (name, offset, len) of every put into a shared log.
+/// (pager name, offset, length) of each put, in the order they happened.
+type PutLog = Arc<Mutex<Vec<(&'static str, u64, usize)>>>;
+
 struct Logged {
     name: &'static str,
     inner: MemPager,
-    log: Arc<Mutex<Vec<(&'static str, u64, usize)>>>,
+    log: PutLog,
 }
 
 impl Pager for Logged {
@@ -51,7 +54,11 @@ impl Pager for Logged {
 
 #[test]
 fn expired_dirty_data_is_written_without_sync_oldest_first() {
-    let cache = Cache::builder().budget(16 << 20).writeback(Duration::from_millis(20), Duration::from_millis(200)).build().unwrap();
+    let cache = Cache::builder()
+        .budget(16 << 20)
+        .writeback(Duration::from_millis(20), Duration::from_millis(200))
+        .build()
+        .unwrap();
     let log = Arc::new(Mutex::new(vec![]));
     let a = Arc::new(Logged { name: "a", inner: MemPager::new(), log: log.clone() });
     let b = Arc::new(Logged { name: "b", inner: MemPager::new(), log: log.clone() });
@@ -75,7 +82,11 @@ fn expired_dirty_data_is_written_without_sync_oldest_first() {
 #[test]
 fn young_dirty_data_stays_until_it_expires() {
     // The complement: with a long expiry and little dirty data, nothing is written early.
-    let cache = Cache::builder().budget(16 << 20).writeback(Duration::from_millis(10), Duration::from_secs(3600)).build().unwrap();
+    let cache = Cache::builder()
+        .budget(16 << 20)
+        .writeback(Duration::from_millis(10), Duration::from_secs(3600))
+        .build()
+        .unwrap();
     let mem = Arc::new(MemPager::new());
     let f = cache.open(mem.clone(), Access::ReadWrite).unwrap();
     f.write_at(&[1u8; 100_000], 0).unwrap();

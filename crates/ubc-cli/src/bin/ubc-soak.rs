@@ -313,7 +313,10 @@ struct Progress {
     ptr: *mut AtomicU64,
     _file: Arc<HostFile>,
 }
+// SAFETY: `ptr` points into a shared mapping that lives as long as `_file` (unmapped never);
+// it is only accessed through `AtomicU64`s, which are safe to share between threads.
 unsafe impl Send for Progress {}
+// SAFETY: as for Send: every access is atomic.
 unsafe impl Sync for Progress {}
 
 impl Progress {
@@ -321,6 +324,7 @@ impl Progress {
         let f = std::fs::OpenOptions::new().read(true).write(true).create(create).truncate(create).open(path).ctx(path.display())?;
         f.set_len(4096).ctx("progress set_len")?;
         use std::os::fd::AsRawFd;
+        // SAFETY: a new shared mapping of our own 4 KiB file at a kernel-chosen address.
         let p = unsafe { libc::mmap(std::ptr::null_mut(), 4096, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, f.as_raw_fd(), 0) };
         if p == libc::MAP_FAILED {
             return Err("mmap progress".into());
@@ -329,6 +333,7 @@ impl Progress {
     }
     fn w(&self, i: usize) -> &AtomicU64 {
         assert!(i < 512);
+        // SAFETY: `i < 512` and the mapping holds 512 u64s (4 KiB), aligned (page-aligned).
         unsafe { &*self.ptr.add(i) }
     }
     /// A new counter (for a worker of this process, or handed to a worker process).
@@ -580,6 +585,8 @@ impl Io for HostFile {
     fn map_store(&self, data: &[u8], off: u64) -> R<()> {
         use std::os::fd::AsRawFd;
         let len = data.len();
+        // SAFETY: a new shared mapping of this file (fresh address, aliases nothing), written
+        // only within its `len` bytes and unmapped before returning.
         unsafe {
             let p = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, self.as_raw_fd(), off as i64);
             if p == libc::MAP_FAILED {
@@ -1161,7 +1168,10 @@ struct Row {
 
 fn free_bytes(p: &Path) -> u64 {
     let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: statvfs is plain data (all-zero is valid); `c` is a NUL-terminated path and
+    // `s` a live out-parameter.
     let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
     if unsafe { libc::statvfs(c.as_ptr(), &mut s) } != 0 {
         return u64::MAX;
     }
@@ -1181,6 +1191,8 @@ extern "C" fn on_term(_: libc::c_int) {
 
 fn run(a: RunArgs) -> i32 {
     for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+        // SAFETY: `on_term` is an `extern "C" fn(c_int)` that only stores to an atomic
+        // (async-signal-safe).
         unsafe { libc::signal(sig, on_term as *const () as libc::sighandler_t) };
     }
     let ubc = a.ubc.clone().unwrap_or_else(|| std::env::current_exe().unwrap().with_file_name("ubc"));
@@ -1420,8 +1432,10 @@ fn run_case(ca: &CaseArgs, a: &RunArgs, row: &mut Row) {
         }
         if TERMINATED.load(SeqCst) {
             println!("   terminated: killing the case");
+            // SAFETY: kill has no memory-safety preconditions.
             unsafe { libc::kill(-pgid, libc::SIGKILL) };
             for p in prog.dump_pids() {
+                // SAFETY: as above.
                 unsafe { libc::kill(p as i32, libc::SIGKILL) };
             }
             let _ = child.wait();
@@ -1439,8 +1453,10 @@ fn run_case(ca: &CaseArgs, a: &RunArgs, row: &mut Row) {
             let path = ca.dir.join("stall-stacks.txt");
             dump_stacks(&pids, &path);
             // Kill the case: its process group holds ubc mount, fio and the workers.
+            // SAFETY: kill has no memory-safety preconditions.
             unsafe { libc::kill(-pgid, libc::SIGKILL) };
             for p in &pids {
+                // SAFETY: as above.
                 unsafe { libc::kill(*p as i32, libc::SIGKILL) };
             }
             lazy_unmount_under(&ca.dir);

@@ -14,22 +14,28 @@ use std::time::{Duration, Instant};
 pub fn dump_threads() {
     extern "C" fn on_signal(_: libc::c_int) {
         let bt = std::backtrace::Backtrace::force_capture();
+        // SAFETY: gettid takes no arguments and cannot fail.
         let tid = unsafe { libc::syscall(libc::SYS_gettid) };
         let name = std::thread::current().name().unwrap_or("?").to_string();
         let text = format!("---- thread {tid} ({name}) ----\n{bt}\n");
         // One write per thread, so the dumps do not interleave.
+        // SAFETY: `text` is a live buffer of `text.len()` bytes; fd 2 is stderr.
         unsafe { libc::write(2, text.as_ptr().cast(), text.len()) };
     }
+    // SAFETY: a zeroed sigaction is a valid "no flags, empty mask" value; the handler is an
+    // `extern "C" fn(c_int)`, as SA_SIGINFO is not set.
     unsafe {
         let mut sa: libc::sigaction = std::mem::zeroed();
         sa.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
         sa.sa_flags = libc::SA_RESTART;
         libc::sigaction(libc::SIGUSR2, &sa, std::ptr::null_mut());
     }
+    // SAFETY: gettid takes no arguments and cannot fail.
     let me = unsafe { libc::syscall(libc::SYS_gettid) };
     for e in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
         let tid: i64 = e.file_name().to_string_lossy().parse().unwrap_or(0);
         if tid != 0 && tid != me {
+            // SAFETY: signals a thread of this process; the handler was installed above.
             unsafe { libc::syscall(libc::SYS_tgkill, libc::getpid(), tid, libc::SIGUSR2) };
             std::thread::sleep(Duration::from_millis(200));
         }

@@ -4,8 +4,8 @@
 //! keeps free space between the low and high watermarks.
 
 use super::*;
-use crate::object::Pass;
 use crate::evict::{EvictAttempt, PageKey, PageProbe};
+use crate::object::Pass;
 
 #[derive(Default)]
 pub(super) struct DaemonCtl {
@@ -100,11 +100,7 @@ impl CacheCore {
     /// with the cache full of dirty upper pages it would otherwise compete for each freed
     /// page with every thread that is dirtying more.
     fn limit(&self) -> u64 {
-        if crate::order::in_pager() {
-            self.budget_pages
-        } else {
-            self.budget_pages - self.reserve_pages
-        }
+        if crate::order::in_pager() { self.budget_pages } else { self.budget_pages - self.reserve_pages }
     }
 
     /// Pages free for ordinary use (the reserve excluded) when `resident` are resident: what
@@ -254,10 +250,10 @@ impl Prober<'_> {
                 if k.index < done_to {
                     continue;
                 }
-                if let Err(e) = obj.writeback(k.index, k.index + max, Pass::Inline) {
-                    if first.is_ok() {
-                        first = Err(e);
-                    }
+                if let Err(e) = obj.writeback(k.index, k.index + max, Pass::Inline)
+                    && first.is_ok()
+                {
+                    first = Err(e);
                 }
                 done_to = k.index + max;
             }

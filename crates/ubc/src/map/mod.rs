@@ -120,9 +120,9 @@ pub(crate) fn probe() -> Result<Features, Unavailable> {
         // The registration `MapService::register` makes for a shared writable mapping, and
         // the range ioctls the service calls on it.
         let need = range_ioctl::CONTINUE | range_ioctl::WAKE | range_ioctl::WRITEPROTECT | range_ioctl::POISON;
-        let got = uffd
-            .register(user, page, Mode { missing: true, minor: true, wp: true })
-            .map_err(|e| fail(format!("userfaultfd: registering a memfd mapping for MISSING + MINOR + WP failed: {e}")))?;
+        let got = uffd.register(user, page, Mode { missing: true, minor: true, wp: true }).map_err(|e| {
+            fail(format!("userfaultfd: registering a memfd mapping for MISSING + MINOR + WP failed: {e}"))
+        })?;
         if got & need != need {
             return Err(fail(format!(
                 "userfaultfd: a MISSING + MINOR + WP memfd range lacks ioctls (offered 0x{got:x}, needed 0x{need:x})"

@@ -113,7 +113,11 @@ impl MapService {
     /// Probe the kernel and start `threads` handler threads; without userfaultfd (or with
     /// `use_uffd` false), a service in populate mode.
     pub(crate) fn start(use_uffd: bool, threads: usize) -> Arc<MapService> {
-        let kernel = if use_uffd { open_kernel() } else { Err("userfaultfd disabled by CacheBuilder::userfaultfd(false)".into()) };
+        let kernel = if use_uffd {
+            open_kernel()
+        } else {
+            Err("userfaultfd disabled by CacheBuilder::userfaultfd(false)".into())
+        };
         let mode = match &kernel {
             Ok(_) => "userfaultfd".to_string(),
             Err(why) => format!("populate ({why})"),
@@ -278,7 +282,10 @@ impl MapService {
         if k.pagemap.take_written(start, len, &mut runs).is_err() {
             // Cannot happen for a range registered WP on a WP_ASYNC uffd; if it did, the
             // safe answer is that every page may be written.
-            runs = vec![start..start + len];
+            #[allow(clippy::single_range_in_vec_init)] // one run: the whole mapping
+            {
+                runs = vec![start..start + len];
+            }
         }
         for r in runs {
             let first = (m.offset + (r.start - m.addr) as u64) >> ps;
@@ -378,7 +385,11 @@ impl MapService {
         let last = if minor {
             page
         } else {
-            let c = if m.next.load(Relaxed) == page { (m.cluster.load(Relaxed) * 2).min(CLUSTER_MAX) } else { CLUSTER_INIT };
+            let c = if m.next.load(Relaxed) == page {
+                (m.cluster.load(Relaxed) * 2).min(CLUSTER_MAX)
+            } else {
+                CLUSTER_INIT
+            };
             m.cluster.store(c, Relaxed);
             (page + c - 1).min(end - 1)
         };

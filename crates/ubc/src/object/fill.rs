@@ -74,9 +74,8 @@ impl Object {
         let bytes = (n << self.ps()) as usize;
         // SAFETY: the window maps the whole chunk; the caller holds these pages BUSY, so no
         // one else reads or writes these bytes, and the window cannot be retired.
-        let buf = unsafe {
-            std::slice::from_raw_parts_mut(win.add((offset - self.chunk_offset(chunk)) as usize), bytes)
-        };
+        let buf =
+            unsafe { std::slice::from_raw_parts_mut(win.add((offset - self.chunk_offset(chunk)) as usize), bytes) };
         let sh = self.counters.mine();
         bump(&sh.get_calls, 1);
         match self.call_pager(PagerOp::GetPages, offset, |p| p.get_pages(offset, buf)) {
@@ -95,7 +94,15 @@ impl Object {
 
     /// Make filled BUSY pages valid (as `publish` says) and hand them to the replacement
     /// policy; `mark` puts the read-ahead trigger on one of them.
-    pub(crate) fn publish_filled(&self, chunk: &Chunk, first: u64, n: u64, publish: Publish, admission: Admission, mark: Option<u64>) {
+    pub(crate) fn publish_filled(
+        &self,
+        chunk: &Chunk,
+        first: u64,
+        n: u64,
+        publish: Publish,
+        admission: Admission,
+        mark: Option<u64>,
+    ) {
         let (dirty, pin) = (publish == Publish::Dirty, publish == Publish::Pinned);
         let base = chunk.index << self.core.chunk_shift;
         // Insert into the policy before the pages become visible as valid: a page must
@@ -122,7 +129,12 @@ impl Object {
             self.publish_dirtied(n);
         }
         for p in first..first + n {
-            chunk.pages[(p - base) as usize].finish_fill(dirty, pins, admission == Admission::ReadAhead, mark == Some(p));
+            chunk.pages[(p - base) as usize].finish_fill(
+                dirty,
+                pins,
+                admission == Admission::ReadAhead,
+                mark == Some(p),
+            );
         }
         if let Some(svc) = svc {
             for m in self.maps.read().iter() {

@@ -42,10 +42,10 @@ impl Object {
                 self.core.flusher.unreserve();
             }
         }
-        if n > 0 {
-            if let Some(svc) = self.core.maps.get() {
-                svc.scan_dirty.fetch_add(n, Relaxed);
-            }
+        if n > 0
+            && let Some(svc) = self.core.maps.get()
+        {
+            svc.scan_dirty.fetch_add(n, Relaxed);
         }
         n
     }

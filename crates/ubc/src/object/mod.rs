@@ -20,17 +20,17 @@
 //! * the cache's policy mutex — only on fills, truncation and reclaim, never on hits.
 
 use crate::cache::CacheCore;
-use crate::map::UserMap;
 use crate::error::{Error, PagerOp, Result};
 use crate::evict::{Admission, PageKey};
+use crate::map::UserMap;
 use crate::memfd::Memfd;
 use crate::page::state::{self, Pin, WriteLock};
 use crate::page::table::{Chunk, PageTable};
 use crate::pager::{Fill, Pager};
-use crate::stats::{bump, Counters, Stats};
+use crate::stats::{Counters, Stats, bump};
 use parking_lot::{Mutex, RwLock};
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
 use std::sync::{Arc, OnceLock, Weak};
 
 mod evict;
@@ -113,10 +113,15 @@ pub(crate) struct Object {
     pub(crate) wb_errors: crate::errseq::WbErrors,
 }
 
-
 impl Object {
-    pub(crate) fn new(id: u64, core: Arc<CacheCore>, pager: Arc<dyn Pager>, key: crate::cache::ObjectKey) -> Result<Arc<Object>> {
-        let len = pager.len().map_err(|e| Error::Io { op: PagerOp::Len, offset: 0, object: pager.describe(), source: e })?;
+    pub(crate) fn new(
+        id: u64,
+        core: Arc<CacheCore>,
+        pager: Arc<dyn Pager>,
+        key: crate::cache::ObjectKey,
+    ) -> Result<Arc<Object>> {
+        let len =
+            pager.len().map_err(|e| Error::Io { op: PagerOp::Len, offset: 0, object: pager.describe(), source: e })?;
         Ok(Arc::new_cyclic(|me| Object {
             id,
             me: me.clone(),

@@ -27,7 +27,7 @@ impl Object {
             // Zero the cached last page's tail only now: a fill of that page in flight
             // (read-ahead) may have read the store before it was truncated; `zero_tail`
             // waits for it, and fills that start later read the truncated store.
-            return if new % (1 << ps) != 0 { self.zero_tail(new) } else { Ok(()) };
+            return if !new.is_multiple_of(1 << ps) { self.zero_tail(new) } else { Ok(()) };
         } else {
             // Growing: the pager first, so that a refusal (a layer's own limit, an I/O
             // error) leaves the file as it was instead of longer than its store can be.
@@ -175,11 +175,11 @@ impl Object {
                 if new < old {
                     // Pages past the new end read as SIGBUS in mappings, as after set_len.
                     self.drop_pages(new.div_ceil(1 << ps), u64::MAX)?;
-                } else if self.nmaps.load(SeqCst) > 0 {
-                    if let Some(svc) = self.core.maps.get() {
-                        for m in self.maps.read().iter() {
-                            svc.unpoison(m, old.div_ceil(1 << ps), new.div_ceil(1 << ps), ps);
-                        }
+                } else if self.nmaps.load(SeqCst) > 0
+                    && let Some(svc) = self.core.maps.get()
+                {
+                    for m in self.maps.read().iter() {
+                        svc.unpoison(m, old.div_ceil(1 << ps), new.div_ceil(1 << ps), ps);
                     }
                 }
             }

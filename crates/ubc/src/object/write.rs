@@ -57,13 +57,11 @@ impl Object {
                 let page_off = page << self.ps();
                 let covers = overwrite && from == page_off && to == page_off + (1 << self.ps());
                 let fresh = covers || page_off >= self.len();
-                if !fresh {
-                    if let Err(e) = self.fill_locked(chunk, page, 1) {
-                        self.core.unreserve(1);
-                        self.core.unreserve_dirty();
-                        st.release_empty();
-                        return Err(e);
-                    }
+                if !fresh && let Err(e) = self.fill_locked(chunk, page, 1) {
+                    self.core.unreserve(1);
+                    self.core.unreserve_dirty();
+                    st.release_empty();
+                    return Err(e);
                 }
                 Ok(Held::Filled(chunk, page, fresh))
             }
@@ -131,7 +129,9 @@ impl Object {
                 let was_clean = st.end_write();
                 debug_assert!(!was_clean, "a held page is dirty from the start of the write");
             }
-            Held::Filled(chunk, page, _) => self.publish_filled(chunk, page, 1, Publish::Dirty, Admission::Demand, None),
+            Held::Filled(chunk, page, _) => {
+                self.publish_filled(chunk, page, 1, Publish::Dirty, Admission::Demand, None)
+            }
         }
     }
 
@@ -184,7 +184,11 @@ impl Object {
                     // SAFETY: we hold the page (WRITING or BUSY): no other writer, no
                     // eviction, no window retirement; the window maps the whole chunk.
                     unsafe {
-                        std::ptr::copy_nonoverlapping(src.as_ptr(), win.add((pos - self.chunk_offset(chunk)) as usize), src.len());
+                        std::ptr::copy_nonoverlapping(
+                            src.as_ptr(),
+                            win.add((pos - self.chunk_offset(chunk)) as usize),
+                            src.len(),
+                        );
                     }
                 })
             };

@@ -107,9 +107,8 @@ impl Object {
         } else {
             self.memfd().and_then(|m| self.core.windows.address(chunk, m)).and_then(|win| {
                 // SAFETY: pages held WRITEBACK (stable: no writer, no eviction, no retirement).
-                let data = unsafe {
-                    std::slice::from_raw_parts(win.add((offset - self.chunk_offset(chunk)) as usize), bytes)
-                };
+                let data =
+                    unsafe { std::slice::from_raw_parts(win.add((offset - self.chunk_offset(chunk)) as usize), bytes) };
                 bump(&sh.put_calls, 1);
                 self.call_pager(PagerOp::PutPages, offset, |p| {
                     p.put_pages(offset, data).inspect_err(|e| self.wb_errors.retained(PagerOp::PutPages, e))

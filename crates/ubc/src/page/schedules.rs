@@ -243,7 +243,11 @@ impl Page {
     fn observe(&self) {
         let s = self.st.load();
         if s & (VALID | DIRTY | BUSY | WRITING | WRITEBACK) == VALID && self.storing.load(SeqCst) == 0 {
-            assert_eq!(self.data.load(SeqCst), self.disk.load(SeqCst), "a clean idle page differs from the pager ({s:#x})");
+            assert_eq!(
+                self.data.load(SeqCst),
+                self.disk.load(SeqCst),
+                "a clean idle page differs from the pager ({s:#x})"
+            );
         }
     }
 

@@ -188,9 +188,7 @@ impl PageState {
             if done(s) {
                 return s;
             }
-            if s & WAITERS == 0
-                && self.0.compare_exchange(s, s | WAITERS, SeqCst, SeqCst).is_err()
-            {
+            if s & WAITERS == 0 && self.0.compare_exchange(s, s | WAITERS, SeqCst, SeqCst).is_err() {
                 continue;
             }
             // Whoever waits here checked the lock order first (`order::check_wait` with the
@@ -306,9 +304,7 @@ impl PageState {
                 if self.0.compare_exchange(s, s | WRITING, SeqCst, SeqCst).is_ok() {
                     return WriteLock::Resident;
                 }
-            } else if pins(s) == 0
-                && self.0.compare_exchange(s, (s & WAITERS) | BUSY, SeqCst, SeqCst).is_ok()
-            {
+            } else if pins(s) == 0 && self.0.compare_exchange(s, (s & WAITERS) | BUSY, SeqCst, SeqCst).is_ok() {
                 return WriteLock::Empty;
             }
         }
@@ -503,17 +499,19 @@ mod tests {
             let threads: Vec<_> = (0..8)
                 .map(|_| {
                     let (p, fills) = (p.clone(), fills.clone());
-                    std::thread::spawn(move || loop {
-                        match p.pin() {
-                            Pin::Pinned { .. } => {
-                                p.unpin();
-                                return;
-                            }
-                            Pin::Invalid => {
-                                if p.try_lock_empty() {
-                                    fills.fetch_add(1, SeqCst);
-                                    std::thread::yield_now();
-                                    p.finish_fill(false, 0, false, false);
+                    std::thread::spawn(move || {
+                        loop {
+                            match p.pin() {
+                                Pin::Pinned { .. } => {
+                                    p.unpin();
+                                    return;
+                                }
+                                Pin::Invalid => {
+                                    if p.try_lock_empty() {
+                                        fills.fetch_add(1, SeqCst);
+                                        std::thread::yield_now();
+                                        p.finish_fill(false, 0, false, false);
+                                    }
                                 }
                             }
                         }

@@ -209,6 +209,9 @@ fn visit(node: *mut Node, level: u32, base: u64, from: u64, to: u64, f: &mut dyn
 
 /// Free a subtree. => exclusive access.
 unsafe fn free_child(child: *mut (), level: u32) {
+    // SAFETY: `child` came from `Box::into_raw` of a `Chunk` (level 1) or a `Node` (above),
+    // as the tree stores them, and the caller's exclusive access means nothing else frees or
+    // reads it.
     unsafe {
         if level == 1 {
             drop(Box::from_raw(child as *mut Chunk));
@@ -272,12 +275,20 @@ mod tests {
             .map(|k| {
                 let t = t.clone();
                 std::thread::spawn(move || {
-                    (0..2000u64).map(|i| t.get_or_create((i * 7919 + k) % 3000) as *const Chunk as usize).count()
+                    let mut seen = std::collections::HashMap::new();
+                    for i in 0..2000u64 {
+                        let ci = (i * 7919 + k) % 3000;
+                        seen.insert(ci, t.get_or_create(ci) as *const Chunk as usize);
+                    }
+                    seen
                 })
             })
             .collect();
+        // Every thread that asked for a chunk got the one the table keeps.
         for h in hs {
-            h.join().unwrap();
+            for (ci, chunk) in h.join().unwrap() {
+                assert_eq!(t.get(ci).map(|c| c as *const Chunk as usize), Some(chunk), "chunk {ci}");
+            }
         }
         let mut n = 0;
         t.for_each(0, u64::MAX, |_| n += 1);

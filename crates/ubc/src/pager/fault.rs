@@ -5,8 +5,8 @@
 
 use super::{Fill, Identity, IoMode, Pager};
 use std::io;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering::*};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering::*};
 use std::time::{Duration, Instant};
 
 /// What to break, shared by any number of [`FaultPager`]s.

@@ -55,9 +55,7 @@ impl Pager for MemPager {
 
     fn put_pages(&self, offset: u64, data: &[u8]) -> io::Result<()> {
         let mut store = self.inner.write();
-        let end = offset
-            .checked_add(data.len() as u64)
-            .ok_or_else(|| io::Error::from_raw_os_error(libc::EFBIG))?;
+        let end = offset.checked_add(data.len() as u64).ok_or_else(|| io::Error::from_raw_os_error(libc::EFBIG))?;
         let mut pos = offset;
         while pos < end {
             let b = pos / BLOCK;
@@ -81,10 +79,10 @@ impl Pager for MemPager {
         if len < store.len {
             let keep = len.div_ceil(BLOCK);
             let _dropped = store.blocks.split_off(&keep);
-            if len % BLOCK != 0 {
-                if let Some(block) = store.blocks.get_mut(&(len / BLOCK)) {
-                    block[(len % BLOCK) as usize..].fill(0);
-                }
+            if !len.is_multiple_of(BLOCK)
+                && let Some(block) = store.blocks.get_mut(&(len / BLOCK))
+            {
+                block[(len % BLOCK) as usize..].fill(0);
             }
         }
         store.len = len;

@@ -64,6 +64,7 @@ pub enum Identity {
 /// length (so a store never grows past the length the cache knows). Calls may come from
 /// several threads at once, for different ranges; implementations must be thread-safe.
 /// Errors are returned as they are: the cache adds context and decides what to retry.
+#[allow(clippy::len_without_is_empty)] // `len` is a file's length; emptiness is not a question a pager answers
 pub trait Pager: Send + Sync + 'static {
     /// `VOP_GETPAGES`: fill `buf` with the bytes at `offset..offset+buf.len()`.
     /// Bytes past the end of the store read as zero. May answer [`Fill::Hole`] without
