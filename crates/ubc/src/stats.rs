@@ -106,7 +106,7 @@ pub struct CacheStats {
     pub map_mode: String,
     /// User mappings alive now.
     pub mappings: u64,
-    /// Faults resolved by the cache, pages they mapped, and faults answered with SIGBUS
+    /// Injector resolved by the cache, pages they mapped, and faults answered with SIGBUS
     /// (past the end of the file, or a pager error).
     pub map_faults: u64,
     pub map_fault_pages: u64,

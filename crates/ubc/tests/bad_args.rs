@@ -113,7 +113,7 @@ fn offsets_past_2_63_and_overflowing_ends() {
 fn a_refused_growth_leaves_the_length() {
     guarded("refused growth", 60, || {
         let cache = small_cache(4 << 20);
-        let (f, fault, mem) = faulty_file(&cache);
+        let (f, fault, mem) = injected_file(&cache);
         f.write_at(b"abc", 0).unwrap();
         f.sync().unwrap();
         fault.fail_set_len(Some(libc::EINVAL));

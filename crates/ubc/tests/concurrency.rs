@@ -6,7 +6,7 @@ use rand::{Rng, RngExt, SeedableRng, rngs::StdRng};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
-use ubc::pager::{FaultPager, MemPager};
+use ubc::pager::{InjectingPager, MemPager};
 use ubc::{Access, Cache, Pager};
 
 #[test]
@@ -15,7 +15,7 @@ fn concurrent_misses_on_one_page_do_one_io() {
         let cache = small_cache(1 << 20);
         let mem = Arc::new(MemPager::new());
         mem.put_pages(0, &pattern(round, 0, 1 << 16)).unwrap();
-        let fault = Arc::new(FaultPager::new(mem.clone()));
+        let fault = Arc::new(InjectingPager::new(mem.clone()));
         fault.set_delay(Duration::from_millis(5)); // make the race window wide
         let f = Arc::new(cache.open(fault.clone(), Access::ReadOnly).unwrap());
         let barrier = Arc::new(Barrier::new(8));

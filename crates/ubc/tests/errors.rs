@@ -9,7 +9,7 @@ use ubc::{Access, Cache, Error, Pager, PagerOp};
 #[test]
 fn read_error_reaches_read_at_and_leaves_nothing_behind() {
     let cache = small_cache(1 << 20);
-    let (f, fault, mem) = faulty_file(&cache);
+    let (f, fault, mem) = injected_file(&cache);
     mem.put_pages(0, &pattern(1, 0, 65536)).unwrap();
     // The object was opened when the store was empty: reopen to see the length.
     drop(f);
@@ -39,7 +39,7 @@ fn read_error_reaches_read_at_and_leaves_nothing_behind() {
 #[test]
 fn failed_writeback_keeps_pages_dirty_until_the_pager_recovers() {
     let cache = small_cache(1 << 20);
-    let (f, fault, mem) = faulty_file(&cache);
+    let (f, fault, mem) = injected_file(&cache);
     let data = pattern(7, 0, 40_000);
     f.write_at(&data, 0).unwrap();
     fault.fail_writes(Some(libc::ENOSPC));
@@ -65,7 +65,7 @@ fn writeback_error_under_memory_pressure_loses_nothing() {
     // A budget far smaller than the data: reclaim must write back to make room, and the
     // pager fails transiently. Every byte must still arrive.
     let cache = Cache::builder().budget(64 << 10).reserve_timeout(std::time::Duration::from_secs(2)).build().unwrap();
-    let (f, fault, mem) = faulty_file(&cache);
+    let (f, fault, mem) = injected_file(&cache);
     fault.fail_writes(Some(libc::EIO));
     fault.fail_only_next(3);
     let data = pattern(11, 0, 1 << 20);
@@ -86,7 +86,7 @@ fn writeback_error_under_memory_pressure_loses_nothing() {
 #[test]
 fn sync_error_is_reported_and_retried() {
     let cache = small_cache(1 << 20);
-    let (f, fault, _mem) = faulty_file(&cache);
+    let (f, fault, _mem) = injected_file(&cache);
     f.write_at(b"abc", 0).unwrap();
     fault.fail_syncs(Some(libc::EIO));
     assert!(matches!(f.sync(), Err(Error::Io { op: PagerOp::Sync, .. })));
@@ -97,7 +97,7 @@ fn sync_error_is_reported_and_retried() {
 #[test]
 fn set_len_error_is_reported() {
     let cache = small_cache(1 << 20);
-    let (f, fault, _mem) = faulty_file(&cache);
+    let (f, fault, _mem) = injected_file(&cache);
     fault.fail_set_len(Some(libc::EIO));
     assert!(matches!(f.set_len(100), Err(Error::Io { op: PagerOp::SetLen, offset: 100, .. })));
     fault.heal();
@@ -188,7 +188,7 @@ fn window_larger_than_budget_is_an_error_not_a_hang() {
 fn truncate_at_the_dirty_limit_with_a_failing_store_loses_no_zeroing() {
     let cache = Cache::builder().budget(8 * 4096).daemon(false).build().unwrap();
     let mem = Arc::new(MemPager::new());
-    let fault = Arc::new(ubc::pager::FaultPager::new(mem.clone()));
+    let fault = Arc::new(ubc::pager::InjectingPager::new(mem.clone()));
     let f = cache.open(fault.clone(), Access::ReadWrite).unwrap();
     f.write_at(&[0xAA; 3 * 4096], 0).unwrap();
     f.sync().unwrap();
@@ -223,7 +223,7 @@ fn a_failed_pager_sync_reaches_every_handle_once() {
     // The PostgreSQL 2018 case: one fsync fails, the kernel forgets, the next fsync
     // succeeds. Every handle that may have data in the file must hear of it.
     let cache = small_cache(1 << 20);
-    let (a, fault, _mem) = faulty_file(&cache);
+    let (a, fault, _mem) = injected_file(&cache);
     let b = a.try_clone().unwrap();
     let c = a.reopen(Access::ReadOnly).unwrap();
     a.write_at(b"first", 0).unwrap();
@@ -248,7 +248,7 @@ fn a_failed_pager_sync_reaches_every_handle_once() {
 #[test]
 fn a_failed_sync_nobody_was_told_of_reaches_the_next_opener() {
     let cache = small_cache(1 << 20);
-    let (a, fault, _mem) = faulty_file(&cache);
+    let (a, fault, _mem) = injected_file(&cache);
     a.write_at(b"data", 0).unwrap();
     // A cache-wide sync fails: no handle got that error.
     fault.fail_syncs(Some(libc::EIO));
@@ -264,7 +264,7 @@ fn a_failed_sync_nobody_was_told_of_reaches_the_next_opener() {
 #[test]
 fn a_background_writeback_failure_is_reported_at_close_while_the_data_is_still_dirty() {
     let cache = small_cache(1 << 20);
-    let (writer, fault, mem) = faulty_file(&cache);
+    let (writer, fault, mem) = injected_file(&cache);
     let other = writer.try_clone().unwrap();
     let reader = writer.reopen(Access::ReadOnly).unwrap();
     writer.write_at(&pattern(3, 0, 8192), 0).unwrap();
@@ -287,7 +287,7 @@ fn a_background_writeback_failure_is_reported_at_close_while_the_data_is_still_d
 #[test]
 fn a_writeback_failure_later_retried_successfully_is_not_an_error() {
     let cache = small_cache(1 << 20);
-    let (a, fault, mem) = faulty_file(&cache);
+    let (a, fault, mem) = injected_file(&cache);
     let b = a.try_clone().unwrap();
     a.write_at(&pattern(4, 0, 4096), 0).unwrap();
     fault.fail_writes(Some(libc::EIO));

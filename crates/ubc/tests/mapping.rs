@@ -9,7 +9,7 @@ mod common;
 use common::*;
 use std::os::unix::process::ExitStatusExt;
 use std::sync::Arc;
-use ubc::pager::{FaultPager, FilePager, MemPager};
+use ubc::pager::{FilePager, InjectingPager, MemPager};
 use ubc::{Access, Cache, Sharing};
 
 const PS: usize = 4096;
@@ -218,7 +218,7 @@ fn a_page_stored_to_during_writeback_ends_up_dirty_again() {
     let cache = Cache::builder().budget(16 << 20).build().unwrap();
     let mem = Arc::new(MemPager::new());
     ubc::Pager::put_pages(&*mem, 0, &vec![1u8; 64 << 10]).unwrap();
-    let slow = Arc::new(FaultPager::new(mem.clone()));
+    let slow = Arc::new(InjectingPager::new(mem.clone()));
     let f = cache.open(slow.clone(), Access::ReadWrite).unwrap();
     let mut m = f.map(0..64 << 10, Access::ReadWrite, Sharing::Shared).unwrap();
     m[100] = 2;
@@ -295,7 +295,7 @@ fn a_pager_error_raises_sigbus_and_other_mappings_keep_working() {
     let cache = Cache::builder().budget(16 << 20).build().unwrap();
     let mem = Arc::new(MemPager::new());
     ubc::Pager::put_pages(&*mem, 0, &pattern(9, 0, 1 << 20)).unwrap();
-    let bad = Arc::new(FaultPager::new(mem.clone()));
+    let bad = Arc::new(InjectingPager::new(mem.clone()));
     let f = cache.open(bad.clone(), Access::ReadOnly).unwrap();
     let (g, _) = mem_file(&cache, &pattern(10, 0, 1 << 20));
     let mf = f.map(0..1 << 20, Access::ReadOnly, Sharing::Shared).unwrap();
@@ -531,7 +531,7 @@ fn a_store_found_during_a_failing_writeback_is_counted_once() {
     let cache = Cache::builder().budget(16 << 20).build().unwrap();
     let mem = Arc::new(MemPager::new());
     ubc::Pager::put_pages(&*mem, 0, &vec![1u8; 64 << 10]).unwrap();
-    let pager = Arc::new(FaultPager::new(mem.clone()));
+    let pager = Arc::new(InjectingPager::new(mem.clone()));
     let f = cache.open(pager.clone(), Access::ReadWrite).unwrap();
     let mut m = f.map(0..64 << 10, Access::ReadWrite, Sharing::Shared).unwrap();
     m[100] = 2;

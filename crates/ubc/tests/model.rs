@@ -7,7 +7,7 @@ mod common;
 use common::*;
 use proptest::prelude::*;
 use std::sync::Arc;
-use ubc::pager::{FaultPager, MemPager};
+use ubc::pager::{InjectingPager, MemPager};
 use ubc::{Access, Cache, Mapping, Pager, Sharing};
 
 #[derive(Debug, Clone)]
@@ -107,7 +107,7 @@ fn run(ops: Vec<Op>, budget_pages: u64, window: usize) {
     let cache =
         Cache::builder().budget(budget_pages * 4096).window_size(window).daemon(budget_pages > 4).build().unwrap();
     let mem = Arc::new(MemPager::new());
-    let fault = Arc::new(FaultPager::new(mem.clone()));
+    let fault = Arc::new(InjectingPager::new(mem.clone()));
     let mut f = cache.open(fault.clone(), Access::ReadWrite).unwrap();
     let mut model: Vec<u8> = Vec::new();
     let mut failing = false;

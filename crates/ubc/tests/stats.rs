@@ -10,7 +10,7 @@ use rand::{RngExt, SeedableRng, rngs::StdRng};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
 use std::time::{Duration, Instant};
-use ubc::pager::{FaultPager, MemPager};
+use ubc::pager::{InjectingPager, MemPager};
 use ubc::{Access, Cache, Sharing, Stats};
 
 const BUDGET: u64 = 512 << 10;
@@ -57,7 +57,7 @@ fn stats_snapshots_stay_sane_while_pages_move_between_objects() {
     for i in 0..FILES {
         let mem = Arc::new(MemPager::new());
         ubc::Pager::put_pages(&*mem, 0, &pattern(i as u64, 0, FILE as usize)).unwrap();
-        let fault = Arc::new(FaultPager::new(mem));
+        let fault = Arc::new(InjectingPager::new(mem));
         files.push(Arc::new(cache.open(fault.clone(), Access::ReadWrite).unwrap()));
         faults.push(fault);
     }

@@ -8,7 +8,7 @@ use parking_lot::Mutex;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
 use std::time::{Duration, Instant};
-use ubc::pager::{FaultPager, MemPager};
+use ubc::pager::{InjectingPager, MemPager};
 use ubc::{Access, Cache, Pager};
 
 /// Wait (bounded, generous) until `cond` holds; panics with `what` otherwise.
@@ -116,7 +116,7 @@ fn throttling_keeps_unclean_memory_within_its_limit() {
     let budget = 4u64 << 20;
     let cache = Cache::builder().budget(budget).dirty_ratios(10, 30).max_put(64 << 10).build().unwrap();
     let mem = Arc::new(MemPager::new());
-    let slow = Arc::new(FaultPager::new(mem.clone()));
+    let slow = Arc::new(InjectingPager::new(mem.clone()));
     // A store much slower than memory: 64 KiB per 20 ms per I/O thread (~13 MB/s).
     slow.set_delay(Duration::from_millis(20));
     let f = Arc::new(cache.open(slow.clone(), Access::ReadWrite).unwrap());
@@ -173,7 +173,7 @@ fn throttling_keeps_unclean_memory_within_its_limit() {
 fn a_failing_store_at_the_dirty_limit_returns_an_error_not_a_hang() {
     let cache = Cache::builder().budget(2 << 20).build().unwrap();
     let mem = Arc::new(MemPager::new());
-    let fault = Arc::new(FaultPager::new(mem.clone()));
+    let fault = Arc::new(InjectingPager::new(mem.clone()));
     fault.fail_writes(Some(libc::ENOSPC));
     let f = cache.open(fault.clone(), Access::ReadWrite).unwrap();
     let mut err = None;

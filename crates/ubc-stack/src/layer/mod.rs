@@ -16,7 +16,7 @@
 
 pub mod dir;
 #[cfg(feature = "testing")]
-pub mod fault;
+pub mod inject;
 pub mod general;
 pub mod mem;
 pub mod null;

@@ -8,14 +8,14 @@
 //! The trait is object safe and has no ubc-internal types in it, so layers and object
 //! stores outside this crate implement it directly.
 
-#[cfg(feature = "testing")]
-mod fault;
 mod file;
+#[cfg(feature = "testing")]
+mod inject;
 mod mem;
 
-#[cfg(feature = "testing")]
-pub use fault::{FaultCounts, FaultPager, Faults};
 pub use file::FilePager;
+#[cfg(feature = "testing")]
+pub use inject::{InjectedCounts, InjectingPager, Injector};
 pub use mem::MemPager;
 
 use std::io;

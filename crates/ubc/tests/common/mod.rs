@@ -2,7 +2,7 @@
 //! Helpers shared by the integration tests.
 
 use std::sync::Arc;
-use ubc::pager::{FaultPager, MemPager};
+use ubc::pager::{InjectingPager, MemPager};
 use ubc::{Access, Cache, File};
 
 /// Deterministic test data: byte `i` of stream `seed`.
@@ -20,9 +20,9 @@ pub fn small_cache(budget: u64) -> Cache {
 }
 
 /// A file on a memory pager behind a fault injector; returns both.
-pub fn faulty_file(cache: &Cache) -> (File, Arc<FaultPager>, Arc<MemPager>) {
+pub fn injected_file(cache: &Cache) -> (File, Arc<InjectingPager>, Arc<MemPager>) {
     let mem = Arc::new(MemPager::new());
-    let fault = Arc::new(FaultPager::new(mem.clone()));
+    let fault = Arc::new(InjectingPager::new(mem.clone()));
     let f = cache.open(fault.clone(), Access::ReadWrite).unwrap();
     (f, fault, mem)
 }

@@ -1,14 +1,14 @@
-//! Fault injection at every level of a stack (issue 7, item 1): errors reach the caller of
+//! Errors injected at every level of a stack: errors reach the caller of
 //! `read_at`, `sync`, `Mapping::flush` and `close`; a failed writeback keeps the data and
 //! is retried; every handle hears of a lost sync; the cache keeps serving other files;
 //! torn transfers and hangs leave no garbage behind.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use ubc::pager::Faults;
+use ubc::pager::Injector;
 use ubc_stack::compress::CompressOptions;
 use ubc_stack::encrypt::Key;
-use ubc_stack::layer::{fault::Fault, general::{Aead, Zstd}, dir::Dir, Layer};
+use ubc_stack::layer::{inject::Inject, general::{Aead, Zstd}, dir::Dir, Layer};
 use ubc_stack::{OpenOptions, Stack};
 
 /// Where the fault layer sits in `dir | zstd | aead`.
@@ -38,12 +38,12 @@ fn fx() -> Fx {
     Fx { data, key: Arc::new(Key::generate()), _tmp: tmp }
 }
 
-fn stack(fx: &Fx, at: At, faults: &Arc<Faults>, cache: ubc::Cache) -> Stack {
+fn stack(fx: &Fx, at: At, faults: &Arc<Injector>, cache: ubc::Cache) -> Stack {
     let f = faults.clone();
-    let fault_over = |l: Arc<dyn Layer>| -> Arc<dyn Layer> { Arc::new(Fault::over(l, f.clone())) };
+    let fault_over = |l: Arc<dyn Layer>| -> Arc<dyn Layer> { Arc::new(Inject::over(l, f.clone())) };
     let mut b = Stack::builder(cache);
     b = match at {
-        At::Store => b.push(|_| Ok(Arc::new(Fault::dir(&fx.data, faults.clone())?))).unwrap(),
+        At::Store => b.push(|_| Ok(Arc::new(Inject::dir(&fx.data, faults.clone())?))).unwrap(),
         _ => b.push(|_| Ok(Arc::new(Dir::new(&fx.data)?))).unwrap(),
     };
     if let At::AboveDir = at {
@@ -105,7 +105,7 @@ fn has_errno(e: &ubc_stack::Error, errno: i32) -> bool {
 
 /// Read a file through the top of a fresh stack (fresh cache): what is stored.
 fn stored(fx: &Fx, name: &str) -> Vec<u8> {
-    let s = stack(fx, At::Top, &Faults::new(), cache());
+    let s = stack(fx, At::Top, &Injector::new(), cache());
     let f = s.top().open(name).unwrap();
     let mut v = vec![0u8; f.len().unwrap() as usize];
     f.read_exact_at(&mut v, 0).unwrap();
@@ -117,7 +117,7 @@ fn a_write_error_at_any_level_reaches_sync_and_the_data_survives_it() {
     for at in ALL {
         for errno in [libc::ENOSPC, libc::EIO] {
             let fx = fx();
-            let faults = Faults::new();
+            let faults = Injector::new();
             let s = stack(&fx, at, &faults, cache());
             let f = s.top().create("f").unwrap();
             let data = pattern(errno as u64, 200_000);
@@ -148,13 +148,13 @@ fn a_read_error_at_any_level_reaches_read_at_and_leaves_nothing_behind() {
         // of it uncached at every level.
         let data = pattern(7, 3 << 20);
         {
-            let s = stack(&fx, at, &Faults::new(), cache());
+            let s = stack(&fx, at, &Injector::new(), cache());
             let f = s.top().create("f").unwrap();
             f.write_at(&data, 0).unwrap();
             f.sync().unwrap();
         }
         for torn in [false, true] {
-            let faults = Faults::new();
+            let faults = Injector::new();
             let s = stack(&fx, at, &faults, cache());
             let f = s.top().open("f").unwrap();
             faults.tear(torn);
@@ -175,7 +175,7 @@ fn a_read_error_at_any_level_reaches_read_at_and_leaves_nothing_behind() {
 fn a_torn_write_is_rewritten_whole() {
     for at in ALL {
         let fx = fx();
-        let faults = Faults::new();
+        let faults = Injector::new();
         let s = stack(&fx, at, &faults, cache());
         let f = s.top().create("f").unwrap();
         let old = pattern(1, 150_000);
@@ -198,7 +198,7 @@ fn a_torn_write_is_rewritten_whole() {
 fn every_handle_hears_of_a_failed_sync_at_any_level() {
     for at in ALL {
         let fx = fx();
-        let faults = Faults::new();
+        let faults = Injector::new();
         let s = stack(&fx, at, &faults, cache());
         let a = s.top().create("f").unwrap();
         let b = s.top().open_with("f", rw()).unwrap();
@@ -222,7 +222,7 @@ fn every_handle_hears_of_a_failed_sync_at_any_level() {
 #[test]
 fn mapping_flush_and_close_report_write_errors() {
     let fx = fx();
-    let faults = Faults::new();
+    let faults = Injector::new();
     // The fault layer is the top: a mapping's flush writes into its pager.
     let s = stack(&fx, At::Top, &faults, cache());
     let f = s.top().create("f").unwrap();
@@ -255,7 +255,7 @@ fn mapping_flush_and_close_report_write_errors() {
 fn a_failing_or_hung_stack_does_not_stop_the_cache_serving_other_files() {
     let fx = fx();
     let healthy = fx_second(&fx);
-    let faults = Faults::new();
+    let faults = Injector::new();
     let cache = cache();
     let bad = stack(&fx, At::Store, &faults, cache.clone());
     let good = Stack::open(&format!("dir:{}", healthy.display()), cache.clone()).unwrap();

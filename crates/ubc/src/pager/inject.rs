@@ -1,7 +1,7 @@
-//! A pager wrapper that fails on cue: fault injection for tests of error paths (EIO at
+//! A pager wrapper that fails on cue: error injection for tests of error paths (EIO at
 //! read, ENOSPC at writeback, failing sync, torn reads and writes, slow I/O, a hang that
-//! recovers), at any layer of a stack — one [`Faults`] switchboard can drive the pagers of
-//! many files (`FaultPager::with_faults`), so a layer can arm every file it opens at once.
+//! recovers), at any layer of a stack — one [`Injector`] switchboard can drive the pagers of
+//! many files (`InjectingPager::with_injector`), so a layer can arm every file it opens at once.
 
 use super::{Fill, Identity, IoMode, Pager};
 use std::io;
@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering::*};
 use std::time::{Duration, Instant};
 
-/// What to break, shared by any number of [`FaultPager`]s.
-pub struct Faults {
+/// What to break, shared by any number of [`InjectingPager`]s.
+pub struct Injector {
     get_errno: AtomicI32,
     put_errno: AtomicI32,
     sync_errno: AtomicI32,
@@ -31,21 +31,21 @@ pub struct Faults {
     hung: AtomicU64,
 }
 
-/// Operation counts of a [`FaultPager`] (of every pager sharing its [`Faults`]).
+/// Operation counts of a [`InjectingPager`] (of every pager sharing its [`Injector`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct FaultCounts {
+pub struct InjectedCounts {
     pub gets: u64,
     pub puts: u64,
     pub syncs: u64,
     /// Operations that were made to fail.
     pub failures: u64,
-    /// Operations that were held by [`Faults::hang_for`].
+    /// Operations that were held by [`Injector::hang_for`].
     pub hung: u64,
 }
 
-impl Default for Faults {
-    fn default() -> Faults {
-        Faults {
+impl Default for Injector {
+    fn default() -> Injector {
+        Injector {
             get_errno: AtomicI32::new(0),
             put_errno: AtomicI32::new(0),
             sync_errno: AtomicI32::new(0),
@@ -64,9 +64,9 @@ impl Default for Faults {
     }
 }
 
-impl Faults {
-    pub fn new() -> Arc<Faults> {
-        Arc::new(Faults::default())
+impl Injector {
+    pub fn new() -> Arc<Injector> {
+        Arc::new(Injector::default())
     }
 
     /// `get_pages` fails with `errno` (e.g. `libc::EIO`) until cleared with `None`.
@@ -93,7 +93,7 @@ impl Faults {
     pub fn tear(&self, on: bool) {
         self.torn.store(on, SeqCst);
     }
-    /// Only the next `n` armed operations fail; later ones succeed (a transient fault).
+    /// Only the next `n` armed operations fail; later ones succeed (a transient failure).
     pub fn fail_only_next(&self, n: u64) {
         self.remaining.store(n, SeqCst);
     }
@@ -107,7 +107,7 @@ impl Faults {
         let until = (self.epoch.elapsed() + d).as_micros() as u64;
         self.hang_until_us.store(until.max(1), SeqCst);
     }
-    /// Clear every fault (a hang ends now).
+    /// Clear every injected failure (a hang ends now).
     pub fn heal(&self) {
         for e in [&self.get_errno, &self.put_errno, &self.sync_errno, &self.set_len_errno] {
             e.store(0, SeqCst);
@@ -118,8 +118,8 @@ impl Faults {
         self.remaining.store(u64::MAX, SeqCst);
     }
 
-    pub fn counts(&self) -> FaultCounts {
-        FaultCounts {
+    pub fn counts(&self) -> InjectedCounts {
+        InjectedCounts {
             gets: self.gets.load(SeqCst),
             puts: self.puts.load(SeqCst),
             syncs: self.syncs.load(SeqCst),
@@ -166,31 +166,31 @@ impl Faults {
 }
 
 /// Wraps a pager; each operation can be made to fail with an errno, be torn, slow or hang.
-/// Derefs to its [`Faults`].
-pub struct FaultPager {
+/// Derefs to its [`Injector`].
+pub struct InjectingPager {
     inner: Arc<dyn Pager>,
-    faults: Arc<Faults>,
+    faults: Arc<Injector>,
 }
 
-impl FaultPager {
+impl InjectingPager {
     /// A wrapper with a switchboard of its own.
-    pub fn new(inner: Arc<dyn Pager>) -> FaultPager {
-        FaultPager::with_faults(inner, Faults::new())
+    pub fn new(inner: Arc<dyn Pager>) -> InjectingPager {
+        InjectingPager::with_injector(inner, Injector::new())
     }
 
     /// A wrapper driven by a shared switchboard.
-    pub fn with_faults(inner: Arc<dyn Pager>, faults: Arc<Faults>) -> FaultPager {
-        FaultPager { inner, faults }
+    pub fn with_injector(inner: Arc<dyn Pager>, faults: Arc<Injector>) -> InjectingPager {
+        InjectingPager { inner, faults }
     }
 
-    pub fn faults(&self) -> &Arc<Faults> {
+    pub fn injector(&self) -> &Arc<Injector> {
         &self.faults
     }
 }
 
-impl std::ops::Deref for FaultPager {
-    type Target = Faults;
-    fn deref(&self) -> &Faults {
+impl std::ops::Deref for InjectingPager {
+    type Target = Injector;
+    fn deref(&self) -> &Injector {
         &self.faults
     }
 }
@@ -199,7 +199,7 @@ fn err(e: i32) -> io::Error {
     io::Error::from_raw_os_error(e)
 }
 
-impl Pager for FaultPager {
+impl Pager for InjectingPager {
     fn get_pages(&self, offset: u64, buf: &mut [u8]) -> io::Result<Fill> {
         let f = &self.faults;
         f.gets.fetch_add(1, SeqCst);

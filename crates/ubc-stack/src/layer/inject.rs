@@ -1,11 +1,11 @@
-//! `fault`: fault injection at any level of a stack, for tests of error paths.
+//! `inject`: error injection at any level of a stack, for tests of error paths.
 //!
-//! * [`Fault::over`] stacks a pass-through *general* layer on any layer: each file opened
+//! * [`Inject::over`] stacks a pass-through *general* layer on any layer: each file opened
 //!   through it gets a pager over the lower layer's file (same bytes, identity translation)
-//!   behind a [`ubc::pager::FaultPager`], all driven by one [`Faults`] switchboard. Errors,
+//!   behind a [`ubc::pager::InjectingPager`], all driven by one [`Injector`] switchboard. Errors,
 //!   torn transfers, slowness and hangs then happen *between* two layers of the stack — the
 //!   layer above sees its lower file fail the way it would see a disk fail.
-//! * [`Fault::dir`] is a `dir` bottom layer whose host-file pagers are wrapped the same way:
+//! * [`Inject::dir`] is a `dir` bottom layer whose host-file pagers are wrapped the same way:
 //!   the store itself fails.
 //!
 //! Not reachable from the spec language: it is for tests and for checking how a program
@@ -17,13 +17,13 @@ use crate::error::Result;
 use std::io;
 use std::ops::Range;
 use std::sync::Arc;
-use ubc::pager::{FaultPager, Faults};
+use ubc::pager::{InjectingPager, Injector};
 use ubc::{Fill, Identity, IoMode, Pager};
 
 /// A fault-injecting layer (see the module docs).
-pub struct Fault {
+pub struct Inject {
     kind: Kind,
-    faults: Arc<Faults>,
+    faults: Arc<Injector>,
 }
 
 enum Kind {
@@ -31,15 +31,15 @@ enum Kind {
     Dir(Dir),
 }
 
-impl Fault {
+impl Inject {
     /// A pass-through general layer over `lower` whose files fail as `faults` says.
-    pub fn over(lower: Arc<dyn Layer>, faults: Arc<Faults>) -> Fault {
-        Fault { kind: Kind::Over(lower), faults }
+    pub fn over(lower: Arc<dyn Layer>, faults: Arc<Injector>) -> Inject {
+        Inject { kind: Kind::Over(lower), faults }
     }
 
     /// A `dir` bottom layer over host directory `root` whose stores fail as `faults` says.
-    pub fn dir(root: impl Into<std::path::PathBuf>, faults: Arc<Faults>) -> Result<Fault> {
-        Ok(Fault { kind: Kind::Dir(Dir::new(root)?), faults })
+    pub fn dir(root: impl Into<std::path::PathBuf>, faults: Arc<Injector>) -> Result<Inject> {
+        Ok(Inject { kind: Kind::Dir(Dir::new(root)?), faults })
     }
 
     /// The layer whose namespace this one shows.
@@ -51,12 +51,12 @@ impl Fault {
     }
 
     /// The switchboard.
-    pub fn faults(&self) -> &Arc<Faults> {
+    pub fn injector(&self) -> &Arc<Injector> {
         &self.faults
     }
 }
 
-impl Layer for Fault {
+impl Layer for Inject {
     fn spec(&self) -> String {
         match &self.kind {
             Kind::Over(_) => "fault".into(),
@@ -103,14 +103,14 @@ impl Layer for Fault {
         match &self.kind {
             Kind::Over(_) => Ok(Opened::Wrap),
             Kind::Dir(d) => match d.open(path, writable, below)? {
-                Opened::Store(p) => Ok(Opened::Store(Arc::new(FaultPager::with_faults(p, self.faults.clone())))),
+                Opened::Store(p) => Ok(Opened::Store(Arc::new(InjectingPager::with_injector(p, self.faults.clone())))),
                 other => Ok(other),
             },
         }
     }
 
     fn wrap(&self, _path: &str, lower: ubc::File) -> Result<(Arc<dyn Pager>, Arc<dyn Translate>)> {
-        let p: Arc<dyn Pager> = Arc::new(FaultPager::with_faults(Arc::new(LowerFile(lower)), self.faults.clone()));
+        let p: Arc<dyn Pager> = Arc::new(InjectingPager::with_injector(Arc::new(LowerFile(lower)), self.faults.clone()));
         Ok((p, Arc::new(Identical)))
     }
 }
