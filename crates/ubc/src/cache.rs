@@ -13,19 +13,18 @@
 
 use crate::error::{Error, Result};
 use crate::evict::{EvictionPolicy, PolicyKind};
-use crate::file::{Access, File};
 use crate::object::Object;
-use crate::pager::{FilePager, Identity, Pager};
+use crate::pager::{Identity, Pager};
 use crate::stats::{CacheStats, Stats};
 use crate::window::Windows;
 use parking_lot::{Condvar, Mutex, RwLock};
 use std::collections::HashMap;
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+mod flusher;
 mod pdaemon;
 
 use pdaemon::DaemonCtl;
@@ -276,7 +275,7 @@ impl CacheBuilder {
             high_free: high.max(low).min(budget_pages / 2),
             reserve_timeout: self.reserve_timeout,
             resident: AtomicU64::new(0),
-            flusher: crate::writeback::Flusher::new(
+            flusher: flusher::Flusher::new(
                 self.writeback_interval,
                 self.dirty_expire,
                 budget_pages * self.dirty_background_percent / 100,
@@ -352,7 +351,7 @@ pub(crate) struct CacheCore {
     /// Pages valid or reserved, over all objects.
     pub(crate) resident: AtomicU64,
     /// Write-behind: the flusher thread, dirty thresholds and the unclean page count.
-    pub(crate) flusher: crate::writeback::Flusher,
+    pub(crate) flusher: flusher::Flusher,
     /// Memory mappings: fault handling and the mapping table (made on first `map`).
     pub(crate) maps: OnceLock<Arc<crate::map::MapService>>,
     use_uffd: bool,
@@ -576,7 +575,7 @@ impl Drop for Handle {
 ///
 /// Cheap to clone (all clones are the same cache). Files keep the cache alive; when the
 /// last `Cache` and `File` handle are dropped, dirty pages are written back (best effort:
-/// call [`File::sync`] or [`Cache::sync_all`] to see errors) and memory is released.
+/// call [`File::sync`](crate::File::sync) or [`Cache::sync_all`] to see errors) and memory is released.
 #[derive(Clone)]
 pub struct Cache {
     core: Arc<CacheCore>,
@@ -600,42 +599,35 @@ impl Cache {
         &self.core
     }
 
-    /// Open a file served by `pager`. Two pagers with the same [`Identity`] share one cached
-    /// object (one copy of each page); so do two opens of the same pager instance. The handle is writable if `access` asks for it; a
-    /// read-only pager makes that an error.
-    pub fn open(&self, pager: Arc<dyn Pager>, access: Access) -> Result<File> {
-        if access == Access::ReadWrite && !pager.is_writable() {
-            return Err(Error::ReadOnly);
-        }
+    /// The cached object `pager` serves, made if there is none, with one more handle
+    /// counted on it: the cache's half of opening a file (see `Cache::open`).
+    pub(crate) fn attach(&self, pager: Arc<dyn Pager>) -> Result<Arc<Object>> {
         let core = self.core();
         let key = ObjectKey::of(&pager);
         // Look for a cached object with the same key first; create a new one outside the
         // registry lock (creating asks the pager for its length, which may do I/O or, for a
         // layered pager, go through this very cache).
         if let Some(o) = self.attach_existing(&key, &pager) {
-            return Ok(File::new(o, self.clone(), access == Access::ReadWrite));
+            return Ok(o);
         }
         let id = core.next_id.fetch_add(1, Relaxed);
         let fresh = Object::new(id, core.clone(), pager.clone(), key.clone())?;
-        let obj = {
-            let mut reg = core.registry.write();
-            let existing = reg.by_identity.get(&key).copied();
-            match existing.and_then(|id| reg.by_id.get(&id).cloned()) {
-                // Lost a race with another open of the same data: use theirs.
-                Some(o) => {
-                    o.upgrade_pager(pager);
-                    o.handles.fetch_add(1, SeqCst);
-                    o
-                }
-                None => {
-                    fresh.handles.fetch_add(1, SeqCst);
-                    reg.by_id.insert(id, fresh.clone());
-                    reg.by_identity.insert(key, id);
-                    fresh
-                }
+        let mut reg = core.registry.write();
+        let existing = reg.by_identity.get(&key).copied();
+        Ok(match existing.and_then(|id| reg.by_id.get(&id).cloned()) {
+            // Lost a race with another open of the same data: use theirs.
+            Some(o) => {
+                o.upgrade_pager(pager);
+                o.handles.fetch_add(1, SeqCst);
+                o
             }
-        };
-        Ok(File::new(obj, self.clone(), access == Access::ReadWrite))
+            None => {
+                fresh.handles.fetch_add(1, SeqCst);
+                reg.by_id.insert(id, fresh.clone());
+                reg.by_identity.insert(key, id);
+                fresh
+            }
+        })
     }
 
     /// Take a new handle on the cached object with this identity, if there is one.
@@ -647,20 +639,6 @@ impl Cache {
         drop(reg);
         o.upgrade_pager(pager.clone());
         Some(o)
-    }
-
-    /// Open an existing host file through a [`FilePager`].
-    pub fn open_path(&self, path: impl AsRef<Path>, access: Access) -> Result<File> {
-        let path = path.as_ref();
-        let pager = FilePager::open(path, access == Access::ReadWrite).map_err(|e| open_err(path, e))?;
-        self.open(Arc::new(pager), access)
-    }
-
-    /// Open a host file read-write, creating it if needed.
-    pub fn create_path(&self, path: impl AsRef<Path>) -> Result<File> {
-        let path = path.as_ref();
-        let pager = FilePager::create(path).map_err(|e| open_err(path, e))?;
-        self.open(Arc::new(pager), Access::ReadWrite)
     }
 
     /// Statistics for the whole cache.
@@ -712,8 +690,4 @@ impl Cache {
     pub fn budget(&self) -> u64 {
         self.core().budget_pages << self.core().page_shift
     }
-}
-
-fn open_err(path: &Path, e: std::io::Error) -> Error {
-    Error::Open { path: path.to_path_buf(), source: e }
 }

@@ -6,8 +6,10 @@ use crate::cache::Cache;
 use crate::error::{Error, Result};
 use crate::object::{Object, checked_end};
 use crate::page::table::Chunk;
+use crate::pager::{FilePager, Pager};
 use crate::stats::Stats;
 use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering::*};
 
@@ -32,6 +34,37 @@ pub struct File {
     pos: u64,
     /// Which writeback failures of the file this handle has been told about.
     errors: crate::errseq::Cursor,
+}
+
+impl Cache {
+    /// Open a file served by `pager`. Two pagers with the same [`Identity`] share one cached
+    /// object (one copy of each page); so do two opens of the same pager instance. The handle is writable if `access` asks for it; a
+    /// read-only pager makes that an error.
+    pub fn open(&self, pager: Arc<dyn Pager>, access: Access) -> Result<File> {
+        if access == Access::ReadWrite && !pager.is_writable() {
+            return Err(Error::ReadOnly);
+        }
+        let obj = self.attach(pager)?;
+        Ok(File::new(obj, self.clone(), access == Access::ReadWrite))
+    }
+
+    /// Open an existing host file through a [`FilePager`].
+    pub fn open_path(&self, path: impl AsRef<Path>, access: Access) -> Result<File> {
+        let path = path.as_ref();
+        let pager = FilePager::open(path, access == Access::ReadWrite).map_err(|e| open_err(path, e))?;
+        self.open(Arc::new(pager), access)
+    }
+
+    /// Open a host file read-write, creating it if needed.
+    pub fn create_path(&self, path: impl AsRef<Path>) -> Result<File> {
+        let path = path.as_ref();
+        let pager = FilePager::create(path).map_err(|e| open_err(path, e))?;
+        self.open(Arc::new(pager), Access::ReadWrite)
+    }
+}
+
+fn open_err(path: &Path, e: std::io::Error) -> Error {
+    Error::Open { path: path.to_path_buf(), source: e }
 }
 
 impl File {

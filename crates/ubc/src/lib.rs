@@ -33,7 +33,6 @@ mod page;
 pub mod pager;
 mod stats;
 mod window;
-mod writeback;
 
 /// Page replacement policies (the `ubc-evict` crate): what a cache is configured with and
 /// what a policy of one's own implements. The simulator and its workload generators are

@@ -112,7 +112,8 @@ impl Mapping {
             unsafe { crate::memfd::unmap(addr as *mut u8, map_len) }
         };
         let tracked = shared && writable;
-        let um = Arc::new(UserMap::new(addr, map_len, start, Arc::downgrade(obj), shared, tracked));
+        let target: std::sync::Weak<dyn crate::map::Mapped> = Arc::downgrade(obj) as _;
+        let um = Arc::new(UserMap::new(addr, map_len, start, target, shared, tracked));
         let (a, b) = (start >> ps, end >> ps);
         let mut pinned = Vec::new();
         if svc.kernel.is_some() {

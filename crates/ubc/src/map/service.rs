@@ -21,7 +21,8 @@
 
 use super::{Event, FillMode, Mode, Pagemap, Ready, Uffd, UffdMsg, Waker, feature};
 use crate::error::{Error, Result};
-use crate::object::Object;
+use crate::page::state::PageState;
+use crate::page::table::Chunk;
 use parking_lot::{Mutex, RwLock};
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -56,13 +57,33 @@ pub(crate) struct MapService {
     pub(crate) scan_dirty: AtomicU64,
 }
 
+/// What the fault service needs from a mapped object (`object/mapped.rs` implements it). The
+/// service sits below objects: it reaches them only through this, and objects call down
+/// into it (to map pages they hold).
+pub(crate) trait Mapped: Send + Sync {
+    /// log2 of the cache page size.
+    fn page_shift(&self) -> u32;
+    /// The file's length in bytes.
+    fn len(&self) -> u64;
+    /// The state word of cached page `page`, if its chunk exists.
+    fn page_state(&self, page: u64) -> Option<&PageState>;
+    /// Make sure the memfd holds memory for bytes `offset..offset + len` (so CONTINUE finds
+    /// pages there).
+    fn materialize(&self, offset: u64, len: u64);
+    /// Pin pages `page..=last` for a fault, filling them if needed: the chunk and how many
+    /// pages from `page` are pinned.
+    fn pin_for_fault(&self, page: u64, last: u64) -> Result<(&Chunk, u64)>;
+    /// Undo `pin_for_fault`.
+    fn unpin_fault(&self, chunk: &Chunk, page: u64, n: u64);
+}
+
 /// One user mapping of an object: its address range and how it was registered.
 pub(crate) struct UserMap {
     pub(crate) addr: usize,
     pub(crate) len: usize,
     /// File (and memfd) offset of `addr`; a multiple of the cache page size.
     pub(crate) offset: u64,
-    pub(crate) obj: Weak<Object>,
+    pub(crate) obj: Weak<dyn Mapped>,
     /// MAP_SHARED and writable: stores reach the file and are tracked (WP_ASYNC).
     pub(crate) tracked: bool,
     /// MAP_SHARED (else MAP_PRIVATE: stores are copied on write, the file never sees them).
@@ -77,7 +98,14 @@ pub(crate) struct UserMap {
 }
 
 impl UserMap {
-    pub(crate) fn new(addr: usize, len: usize, offset: u64, obj: Weak<Object>, shared: bool, tracked: bool) -> UserMap {
+    pub(crate) fn new(
+        addr: usize,
+        len: usize,
+        offset: u64,
+        obj: Weak<dyn Mapped>,
+        shared: bool,
+        tracked: bool,
+    ) -> UserMap {
         UserMap {
             addr,
             len,
@@ -209,7 +237,7 @@ impl MapService {
     ///   the next window — Linux's `PG_readahead` met by a fault (`do_async_mmap_readahead`).
     ///
     /// Errors are ignored: a page not mapped now traps and is mapped then.
-    pub(crate) fn map_pages(&self, obj: &Object, m: &UserMap, a: u64, b: u64, materialize: bool) {
+    pub(crate) fn map_pages(&self, obj: &dyn Mapped, m: &UserMap, a: u64, b: u64, materialize: bool) {
         if self.kernel.is_none() {
             return;
         }
@@ -230,7 +258,7 @@ impl MapService {
     }
 
     /// `map_pages` for a run of mappable pages.
-    fn map_run(&self, obj: &Object, m: &UserMap, a: u64, b: u64, materialize: bool) {
+    fn map_run(&self, obj: &dyn Mapped, m: &UserMap, a: u64, b: u64, materialize: bool) {
         let Some(k) = &self.kernel else { return };
         let ps = obj.page_shift();
         let Some((start, len)) = m.span(a, b, ps) else { return };
@@ -396,7 +424,7 @@ impl MapService {
         match obj.pin_for_fault(page, last) {
             Ok((chunk, n)) => {
                 self.fault_pages.fetch_add(n, Relaxed);
-                self.map_pages(&obj, &m, page, page + n, true);
+                self.map_pages(&*obj, &m, page, page + n, true);
                 {
                     let alive = m.alive.read();
                     if *alive {

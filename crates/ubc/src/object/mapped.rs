@@ -154,3 +154,24 @@ impl Object {
         }
     }
 }
+
+impl crate::map::Mapped for Object {
+    fn page_shift(&self) -> u32 {
+        Object::page_shift(self)
+    }
+    fn len(&self) -> u64 {
+        Object::len(self)
+    }
+    fn page_state(&self, page: u64) -> Option<&state::PageState> {
+        Object::page_state(self, page)
+    }
+    fn materialize(&self, offset: u64, len: u64) {
+        Object::materialize(self, offset, len)
+    }
+    fn pin_for_fault(&self, page: u64, last: u64) -> Result<(&Chunk, u64)> {
+        Object::pin_for_fault(self, page, last)
+    }
+    fn unpin_fault(&self, chunk: &Chunk, page: u64, n: u64) {
+        Object::unpin_fault(self, chunk, page, n)
+    }
+}
