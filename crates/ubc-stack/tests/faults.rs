@@ -1,4 +1,4 @@
-//! Fault injection at every level of a stack (issue 7, item 1): errors reach the caller of
+//! Fault injection at every level of a stack: errors reach the caller of
 //! `read_at`, `sync`, `Mapping::flush` and `close`; a failed writeback keeps the data and
 //! is retried; every handle hears of a lost sync; the cache keeps serving other files;
 //! torn transfers and hangs leave no garbage behind.
