@@ -211,21 +211,10 @@ pub fn spec_case(data: &[u8]) {
 
 // ------------------------------------------------------------------ seeds
 
-/// Deterministic bytes: 0 random, 1 text, 2 zeros.
-pub fn gen_data(seed: u64, len: usize, kind: u8) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut next = move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
-    match kind {
-        0 => (0..len).map(|_| (next() >> 24) as u8).collect(),
-        1 => (0..len).map(|_| b"ubc page cache zstd "[(next() % 20) as usize]).collect(),
-        _ => vec![0; len],
-    }
-}
+/// Deterministic bytes: 0 random, 1 text, 2 zeros (the integration tests' generator).
+#[path = "../../crates/ubc-stack/tests/common/data.rs"]
+mod data;
+pub use data::gen_data;
 
 /// A valid compressed file: `writes` (offset, len, seed, kind) with a sync after each
 /// group, through a cache file over the pager.

@@ -19,6 +19,15 @@
  * any thread; ubc_cache, ubc_stack, ubc_file and ubc_map calls are thread-safe.
  * A UBC_FILE (stdio stream) is NOT thread-safe: like getc_unlocked, one thread at a time.
  *
+ * Pointer arguments (what the library relies on and cannot check)
+ * ----------------------------------------------------------------
+ * A handle argument is NULL or a handle this library returned that is not yet
+ * closed/freed. A string argument (spec, path, mode) is NULL or NUL-terminated. A buffer
+ * with a length (ubc_pread/ubc_pwrite: `len` bytes; ubc_fread/ubc_fwrite: size * nmemb
+ * bytes) holds that many bytes, writable for reads and readable for writes, and is not
+ * changed by another thread during the call; it may be NULL only when the length is 0.
+ * An out pointer (addr_out, len_out) is NULL or points to writable memory of its type.
+ *
  * Durability: data written with ubc_pwrite or through a mapping is at once visible to
  * every handle and every layer of the stack (one cache), but reaches the host files
  * only when written back: ubc_fsync (durable), the cache's background writeback, or

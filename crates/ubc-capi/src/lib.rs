@@ -68,16 +68,40 @@ pub(crate) fn guard<T>(fail: T, body: impl FnOnce() -> R<T>) -> T {
     }
 }
 
+/// A C string argument as `&str` (EINVAL for NULL or non-UTF-8).
+///
+/// # Safety
+/// `p` is NULL or a NUL-terminated string that stays valid and unchanged for `'a` (the
+/// header's "Pointer arguments").
 pub(crate) unsafe fn cstr<'a>(p: *const c_char, what: &str) -> R<&'a str> {
     if p.is_null() {
         return Err(Fail::inval(format!("{what} is NULL")));
     }
-    // SAFETY: caller promises a NUL-terminated string.
+    // SAFETY: non-NULL, so by this function's contract a NUL-terminated string valid for 'a.
     unsafe { CStr::from_ptr(p) }.to_str().map_err(|_| Fail::inval(format!("{what} is not UTF-8")))
 }
 
-pub(crate) unsafe fn handle<'a, T>(p: *mut T, what: &str) -> R<&'a mut T> {
-    // SAFETY: caller promises a live handle from this library (or NULL).
+/// A shared reference to a thread-safe handle (cache, stack, file, map): several threads
+/// may use one at once, so no `&mut` is ever made of it. EINVAL for NULL.
+///
+/// # Safety
+/// `p` is NULL or a live handle of type `T` from this library, not freed during `'a` (the
+/// header's "Handles and lifetimes" and "Pointer arguments").
+pub(crate) unsafe fn handle<'a, T>(p: *const T, what: &str) -> R<&'a T> {
+    // SAFETY: by this function's contract a non-NULL `p` points to a live `T` (a `Box`
+    // this library leaked) that outlives 'a; only shared references are made of it.
+    unsafe { p.as_ref() }.ok_or_else(|| Fail::inval(format!("{what} handle is NULL")))
+}
+
+/// An exclusive reference to a handle only one thread uses at a time (a stdio stream).
+/// EINVAL for NULL.
+///
+/// # Safety
+/// As [`handle`], and no other reference to `*p` is used during `'a` (the header: a
+/// UBC_FILE is used by one thread at a time).
+pub(crate) unsafe fn handle_mut<'a, T>(p: *mut T, what: &str) -> R<&'a mut T> {
+    // SAFETY: by this function's contract a non-NULL `p` points to a live `T` that outlives
+    // 'a and that nothing else uses meanwhile.
     unsafe { p.as_mut() }.ok_or_else(|| Fail::inval(format!("{what} handle is NULL")))
 }
 
@@ -157,7 +181,8 @@ pub extern "C" fn ubc_cache_new(budget: usize) -> *mut ubc_cache {
 pub unsafe extern "C" fn ubc_cache_free(cache: *mut ubc_cache) {
     guard((), || {
         if !cache.is_null() {
-            // SAFETY: a handle from ubc_cache_new, freed once.
+            // SAFETY: non-NULL, so a `Box` leaked by ubc_cache_new; the caller frees each
+            // handle once and uses it no more (ubc.h, "Handles and lifetimes").
             drop(unsafe { Box::from_raw(cache) });
         }
         Ok(())
@@ -167,7 +192,10 @@ pub unsafe extern "C" fn ubc_cache_free(cache: *mut ubc_cache) {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_stack_open(cache: *mut ubc_cache, spec: *const c_char) -> *mut ubc_stack {
     guard(std::ptr::null_mut(), || {
+        // SAFETY: the caller passes a live cache handle or NULL, and a NUL-terminated spec or
+        // NULL (ubc.h, "Pointer arguments").
         let c = unsafe { handle(cache, "cache") }?;
+        // SAFETY: as above.
         let spec = unsafe { cstr(spec, "spec") }?;
         let stack = Stack::open(spec, c.cache.clone()).map_err(|e| Fail::stack(&format!("stack {spec:?}"), e))?;
         Ok(Box::into_raw(Box::new(ubc_stack { stack })))
@@ -176,14 +204,16 @@ pub unsafe extern "C" fn ubc_stack_open(cache: *mut ubc_cache, spec: *const c_ch
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_stack_depth(stack: *const ubc_stack) -> c_int {
-    guard(-1, || Ok(unsafe { handle(stack as *mut ubc_stack, "stack") }?.stack.depth() as c_int))
+    // SAFETY: the caller passes a live stack handle or NULL (ubc.h, "Pointer arguments").
+    guard(-1, || Ok(unsafe { handle(stack, "stack") }?.stack.depth() as c_int))
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_stack_close(stack: *mut ubc_stack) {
     guard((), || {
         if !stack.is_null() {
-            // SAFETY: a handle from ubc_stack_open, freed once.
+            // SAFETY: non-NULL, so a `Box` leaked by ubc_stack_open; the caller closes each
+            // handle once and uses it no more (ubc.h, "Handles and lifetimes").
             drop(unsafe { Box::from_raw(stack) });
         }
         Ok(())
@@ -217,7 +247,10 @@ pub(crate) fn open_file(stack: &Stack, layer: c_int, path: &str, opts: OpenOptio
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_open(stack: *mut ubc_stack, layer: c_int, path: *const c_char, flags: c_int) -> *mut ubc_file {
     guard(std::ptr::null_mut(), || {
+        // SAFETY: the caller passes a live stack handle or NULL, and a NUL-terminated path or
+        // NULL (ubc.h, "Pointer arguments").
         let s = unsafe { handle(stack, "stack") }?;
+        // SAFETY: as above.
         let path = unsafe { cstr(path, "path") }?;
         if flags & !(UBC_RDWR | UBC_CREAT | UBC_TRUNC) != 0 {
             return Err(Fail::inval(format!("open {path}: unknown flags {flags:#x}")));
@@ -235,8 +268,10 @@ pub unsafe extern "C" fn ubc_open(stack: *mut ubc_stack, layer: c_int, path: *co
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_close(file: *mut ubc_file) -> c_int {
     guard(-1, || {
+        // SAFETY: the caller passes a live file handle or NULL (ubc.h, "Pointer arguments").
         unsafe { handle(file, "file") }?;
-        // SAFETY: a handle from ubc_open, closed once.
+        // SAFETY: non-NULL (checked just above), so a `Box` leaked by ubc_open; the caller
+        // closes each handle once and uses it no more (ubc.h, "Handles and lifetimes").
         drop(unsafe { Box::from_raw(file) });
         Ok(0)
     })
@@ -245,6 +280,7 @@ pub unsafe extern "C" fn ubc_close(file: *mut ubc_file) -> c_int {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_pread(file: *mut ubc_file, buf: *mut c_void, len: usize, off: libc::off_t) -> isize {
     guard(-1, || {
+        // SAFETY: the caller passes a live file handle or NULL (ubc.h, "Pointer arguments").
         let f = unsafe { handle(file, "file") }?;
         let o = offset(off, len)?;
         if len == 0 {
@@ -253,7 +289,8 @@ pub unsafe extern "C" fn ubc_pread(file: *mut ubc_file, buf: *mut c_void, len: u
         if buf.is_null() {
             return Err(Fail::inval("pread: buffer is NULL"));
         }
-        // SAFETY: caller promises `len` writable bytes at `buf`.
+        // SAFETY: `buf` is non-NULL and `len` > 0, so the caller promises `len` writable bytes
+        // there that no one else touches during the call (ubc.h, "Pointer arguments").
         let b = unsafe { std::slice::from_raw_parts_mut(buf as *mut u8, len) };
         let n = f.file.read_at(b, o).map_err(|e| Fail::stack(&format!("pread {} at {o}", f.file.path()), e))?;
         Ok(n as isize)
@@ -275,6 +312,7 @@ pub(crate) fn write_all(f: &File, mut b: &[u8], mut o: u64) -> R<()> {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_pwrite(file: *mut ubc_file, buf: *const c_void, len: usize, off: libc::off_t) -> isize {
     guard(-1, || {
+        // SAFETY: the caller passes a live file handle or NULL (ubc.h, "Pointer arguments").
         let f = unsafe { handle(file, "file") }?;
         let o = offset(off, len)?;
         if len == 0 {
@@ -283,7 +321,8 @@ pub unsafe extern "C" fn ubc_pwrite(file: *mut ubc_file, buf: *const c_void, len
         if buf.is_null() {
             return Err(Fail::inval("pwrite: buffer is NULL"));
         }
-        // SAFETY: caller promises `len` readable bytes at `buf`.
+        // SAFETY: `buf` is non-NULL and `len` > 0, so the caller promises `len` readable bytes
+        // there, unchanged during the call (ubc.h, "Pointer arguments").
         let b = unsafe { std::slice::from_raw_parts(buf as *const u8, len) };
         write_all(&f.file, b, o)?;
         Ok(len as isize)
@@ -293,6 +332,7 @@ pub unsafe extern "C" fn ubc_pwrite(file: *mut ubc_file, buf: *const c_void, len
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_fsync(file: *mut ubc_file) -> c_int {
     guard(-1, || {
+        // SAFETY: the caller passes a live file handle or NULL (ubc.h, "Pointer arguments").
         let f = unsafe { handle(file, "file") }?;
         f.file.sync().map_err(|e| Fail::stack(&format!("fsync {}", f.file.path()), e))?;
         Ok(0)
@@ -302,6 +342,7 @@ pub unsafe extern "C" fn ubc_fsync(file: *mut ubc_file) -> c_int {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_size(file: *mut ubc_file) -> libc::off_t {
     guard(-1, || {
+        // SAFETY: the caller passes a live file handle or NULL (ubc.h, "Pointer arguments").
         let f = unsafe { handle(file, "file") }?;
         let n = f.file.len().map_err(|e| Fail::stack(&format!("size {}", f.file.path()), e))?;
         Ok(n as libc::off_t)
@@ -311,6 +352,7 @@ pub unsafe extern "C" fn ubc_size(file: *mut ubc_file) -> libc::off_t {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_truncate(file: *mut ubc_file, len: libc::off_t) -> c_int {
     guard(-1, || {
+        // SAFETY: the caller passes a live file handle or NULL (ubc.h, "Pointer arguments").
         let f = unsafe { handle(file, "file") }?;
         let l = offset(len, 0)?;
         f.file.set_len(l).map_err(|e| Fail::stack(&format!("truncate {} to {l}", f.file.path()), e))?;
@@ -327,6 +369,7 @@ pub struct ubc_map {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_map(file: *mut ubc_file, off: libc::off_t, len: usize, prot: c_int, addr_out: *mut *mut c_void) -> *mut ubc_map {
     guard(std::ptr::null_mut(), || {
+        // SAFETY: the caller passes a live file handle or NULL (ubc.h, "Pointer arguments").
         let f = unsafe { handle(file, "file") }?;
         if addr_out.is_null() {
             return Err(Fail::inval("map: addr_out is NULL"));
@@ -347,7 +390,8 @@ pub unsafe extern "C" fn ubc_map(file: *mut ubc_file, off: libc::off_t, len: usi
             .file
             .map(o..o + len as u64, access, ubc::Sharing::Shared)
             .map_err(|e| Fail::stack(&format!("map {} [{o}, +{len})", f.file.path()), e))?;
-        // SAFETY: checked non-NULL above.
+        // SAFETY: checked non-NULL above; the caller promises it points to a writable
+        // `void *` (ubc.h, "Pointer arguments").
         unsafe { *addr_out = map.as_ptr() as *mut c_void };
         Ok(Box::into_raw(Box::new(ubc_map { map })))
     })
@@ -356,6 +400,7 @@ pub unsafe extern "C" fn ubc_map(file: *mut ubc_file, off: libc::off_t, len: usi
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_msync(map: *mut ubc_map) -> c_int {
     guard(-1, || {
+        // SAFETY: the caller passes a live map handle or NULL (ubc.h, "Pointer arguments").
         let m = unsafe { handle(map, "map") }?;
         m.map.flush().map_err(|e| Fail::stack("msync", e))?;
         Ok(0)
@@ -365,8 +410,10 @@ pub unsafe extern "C" fn ubc_msync(map: *mut ubc_map) -> c_int {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_unmap(map: *mut ubc_map) -> c_int {
     guard(-1, || {
+        // SAFETY: the caller passes a live map handle or NULL (ubc.h, "Pointer arguments").
         unsafe { handle(map, "map") }?;
-        // SAFETY: a handle from ubc_map, unmapped once.
+        // SAFETY: non-NULL (checked just above), so a `Box` leaked by ubc_map; the caller
+        // unmaps each mapping once and uses it no more (ubc.h, "Handles and lifetimes").
         drop(unsafe { Box::from_raw(map) });
         Ok(0)
     })

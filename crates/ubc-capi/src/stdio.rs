@@ -81,7 +81,8 @@ impl UbcStdio {
         let n = self.ptr as usize - self.base as usize;
         if n > 0 {
             let at = if self.append { self.file.len().map_err(|e| Fail::stack(&format!("append {}", self.file.path()), e))? } else { self.off };
-            // SAFETY: base..ptr is the filled part of the heap buffer.
+            // SAFETY: in write mode base is the heap buffer's start and base <= ptr <= wend =
+            // its end (enter_write, putc, write), so base..ptr is its filled part.
             let data = unsafe { std::slice::from_raw_parts(self.base, n) };
             if let Err(f) = write_all(&self.file, data, at) {
                 // Drop the buffered bytes: they cannot be written (as stdio does).
@@ -166,7 +167,8 @@ impl UbcStdio {
 
     fn getc(&mut self) -> R<c_int> {
         if self.ptr < self.rend {
-            // SAFETY: ptr < rend inside the current buffer.
+            // SAFETY: ptr < rend, and base..rend lies in the heap buffer (filled by read_at) or
+            // in the read window, a mapping `self.window` keeps alive while it is the buffer.
             let c = unsafe { *self.ptr };
             self.ptr = self.ptr.wrapping_add(1);
             return Ok(c as c_int);
@@ -182,7 +184,8 @@ impl UbcStdio {
         if self.ptr >= self.wend {
             self.push()?;
         }
-        // SAFETY: write mode, ptr < wend inside the heap buffer.
+        // SAFETY: enter_write made this write mode (base..wend is the heap buffer) and the
+        // push above emptied a full buffer, so ptr < wend.
         unsafe { *self.ptr = c as u8 };
         self.ptr = self.ptr.wrapping_add(1);
         Ok(c as u8 as c_int)
@@ -199,7 +202,8 @@ impl UbcStdio {
                 continue;
             }
             let n = avail.min(out.len() - done);
-            // SAFETY: n bytes readable at ptr (read mode, ptr + n <= rend).
+            // SAFETY: read mode and n <= rend - ptr: the bytes lie in the heap buffer or the
+            // read window mapping, which `self.window` keeps alive.
             out[done..done + n].copy_from_slice(unsafe { std::slice::from_raw_parts(self.ptr, n) });
             self.ptr = self.ptr.wrapping_add(n);
             done += n;
@@ -224,7 +228,8 @@ impl UbcStdio {
                 continue;
             }
             let n = space.min(data.len());
-            // SAFETY: n bytes of room at ptr (write mode, ptr + n <= wend).
+            // SAFETY: write mode (enter_write): ptr..wend is free room in the heap buffer and
+            // n <= wend - ptr; `data` is a separate slice, so the ranges do not overlap.
             unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr, n) };
             self.ptr = self.ptr.wrapping_add(n);
             data = &data[n..];
@@ -284,15 +289,25 @@ impl UbcStdio {
     }
 }
 
+/// The stream behind a `UBC_FILE *` (EINVAL for NULL).
+///
+/// # Safety
+/// `f` is NULL or a live stream from `ubc_fopen`, used by no other thread during `'a`
+/// (ubc.h: a UBC_FILE is not thread-safe, one thread at a time).
 unsafe fn stream<'a>(f: *mut UbcStdio) -> R<&'a mut UbcStdio> {
-    unsafe { crate::handle(f, "stream") }
+    // SAFETY: this function's contract is `handle_mut`'s.
+    unsafe { crate::handle_mut(f, "stream") }
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_fopen(stack: *mut crate::ubc_stack, path: *const c_char, mode: *const c_char) -> *mut UbcStdio {
     guard(std::ptr::null_mut(), || {
+        // SAFETY: the caller passes a live stack handle or NULL, and NUL-terminated path and
+        // mode strings or NULL (ubc.h, "Pointer arguments").
         let s = unsafe { crate::handle(stack, "stack") }?;
+        // SAFETY: as above.
         let path = unsafe { crate::cstr(path, "path") }?;
+        // SAFETY: as above.
         let mode = unsafe { crate::cstr(mode, "mode") }?;
         let m: String = mode.chars().filter(|&c| c != 'b').collect();
         let (readable, writable, create, truncate, append, update) = match m.as_str() {
@@ -332,8 +347,10 @@ pub unsafe extern "C" fn ubc_fopen(stack: *mut crate::ubc_stack, path: *const c_
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_fclose(f: *mut UbcStdio) -> c_int {
     guard(EOF, || {
+        // SAFETY: the caller passes a live stream or NULL, used by this thread only (ubc.h).
         unsafe { stream(f) }?;
-        // SAFETY: a stream from ubc_fopen, closed once.
+        // SAFETY: non-NULL (checked just above), so a `Box` leaked by ubc_fopen; the caller
+        // closes each stream once and uses it no more (ubc.h, "Handles and lifetimes").
         let mut st = unsafe { Box::from_raw(f) };
         let r = st.flush(true);
         st.window = None;
@@ -345,12 +362,14 @@ pub unsafe extern "C" fn ubc_fclose(f: *mut UbcStdio) -> c_int {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_fflush(f: *mut UbcStdio) -> c_int {
+    // SAFETY: the caller passes a live stream or NULL, used by this thread only (ubc.h).
     guard(EOF, || unsafe { stream(f) }?.flush(true).map(|_| 0))
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_fread(ptr: *mut c_void, size: usize, nmemb: usize, f: *mut UbcStdio) -> usize {
     guard(0, || {
+        // SAFETY: the caller passes a live stream or NULL, used by this thread only (ubc.h).
         let st = unsafe { stream(f) }?;
         let total = size.checked_mul(nmemb).ok_or_else(|| Fail::inval("fread: size * nmemb overflows"))?;
         if total == 0 {
@@ -359,7 +378,8 @@ pub unsafe extern "C" fn ubc_fread(ptr: *mut c_void, size: usize, nmemb: usize, 
         if ptr.is_null() {
             return Err(Fail::inval("fread: buffer is NULL"));
         }
-        // SAFETY: caller promises `total` writable bytes.
+        // SAFETY: `ptr` is non-NULL and `total` > 0, so the caller promises `total` writable
+        // bytes there that no one else touches during the call (ubc.h, "Pointer arguments").
         let out = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, total) };
         Ok(st.read(out)? / size)
     })
@@ -368,6 +388,7 @@ pub unsafe extern "C" fn ubc_fread(ptr: *mut c_void, size: usize, nmemb: usize, 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_fwrite(ptr: *const c_void, size: usize, nmemb: usize, f: *mut UbcStdio) -> usize {
     guard(0, || {
+        // SAFETY: the caller passes a live stream or NULL, used by this thread only (ubc.h).
         let st = unsafe { stream(f) }?;
         let total = size.checked_mul(nmemb).ok_or_else(|| Fail::inval("fwrite: size * nmemb overflows"))?;
         if total == 0 {
@@ -376,7 +397,8 @@ pub unsafe extern "C" fn ubc_fwrite(ptr: *const c_void, size: usize, nmemb: usiz
         if ptr.is_null() {
             return Err(Fail::inval("fwrite: buffer is NULL"));
         }
-        // SAFETY: caller promises `total` readable bytes.
+        // SAFETY: `ptr` is non-NULL and `total` > 0, so the caller promises `total` readable
+        // bytes there, unchanged during the call (ubc.h, "Pointer arguments").
         let data = unsafe { std::slice::from_raw_parts(ptr as *const u8, total) };
         Ok(st.write(data)? / size)
     })
@@ -384,32 +406,38 @@ pub unsafe extern "C" fn ubc_fwrite(ptr: *const c_void, size: usize, nmemb: usiz
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc__fgetc_slow(f: *mut UbcStdio) -> c_int {
+    // SAFETY: the caller passes a live stream or NULL, used by this thread only (ubc.h).
     guard(EOF, || unsafe { stream(f) }?.getc())
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc__fputc_slow(c: c_int, f: *mut UbcStdio) -> c_int {
+    // SAFETY: the caller passes a live stream or NULL, used by this thread only (ubc.h).
     guard(EOF, || unsafe { stream(f) }?.putc(c))
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_fgetc_func(f: *mut UbcStdio) -> c_int {
+    // SAFETY: the caller passes a live stream or NULL, used by this thread only (ubc.h).
     guard(EOF, || unsafe { stream(f) }?.getc())
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_fputc_func(c: c_int, f: *mut UbcStdio) -> c_int {
+    // SAFETY: the caller passes a live stream or NULL, used by this thread only (ubc.h).
     guard(EOF, || unsafe { stream(f) }?.putc(c))
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_fseek(f: *mut UbcStdio, offset: libc::off_t, whence: c_int) -> c_int {
+    // SAFETY: the caller passes a live stream or NULL, used by this thread only (ubc.h).
     guard(-1, || unsafe { stream(f) }?.seek(offset, whence).map(|_| 0))
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_ftell(f: *mut UbcStdio) -> libc::off_t {
     guard(-1, || {
+        // SAFETY: the caller passes a live stream or NULL, used by this thread only (ubc.h).
         let st = unsafe { stream(f) }?;
         // In append mode buffered bytes go to the end: report where they will land.
         if st.append && st.mode == Mode::Write {
@@ -423,6 +451,7 @@ pub unsafe extern "C" fn ubc_ftell(f: *mut UbcStdio) -> libc::off_t {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_rewind(f: *mut UbcStdio) {
     guard((), || {
+        // SAFETY: the caller passes a live stream or NULL, used by this thread only (ubc.h).
         let st = unsafe { stream(f) }?;
         let r = st.seek(0, libc::SEEK_SET);
         st.err = false;
@@ -432,17 +461,20 @@ pub unsafe extern "C" fn ubc_rewind(f: *mut UbcStdio) {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_feof(f: *mut UbcStdio) -> c_int {
+    // SAFETY: the caller passes a live stream or NULL, used by this thread only (ubc.h).
     guard(0, || Ok(unsafe { stream(f) }?.eof as c_int))
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_ferror(f: *mut UbcStdio) -> c_int {
+    // SAFETY: the caller passes a live stream or NULL, used by this thread only (ubc.h).
     guard(0, || Ok(unsafe { stream(f) }?.err as c_int))
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_clearerr(f: *mut UbcStdio) {
     guard((), || {
+        // SAFETY: the caller passes a live stream or NULL, used by this thread only (ubc.h).
         let st = unsafe { stream(f) }?;
         st.eof = false;
         st.err = false;
@@ -453,10 +485,12 @@ pub unsafe extern "C" fn ubc_clearerr(f: *mut UbcStdio) {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_fmap(f: *mut UbcStdio, len_out: *mut usize) -> *const c_void {
     guard(std::ptr::null(), || {
+        // SAFETY: the caller passes a live stream or NULL, used by this thread only (ubc.h).
         let st = unsafe { stream(f) }?;
         let (p, n) = st.fmap()?;
         if !len_out.is_null() {
-            // SAFETY: caller's out pointer, non-NULL.
+            // SAFETY: non-NULL, so the caller promises a writable `size_t` there (ubc.h,
+            // "Pointer arguments").
             unsafe { *len_out = n };
         }
         Ok(p as *const c_void)

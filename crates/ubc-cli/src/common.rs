@@ -8,7 +8,7 @@ use ubc_stack::{LayerRef, Stack};
 
 #[derive(Args, Debug, Clone)]
 pub struct StackArgs {
-    /// The stack, bottom layer first, e.g. 'dir:/data | zstd | aead:keyfile=/etc/k'
+    /// The stack, bottom layer first, e.g. 'dir:/data | aead:keyfile=/etc/k | zstd'
     #[arg(long, short = 's', value_name = "SPEC")]
     pub stack: String,
     /// Layer to work at (0 is the bottom; default: the top)

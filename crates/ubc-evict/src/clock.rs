@@ -20,24 +20,17 @@
 //! takes nothing, every page is unavailable and `select_victim` returns `None`.
 //!
 //! Read-ahead: a page filled by read-ahead has not been used yet, so its first access is the
-//! use it was read for, not a re-reference; we absorb that one access (see `absorb`).
+//! use it was read for, not a re-reference; that one access is absorbed (see
+//! `MarkedQueue::absorb`).
 
-use crate::list::{Arena, KeyMap, List, key_map};
+use crate::queue::MarkedQueue;
 use crate::{Admission, EvictAttempt, EvictionPolicy, PageKey, PageProbe};
-
-/// Per-page state: only whether the page came in by read-ahead and is still unused.
-#[derive(Clone, Copy, Debug)]
-struct Meta {
-    readahead_unused: bool,
-}
 
 /// CLOCK replacement. See the module documentation.
 #[derive(Debug)]
 pub struct Clock {
-    arena: Arena<Meta>,
-    map: KeyMap<u32>,
     /// The circle; its front is the page under the hand.
-    ring: List,
+    ring: MarkedQueue,
 }
 
 impl Clock {
@@ -45,29 +38,7 @@ impl Clock {
     /// the cache decides when to evict).
     pub fn new(capacity_pages: usize) -> Self {
         Clock {
-            arena: Arena::with_capacity(capacity_pages),
-            map: key_map(capacity_pages),
-            ring: List::new(),
-        }
-    }
-
-    /// Drop the node in `slot` from the circle and the index. Precondition: `slot` is live.
-    fn forget(&mut self, slot: u32) {
-        let key = self.arena.get(slot).key;
-        self.arena.unlink(&mut self.ring, slot);
-        self.arena.free(slot);
-        self.map.remove(&key);
-    }
-
-    /// Accesses that count as re-references: a read-ahead page's first access is its first
-    /// use, not a second chance. Precondition: `slot` is live.
-    fn absorb(&mut self, slot: u32, accesses: u8) -> u8 {
-        let meta = &mut self.arena.get_mut(slot).data;
-        if meta.readahead_unused && accesses > 0 {
-            meta.readahead_unused = false;
-            accesses - 1
-        } else {
-            accesses
+            ring: MarkedQueue::new(capacity_pages),
         }
     }
 }
@@ -78,30 +49,15 @@ impl EvictionPolicy for Clock {
         "clock"
     }
 
-    /// Place a newly filled page just behind the hand. A duplicate insert (a contract
-    /// violation) is tolerated as a refresh so `len` stays exact.
+    /// Place a newly filled page just behind the hand (a duplicate insert is a refresh).
     fn insert(&mut self, key: PageKey, admission: Admission) {
-        let readahead = admission == Admission::ReadAhead;
-        if let Some(&slot) = self.map.get(&key) {
-            if !readahead {
-                self.arena.get_mut(slot).data.readahead_unused = false;
-            }
-            return;
-        }
-        let slot = self.arena.alloc(
-            key,
-            Meta {
-                readahead_unused: readahead,
-            },
-        );
-        self.arena.push_back(&mut self.ring, slot);
-        self.map.insert(key, slot);
+        self.ring.insert(key, admission);
     }
 
     /// Forget a page the cache dropped itself; unknown keys are ignored.
     fn remove(&mut self, key: PageKey) {
-        if let Some(&slot) = self.map.get(&key) {
-            self.forget(slot);
+        if let Some(slot) = self.ring.slot(key) {
+            self.ring.forget(slot);
         }
     }
 
@@ -112,22 +68,22 @@ impl EvictionPolicy for Clock {
             // page under the hand or moves the hand past it, so each page is seen once.
             for _ in 0..self.ring.len() {
                 let slot = self.ring.front()?;
-                let key = self.arena.get(slot).key;
+                let key = self.ring.key(slot);
                 let Some(accesses) = probe.take_accesses(key) else {
-                    self.forget(slot); // left the cache behind our back
+                    self.ring.forget(slot); // left the cache behind our back
                     continue;
                 };
-                if self.absorb(slot, accesses) > 0 && honour_references {
-                    self.arena.move_to_back(&mut self.ring, slot); // second chance
+                if self.ring.absorb(slot, accesses) > 0 && honour_references {
+                    self.ring.move_to_back(slot); // second chance
                     continue;
                 }
                 match probe.try_evict(key) {
                     EvictAttempt::Taken => {
-                        self.forget(slot);
+                        self.ring.forget(slot);
                         return Some(key);
                     }
-                    EvictAttempt::Gone => self.forget(slot),
-                    EvictAttempt::Unavailable => self.arena.move_to_back(&mut self.ring, slot),
+                    EvictAttempt::Gone => self.ring.forget(slot),
+                    EvictAttempt::Unavailable => self.ring.move_to_back(slot),
                 }
             }
         }

@@ -90,6 +90,7 @@ pub trait EvictionPolicy: Send {
 }
 
 mod list;
+mod queue;
 #[cfg(test)]
 mod testprobe;
 

@@ -19,25 +19,18 @@
 //! first round has already cleared them). If the second round takes nothing, `None`.
 //!
 //! Read-ahead: a read-ahead page's first access is the use it was read for, not a re-visit;
-//! that access is absorbed (see `absorb`), so an unused or once-used read-ahead page is sifted
-//! out like a once-used demand page.
+//! that access is absorbed (see `MarkedQueue::absorb`), so an unused or once-used read-ahead
+//! page is sifted out like a once-used demand page.
 
-use crate::list::{Arena, KeyMap, List, NIL, key_map};
+use crate::list::NIL;
+use crate::queue::MarkedQueue;
 use crate::{Admission, EvictAttempt, EvictionPolicy, PageKey, PageProbe};
-
-/// Per-page state: only whether the page came in by read-ahead and is still unused.
-#[derive(Clone, Copy, Debug)]
-struct Meta {
-    readahead_unused: bool,
-}
 
 /// SIEVE replacement. See the module documentation.
 #[derive(Debug)]
 pub struct Sieve {
-    arena: Arena<Meta>,
-    map: KeyMap<u32>,
     /// Insertion order: front = oldest, back = newest.
-    queue: List,
+    queue: MarkedQueue,
     /// The page the hand points at; `NIL` means "start at the oldest page".
     hand: u32,
 }
@@ -47,9 +40,7 @@ impl Sieve {
     /// the cache decides when to evict).
     pub fn new(capacity_pages: usize) -> Self {
         Sieve {
-            arena: Arena::with_capacity(capacity_pages),
-            map: key_map(capacity_pages),
-            queue: List::new(),
+            queue: MarkedQueue::new(capacity_pages),
             hand: NIL,
         }
     }
@@ -57,7 +48,7 @@ impl Sieve {
     /// The hand's position after passing `slot`: its newer neighbour, or wrap to the oldest.
     /// Precondition: `slot` is linked.
     fn step_past(&self, slot: u32) -> u32 {
-        self.arena.newer(slot).unwrap_or(NIL)
+        self.queue.newer(slot).unwrap_or(NIL)
     }
 
     /// Drop the node in `slot`, moving the hand off it first. Precondition: `slot` is live.
@@ -65,28 +56,13 @@ impl Sieve {
         if self.hand == slot {
             self.hand = self.step_past(slot);
         }
-        let key = self.arena.get(slot).key;
-        self.arena.unlink(&mut self.queue, slot);
-        self.arena.free(slot);
-        self.map.remove(&key);
-    }
-
-    /// Accesses that count as visits: a read-ahead page's first access is its first use, not
-    /// a re-visit. Precondition: `slot` is live.
-    fn absorb(&mut self, slot: u32, accesses: u8) -> u8 {
-        let meta = &mut self.arena.get_mut(slot).data;
-        if meta.readahead_unused && accesses > 0 {
-            meta.readahead_unused = false;
-            accesses - 1
-        } else {
-            accesses
-        }
+        self.queue.forget(slot);
     }
 
     /// Keys from oldest to newest (tests only).
     #[cfg(test)]
     fn keys(&self) -> Vec<PageKey> {
-        self.arena.keys(&self.queue)
+        self.queue.keys()
     }
 }
 
@@ -96,29 +72,14 @@ impl EvictionPolicy for Sieve {
         "sieve"
     }
 
-    /// Append a newly filled page at the newest end. A duplicate insert (a contract
-    /// violation) is tolerated as a refresh so `len` stays exact.
+    /// Append a newly filled page at the newest end (a duplicate insert is a refresh).
     fn insert(&mut self, key: PageKey, admission: Admission) {
-        let readahead = admission == Admission::ReadAhead;
-        if let Some(&slot) = self.map.get(&key) {
-            if !readahead {
-                self.arena.get_mut(slot).data.readahead_unused = false;
-            }
-            return;
-        }
-        let slot = self.arena.alloc(
-            key,
-            Meta {
-                readahead_unused: readahead,
-            },
-        );
-        self.arena.push_back(&mut self.queue, slot);
-        self.map.insert(key, slot);
+        self.queue.insert(key, admission);
     }
 
     /// Forget a page the cache dropped itself; unknown keys are ignored.
     fn remove(&mut self, key: PageKey) {
-        if let Some(&slot) = self.map.get(&key) {
+        if let Some(slot) = self.queue.slot(key) {
             self.forget(slot);
         }
     }
@@ -134,12 +95,12 @@ impl EvictionPolicy for Sieve {
                 } else {
                     self.hand
                 };
-                let key = self.arena.get(slot).key;
+                let key = self.queue.key(slot);
                 let Some(accesses) = probe.take_accesses(key) else {
                     self.forget(slot); // left the cache behind our back
                     continue;
                 };
-                if self.absorb(slot, accesses) > 0 && honour_visits {
+                if self.queue.absorb(slot, accesses) > 0 && honour_visits {
                     // Visited: the read cleared the bit; the page stays where it is.
                     self.hand = self.step_past(slot);
                     continue;

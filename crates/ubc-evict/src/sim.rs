@@ -33,6 +33,16 @@ pub struct SimStats {
 }
 
 impl SimStats {
+    /// The counters accumulated since `before` (an earlier copy of these).
+    fn since(&self, before: SimStats) -> SimStats {
+        SimStats {
+            accesses: self.accesses - before.accesses,
+            hits: self.hits - before.hits,
+            evictions: self.evictions - before.evictions,
+            probes: self.probes - before.probes,
+        }
+    }
+
     /// Fraction of accesses that hit (0 for an empty trace).
     pub fn hit_ratio(&self) -> f64 {
         if self.accesses == 0 {
@@ -145,12 +155,7 @@ impl PolicySim {
         for &key in trace {
             self.access(key);
         }
-        SimStats {
-            accesses: self.stats.accesses - before.accesses,
-            hits: self.stats.hits - before.hits,
-            evictions: self.stats.evictions - before.evictions,
-            probes: self.stats.probes - before.probes,
-        }
+        self.stats.since(before)
     }
 
     /// Counters since construction.
@@ -211,12 +216,7 @@ impl LruSim {
         for &key in trace {
             self.access(key);
         }
-        SimStats {
-            accesses: self.stats.accesses - before.accesses,
-            hits: self.stats.hits - before.hits,
-            evictions: self.stats.evictions - before.evictions,
-            probes: 0,
-        }
+        self.stats.since(before)
     }
 
     /// Counters since construction.

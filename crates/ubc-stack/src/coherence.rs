@@ -1,9 +1,9 @@
 //! The cache manager: one coherent truth for a file used through several layers at once.
 //!
 //! This is the coherence framework of Heidemann & Popek, "Performance of Cache Coherence in
-//! Stackable Filing" (SOSP '95, `../shared/seeds/001_…`), with two changes the paper could
-//! not make on SunOS: simply-named layers *share* their lower file's cache object (page
-//! sharing — "we were unable to explore this optimization"), and tokens have reader and
+//! Stackable Filing" (SOSP '95), with two changes the paper could not make on SunOS:
+//! simply-named layers *share* their lower file's cache object (page sharing — "we were
+//! unable to explore this optimization"), and tokens have reader and
 //! writer modes ("Reader/writer tokens allow multiple read-only copies of pages to exist in
 //! the stack concurrently … We chose not to implement this optimization").
 //!
@@ -172,8 +172,8 @@ pub(crate) struct Tokens {
     /// Where this domain may hold pages although it holds no read token there: an
     /// operation that ran beside a mapping (no token can be granted then), or dirty data
     /// flushed through it from above. A write below must invalidate these pages as it
-    /// does a reader's; before this record, such pages outlived later writes (found by
-    /// `schedules_mappings`). Cleared where the domain is invalidated.
+    /// does a reader's, or such pages outlive later writes (`schedules_mappings` checks
+    /// it). Cleared where the domain is invalidated.
     cached: RangeSet,
     sticky: Vec<Sticky>,
 }
@@ -235,8 +235,8 @@ pub(crate) struct Domain<F = ubc::File> {
     /// first: it holds the layer's pager too, and a pager's drop may still write (an aead
     /// header, a zstd commit) — which must happen while the file handle keeps the cache
     /// running. Dropped after it, the pager outlived the cache's last handle and its shutdown
-    /// (final write-back), and the write was lost: a closed aead file lost its extended
-    /// length (found by tests/crash.rs).
+    /// (final write-back), and the write would be lost: a closed aead file would lose its
+    /// extended length (tests/crash.rs).
     pub(crate) xlate: Option<Arc<dyn Translate>>,
     pub(crate) file: F,
     tokens: RwLock<Tokens>,
@@ -748,9 +748,9 @@ impl<F: Actions> Group<F> {
     /// would hold after such a write: a write token where no other domain holds a token or
     /// mapping (so that its next operations take the fast path, and a reader elsewhere
     /// flushes or invalidates as for any write), else just the record that its data is not
-    /// below yet. (Before this, the write token given at unmap let d's next read skip data
-    /// written above meanwhile, and pages above outlived the mapping's stores: found by
-    /// `schedules_mappings`.) A read-only mapping's hold ends; the pages it faulted are
+    /// below yet. (A write token given at unmap alone would let d's next read skip data
+    /// written above meanwhile, and pages above would outlive the mapping's stores:
+    /// `schedules_mappings` checks both.) A read-only mapping's hold ends; the pages it faulted are
     /// recorded as cached (without a token they were invisible to later writes below). Errors (a failing
     /// write-back while invalidating) stay with the pages, which remain dirty.
     pub(crate) fn unmap(&self, d: usize, id: u64) {

@@ -198,7 +198,7 @@ impl Stack {
 /// final sync, while the cache still runs. Left to the cache's own shutdown, which writes
 /// objects back in no particular order, a zstd layer could commit with only part of what the
 /// layers above had (an aead header moved by `set_len`, not yet the blocks written before
-/// it), and a crash during the close left that mix on disk (found by tests/crash.rs). Best
+/// it), and a crash during the close would leave that mix on disk (tests/crash.rs). Best
 /// effort: errors have nobody to go to.
 impl Drop for Inner {
     fn drop(&mut self) {
@@ -650,10 +650,10 @@ impl Mapping {
     /// `msync`: write the mapping's stores to the layer's store, then sync it. At a general
     /// layer (zstd, aead) that sync commits below — a zstd commit, an aead header and the
     /// sync of its lower file — so there the whole file of the layer is synced, which first
-    /// waits for every write-back of it in flight. A flush of the mapped range alone let the
-    /// commit below catch a block the flusher was writing at that moment half-written (the
-    /// writer releases page k before filling page k+1): `dir | zstd | aead` then showed an
-    /// aead block failing authentication after a crash (found by tests/crash.rs).
+    /// waits for every write-back of it in flight. A flush of the mapped range alone would let
+    /// the commit below catch a block the flusher is writing at that moment half-written (the
+    /// writer releases page k before filling page k+1): in `dir | zstd | aead` that aead block
+    /// would fail authentication after a crash (tests/crash.rs).
     pub fn flush(&self) -> Result<()> {
         let m = self.inner.as_ref().expect("live");
         match self.group.domain(self.domain) {

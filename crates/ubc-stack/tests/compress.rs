@@ -1,5 +1,8 @@
 //! Tests of the zstd layer through a real `ubc::Cache` over real files in a tempdir.
 
+mod common;
+
+use common::data::gen_data;
 use proptest::prelude::*;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -9,34 +12,6 @@ use ubc::{Access, Cache, Fill, Pager};
 use ubc_stack::compress::{CompressOptions, CompressPager};
 
 const KB: usize = 1024;
-
-/// Deterministic test data: 0 random, 1 compressible (text-like), 2 zeros.
-fn gen_data(seed: u64, len: usize, kind: u8) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut next = move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
-    match kind {
-        0 => (0..len).map(|_| next() as u8).collect(),
-        1 => {
-            let words: [&[u8]; 8] = [b"cache ", b"page ", b"zstd ", b"chunk ", b"index ", b"layer ", b"the ", b"of "];
-            let mut v = Vec::with_capacity(len + 8);
-            while v.len() < len {
-                let r = next();
-                v.extend_from_slice(words[(r % 8) as usize]);
-                if r % 17 == 0 {
-                    v.extend_from_slice(format!("{} ", r % 1000).as_bytes());
-                }
-            }
-            v.truncate(len);
-            v
-        }
-        _ => vec![0; len],
-    }
-}
 
 // Field order is drop order: the cache handle goes last.
 struct Env {

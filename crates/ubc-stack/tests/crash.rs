@@ -913,10 +913,10 @@ fn regression_new_aead_file_header_first_with_old_length() {
 }
 
 /// A mapping flush (msync) at a general layer syncs the whole file of that layer, waiting
-/// for its write-backs in flight, before the layer commits below. It used to write back the
-/// mapped range only and then commit: a block of the same file that the flusher was writing
-/// into the zstd layer at that moment was committed half-written, and after a crash the top
-/// of `dir | zstd | aead` failed authentication on it (crash runs of `dir | zstd | aead`). The
+/// for its write-backs in flight, before the layer commits below. Writing back only the
+/// mapped range and then committing would commit half-written a block of the same file that
+/// the flusher is writing into the zstd layer at that moment, and after a crash the top of
+/// `dir | zstd | aead` would fail authentication on it. The
 /// race itself needs a concurrent write-back; this checks what closes it: after the flush,
 /// the commit on disk holds every write made before it, not only the mapped range.
 #[test]
@@ -1098,10 +1098,10 @@ fn crash_dir_aead_zstd() {
 
 
 /// A closed aead file whose pages were all written back and dropped (so the cache forgets
-/// its object at once, without a sync) keeps the length its writes gave it. The header's
-/// length used to be written only by `sync`/`set_len`: the pager was dropped with the new
-/// length in memory and the next open cut the file back (crash runs of `dir | zstd | aead`,
-/// clean close, 1 MiB budget).
+/// its object at once, without a sync) keeps the length its writes gave it. Were the header's
+/// length written only by `sync`/`set_len`, the pager would be dropped with the new length in
+/// memory and the next open would cut the file back (`dir | zstd | aead`, clean close, 1 MiB
+/// budget).
 #[test]
 fn regression_aead_length_survives_a_close_without_sync() {
     use ubc_stack::encrypt::EncryptPager;

@@ -19,6 +19,9 @@
 //! Case counts are modest by default; `PROPTEST_CASES=N` sets every test's count, e.g.
 //! `PROPTEST_CASES=20000 cargo test --release -p ubc-stack --test fuzz`.
 
+mod common;
+
+use common::data::gen_data;
 use proptest::prelude::*;
 use proptest::sample::Index;
 use std::io;
@@ -85,30 +88,6 @@ fn verbose() -> bool {
 
 fn cache() -> ubc::Cache {
     ubc::Cache::builder().budget(32 << 20).build().unwrap()
-}
-
-/// Deterministic data: 0 random, 1 compressible, 2 zeros.
-fn gen_data(seed: u64, len: usize, kind: u8) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut next = move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
-    match kind {
-        0 => (0..len).map(|_| (next() >> 24) as u8).collect(),
-        1 => {
-            let words: [&[u8]; 6] = [b"cache ", b"page ", b"zstd ", b"chunk ", b"index ", b"of "];
-            let mut v = Vec::with_capacity(len + 8);
-            while v.len() < len {
-                v.extend_from_slice(words[(next() % 6) as usize]);
-            }
-            v.truncate(len);
-            v
-        }
-        _ => vec![0; len],
-    }
 }
 
 fn model_write(m: &mut Vec<u8>, off: usize, d: &[u8]) {

@@ -11,7 +11,7 @@ use ubc_stack::encrypt::Key;
 use ubc_stack::layer::{inject::Inject, general::{Aead, Zstd}, dir::Dir, Layer};
 use ubc_stack::{OpenOptions, Stack};
 
-/// Where the fault layer sits in `dir | zstd | aead`.
+/// Where the inject layer sits in `dir | zstd | aead`.
 #[derive(Clone, Copy, Debug)]
 enum At {
     /// The host files themselves fail.

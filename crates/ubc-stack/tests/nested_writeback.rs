@@ -1,4 +1,4 @@
-//! Stacked writeback under sustained random writes (issue 15; docs/design.md "Locks and
+//! Stacked writeback under sustained random writes (docs/design.md "Locks and
 //! their order").
 //!
 //! 4 KiB random writes from four threads into a file eight times the budget, through two
@@ -162,9 +162,9 @@ fn random_4k_writes_through_two_general_layers_past_the_budget() {
 /// others write it — what the mount does when one process closes a file others still
 /// write. Every block read back through a fresh cache must be the last one written.
 ///
-/// This found a core bug (docs/guarantees.md, issue 15): `sync` set the store's length from a
-/// length read under the shared size lock, cutting off extents other threads had just
-/// written; chunks then failed their checksum. At length (it failed within seconds before):
+/// `sync` must set the store's length from a length read under the size lock held exclusive:
+/// read under the shared lock, it could cut off extents other threads had just written, and
+/// chunks would fail their checksum (docs/guarantees.md). At length:
 /// `UBC_NESTED_WRITES=5000 cargo test --release -p ubc-stack --test nested_writeback syncs`.
 #[test]
 fn syncs_while_other_threads_write_keep_every_chunk_intact() {

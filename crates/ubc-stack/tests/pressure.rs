@@ -1,4 +1,4 @@
-//! Writeback through layers when memory is short (issue 7; docs/guarantees.md).
+//! Writeback through layers when memory is short (docs/guarantees.md).
 //!
 //! A layer's writeback needs memory: compressing or sealing an upper page writes pages of
 //! the lower file, in the same cache. With a budget much smaller than what is written, the

@@ -1,4 +1,4 @@
-//! Security of the layers (issue 7, item 5): no cleartext below the encryption layer, keys
+//! Security of the layers: no cleartext below the encryption layer, keys
 //! wiped on drop, and no way out of a `dir` or `union` directory through `..` or symbolic
 //! links — by reading, writing, copy-up, chmod, truncation, rename or listing.
 
@@ -44,8 +44,8 @@ fn no_cleartext_reaches_any_layer_below_the_encryption_layer() {
         let spec = common::layered_spec(tmp.path(), order);
         let data = tmp.path().join("data");
         // 2 MiB for three layers of a 5 MiB file (15 MiB): write-behind and eviction
-        // push pages down before any sync (checked below). (Before ed03fa8 this could hang
-        // here: writeback through the layers needing memory — docs/guarantees.md.)
+        // push pages down before any sync (checked below), so writeback through the layers
+        // needs memory of the cache it is cleaning and must not hang (docs/guarantees.md).
         let s = Stack::open(&spec, ubc::Cache::new(2 << 20).unwrap()).unwrap();
         let evictions_before = s.cache().stats().daemon_evictions + s.cache().stats().totals.evictions;
         let aead_at = spec.split('|').position(|p| p.trim().starts_with("aead")).unwrap();

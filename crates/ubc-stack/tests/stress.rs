@@ -1,4 +1,4 @@
-//! Contention across layers (issue 7, item 4): many threads reading, writing, truncating,
+//! Contention across layers: many threads reading, writing, truncating,
 //! syncing and storing through shared mappings on many files of two stacks that share one
 //! small cache (working set 4x the budget), while other threads read the ciphertext at the
 //! bottom. Checked against a model of every file; memory sampled every millisecond must stay
@@ -150,8 +150,8 @@ fn many_threads_many_files_two_stacks_one_small_cache() {
                 max_alloc = max_alloc.max(st.allocated_bytes);
                 max_res = max_res.max(st.totals.resident_bytes);
                 // The gauges read while pages move between objects: a page counted out
-                // before it was counted in wrapped them below zero (issue 15; in a debug
-                // build `Cache::stats` overflowed summing them). Slack: the dirty total is
+                // before it is counted in must not wrap them below zero (in a debug build
+                // `Cache::stats` would overflow summing them). Slack: the dirty total is
                 // summed object by object while pages move.
                 assert!(st.totals.dirty_bytes <= 2 * BUDGET && st.unclean_bytes <= 2 * BUDGET, "stats read garbage: {st:?}");
                 n += 1;

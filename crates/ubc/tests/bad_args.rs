@@ -107,8 +107,8 @@ fn offsets_past_2_63_and_overflowing_ends() {
 }
 
 /// A growth the pager refuses (a layer's own limit, an I/O error) leaves the length as it
-/// was. (It used to be published first: the file then claimed a length its store never
-/// took, and every later sync failed trying to reconcile it.)
+/// was. (Published first, the file would claim a length its store never took, and every
+/// later sync would fail trying to reconcile it.)
 #[test]
 fn a_refused_growth_leaves_the_length() {
     guarded("refused growth", 60, || {

@@ -1,4 +1,4 @@
-//! FilePager's direct I/O (issue 3, "no double caching"): pages live once, in ubc, and not
+//! FilePager's direct I/O ("no double caching"): pages live once, in ubc, and not
 //! again in the kernel's page cache. Real files: an ext4-like file system under the target
 //! directory (direct I/O) and tmpfs (/dev/shm, the buffered fallback). Kernel page-cache
 //! residency is measured with `mincore` over a mapping of the host file.

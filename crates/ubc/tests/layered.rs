@@ -1,7 +1,7 @@
 //! A pager whose store is another file of the same cache (what every layer of `ubc-stack`
 //! is): its writeback needs memory of the cache it is cleaning. Reclaim on such a call's
 //! thread must not write back the layer's own file (its pager is this very call, holding
-//! its lock: a self-deadlock, found by the stack stress test in an aead `put_pages`), and
+//! its lock: a self-deadlock, e.g. in an aead `put_pages`), and
 //! the cache full of the layer's dirty pages must not keep the lower writes from memory.
 
 use parking_lot::Mutex;

@@ -1,4 +1,4 @@
-//! Statistics under contention (issue 15, deliverable 5): `Cache::stats` and `File::stats`
+//! Statistics under contention: `Cache::stats` and `File::stats`
 //! read while pages move between objects (fills, read-ahead, evictions, writes, writebacks,
 //! failed writebacks, stores found through mappings, truncations) must be sane in every
 //! snapshot: no gauge below zero (a wrapped counter reads near `u64::MAX` and made the sum

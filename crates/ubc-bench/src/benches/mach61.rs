@@ -1,4 +1,5 @@
-//! Mach's Table 6-1 (Rashid et al., mapped stdio, `../shared/seeds/004_…` §6.2): read a file
+//! Mach's Table 6-1 (Tevanian, Rashid et al., "A Unix Interface for Shared Memory and Memory
+//! Mapped Files Under Mach", 1987, §6.2, mapped stdio): read a file
 //! byte by byte three ways — libc `fopen` + `getc` (the baseline), `ubc_fopen` + the inline
 //! `ubc_fgetc` of the C library (its buffer is the cached file itself), and `ubc_fmap` + an
 //! array loop. The C program is `crates/ubc-capi/tests/c/table61.c`, compiled here with the

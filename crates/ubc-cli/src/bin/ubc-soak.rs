@@ -1,8 +1,8 @@
-//! `ubc-soak`: the soak driver behind `scripts/soak` (issue 15, deliverable 3).
+//! `ubc-soak`: the soak driver behind `scripts/soak`.
 //!
 //! Drives stacks through the FUSE mount (`ubc mount`) and through the library (`ubc_stack`)
-//! with write patterns that used to deadlock stacked writeback, verifies every byte against
-//! a model after a fresh mount (or a fresh `Stack::open`), and turns a stall (a worker
+//! with write patterns that stress stacked writeback (nested write-backs under memory
+//! pressure), verifies every byte against a model after a fresh mount (or a fresh `Stack::open`), and turns a stall (a worker
 //! without progress for `--stall-secs`) into a failure with every thread's stack dumped by
 //! gdb.
 //!

@@ -579,7 +579,7 @@ fn replay_invalidation_keeps_dirty_data_pushed_below_known() {
 fn schedules_refill_during_invalidation() {
     // A read at the top in flight fills the caches between while a write below invalidates
     // them: invalidated bottom first without holding the domains above, a domain between
-    // was filled again with the old page and kept it (found by the random tests).
+    // could be filled again with the old page and keep it.
     explore("refill during invalidation", || {
         let (g, m) = group(FOUR);
         let (g2, m2) = (g.clone(), m.clone());

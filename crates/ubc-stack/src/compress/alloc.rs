@@ -169,8 +169,8 @@ mod tests {
 
     /// Random allocations, placements below a limit and frees against a model of the live
     /// extents: no two live extents overlap or share a grain block, no live extent overlaps
-    /// free space, and the free byte count is what the free list holds (looking for the
-    /// corrupted zstd chunk the soak found once: an extent handed out twice would do it).
+    /// free space, and the free byte count is what the free list holds (an extent handed
+    /// out twice would corrupt a zstd chunk).
     #[test]
     fn random_operations_never_hand_out_used_space() {
         let grain = 4096u64;

@@ -1,5 +1,5 @@
 //! The on-disk format of the zstd layer: superblock slots and the index (see
-//! `docs/formats-zstd.md` for the byte-by-byte description). Pure encode/decode and
+//! `docs/formats.md`, "zstd layer", for the byte-by-byte description). Pure encode/decode and
 //! validation; no I/O happens here, so every check is testable on plain byte slices.
 //!
 //! Decoding never trusts a field before it is checked: every length and offset read from the

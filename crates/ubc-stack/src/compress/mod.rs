@@ -196,8 +196,8 @@ impl State {
     }
 }
 
-/// The zstd layer's pager. See the module docs for the design and `docs/formats-zstd.md`
-/// for the on-disk format.
+/// The zstd layer's pager. See the module docs for the design and `docs/formats.md`
+/// ("zstd layer") for the on-disk format.
 pub struct CompressPager {
     lower: ubc::File,
     level: i32,
@@ -208,8 +208,8 @@ pub struct CompressPager {
     /// that rewrites whole blocks. Over aead, writing a new extent into a 4 KiB block that
     /// also holds committed bytes re-encrypts that block, and its 4136 stored bytes straddle
     /// two pages of the file below, which reach the disk at different times: a crash in
-    /// between tore the block, and the *committed* extent failed authentication (found by
-    /// tests/crash.rs). So over aead, new data goes only into whole blocks holding nothing
+    /// between would tear the block, and the *committed* extent would fail authentication
+    /// (tests/crash.rs). So over aead, new data goes only into whole blocks holding nothing
     /// else, and blocks with committed data are never rewritten before a commit frees them.
     /// The format is unchanged (offsets stay multiples of `ALIGN`; files written either way
     /// read the same).
@@ -700,9 +700,9 @@ impl CompressPager {
         // so every later one has a lower limit: one at least this long cannot fit either
         // (unless a concurrent rewrite freed space meanwhile: then it merely stays put), and
         // is skipped before it is read and without scanning the free list again. Reading
-        // and scanning for every candidate was quadratic: found by the soak, a 1 GiB file's
-        // close spent over 10 s in `alloc_below` after random 4 KiB writes had cut the free
-        // space into tens of thousands of pieces.
+        // and scanning for every candidate is quadratic: after random 4 KiB writes cut the
+        // free space into tens of thousands of pieces, a 1 GiB file's close would spend over
+        // 10 s in `alloc_below`.
         let mut no_room_from = u64::MAX;
         for (chunk, listed_len) in candidates {
             if listed_len >= no_room_from {

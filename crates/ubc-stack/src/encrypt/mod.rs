@@ -26,7 +26,7 @@
 //!   decryptable whatever a crash did to the header's length. Cost: a hole costs its full
 //!   stored size (4136 bytes per 4096 cleartext bytes) and a file's tail up to 4095 bytes.
 //!
-//! The exact bytes are in `docs/formats-aead.md`.
+//! The exact bytes are in `docs/formats.md`, "aead layer".
 //!
 //! # Concurrency
 //!
@@ -429,7 +429,7 @@ impl EncryptPager {
     /// A new file's first header, with the current length, *on the lower store* — not only
     /// in its cache, where the lower's write-behind could store later pages first; a crash,
     /// or a truncation (which cuts the store at once), then left blocks or zeros without a
-    /// header: "not an aead file" (found by tests/crash.rs). Once per file. `exclusive`: the
+    /// header: "not an aead file" (checked by tests/crash.rs). Once per file. `exclusive`: the
     /// state lock is held exclusively; else shared, and a header another thread is writing
     /// right now is left to it. => state lock held.
     fn first_header(&self, st: &State, exclusive: bool) -> io::Result<()> {
@@ -583,9 +583,9 @@ impl Pager for EncryptPager {
             if first <= blocks(st.len.load(SeqCst)) {
                 // A new file's header goes to the store *before* its first blocks, with the
                 // length from before this put: a crash in between must leave an aead file
-                // showing its last length (found by tests/crash.rs: written after the
-                // blocks, a crash could leave blocks without any header — "not an aead
-                // file" — or a header with a length the file never had).
+                // showing its last length. Written after the blocks, a crash could leave
+                // blocks without any header ("not an aead file") or a header with a length
+                // the file never had (tests/crash.rs checks both).
                 self.first_header(&st, false)?;
                 self.write_blocks(&st.file_id, first, data)?;
                 // A failed put leaves the length alone (the cache retries it).
@@ -683,8 +683,8 @@ impl Pager for EncryptPager {
 /// Write a stale header on drop: the cache may drop a closed file's object (and this pager)
 /// without a `sync` — at once when none of its pages is resident any more. Writes that
 /// extended the file move the length in memory only, so without this the next open read
-/// the old length from the header and the data past it was gone, crash or not (found by
-/// tests/crash.rs: `dir | zstd | aead` lost a file's last extending write at a clean close).
+/// the old length from the header and the data past it was gone, crash or not: a file's
+/// last extending write would be lost at a clean close (tests/crash.rs checks it).
 /// Dropping then behaves like closing a file, as with the zstd layer's commit on drop; no
 /// fsync (durability is `sync`'s job). Best effort: errors have nobody to go to.
 impl Drop for EncryptPager {

@@ -2,6 +2,8 @@
 //! says `mod common;`).
 #![allow(dead_code)]
 
+pub mod data;
+
 use std::sync::atomic::{AtomicBool, Ordering::*};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
