@@ -43,6 +43,10 @@ fn block(b: u64, generation: u32) -> Vec<u8> {
 /// read back through a fresh cache. With `one_thread_per_depth`, the cache has one I/O thread
 /// per pager depth and the run fails if more than three are ever alive.
 fn run(layers: &str, budget: u64, writes_per_thread: usize, seed: u64, syncer: bool, one_thread_per_depth: bool) {
+    // One run at a time in this process: the I/O-thread bound counts threads by name, and a
+    // cache of a test running alongside would add its own.
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let tmp = tempfile::tempdir().unwrap();
     let spec = common::layered_spec(tmp.path(), layers);
     let threads = if syncer { 3u64 } else { 4u64 };
