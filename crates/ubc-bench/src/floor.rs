@@ -36,7 +36,12 @@ fn through_fresh_windows(len: u64, window: usize, keep: u64, mut body: impl FnMu
         if off >= keep {
             // SAFETY: punching a range of our own memfd.
             unsafe {
-                libc::fallocate(m.as_raw_fd(), libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, (off - keep) as libc::off_t, window as libc::off_t)
+                libc::fallocate(
+                    m.as_raw_fd(),
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    (off - keep) as libc::off_t,
+                    window as libc::off_t,
+                )
             };
         }
         off += window as u64;
@@ -47,7 +52,12 @@ fn through_fresh_windows(len: u64, window: usize, keep: u64, mut body: impl FnMu
 /// Open `path` with `O_DIRECT` (`write`: for writing, else reading).
 fn open_direct(path: &Path, write: bool) -> std::fs::File {
     use std::os::unix::fs::OpenOptionsExt;
-    std::fs::OpenOptions::new().read(!write).write(write).custom_flags(libc::O_DIRECT).open(path).expect("open O_DIRECT")
+    std::fs::OpenOptions::new()
+        .read(!write)
+        .write(write)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .expect("open O_DIRECT")
 }
 
 /// Read the whole (cold) file at `path` with `O_DIRECT` in `chunk`-byte reads into fresh
@@ -60,7 +70,9 @@ pub fn direct_read_into_memfd(path: &Path, len: u64, chunk: usize, window: usize
         let mut k = 0;
         while k < window && off + (k as u64) < len {
             // SAFETY: `w` maps `window` writable bytes; the read stays within them.
-            let n = unsafe { libc::pread(f.as_raw_fd(), w.add(k) as *mut libc::c_void, chunk, (off + k as u64) as libc::off_t) };
+            let n = unsafe {
+                libc::pread(f.as_raw_fd(), w.add(k) as *mut libc::c_void, chunk, (off + k as u64) as libc::off_t)
+            };
             assert!(n > 0, "pread O_DIRECT: {}", std::io::Error::last_os_error());
             k += n as usize;
         }
@@ -82,7 +94,9 @@ pub fn direct_write_through_memfd(path: &Path, len: u64, data: &[u8], window: us
         }
         for k in (0..window).step_by(1 << 20) {
             // SAFETY: `w` maps `window` bytes; the write stays within them.
-            let n = unsafe { libc::pwrite(f.as_raw_fd(), w.add(k) as *const libc::c_void, 1 << 20, (off + k as u64) as libc::off_t) };
+            let n = unsafe {
+                libc::pwrite(f.as_raw_fd(), w.add(k) as *const libc::c_void, 1 << 20, (off + k as u64) as libc::off_t)
+            };
             assert_eq!(n, 1 << 20, "pwrite O_DIRECT: {}", std::io::Error::last_os_error());
         }
     });

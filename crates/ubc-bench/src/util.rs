@@ -355,7 +355,9 @@ impl SharedMap {
         let prot = if writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
         // SAFETY: a fresh shared mapping at a kernel-chosen address of a descriptor the
         // caller holds open; it aliases no Rust object and is unmapped in `drop`.
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, fd.as_raw_fd(), offset as libc::off_t) };
+        let p = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, fd.as_raw_fd(), offset as libc::off_t)
+        };
         assert!(p != libc::MAP_FAILED, "mmap: {}", std::io::Error::last_os_error());
         SharedMap { ptr: p as *mut u8, len }
     }

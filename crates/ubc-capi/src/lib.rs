@@ -11,10 +11,10 @@
 
 mod stdio;
 
+use ::ubc_stack::{File, Mapping, OpenOptions, Stack};
 use std::cell::RefCell;
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use ::ubc_stack::{File, Mapping, OpenOptions, Stack};
 
 pub use stdio::UbcStdio;
 
@@ -245,7 +245,12 @@ pub(crate) fn open_file(stack: &Stack, layer: c_int, path: &str, opts: OpenOptio
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn ubc_open(stack: *mut ubc_stack, layer: c_int, path: *const c_char, flags: c_int) -> *mut ubc_file {
+pub unsafe extern "C" fn ubc_open(
+    stack: *mut ubc_stack,
+    layer: c_int,
+    path: *const c_char,
+    flags: c_int,
+) -> *mut ubc_file {
     guard(std::ptr::null_mut(), || {
         // SAFETY: the caller passes a live stack handle or NULL, and a NUL-terminated path or
         // NULL (ubc.h, "Pointer arguments").
@@ -367,7 +372,13 @@ pub struct ubc_map {
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn ubc_map(file: *mut ubc_file, off: libc::off_t, len: usize, prot: c_int, addr_out: *mut *mut c_void) -> *mut ubc_map {
+pub unsafe extern "C" fn ubc_map(
+    file: *mut ubc_file,
+    off: libc::off_t,
+    len: usize,
+    prot: c_int,
+    addr_out: *mut *mut c_void,
+) -> *mut ubc_map {
     guard(std::ptr::null_mut(), || {
         // SAFETY: the caller passes a live file handle or NULL (ubc.h, "Pointer arguments").
         let f = unsafe { handle(file, "file") }?;

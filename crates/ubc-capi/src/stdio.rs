@@ -10,8 +10,8 @@
 //! whole file, kept until `ubc_fclose`.
 
 use crate::{Fail, R, guard, open_file, write_all};
-use std::ffi::{c_char, c_int, c_void};
 use ::ubc_stack::{File, Mapping, OpenOptions};
+use std::ffi::{c_char, c_int, c_void};
 
 const BUFSZ: usize = 64 << 10;
 const EOF: c_int = -1;
@@ -80,7 +80,11 @@ impl UbcStdio {
         }
         let n = self.ptr as usize - self.base as usize;
         if n > 0 {
-            let at = if self.append { self.file.len().map_err(|e| Fail::stack(&format!("append {}", self.file.path()), e))? } else { self.off };
+            let at = if self.append {
+                self.file.len().map_err(|e| Fail::stack(&format!("append {}", self.file.path()), e))?
+            } else {
+                self.off
+            };
             // SAFETY: in write mode base is the heap buffer's start and base <= ptr <= wend =
             // its end (enter_write, putc, write), so base..ptr is its filled part.
             let data = unsafe { std::slice::from_raw_parts(self.base, n) };
@@ -154,7 +158,10 @@ impl UbcStdio {
                 return Ok(true);
             }
         }
-        let n = self.file.read_at(&mut self.heap, p).map_err(|e| self.fail(Fail::stack(&format!("read {} at {p}", self.file.path()), e)))?;
+        let n = self
+            .file
+            .read_at(&mut self.heap, p)
+            .map_err(|e| self.fail(Fail::stack(&format!("read {} at {p}", self.file.path()), e)))?;
         self.set_idle(p);
         if n == 0 {
             self.eof = true;
@@ -217,7 +224,11 @@ impl UbcStdio {
         while !data.is_empty() {
             if self.ptr == self.base && data.len() >= self.heap.len() {
                 // Large write: straight into the cache.
-                let at = if self.append { self.file.len().map_err(|e| self.fail(Fail::stack(&format!("append {}", self.file.path()), e)))? } else { self.off };
+                let at = if self.append {
+                    self.file.len().map_err(|e| self.fail(Fail::stack(&format!("append {}", self.file.path()), e)))?
+                } else {
+                    self.off
+                };
                 write_all(&self.file, data, at).map_err(|f| self.fail(f))?;
                 self.off = at + data.len() as u64;
                 return Ok(total);
@@ -243,7 +254,9 @@ impl UbcStdio {
         let baseline: i128 = match whence {
             libc::SEEK_SET => 0,
             libc::SEEK_CUR => cur as i128,
-            libc::SEEK_END => self.file.len().map_err(|e| self.fail(Fail::stack(&format!("seek {}", self.file.path()), e)))? as i128,
+            libc::SEEK_END => {
+                self.file.len().map_err(|e| self.fail(Fail::stack(&format!("seek {}", self.file.path()), e)))? as i128
+            }
             w => return Err(Fail::inval(format!("seek {}: bad whence {w}", self.file.path()))),
         };
         let target = baseline + offset as i128;
@@ -277,7 +290,8 @@ impl UbcStdio {
         if len == 0 {
             return Ok((&EMPTY as *const u8, 0));
         }
-        let n = usize::try_from(len).map_err(|_| Fail(libc::EFBIG, format!("fmap {}: file larger than the address space", self.file.path())))?;
+        let n = usize::try_from(len)
+            .map_err(|_| Fail(libc::EFBIG, format!("fmap {}: file larger than the address space", self.file.path())))?;
         let access = if self.update { ubc::Access::ReadWrite } else { ubc::Access::ReadOnly };
         let m = self
             .file
@@ -300,7 +314,11 @@ unsafe fn stream<'a>(f: *mut UbcStdio) -> R<&'a mut UbcStdio> {
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn ubc_fopen(stack: *mut crate::ubc_stack, path: *const c_char, mode: *const c_char) -> *mut UbcStdio {
+pub unsafe extern "C" fn ubc_fopen(
+    stack: *mut crate::ubc_stack,
+    path: *const c_char,
+    mode: *const c_char,
+) -> *mut UbcStdio {
     guard(std::ptr::null_mut(), || {
         // SAFETY: the caller passes a live stack handle or NULL, and NUL-terminated path and
         // mode strings or NULL (ubc.h, "Pointer arguments").

@@ -43,7 +43,13 @@ fn compile(src: &Path, out: &Path, name: &str, opt: &str) -> PathBuf {
 fn run(exe: &Path, args: &[&Path]) -> String {
     let o = Command::new(exe).args(args).output().expect("run test program");
     let out = String::from_utf8_lossy(&o.stdout).into_owned();
-    assert!(o.status.success(), "{} failed ({}):\nstdout:\n{out}\nstderr:\n{}", exe.display(), o.status, String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "{} failed ({}):\nstdout:\n{out}\nstderr:\n{}",
+        exe.display(),
+        o.status,
+        String::from_utf8_lossy(&o.stderr)
+    );
     out
 }
 

@@ -30,7 +30,12 @@ impl StackArgs {
         })?;
         let layer = match self.layer {
             None => stack.top(),
-            Some(n) => stack.layer(n).map_err(|_| Fail::usage(format!("--layer {n}"), format!("the stack has {} layers (0..={})", stack.depth(), stack.depth() - 1)))?,
+            Some(n) => stack.layer(n).map_err(|_| {
+                Fail::usage(
+                    format!("--layer {n}"),
+                    format!("the stack has {} layers (0..={})", stack.depth(), stack.depth() - 1),
+                )
+            })?,
         };
         Ok((stack, layer))
     }

@@ -51,9 +51,12 @@ impl Fail {
             Error::Spec(s) => (EX_USAGE, format!("bad stack spec: {s}")),
             Error::Invalid(s) => (EX_USAGE, s.clone()),
             Error::Io { source, .. } => (io_code(side, source), source.to_string()),
-            Error::Cache(ubc::Error::Io { .. } | ubc::Error::Open { .. } | ubc::Error::Os { .. } | ubc::Error::WritebackFailed { .. }) => {
-                (EX_IOERR, e.to_string())
-            }
+            Error::Cache(
+                ubc::Error::Io { .. }
+                | ubc::Error::Open { .. }
+                | ubc::Error::Os { .. }
+                | ubc::Error::WritebackFailed { .. },
+            ) => (EX_IOERR, e.to_string()),
             Error::Cache(c) => (EX_SOFTWARE, c.to_string()),
             _ => (EX_SOFTWARE, e.to_string()),
         };
@@ -78,7 +81,9 @@ impl Side {
 fn io_code(side: Side, e: &std::io::Error) -> i32 {
     use std::io::ErrorKind::*;
     match e.kind() {
-        NotFound | NotADirectory | IsADirectory | PermissionDenied | AlreadyExists | ReadOnlyFilesystem => side.missing(),
+        NotFound | NotADirectory | IsADirectory | PermissionDenied | AlreadyExists | ReadOnlyFilesystem => {
+            side.missing()
+        }
         _ => EX_IOERR,
     }
 }
@@ -86,7 +91,12 @@ fn io_code(side: Side, e: &std::io::Error) -> i32 {
 /// The path a stack error carries, if any.
 pub fn error_path(e: &Error) -> Option<&str> {
     match e {
-        Error::NotFound(p) | Error::Exists(p) | Error::NotDir(p) | Error::IsDir(p) | Error::NotEmpty(p) | Error::ReadOnly(p) => Some(p),
+        Error::NotFound(p)
+        | Error::Exists(p)
+        | Error::NotDir(p)
+        | Error::IsDir(p)
+        | Error::NotEmpty(p)
+        | Error::ReadOnly(p) => Some(p),
         Error::Io { path, .. } => Some(path),
         _ => None,
     }

@@ -13,7 +13,11 @@ mod error;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser, Debug)]
-#[command(name = "ubc", version, about = "A user-space unified buffer cache: tour, and files through any layer of a stack")]
+#[command(
+    name = "ubc",
+    version,
+    about = "A user-space unified buffer cache: tour, and files through any layer of a stack"
+)]
 #[command(after_help = "Exit status: 0 ok, 64 usage or bad stack spec, 65 authentication failure, \
 66 missing input, 69 benchmark script not found or mount failed, 70 internal error, 73 cannot create output, 74 I/O error.")]
 struct Cli {

@@ -13,7 +13,8 @@ fn setup() -> (tempfile::TempDir, String) {
     let t = tempfile::tempdir().unwrap();
     std::fs::create_dir(t.path().join("data")).unwrap();
     ubc().arg("keygen").arg(t.path().join("key")).assert().success();
-    let spec = format!("dir:{} | zstd | aead:keyfile={}", t.path().join("data").display(), t.path().join("key").display());
+    let spec =
+        format!("dir:{} | zstd | aead:keyfile={}", t.path().join("data").display(), t.path().join("key").display());
     (t, spec)
 }
 
@@ -30,7 +31,16 @@ fn tour_prints_measured_sections() {
     let t = tempfile::tempdir().unwrap();
     let out = ubc().args(["tour", "--dir"]).arg(t.path()).assert().success().get_output().stdout.clone();
     let out = String::from_utf8(out).unwrap();
-    for s in ["(a) one copy", "(b) a store through a mapping", "(c) cleartext at the top", "(d) eviction", "(e) read-ahead", "(f) statistics", "coherence", "STORED BY MMAP!"] {
+    for s in [
+        "(a) one copy",
+        "(b) a store through a mapping",
+        "(c) cleartext at the top",
+        "(d) eviction",
+        "(e) read-ahead",
+        "(f) statistics",
+        "coherence",
+        "STORED BY MMAP!",
+    ] {
         assert!(out.contains(s), "missing {s:?} in:\n{out}");
     }
     // The work directory is cleaned up.
@@ -107,22 +117,25 @@ fn stat_top_is_cleartext_size_bottom_is_stored_size() {
 #[test]
 fn missing_file_is_noinput() {
     let (_t, spec) = setup();
+    ubc().args(["cat", "--stack", &spec, "no/such/file"]).assert().code(66).stdout("").stderr(
+        predicate::str::starts_with("ubc: no/such/file: ")
+            .and(predicate::str::ends_with("\n"))
+            .and(predicate::function(|s: &str| s.lines().count() == 1)),
+    );
     ubc()
-        .args(["cat", "--stack", &spec, "no/such/file"])
+        .args(["cp", "--stack", &spec, "host:/no/such/host/file", "x"])
         .assert()
         .code(66)
-        .stdout("")
-        .stderr(predicate::str::starts_with("ubc: no/such/file: ").and(predicate::str::ends_with("\n")).and(predicate::function(|s: &str| s.lines().count() == 1)));
-    ubc().args(["cp", "--stack", &spec, "host:/no/such/host/file", "x"]).assert().code(66).stderr(predicate::str::contains("/no/such/host/file"));
+        .stderr(predicate::str::contains("/no/such/host/file"));
 }
 
 #[test]
 fn bad_spec_is_usage() {
-    ubc()
-        .args(["ls", "--stack", "dir:/tmp | frobnicate"])
-        .assert()
-        .code(64)
-        .stderr(predicate::str::starts_with("ubc: ").and(predicate::str::contains("frobnicate")).and(predicate::function(|s: &str| s.lines().count() == 1)));
+    ubc().args(["ls", "--stack", "dir:/tmp | frobnicate"]).assert().code(64).stderr(
+        predicate::str::starts_with("ubc: ")
+            .and(predicate::str::contains("frobnicate"))
+            .and(predicate::function(|s: &str| s.lines().count() == 1)),
+    );
     // clap's own usage errors use the same status.
     ubc().args(["cat"]).assert().code(64);
     ubc().args(["ls", "--stack", "dir:/tmp", "--layer", "5"]).assert().code(64);
@@ -144,11 +157,10 @@ fn corrupted_ciphertext_is_dataerr() {
     let mid = b.len() / 2;
     b[mid] ^= 0x40;
     std::fs::write(&stored, &b).unwrap();
-    ubc()
-        .args(["cat", "--stack", &spec, "f"])
-        .assert()
-        .code(65)
-        .stderr(predicate::str::starts_with("ubc: f: authentication failed").and(predicate::function(|s: &str| s.lines().count() == 1)));
+    ubc().args(["cat", "--stack", &spec, "f"]).assert().code(65).stderr(
+        predicate::str::starts_with("ubc: f: authentication failed")
+            .and(predicate::function(|s: &str| s.lines().count() == 1)),
+    );
 }
 
 #[test]

@@ -42,7 +42,11 @@ impl Daemon {
             cmd.arg("--at").arg(format!("{n}:{}", mp.display()));
         }
         let child = cmd.args(extra).stdin(Stdio::null()).stderr(std::fs::File::create(err).unwrap()).spawn().unwrap();
-        let mut d = Daemon { child: Some(child), mps: ats.iter().map(|(_, p)| p.to_path_buf()).collect(), err: err.to_path_buf() };
+        let mut d = Daemon {
+            child: Some(child),
+            mps: ats.iter().map(|(_, p)| p.to_path_buf()).collect(),
+            err: err.to_path_buf(),
+        };
         let start = Instant::now();
         while !d.mps.iter().all(|p| is_mounted(p)) {
             if let Some(st) = d.child.as_mut().unwrap().try_wait().unwrap() {
@@ -138,7 +142,11 @@ fn stack_dir(tail: &str) -> (tempfile::TempDir, String, PathBuf) {
         std::fs::create_dir(t.path().join(d)).unwrap();
     }
     assert!(ubc().arg("keygen").arg(t.path().join("key")).status().unwrap().success());
-    let spec = format!("dir:{}{}", t.path().join("data").display(), tail.replace("KEY", &t.path().join("key").display().to_string()));
+    let spec = format!(
+        "dir:{}{}",
+        t.path().join("data").display(),
+        tail.replace("KEY", &t.path().join("key").display().to_string())
+    );
     let mnt = t.path().join("mnt");
     (t, spec, mnt)
 }
@@ -197,7 +205,8 @@ fn two_mounts_of_one_stack_with_ordinary_tools() {
     assert_ne!(raw.len(), data.len());
     assert!(!contains(&raw, b"the quick brown fox"));
     assert!(stored.join("sub/b.txt").exists());
-    let mut names: Vec<String> = std::fs::read_dir(&stored).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    let mut names: Vec<String> =
+        std::fs::read_dir(&stored).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     names.sort();
     assert_eq!(names, ["a.txt", "sub"]);
 
@@ -546,7 +555,12 @@ fn sigterm_with_a_writer_active(tail: &str) {
     eprintln!("{tail:?}: {n_ok} writes returned Ok, then {err}; exit after {took:?}");
     let expect = records_file(n_ok);
     let got = read_fresh(&spec, &["w"]).remove(0).expect("w exists");
-    assert!(got == expect, "{tail:?}: the file differs from the {n_ok} writes that returned Ok (len {} vs {})", got.len(), expect.len());
+    assert!(
+        got == expect,
+        "{tail:?}: the file differs from the {n_ok} writes that returned Ok (len {} vs {})",
+        got.len(),
+        expect.len()
+    );
     if tail.is_empty() {
         assert!(std::fs::read(t.path().join("data/w")).unwrap() == expect, "host file");
     }
@@ -593,7 +607,8 @@ fn a_stuck_sync_gives_up_at_its_deadline_or_at_a_second_signal_listing_what_was_
         std::fs::create_dir(&store).unwrap();
         let mp = t.path().join(format!("m{i}"));
         std::fs::create_dir(&mp).unwrap();
-        let b = Daemon::start(&format!("dir:{}", store.display()), &[(0, &mp)], extra, &t.path().join(format!("b{i}.err")));
+        let b =
+            Daemon::start(&format!("dir:{}", store.display()), &[(0, &mp)], extra, &t.path().join(format!("b{i}.err")));
         let f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(mp.join("slow")).unwrap();
         f.write_all_at(&record(0), 0).unwrap();
         bs.push((b, mp));
@@ -643,7 +658,10 @@ fn a_stuck_sync_gives_up_at_its_deadline_or_at_a_second_signal_listing_what_was_
     assert!(bs[0].0.stderr().contains("2s sync deadline passed"), "{}", bs[0].0.stderr());
     assert!(bs[1].0.stderr().contains("second SIGTERM"), "{}", bs[1].0.stderr());
     assert!(second < Duration::from_secs(2), "a second signal took {second:?} to give up");
-    assert!(deadline >= Duration::from_millis(1900) && deadline < Duration::from_secs(8), "the 2 s deadline gave up after {deadline:?}");
+    assert!(
+        deadline >= Duration::from_millis(1900) && deadline < Duration::from_secs(8),
+        "the 2 s deadline gave up after {deadline:?}"
+    );
     drop(files);
 }
 
@@ -665,16 +683,30 @@ fn sigkill_keeps_what_was_fsynced(tail: &str) {
     for k in 60..120u64 {
         a.write_all_at(&record(k), k * REC as u64).unwrap();
     }
-    std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(mnt.join("c")).unwrap().write_all_at(&sample(20_000), 0).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(mnt.join("c"))
+        .unwrap()
+        .write_all_at(&sample(20_000), 0)
+        .unwrap();
     d.signal(libc::SIGKILL);
     let _ = d.wait(Duration::from_secs(20));
     drop(a);
     assert!(Command::new("fusermount3").args(["-u", "-z"]).arg(&mnt).status().unwrap().success());
     let got = read_fresh(&spec, &["a", "b", "c"]);
     let a_got = got[0].as_ref().expect("a exists");
-    assert!(a_got.len() >= synced.len() && a_got[..synced.len()] == synced[..], "{tail:?}: a lost synced bytes (len {})", a_got.len());
+    assert!(
+        a_got.len() >= synced.len() && a_got[..synced.len()] == synced[..],
+        "{tail:?}: a lost synced bytes (len {})",
+        a_got.len()
+    );
     let appended: Vec<u8> = (60..120u64).flat_map(record).collect();
-    assert!(a_got[synced.len()..].iter().zip(&appended).all(|(x, y)| x == y || *x == 0), "{tail:?}: a: garbage after the synced part");
+    assert!(
+        a_got[synced.len()..].iter().zip(&appended).all(|(x, y)| x == y || *x == 0),
+        "{tail:?}: a: garbage after the synced part"
+    );
     assert!(got[1].as_deref() == Some(&other[..]), "{tail:?}: b differs");
     // And a fresh mount serves the synced data.
     let mnt2 = t.path().join("mnt2");
@@ -725,7 +757,11 @@ fn lazy_unmount_ends_the_daemon_also_with_a_file_held_open() {
         let mut expect = data.clone();
         expect[1000..1032].copy_from_slice(b"written, not synced, then closed");
         let holder = hold.then(|| {
-            let c = Command::new("sh").arg("-c").arg(format!("exec 3<'{}'; exec sleep 60", mnt.join("f").display())).spawn().unwrap();
+            let c = Command::new("sh")
+                .arg("-c")
+                .arg(format!("exec 3<'{}'; exec sleep 60", mnt.join("f").display()))
+                .spawn()
+                .unwrap();
             // Held for sure before the unmount (else this would be the first case again).
             let fd3 = format!("/proc/{}/fd/3", c.id());
             let t0 = Instant::now();

@@ -24,12 +24,7 @@ struct Options {
 
 /// Parse the command line; exits with a usage message on anything unknown.
 fn parse_args() -> Options {
-    let mut o = Options {
-        json: false,
-        capacity: 8192,
-        accesses: 2_000_000,
-        seed: 42,
-    };
+    let mut o = Options { json: false, capacity: 8192, accesses: 2_000_000, seed: 42 };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut num = |name: &str| -> u64 {
@@ -44,9 +39,7 @@ fn parse_args() -> Options {
             "--accesses" => o.accesses = num("--accesses") as usize,
             "--seed" => o.seed = num("--seed"),
             _ => {
-                eprintln!(
-                    "usage: policy_sim [--json] [--capacity PAGES] [--accesses N] [--seed N]"
-                );
+                eprintln!("usage: policy_sim [--json] [--capacity PAGES] [--accesses N] [--seed N]");
                 std::process::exit(2)
             }
         }
@@ -81,18 +74,10 @@ fn main() {
         out!("|---|{}", "---:|".repeat(names.len()));
     }
     for w in &workloads {
-        let ratios: Vec<f64> = Model::ALL
-            .iter()
-            .map(|m| m.simulate(w.capacity, &w.trace).hit_ratio())
-            .collect();
+        let ratios: Vec<f64> = Model::ALL.iter().map(|m| m.simulate(w.capacity, &w.trace).hit_ratio()).collect();
         if o.json {
             for (m, r) in Model::ALL.iter().zip(&ratios) {
-                out!(
-                    "{{\"bench\":\"policy_{}\",\"policy\":\"{}\",\"hit_ratio\":{:.6}}}",
-                    w.name,
-                    m.name(),
-                    r
-                );
+                out!("{{\"bench\":\"policy_{}\",\"policy\":\"{}\",\"hit_ratio\":{:.6}}}", w.name, m.name(), r);
             }
         } else {
             let best = ratios.iter().cloned().fold(f64::MIN, f64::max);
@@ -100,11 +85,7 @@ fn main() {
                 .iter()
                 .map(|&r| {
                     let cell = format!("{:.2}%", 100.0 * r);
-                    if r == best {
-                        format!("**{cell}**")
-                    } else {
-                        cell
-                    }
+                    if r == best { format!("**{cell}**") } else { cell }
                 })
                 .collect();
             out!("| {} | {} |", w.name, cells.join(" | "));

@@ -37,9 +37,7 @@ impl Clock {
     /// A CLOCK policy sized for about `capacity_pages` resident pages (a sizing hint only:
     /// the cache decides when to evict).
     pub fn new(capacity_pages: usize) -> Self {
-        Clock {
-            ring: MarkedQueue::new(capacity_pages),
-        }
+        Clock { ring: MarkedQueue::new(capacity_pages) }
     }
 }
 

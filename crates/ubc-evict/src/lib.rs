@@ -158,11 +158,7 @@ pub struct UnknownPolicy(pub String);
 impl std::fmt::Display for UnknownPolicy {
     /// Names the rejected input and the accepted ones.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "unknown eviction policy {:?} (expected s3fifo, sieve or clock)",
-            self.0
-        )
+        write!(f, "unknown eviction policy {:?} (expected s3fifo, sieve or clock)", self.0)
     }
 }
 

@@ -83,11 +83,7 @@ pub(crate) struct List {
 impl List {
     /// An empty list.
     pub const fn new() -> Self {
-        List {
-            front: NIL,
-            back: NIL,
-            len: 0,
-        }
+        List { front: NIL, back: NIL, len: 0 }
     }
 
     /// Number of nodes linked on this list (exact, maintained on every link/unlink).
@@ -122,11 +118,7 @@ pub(crate) struct Arena<T> {
 impl<T> Arena<T> {
     /// An empty arena with room for `capacity` nodes before it reallocates.
     pub fn with_capacity(capacity: usize) -> Self {
-        Arena {
-            nodes: Vec::with_capacity(capacity),
-            free: NIL,
-            live: 0,
-        }
+        Arena { nodes: Vec::with_capacity(capacity), free: NIL, live: 0 }
     }
 
     /// Number of allocated (live) nodes.
@@ -138,12 +130,7 @@ impl<T> Arena<T> {
     /// Allocate a node for `key` (not yet on any list) and return its slot.
     pub fn alloc(&mut self, key: PageKey, data: T) -> u32 {
         self.live += 1;
-        let node = Node {
-            key,
-            older: NIL,
-            newer: NIL,
-            data,
-        };
+        let node = Node { key, older: NIL, newer: NIL, data };
         if self.free != NIL {
             let slot = self.free;
             self.free = self.nodes[slot as usize].newer;
@@ -209,10 +196,7 @@ impl<T> Arena<T> {
             (node.older, node.newer)
         };
         if older == NIL {
-            debug_assert_eq!(
-                list.front, slot,
-                "unlinking a node that is not on this list"
-            );
+            debug_assert_eq!(list.front, slot, "unlinking a node that is not on this list");
             list.front = newer;
         } else {
             self.nodes[older as usize].newer = newer;
@@ -256,10 +240,7 @@ mod tests {
 
     /// Shorthand for a key in object 0.
     fn k(i: u64) -> PageKey {
-        PageKey {
-            object: 0,
-            index: i,
-        }
+        PageKey { object: 0, index: i }
     }
 
     #[test]

@@ -21,11 +21,7 @@ pub(crate) struct MarkedQueue {
 impl MarkedQueue {
     /// An empty queue sized for about `capacity_pages` pages.
     pub fn new(capacity_pages: usize) -> Self {
-        MarkedQueue {
-            arena: Arena::with_capacity(capacity_pages),
-            map: key_map(capacity_pages),
-            list: List::new(),
-        }
+        MarkedQueue { arena: Arena::with_capacity(capacity_pages), map: key_map(capacity_pages), list: List::new() }
     }
 
     /// Append a newly filled page at the back. A duplicate insert (a contract violation) is
@@ -39,12 +35,7 @@ impl MarkedQueue {
             }
             return;
         }
-        let slot = self.arena.alloc(
-            key,
-            Meta {
-                readahead_unused: readahead,
-            },
-        );
+        let slot = self.arena.alloc(key, Meta { readahead_unused: readahead });
         self.arena.push_back(&mut self.list, slot);
         self.map.insert(key, slot);
     }

@@ -91,11 +91,7 @@ pub struct S3FifoParams {
 impl Default for S3FifoParams {
     /// The paper's parameters: 10% S, promote after one access, ghost as large as M.
     fn default() -> Self {
-        S3FifoParams {
-            small_percent: 10,
-            move_to_main_threshold: 1,
-            ghost_percent: 90,
-        }
+        S3FifoParams { small_percent: 10, move_to_main_threshold: 1, ghost_percent: 90 }
     }
 }
 
@@ -121,14 +117,8 @@ impl S3Fifo {
     /// An S3-FIFO policy with explicit tunables. Precondition: `small_percent` in 1..=99,
     /// `move_to_main_threshold` in 1..=3.
     pub fn with_params(capacity_pages: usize, params: S3FifoParams) -> Self {
-        assert!(
-            (1..=99).contains(&params.small_percent),
-            "small_percent out of range"
-        );
-        assert!(
-            (1..=MAX_FREQ).contains(&params.move_to_main_threshold),
-            "move_to_main_threshold out of range"
-        );
+        assert!((1..=99).contains(&params.small_percent), "small_percent out of range");
+        assert!((1..=MAX_FREQ).contains(&params.move_to_main_threshold), "move_to_main_threshold out of range");
         let ghost_capacity = (capacity_pages * usize::from(params.ghost_percent) / 100).max(1);
         S3Fifo {
             arena: Arena::with_capacity(capacity_pages + ghost_capacity),
@@ -213,11 +203,7 @@ impl S3Fifo {
 
     /// One step at S's tail: promote, evict (returning the key) or rotate.
     /// Precondition: S is not empty.
-    fn step_small(
-        &mut self,
-        probe: &mut dyn PageProbe,
-        unavailable: &mut usize,
-    ) -> Option<PageKey> {
+    fn step_small(&mut self, probe: &mut dyn PageProbe, unavailable: &mut usize) -> Option<PageKey> {
         let slot = self.small.front()?;
         let key = self.arena.get(slot).key;
         let Some(accesses) = probe.take_accesses(key) else {
@@ -330,8 +316,7 @@ impl S3Fifo {
     /// Keys of the queue `which` (0 = S, 1 = M, 2 = G) oldest first (tests only).
     #[cfg(test)]
     fn keys(&self, which: usize) -> Vec<PageKey> {
-        self.arena
-            .keys([&self.small, &self.main, &self.ghost][which])
+        self.arena.keys([&self.small, &self.main, &self.ghost][which])
     }
 }
 
@@ -355,22 +340,11 @@ impl EvictionPolicy for S3Fifo {
             }
             // Ghost hit. Only a demand fill is evidence of reuse; read-ahead goes to S.
             let queue = if readahead { Queue::Small } else { Queue::Main };
-            self.arena.get_mut(slot).data = Meta {
-                queue: Queue::Ghost,
-                freq: 0,
-                readahead_unused: readahead,
-            };
+            self.arena.get_mut(slot).data = Meta { queue: Queue::Ghost, freq: 0, readahead_unused: readahead };
             self.requeue(slot, queue);
             return;
         }
-        let slot = self.arena.alloc(
-            key,
-            Meta {
-                queue: Queue::Small,
-                freq: 0,
-                readahead_unused: readahead,
-            },
-        );
+        let slot = self.arena.alloc(key, Meta { queue: Queue::Small, freq: 0, readahead_unused: readahead });
         self.push(slot, Queue::Small);
         self.map.insert(key, slot);
     }
@@ -394,9 +368,8 @@ impl EvictionPolicy for S3Fifo {
         // many unavailable pages as it holds (or UNAVAILABLE_RUN_LIMIT).
         let mut budget = 6 * self.len() + 8;
         let (mut small_unavailable, mut main_unavailable) = (0usize, 0usize);
-        let open = |unavailable: usize, list: &List| {
-            !list.is_empty() && unavailable < list.len().min(UNAVAILABLE_RUN_LIMIT)
-        };
+        let open =
+            |unavailable: usize, list: &List| !list.is_empty() && unavailable < list.len().min(UNAVAILABLE_RUN_LIMIT);
         while budget > 0 {
             budget -= 1;
             let small_ok = open(small_unavailable, &self.small);
@@ -516,14 +489,7 @@ mod tests {
         }
         // A one-time scan of 1000 pages; the hot set keeps being used meanwhile.
         for j in 0..1000u64 {
-            admit(
-                &mut p,
-                &mut probe,
-                PageKey {
-                    object: 1,
-                    index: j,
-                },
-            );
+            admit(&mut p, &mut probe, PageKey { object: 1, index: j });
             if j % 20 == 0 {
                 for i in 0..50 {
                     if p.map.contains_key(&k(i)) {
@@ -532,13 +498,8 @@ mod tests {
                 }
             }
         }
-        let hot_left = (0..50)
-            .filter(|&i| {
-                p.map
-                    .get(&k(i))
-                    .is_some_and(|&s| p.arena.get(s).data.queue == Queue::Main)
-            })
-            .count();
+        let hot_left =
+            (0..50).filter(|&i| p.map.get(&k(i)).is_some_and(|&s| p.arena.get(s).data.queue == Queue::Main)).count();
         assert_eq!(hot_left, 50, "the scan must not push the hot set out of M");
         // The scan only ever occupied the space M did not need.
         assert_eq!((p.main_len(), p.small_len()), (50, 50));
@@ -572,11 +533,7 @@ mod tests {
         probe.add(k(30));
         probe.touch(k(30));
         assert_eq!(p.select_victim(&mut probe), Some(k(30)));
-        assert_eq!(
-            p.keys(2).last(),
-            Some(&k(30)),
-            "used once: remembered like a demand page"
-        );
+        assert_eq!(p.keys(2).last(), Some(&k(30)), "used once: remembered like a demand page");
     }
 
     #[test]
@@ -615,16 +572,9 @@ mod tests {
             probe.pin(k(i));
         }
         assert_eq!((p.small_len(), p.main_len()), (100, 900));
-        let mut counting = Counting {
-            inner: &mut probe,
-            probes: 0,
-        };
+        let mut counting = Counting { inner: &mut probe, probes: 0 };
         assert_eq!(p.select_victim(&mut counting), Some(k(0)));
-        assert!(
-            counting.probes <= 2 * UNAVAILABLE_RUN_LIMIT + 2,
-            "{} probes",
-            counting.probes
-        );
+        assert!(counting.probes <= 2 * UNAVAILABLE_RUN_LIMIT + 2, "{} probes", counting.probes);
     }
 
     /// A probe wrapper counting the policy's calls.

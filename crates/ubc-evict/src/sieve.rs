@@ -39,10 +39,7 @@ impl Sieve {
     /// A SIEVE policy sized for about `capacity_pages` resident pages (a sizing hint only:
     /// the cache decides when to evict).
     pub fn new(capacity_pages: usize) -> Self {
-        Sieve {
-            queue: MarkedQueue::new(capacity_pages),
-            hand: NIL,
-        }
+        Sieve { queue: MarkedQueue::new(capacity_pages), hand: NIL }
     }
 
     /// The hand's position after passing `slot`: its newer neighbour, or wrap to the oldest.
@@ -90,11 +87,7 @@ impl EvictionPolicy for Sieve {
             // One round = as many steps as pages at its start; each step passes or removes
             // one page, so every page is looked at once per round.
             for _ in 0..self.queue.len() {
-                let slot = if self.hand == NIL {
-                    self.queue.front()?
-                } else {
-                    self.hand
-                };
+                let slot = if self.hand == NIL { self.queue.front()? } else { self.hand };
                 let key = self.queue.key(slot);
                 let Some(accesses) = probe.take_accesses(key) else {
                     self.forget(slot); // left the cache behind our back

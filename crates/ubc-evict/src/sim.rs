@@ -45,11 +45,7 @@ impl SimStats {
 
     /// Fraction of accesses that hit (0 for an empty trace).
     pub fn hit_ratio(&self) -> f64 {
-        if self.accesses == 0 {
-            0.0
-        } else {
-            self.hits as f64 / self.accesses as f64
-        }
+        if self.accesses == 0 { 0.0 } else { self.hits as f64 / self.accesses as f64 }
     }
 
     /// Accesses that missed.
@@ -102,11 +98,7 @@ impl PolicySim {
         PolicySim {
             policy,
             capacity,
-            resident: Resident {
-                counters: key_map(capacity),
-                taken: Vec::new(),
-                probes: 0,
-            },
+            resident: Resident { counters: key_map(capacity), taken: Vec::new(), probes: 0 },
             stats: SimStats::default(),
         }
     }
@@ -124,27 +116,14 @@ impl PolicySim {
             let victim = self.policy.select_victim(&mut self.resident);
             let taken = std::mem::take(&mut self.resident.taken);
             match victim {
-                Some(v) => assert_eq!(
-                    taken,
-                    [v],
-                    "{}: victim must be the page it took",
-                    self.policy.name()
-                ),
-                None => panic!(
-                    "{}: no victim although every page is takeable",
-                    self.policy.name()
-                ),
+                Some(v) => assert_eq!(taken, [v], "{}: victim must be the page it took", self.policy.name()),
+                None => panic!("{}: no victim although every page is takeable", self.policy.name()),
             }
             self.stats.evictions += 1;
         }
         self.resident.counters.insert(key, 0);
         self.policy.insert(key, Admission::Demand);
-        assert_eq!(
-            self.policy.len(),
-            self.resident.counters.len(),
-            "{}: len drifted",
-            self.policy.name()
-        );
+        assert_eq!(self.policy.len(), self.resident.counters.len(), "{}: len drifted", self.policy.name());
         self.stats.probes = self.resident.probes;
         false
     }
@@ -345,24 +324,14 @@ const OBJ_LOG: u64 = 3;
 /// With `pages` > capacity this defeats LRU completely (every access misses).
 pub fn loop_scan(pages: u64, accesses: usize) -> Vec<PageKey> {
     assert!(pages > 0);
-    (0..accesses as u64)
-        .map(|i| PageKey {
-            object: OBJ_SCAN,
-            index: i % pages,
-        })
-        .collect()
+    (0..accesses as u64).map(|i| PageKey { object: OBJ_SCAN, index: i % pages }).collect()
 }
 
 /// Independent Zipf(`alpha`) accesses over `universe` pages of one object.
 pub fn zipf(universe: u64, alpha: f64, accesses: usize, seed: u64) -> Vec<PageKey> {
     let dist = Zipf::new(universe, alpha);
     let mut rng = SplitMix64::new(seed);
-    (0..accesses)
-        .map(|_| PageKey {
-            object: OBJ_HOT,
-            index: dist.sample(&mut rng),
-        })
-        .collect()
+    (0..accesses).map(|_| PageKey { object: OBJ_HOT, index: dist.sample(&mut rng) }).collect()
 }
 
 /// Scan resistance: a hot Zipf(`alpha`) set of `hot_pages` pages (smaller than the cache)
@@ -386,22 +355,13 @@ pub fn scan_mix(
     let mut next_scan_page = 0u64;
     while out.len() < accesses {
         for _ in 0..hot_phase {
-            out.push(PageKey {
-                object: OBJ_HOT,
-                index: dist.sample(&mut rng),
-            });
+            out.push(PageKey { object: OBJ_HOT, index: dist.sample(&mut rng) });
         }
         for i in 0..scan_pages {
-            out.push(PageKey {
-                object: OBJ_SCAN,
-                index: next_scan_page,
-            });
+            out.push(PageKey { object: OBJ_SCAN, index: next_scan_page });
             next_scan_page += 1;
             if scan_per_hot > 0 && i % scan_per_hot == scan_per_hot - 1 {
-                out.push(PageKey {
-                    object: OBJ_HOT,
-                    index: dist.sample(&mut rng),
-                });
+                out.push(PageKey { object: OBJ_HOT, index: dist.sample(&mut rng) });
             }
         }
     }
@@ -412,23 +372,13 @@ pub fn scan_mix(
 /// A shifting working set: Zipf(`alpha`) over `working_set` pages whose base moves by
 /// `shift` pages every `phase` accesses, so yesterday's lukewarm pages become today's hot
 /// ones and the old hottest pages go cold. Measures how fast a policy adapts.
-pub fn shifting(
-    working_set: u64,
-    alpha: f64,
-    shift: u64,
-    phase: usize,
-    accesses: usize,
-    seed: u64,
-) -> Vec<PageKey> {
+pub fn shifting(working_set: u64, alpha: f64, shift: u64, phase: usize, accesses: usize, seed: u64) -> Vec<PageKey> {
     let dist = Zipf::new(working_set, alpha);
     let mut rng = SplitMix64::new(seed);
     (0..accesses)
         .map(|i| {
             let base = (i / phase) as u64 * shift;
-            PageKey {
-                object: OBJ_HOT,
-                index: base + dist.sample(&mut rng),
-            }
+            PageKey { object: OBJ_HOT, index: base + dist.sample(&mut rng) }
         })
         .collect()
 }
@@ -440,35 +390,20 @@ pub fn shifting(
 /// * 15%: appends to a log, each new log page written `records_per_page` times in a row and
 ///   never read again (a short burst of reuse that frequency-based policies can mistake for
 ///   popularity).
-pub fn db_mix(
-    index_pages: u64,
-    table_pages: u64,
-    records_per_page: u64,
-    accesses: usize,
-    seed: u64,
-) -> Vec<PageKey> {
+pub fn db_mix(index_pages: u64, table_pages: u64, records_per_page: u64, accesses: usize, seed: u64) -> Vec<PageKey> {
     let dist = Zipf::new(index_pages, 1.0);
     let mut rng = SplitMix64::new(seed);
     let (mut table_pos, mut log_record) = (0u64, 0u64);
     (0..accesses)
         .map(|_| match rng.below(100) {
-            0..60 => PageKey {
-                object: OBJ_HOT,
-                index: dist.sample(&mut rng),
-            },
+            0..60 => PageKey { object: OBJ_HOT, index: dist.sample(&mut rng) },
             60..85 => {
                 table_pos += 1;
-                PageKey {
-                    object: OBJ_SCAN,
-                    index: table_pos % table_pages,
-                }
+                PageKey { object: OBJ_SCAN, index: table_pos % table_pages }
             }
             _ => {
                 log_record += 1;
-                PageKey {
-                    object: OBJ_LOG,
-                    index: log_record / records_per_page,
-                }
+                PageKey { object: OBJ_LOG, index: log_record / records_per_page }
             }
         })
         .collect()
@@ -478,51 +413,20 @@ pub fn db_mix(
 /// `loop_scan`, `zipf_0.8`, `zipf_1.0`, `scan_mix`, `shifting`, `db_mix`.
 pub fn standard_workloads(capacity: usize, accesses: usize, seed: u64) -> Vec<Workload> {
     let c = capacity as u64;
-    let w = |name, trace| Workload {
-        name,
-        capacity,
-        trace,
-    };
+    let w = |name, trace| Workload { name, capacity, trace };
     vec![
         // 1.5x the cache: LRU's worst case.
         w("loop_scan", loop_scan(c * 3 / 2, accesses)),
         // Universe 50x the cache.
         w("zipf_0.8", zipf(c * 50, 0.8, accesses, seed)),
-        w(
-            "zipf_1.0",
-            zipf(c * 50, 1.0, accesses, seed.wrapping_add(1)),
-        ),
+        w("zipf_1.0", zipf(c * 50, 1.0, accesses, seed.wrapping_add(1))),
         // Hot set = 60% of the cache; every 4 cache-fulls of hot accesses, a scan of twice
         // the cache with one hot access per 4 scan pages.
-        w(
-            "scan_mix",
-            scan_mix(
-                c * 3 / 5,
-                0.9,
-                4 * capacity,
-                2 * c,
-                4,
-                accesses,
-                seed.wrapping_add(2),
-            ),
-        ),
+        w("scan_mix", scan_mix(c * 3 / 5, 0.9, 4 * capacity, 2 * c, 4, accesses, seed.wrapping_add(2))),
         // Working set 2x the cache, moving by half a cache every 5 cache-fulls of accesses.
-        w(
-            "shifting",
-            shifting(
-                2 * c,
-                0.9,
-                c / 2,
-                5 * capacity,
-                accesses,
-                seed.wrapping_add(3),
-            ),
-        ),
+        w("shifting", shifting(2 * c, 0.9, c / 2, 5 * capacity, accesses, seed.wrapping_add(3))),
         // Index 4x the cache, table 3x the cache, 4 log records per page.
-        w(
-            "db_mix",
-            db_mix(4 * c, 3 * c, 4, accesses, seed.wrapping_add(4)),
-        ),
+        w("db_mix", db_mix(4 * c, 3 * c, 4, accesses, seed.wrapping_add(4))),
     ]
 }
 
@@ -540,10 +444,7 @@ mod tests {
 
     #[test]
     fn lru_evicts_least_recent() {
-        let k = |i| PageKey {
-            object: 0,
-            index: i,
-        };
+        let k = |i| PageKey { object: 0, index: i };
         let mut lru = LruSim::new(2);
         assert!(!lru.access(k(1)));
         assert!(!lru.access(k(2)));
@@ -565,10 +466,7 @@ mod tests {
         let h: f64 = (1..=100).map(|r| 1.0 / r as f64).sum();
         for (r, &c) in counts.iter().enumerate().take(5) {
             let expect = n as f64 / ((r + 1) as f64 * h);
-            assert!(
-                (c as f64 - expect).abs() < 0.05 * expect,
-                "rank {r}: {c} vs {expect}"
-            );
+            assert!((c as f64 - expect).abs() < 0.05 * expect, "rank {r}: {c} vs {expect}");
         }
     }
 

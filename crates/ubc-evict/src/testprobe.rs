@@ -6,10 +6,7 @@ use crate::{EvictAttempt, PageKey, PageProbe};
 
 /// Shorthand for page `i` of object 0.
 pub(crate) fn k(i: u64) -> PageKey {
-    PageKey {
-        object: 0,
-        index: i,
-    }
+    PageKey { object: 0, index: i }
 }
 
 /// Per-page state the test controls.
@@ -33,27 +30,18 @@ impl TestProbe {
 
     /// Record one hit on `key` (saturating at 3, like the cache's 2-bit counter).
     pub fn touch(&mut self, key: PageKey) {
-        let s = self
-            .pages
-            .get_mut(&key)
-            .expect("touch of a non-resident page");
+        let s = self.pages.get_mut(&key).expect("touch of a non-resident page");
         s.accesses = (s.accesses + 1).min(3);
     }
 
     /// Make `key` unavailable for eviction.
     pub fn pin(&mut self, key: PageKey) {
-        self.pages
-            .get_mut(&key)
-            .expect("pin of a non-resident page")
-            .pinned = true;
+        self.pages.get_mut(&key).expect("pin of a non-resident page").pinned = true;
     }
 
     /// Make `key` available for eviction again.
     pub fn unpin(&mut self, key: PageKey) {
-        self.pages
-            .get_mut(&key)
-            .expect("unpin of a non-resident page")
-            .pinned = false;
+        self.pages.get_mut(&key).expect("unpin of a non-resident page").pinned = false;
     }
 
     /// Drop `key` from the fake cache without telling the policy (a truncation race).
@@ -65,9 +53,7 @@ impl TestProbe {
 impl PageProbe for TestProbe {
     /// Return and clear the counter; `None` for non-resident pages.
     fn take_accesses(&mut self, key: PageKey) -> Option<u8> {
-        self.pages
-            .get_mut(&key)
-            .map(|s| std::mem::take(&mut s.accesses))
+        self.pages.get_mut(&key).map(|s| std::mem::take(&mut s.accesses))
     }
 
     /// Taken (and dropped from the fake cache) unless pinned or absent.

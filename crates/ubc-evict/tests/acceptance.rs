@@ -23,20 +23,12 @@ fn check_acceptance(seed: u64) {
             // Looping and scan-polluted workloads: must beat exact LRU.
             "loop_scan" | "scan_mix" | "db_mix" => {
                 let (ours, lru) = (ratio(default), ratio(Model::Lru));
-                assert!(
-                    ours > lru,
-                    "{} seed {seed}: default {ours:.4} does not beat LRU {lru:.4}",
-                    w.name
-                );
+                assert!(ours > lru, "{} seed {seed}: default {ours:.4} does not beat LRU {lru:.4}", w.name);
             }
             // Zipf: within 2 points of the best model (LRU included).
             "zipf_0.8" | "zipf_1.0" => {
                 let ours = ratio(default);
-                let best = Model::ALL
-                    .iter()
-                    .filter(|&&m| m != default)
-                    .map(|&m| ratio(m))
-                    .fold(ours, f64::max);
+                let best = Model::ALL.iter().filter(|&&m| m != default).map(|&m| ratio(m)).fold(ours, f64::max);
                 assert!(
                     best - ours <= 0.02,
                     "{} seed {seed}: default {ours:.4} more than 2 points below best {best:.4}",

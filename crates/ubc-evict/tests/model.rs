@@ -50,11 +50,7 @@ impl PageProbe for Fake {
         self.probes += 1;
         assert!(!self.taken.contains(&key), "probed {key:?} after taking it");
         let racing = self.rng.below(100) < self.racing_hits_percent;
-        let extra = if racing {
-            1 + self.rng.below(3) as u8
-        } else {
-            0
-        };
+        let extra = if racing { 1 + self.rng.below(3) as u8 } else { 0 };
         match self.pages.get_mut(&key) {
             None => {
                 // The policy must forget it now.
@@ -109,31 +105,14 @@ impl Fake {
         );
         match victim {
             Some(v) => {
-                assert_eq!(
-                    self.taken,
-                    [v],
-                    "{}: must return exactly the page it took",
-                    policy.name()
-                );
-                assert!(
-                    tracked_before.contains(&v),
-                    "{}: returned untracked {v:?}",
-                    policy.name()
-                );
+                assert_eq!(self.taken, [v], "{}: must return exactly the page it took", policy.name());
+                assert!(tracked_before.contains(&v), "{}: returned untracked {v:?}", policy.name());
                 self.tracked.remove(&v);
             }
             None => {
-                assert!(
-                    self.taken.is_empty(),
-                    "{}: took a page and returned None",
-                    policy.name()
-                );
+                assert!(self.taken.is_empty(), "{}: took a page and returned None", policy.name());
                 for k in &self.tracked {
-                    assert!(
-                        self.refused.contains(k),
-                        "{}: None but {k:?} was never offered",
-                        policy.name()
-                    );
+                    assert!(self.refused.contains(k), "{}: None but {k:?} was never offered", policy.name());
                 }
             }
         }
@@ -159,10 +138,7 @@ fn run(kind: PolicyKind, seed: u64, steps: usize) {
         refused: BTreeSet::new(),
         probes: 0,
     };
-    let key = |rng: &mut SplitMix64| PageKey {
-        object: rng.below(2),
-        index: rng.below(universe / 2 + 1),
-    };
+    let key = |rng: &mut SplitMix64| PageKey { object: rng.below(2), index: rng.below(universe / 2 + 1) };
     for _ in 0..steps {
         match rng.below(100) {
             // Fill a page that the policy is not tracking (it may be in a ghost).
@@ -174,11 +150,7 @@ fn run(kind: PolicyKind, seed: u64, steps: usize) {
                 if fake.tracked.len() >= capacity && fake.select(policy.as_mut()).is_none() {
                     continue; // everything pinned: the cache would wait
                 }
-                let adm = if rng.below(4) == 0 {
-                    Admission::ReadAhead
-                } else {
-                    Admission::Demand
-                };
+                let adm = if rng.below(4) == 0 { Admission::ReadAhead } else { Admission::Demand };
                 fake.pages.insert(k, Page::default());
                 policy.insert(k, adm);
                 fake.tracked.insert(k);
@@ -214,11 +186,7 @@ fn run(kind: PolicyKind, seed: u64, steps: usize) {
                 fake.select(policy.as_mut());
             }
         }
-        assert_eq!(
-            policy.len(),
-            fake.tracked.len(),
-            "{kind}: len after an operation"
-        );
+        assert_eq!(policy.len(), fake.tracked.len(), "{kind}: len after an operation");
     }
     // Drain: everything becomes available; every tracked page must come out, then None.
     fake.busy_percent = 0;
@@ -227,24 +195,13 @@ fn run(kind: PolicyKind, seed: u64, steps: usize) {
         p.pinned = false;
     }
     let mut out = BTreeSet::new();
-    let expected: BTreeSet<PageKey> = fake
-        .tracked
-        .iter()
-        .copied()
-        .filter(|k| fake.pages.contains_key(k))
-        .collect();
+    let expected: BTreeSet<PageKey> = fake.tracked.iter().copied().filter(|k| fake.pages.contains_key(k)).collect();
     while let Some(v) = fake.select(policy.as_mut()) {
         assert!(out.insert(v), "{kind}: returned {v:?} twice");
     }
-    assert_eq!(
-        out, expected,
-        "{kind}: drain must return every available tracked page"
-    );
+    assert_eq!(out, expected, "{kind}: drain must return every available tracked page");
     assert!(policy.is_empty(), "{kind}: empty after the drain");
-    assert!(
-        fake.tracked.is_empty(),
-        "{kind}: pages dropped behind its back were found Gone"
-    );
+    assert!(fake.tracked.is_empty(), "{kind}: pages dropped behind its back were found Gone");
 }
 
 #[test]

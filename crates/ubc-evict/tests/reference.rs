@@ -80,8 +80,7 @@ fn naive_s3fifo(capacity: usize, trace: &[PageKey]) -> u64 {
         if small.len() + main.len() == capacity {
             loop {
                 let len = small.len() + main.len();
-                let from_small =
-                    !small.is_empty() && (main.is_empty() || small.len() * 100 >= len * 10);
+                let from_small = !small.is_empty() && (main.is_empty() || small.len() * 100 >= len * 10);
                 if from_small {
                     let (k, f) = small.pop_front().unwrap();
                     if f >= 1 {
@@ -116,12 +115,7 @@ fn naive_s3fifo(capacity: usize, trace: &[PageKey]) -> u64 {
 /// A few small traces of different shapes (random, looping, scans, shifting).
 fn traces(seed: u64) -> Vec<Vec<PageKey>> {
     let mut rng = SplitMix64::new(seed);
-    let uniform: Vec<PageKey> = (0..3000)
-        .map(|_| PageKey {
-            object: 0,
-            index: rng.below(90),
-        })
-        .collect();
+    let uniform: Vec<PageKey> = (0..3000).map(|_| PageKey { object: 0, index: rng.below(90) }).collect();
     vec![
         uniform,
         zipf(400, 0.9, 3000, seed),
@@ -137,11 +131,7 @@ fn check(kind: PolicyKind, naive: fn(usize, &[PageKey]) -> u64) {
         for trace in traces(seed) {
             for capacity in [1, 2, 3, 7, 10, 32] {
                 let ours = Model::Policy(kind).simulate(capacity, &trace).hits;
-                assert_eq!(
-                    ours,
-                    naive(capacity, &trace),
-                    "{kind} seed {seed} capacity {capacity}"
-                );
+                assert_eq!(ours, naive(capacity, &trace), "{kind} seed {seed} capacity {capacity}");
             }
         }
     }

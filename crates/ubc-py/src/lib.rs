@@ -294,11 +294,7 @@ struct NativeFile {
 
 impl NativeFile {
     fn get(&self) -> PyResult<Arc<ubc_stack::File>> {
-        self.inner
-            .lock()
-            .unwrap()
-            .clone()
-            .ok_or_else(|| PyValueError::new_err("I/O operation on closed file"))
+        self.inner.lock().unwrap().clone().ok_or_else(|| PyValueError::new_err("I/O operation on closed file"))
     }
 }
 
@@ -400,9 +396,8 @@ impl NativeFile {
             if len == 0 {
                 return Ok(None);
             }
-            let end = offset
-                .checked_add(len)
-                .ok_or_else(|| ubc_stack::Error::Invalid("mapping range overflows".into()))?;
+            let end =
+                offset.checked_add(len).ok_or_else(|| ubc_stack::Error::Invalid("mapping range overflows".into()))?;
             let access = if writable { ubc::Access::ReadWrite } else { ubc::Access::ReadOnly };
             f.map(offset..end, access, ubc::Sharing::Shared).map(Some)
         });
@@ -459,7 +454,8 @@ impl Mapping {
                 std::ptr::null_mut()
             };
             (*view).ndim = 1;
-            (*view).shape = if (flags & ffi::PyBUF_ND) == ffi::PyBUF_ND { &mut (*view).len } else { std::ptr::null_mut() };
+            (*view).shape =
+                if (flags & ffi::PyBUF_ND) == ffi::PyBUF_ND { &mut (*view).len } else { std::ptr::null_mut() };
             (*view).strides = if (flags & ffi::PyBUF_STRIDES) == ffi::PyBUF_STRIDES {
                 &mut (*view).itemsize
             } else {
@@ -527,7 +523,12 @@ impl Mapping {
     }
 
     fn __repr__(&self) -> String {
-        format!("ubc.Mapping(offset={}, len={}, writable={})", self.offset, self.len, if self.writable { "True" } else { "False" })
+        format!(
+            "ubc.Mapping(offset={}, len={}, writable={})",
+            self.offset,
+            self.len,
+            if self.writable { "True" } else { "False" }
+        )
     }
 }
 

@@ -385,7 +385,11 @@ impl<F: Actions> Group<F> {
 
     /// Add the domain at `index` (domains are added bottom-up, each once) and return it, or
     /// the one already there. => domain `index - 1` exists.
-    pub(crate) fn add_domain(&self, index: usize, make: impl FnOnce() -> crate::error::Result<(F, Option<Arc<dyn Translate>>)>) -> crate::error::Result<Arc<Domain<F>>> {
+    pub(crate) fn add_domain(
+        &self,
+        index: usize,
+        make: impl FnOnce() -> crate::error::Result<(F, Option<Arc<dyn Translate>>)>,
+    ) -> crate::error::Result<Arc<Domain<F>>> {
         if let Some(d) = self.domain(index) {
             return Ok(d);
         }
@@ -437,7 +441,13 @@ impl<F: Actions> Group<F> {
 
     /// Permission for an operation in domain `d` on bytes `r` (in `d`'s naming).
     /// Figure 6b: use the token if held; else register, revoking conflicting holders.
-    pub(crate) fn acquire<'a>(&'a self, dom: &'a Domain<F>, d: usize, r: Range<u64>, mode: Mode) -> ubc::Result<Permit<'a, F>> {
+    pub(crate) fn acquire<'a>(
+        &'a self,
+        dom: &'a Domain<F>,
+        d: usize,
+        r: Range<u64>,
+        mode: Mode,
+    ) -> ubc::Result<Permit<'a, F>> {
         if self.disabled {
             return Ok(Permit::Off);
         }
@@ -508,7 +518,13 @@ impl<F: Actions> Group<F> {
     /// was flushed into it from above, and the domains below have not seen it — they must
     /// flush d before they read, as if d had written. (It gets no write token: its own
     /// writes must still revoke the readers above.)
-    fn revoke(&self, doms: &[Arc<Domain<F>>], d: usize, r: Range<u64>, mode: Mode) -> ubc::Result<(Option<Vec<PostAction>>, bool)> {
+    fn revoke(
+        &self,
+        doms: &[Arc<Domain<F>>],
+        d: usize,
+        r: Range<u64>,
+        mode: Mode,
+    ) -> ubc::Result<(Option<Vec<PostAction>>, bool)> {
         let n = doms.len();
         let write = mode == Mode::Write;
         let mut sticky = false;
@@ -625,7 +641,14 @@ impl<F: Actions> Group<F> {
     /// data: each keeps only a read token (if it had one: a domain the push passed through,
     /// or a mapping's, holds pages without one — recorded as `cached`, so that a write below
     /// drops them). => file lock held.
-    fn push_chain(&self, doms: &[Arc<Domain<F>>], base: usize, low: usize, top: usize, r: &Range<u64>) -> ubc::Result<()> {
+    fn push_chain(
+        &self,
+        doms: &[Arc<Domain<F>>],
+        base: usize,
+        low: usize,
+        top: usize,
+        r: &Range<u64>,
+    ) -> ubc::Result<()> {
         for e in (low + 1..=top).rev() {
             let (re, _) = Self::translate(doms, base, e, r.clone());
             let mut t = doms[e].tokens.write();
@@ -701,7 +724,13 @@ impl<F: Actions> Group<F> {
     /// and write its metadata down before reloading. Without it, a reload trusts the
     /// domain below — which was just changed underneath — and e's in-memory state is
     /// dropped (flushing it would overwrite the new bytes below with stale metadata).
-    fn invalidate_locked(&self, e: &Domain<F>, ranges: &[Range<u64>], reload: bool, flush_first: bool) -> ubc::Result<()> {
+    fn invalidate_locked(
+        &self,
+        e: &Domain<F>,
+        ranges: &[Range<u64>],
+        reload: bool,
+        flush_first: bool,
+    ) -> ubc::Result<()> {
         self.counters.invalidations.fetch_add(1, Relaxed);
         if reload {
             if flush_first {
@@ -832,7 +861,9 @@ impl<F: Actions> Group<F> {
         let mut l = self.locks.lock();
         loop {
             let conflict = l.iter().any(|x| {
-                x.owner != owner && (x.exclusive || exclusive) && ranges.iter().any(|r| x.range.start < r.end && r.start < x.range.end)
+                x.owner != owner
+                    && (x.exclusive || exclusive)
+                    && ranges.iter().any(|r| x.range.start < r.end && r.start < x.range.end)
             });
             if !conflict {
                 for r in ranges {

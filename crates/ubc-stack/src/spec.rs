@@ -4,14 +4,22 @@
 use crate::compress::CompressOptions;
 use crate::encrypt::Key;
 use crate::error::{Error, Result};
-use crate::layer::{dir::Dir, general::{Aead, Zstd}, mem::Mem, null::Null, union::Union, Layer};
+use crate::layer::{
+    Layer,
+    dir::Dir,
+    general::{Aead, Zstd},
+    mem::Mem,
+    null::Null,
+    union::Union,
+};
 use std::collections::HashMap;
 use std::sync::Arc;
 
 fn options(layer: &str, s: &str) -> Result<HashMap<String, String>> {
     let mut m = HashMap::new();
     for kv in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
-        let (k, v) = kv.split_once('=').ok_or_else(|| Error::Spec(format!("{layer}: option `{kv}` is not key=value")))?;
+        let (k, v) =
+            kv.split_once('=').ok_or_else(|| Error::Spec(format!("{layer}: option `{kv}` is not key=value")))?;
         if m.insert(k.trim().to_string(), v.trim().to_string()).is_some() {
             return Err(Error::Spec(format!("{layer}: option `{k}` given twice")));
         }
@@ -76,11 +84,15 @@ pub fn parse(spec: &str) -> Result<Vec<Arc<dyn Layer>>> {
         }
         let (name, rest) = part.split_once(':').map_or((part, ""), |(a, b)| (a.trim(), b.trim()));
         let lower = layers.last().cloned();
-        let need_lower = |lower: Option<Arc<dyn Layer>>| lower.ok_or_else(|| Error::Spec(format!("`{name}` needs a layer below it")));
+        let need_lower = |lower: Option<Arc<dyn Layer>>| {
+            lower.ok_or_else(|| Error::Spec(format!("`{name}` needs a layer below it")))
+        };
         let l: Arc<dyn Layer> = match name {
             "dir" => {
                 if lower.is_some() {
-                    return Err(Error::Spec("`dir` must be the bottom layer (use union:upper=… to stack directories)".into()));
+                    return Err(Error::Spec(
+                        "`dir` must be the bottom layer (use union:upper=… to stack directories)".into(),
+                    ));
                 }
                 if rest.is_empty() {
                     return Err(Error::Spec("dir: needs a path (dir:/data)".into()));
@@ -124,17 +136,29 @@ pub fn parse(spec: &str) -> Result<Vec<Arc<dyn Layer>>> {
                 let m = options(name, rest)?;
                 unknown(name, &m, &["keyfile", "passphrase-file", "salt"])?;
                 let (key, source) = match (m.get("keyfile"), m.get("passphrase-file")) {
-                    (Some(k), None) => {
-                        (Key::from_file(std::path::Path::new(k)).map_err(|e| Error::Spec(format!("aead: keyfile {k}: {e}")))?, format!("keyfile={k}"))
-                    }
+                    (Some(k), None) => (
+                        Key::from_file(std::path::Path::new(k))
+                            .map_err(|e| Error::Spec(format!("aead: keyfile {k}: {e}")))?,
+                        format!("keyfile={k}"),
+                    ),
                     (None, Some(p)) => {
-                        let salt = hex16(m.get("salt").ok_or_else(|| Error::Spec("aead: passphrase-file needs salt=<32 hex digits>".into()))?)?;
+                        let salt =
+                            hex16(m.get("salt").ok_or_else(|| {
+                                Error::Spec("aead: passphrase-file needs salt=<32 hex digits>".into())
+                            })?)?;
                         let pass = read_passphrase(p)?;
                         let pass = pass.strip_suffix(b"\n").unwrap_or(&pass);
                         let salt_hex = m["salt"].clone();
-                        (Key::from_passphrase(pass, &salt).map_err(|e| Error::Spec(format!("aead: {e}")))?, format!("passphrase-file={p},salt={salt_hex}"))
+                        (
+                            Key::from_passphrase(pass, &salt).map_err(|e| Error::Spec(format!("aead: {e}")))?,
+                            format!("passphrase-file={p},salt={salt_hex}"),
+                        )
                     }
-                    _ => return Err(Error::Spec("aead: give exactly one of keyfile=PATH or passphrase-file=PATH,salt=HEX".into())),
+                    _ => {
+                        return Err(Error::Spec(
+                            "aead: give exactly one of keyfile=PATH or passphrase-file=PATH,salt=HEX".into(),
+                        ));
+                    }
                 };
                 Arc::new(Aead::new(need_lower(lower)?, Arc::new(key), source))
             }
@@ -144,7 +168,9 @@ pub fn parse(spec: &str) -> Result<Vec<Arc<dyn Layer>>> {
                 let up = m.get("upper").ok_or_else(|| Error::Spec("union: needs upper=PATH".into()))?;
                 Arc::new(Union::new(need_lower(lower)?, Dir::new(up)?))
             }
-            other => return Err(Error::Spec(format!("unknown layer `{other}` (known: dir, mem, null, zstd, aead, union)"))),
+            other => {
+                return Err(Error::Spec(format!("unknown layer `{other}` (known: dir, mem, null, zstd, aead, union)")));
+            }
         };
         layers.push(l);
     }

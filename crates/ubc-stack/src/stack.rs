@@ -1,14 +1,14 @@
 //! Stacks: an ordered set of layers over one cache, every layer reachable, every file kept
 //! coherent across layers by the cache manager ([`crate::coherence`]).
 
-use crate::coherence::{CoherenceStats, Counters, Group, Mode, ALL};
+use crate::coherence::{ALL, CoherenceStats, Counters, Group, Mode};
 use crate::error::{Error, Result};
-use crate::layer::{norm, Attr, Below, DirEntry, Kind, Layer, Opened, SetAttr};
+use crate::layer::{Attr, Below, DirEntry, Kind, Layer, Opened, SetAttr, norm};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 /// What identifies a file's group: the bottom store's identity (the file token).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -122,7 +122,11 @@ impl Stack {
                 (_, None) => false,
             };
             if !ok {
-                return Err(Error::Spec(format!("layer {i} ({}) is not stacked on layer {}", l.spec(), i.saturating_sub(1))));
+                return Err(Error::Spec(format!(
+                    "layer {i} ({}) is not stacked on layer {}",
+                    l.spec(),
+                    i.saturating_sub(1)
+                )));
             }
         }
         let names = layers.iter().map(|_| Mutex::new(HashMap::new())).collect();
@@ -247,7 +251,9 @@ impl Inner {
                 // store allows it, whoever opens first.
                 let lower = match self.open_node(level - 1, path, true) {
                     Ok(n) => n,
-                    Err(Error::ReadOnly(_)) | Err(Error::Cache(ubc::Error::ReadOnly)) if !writable => self.open_node(level - 1, path, false)?,
+                    Err(Error::ReadOnly(_)) | Err(Error::Cache(ubc::Error::ReadOnly)) if !writable => {
+                        self.open_node(level - 1, path, false)?
+                    }
                     Err(e) => return Err(e),
                 };
                 let idx = lower.domain + 1;
@@ -303,10 +309,8 @@ impl Below for BelowImpl<'_> {
             return Err(Error::Invalid("the bottom layer has nothing below".into()));
         }
         // Through the stack's File (not the raw node) so the read is coherent with layers above.
-        let f = LayerRef { stack: Stack { inner: self.inner.clone() }, level: self.level - 1 }.open_with(
-            path,
-            OpenOptions { write: writable, ..Default::default() },
-        )?;
+        let f = LayerRef { stack: Stack { inner: self.inner.clone() }, level: self.level - 1 }
+            .open_with(path, OpenOptions { write: writable, ..Default::default() })?;
         // Make layers above flush first: the copy must see their data.
         f.group.flush_above(f.domain)?;
         Ok(f.inner.reopen(if writable { ubc::Access::ReadWrite } else { ubc::Access::ReadOnly })?)
@@ -634,7 +638,11 @@ impl Drop for File {
 
 impl std::fmt::Debug for File {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("File").field("path", &self.path).field("layer", &self.level).field("domain", &self.domain).finish()
+        f.debug_struct("File")
+            .field("path", &self.path)
+            .field("layer", &self.level)
+            .field("domain", &self.domain)
+            .finish()
     }
 }
 

@@ -60,7 +60,20 @@ fn invalid<T: std::fmt::Debug>(r: ubc_stack::Result<T>, what: &str) {
     }
 }
 
-const BAD_PATHS: [&str; 12] = ["..", "../x", "a/..", "a/../b", "/../etc/passwd", "./../..", "x/./../../y", "\0", "a\0b", "a/\0/b", "dir/\0", "../\0"];
+const BAD_PATHS: [&str; 12] = [
+    "..",
+    "../x",
+    "a/..",
+    "a/../b",
+    "/../etc/passwd",
+    "./../..",
+    "x/./../../y",
+    "\0",
+    "a\0b",
+    "a/\0/b",
+    "dir/\0",
+    "../\0",
+];
 
 #[test]
 fn paths_with_dotdot_or_nul_are_refused_by_every_call_of_every_layer() {
@@ -72,8 +85,14 @@ fn paths_with_dotdot_or_nul_are_refused_by_every_call_of_every_layer() {
                 for p in BAD_PATHS {
                     let w = format!("{spec} layer {level} path {p:?}");
                     invalid(l.getattr(p), &format!("{w}: getattr"));
-                    invalid(l.setattr(p, &SetAttr { mode: Some(0o600), ..Default::default() }), &format!("{w}: setattr"));
-                    invalid(l.setattr(p, &SetAttr { size: Some(0), ..Default::default() }), &format!("{w}: setattr size"));
+                    invalid(
+                        l.setattr(p, &SetAttr { mode: Some(0o600), ..Default::default() }),
+                        &format!("{w}: setattr"),
+                    );
+                    invalid(
+                        l.setattr(p, &SetAttr { size: Some(0), ..Default::default() }),
+                        &format!("{w}: setattr size"),
+                    );
                     invalid(l.readdir(p), &format!("{w}: readdir"));
                     invalid(l.mkdir(p), &format!("{w}: mkdir"));
                     invalid(l.remove(p), &format!("{w}: remove"));
@@ -82,7 +101,10 @@ fn paths_with_dotdot_or_nul_are_refused_by_every_call_of_every_layer() {
                     invalid(l.rename("ok", p), &format!("{w}: rename to"));
                     invalid(l.open(p), &format!("{w}: open"));
                     invalid(l.create(p), &format!("{w}: create"));
-                    invalid(l.open_with(p, OpenOptions { write: true, create: true, truncate: false }), &format!("{w}: open_with"));
+                    invalid(
+                        l.open_with(p, OpenOptions { write: true, create: true, truncate: false }),
+                        &format!("{w}: open_with"),
+                    );
                 }
             }
         }
@@ -96,7 +118,13 @@ fn absolute_and_odd_paths_stay_inside_the_stack() {
         for (spec, s) in &fx.stacks {
             let top = s.top();
             // An absolute path names a file under the stack's root, never the host's.
-            for p in ["/etc/passwd", "/proc/self/environ", "//etc//hostname", "/../../etc/passwd".trim_start_matches("/.."), "/dev/null"] {
+            for p in [
+                "/etc/passwd",
+                "/proc/self/environ",
+                "//etc//hostname",
+                "/../../etc/passwd".trim_start_matches("/.."),
+                "/dev/null",
+            ] {
                 match top.open(p) {
                     Err(Error::NotFound(_)) | Err(Error::Invalid(_)) => {}
                     other => panic!("{spec}: open {p:?} reached something: {other:?}"),
@@ -199,10 +227,17 @@ fn stack_and_layer_arguments() {
         ];
         for p in bad {
             let e = Key::from_file(&p).unwrap_err();
-            assert!(e.to_string().contains(&p.display().to_string()) || e.kind() == std::io::ErrorKind::IsADirectory, "{}: {e}", p.display());
+            assert!(
+                e.to_string().contains(&p.display().to_string()) || e.kind() == std::io::ErrorKind::IsADirectory,
+                "{}: {e}",
+                p.display()
+            );
         }
         // Writing a key over an existing file is refused.
-        assert_eq!(Key::generate().write_file(&tmp.path().join("short")).unwrap_err().kind(), std::io::ErrorKind::AlreadyExists);
+        assert_eq!(
+            Key::generate().write_file(&tmp.path().join("short")).unwrap_err().kind(),
+            std::io::ErrorKind::AlreadyExists
+        );
     });
 }
 
@@ -240,13 +275,15 @@ fn file_offsets_ranges_and_read_only_opens() {
                 let bad_maps: [Range<u64>; 5] = [3..3, 9..2, u64::MAX..0, MAX..MAX + 4096, 0..u64::MAX];
                 for r in bad_maps {
                     match f.map(r.clone(), Access::ReadOnly, Sharing::Shared) {
-                        Err(Error::Cache(ubc::Error::InvalidArgument(_))) | Err(Error::Cache(ubc::Error::OffsetOverflow { .. })) => {}
+                        Err(Error::Cache(ubc::Error::InvalidArgument(_)))
+                        | Err(Error::Cache(ubc::Error::OffsetOverflow { .. })) => {}
                         other => panic!("{w}: map {r:?}: {:?}", other.map(|m| m.len())),
                     }
                 }
                 // Locks with odd ranges answer (a lock on nothing is granted) and never hang.
                 #[allow(clippy::reversed_empty_ranges)]
-                let lock_ranges: [Range<u64>; 6] = [0..0, 9..2, u64::MAX..0, 0..u64::MAX, MAX..u64::MAX, u64::MAX - 1..u64::MAX];
+                let lock_ranges: [Range<u64>; 6] =
+                    [0..0, 9..2, u64::MAX..0, 0..u64::MAX, MAX..u64::MAX, u64::MAX - 1..u64::MAX];
                 for r in lock_ranges {
                     let _ = f.lock(r.clone(), LockKind::Exclusive, false);
                     f.unlock(r.clone());
@@ -258,7 +295,11 @@ fn file_offsets_ranges_and_read_only_opens() {
                 assert_eq!(&b[..5], b"hello", "{w}");
                 // A read-only open refuses writes, resizes and writable shared maps.
                 let ro = l.open(&name).unwrap();
-                for r in [ro.write_at(b"x", 0).map(drop), ro.set_len(0), ro.map(0..4096, Access::ReadWrite, Sharing::Shared).map(drop)] {
+                for r in [
+                    ro.write_at(b"x", 0).map(drop),
+                    ro.set_len(0),
+                    ro.map(0..4096, Access::ReadWrite, Sharing::Shared).map(drop),
+                ] {
                     match r {
                         Err(Error::ReadOnly(_)) | Err(Error::Cache(ubc::Error::ReadOnly)) => {}
                         other => panic!("{w}: write through a read-only open: {other:?}"),

@@ -703,7 +703,10 @@ fn corrupt_chunk_fails_only_that_chunk() {
     let env = open_env(&path, opts(cs)).unwrap();
     let mut buf = vec![0u8; cs];
     let e = env.pager.get_pages(3 * cs as u64, &mut buf).unwrap_err();
-    assert!(is_invalid_data(&e) && e.to_string().contains("chunk 3") && e.to_string().contains(&off.to_string()), "{e}");
+    assert!(
+        is_invalid_data(&e) && e.to_string().contains("chunk 3") && e.to_string().contains(&off.to_string()),
+        "{e}"
+    );
     assert!(env.upper.read_at(&mut buf, 3 * cs as u64 + 100).is_err());
     for c in [0usize, 2, 4, 7] {
         env.upper.read_exact_at(&mut buf, (c * cs) as u64).unwrap();
@@ -728,13 +731,20 @@ fn corrupt_chunk_fails_only_that_chunk() {
 
 #[derive(Debug, Clone)]
 enum Op {
-    Write { off: usize, len: usize, seed: u64, kind: u8 },
+    Write {
+        off: usize,
+        len: usize,
+        seed: u64,
+        kind: u8,
+    },
     SetLen(usize),
     Sync,
     /// Drop every handle and the cache (no explicit sync), reopen.
     Reopen,
     /// Copy the host file now (as a crash would leave it), open the copy: the last sync.
-    Crash { lower_sync: bool },
+    Crash {
+        lower_sync: bool,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -877,9 +887,6 @@ proptest! {
         poke(&f);
     }
 }
-
-
-
 
 /// Rough numbers: `cargo test --release -p ubc-stack --test compress -- --ignored --nocapture`.
 #[test]

@@ -129,8 +129,17 @@ fn apply_write(v: &mut Vec<u8>, off: u64, data: &[u8]) {
 enum Rec {
     Create(String),
     /// `map`: stored through a shared mapping (never extends the file).
-    Write { f: String, off: u64, len: u64, seed: u64, map: bool },
-    SetLen { f: String, len: u64 },
+    Write {
+        f: String,
+        off: u64,
+        len: u64,
+        seed: u64,
+        map: bool,
+    },
+    SetLen {
+        f: String,
+        len: u64,
+    },
     /// `Mapping::flush` (an msync: commits what was written back so far).
     MapFlush(String),
     /// Intent to sync one file (`None`: `Stack::sync_all`).
@@ -549,7 +558,11 @@ fn classify(h: &Hist, at: u64, got: &[u8]) -> Option<bool> {
     if h.states.iter().any(|s| same_range(s, at, got)) {
         return Some(false);
     }
-    let cut = h.states.iter().enumerate().any(|(k, s)| h.cuts.iter().any(|&(j, len)| j > k && same_range_cut(s, at, got, len)));
+    let cut = h
+        .states
+        .iter()
+        .enumerate()
+        .any(|(k, s)| h.cuts.iter().any(|&(j, len)| j > k && same_range_cut(s, at, got, len)));
     cut.then_some(true)
 }
 
@@ -596,7 +609,11 @@ fn check_file(kind: &Kind, dir: &Path, name: &str, h: &Hist, t: &mut Tally) -> R
         let ks: Vec<usize> = (0..h.states.len())
             .filter(|&k| matches!(&blocks[b as usize], Ok(g) if same_range(&h.states[k], b * PAGE, g)))
             .collect();
-        format!("block {b} matches states {ks:?} of {} (len {len}, lens {lens:?}, touched {})", h.states.len(), h.touched.contains(&b))
+        format!(
+            "block {b} matches states {ks:?} of {} (len {len}, lens {lens:?}, touched {})",
+            h.states.len(),
+            h.touched.contains(&b)
+        )
     };
     match kind.model {
         Model::Commit => {
@@ -609,7 +626,8 @@ fn check_file(kind: &Kind, dir: &Path, name: &str, h: &Hist, t: &mut Tally) -> R
             } else if h.commit_points.iter().any(|&k| exact(&h.states[k])) {
                 t.mixed += 1;
             } else {
-                let bad = (0..blocks.len() as u64).find(|&b| !matches!(&blocks[b as usize], Ok(g) if same_range(&h.states[0], b * PAGE, g)));
+                let bad = (0..blocks.len() as u64)
+                    .find(|&b| !matches!(&blocks[b as usize], Ok(g) if same_range(&h.states[0], b * PAGE, g)));
                 return Err(format!(
                     "{name}: not a committed state (len {len}, synced len {}, newest len {}, sync in flight {}, closing {}, msync points {:?}); first differing block vs synced: {:?}",
                     h.states[0].len(),
@@ -633,7 +651,10 @@ fn check_file(kind: &Kind, dir: &Path, name: &str, h: &Hist, t: &mut Tally) -> R
             // direct-I/O alignment: ubc's file pager writes its aligned prefix with O_DIRECT
             // and the tail through a buffered descriptor (two system calls).
             let sector = match kind.model {
-                Model::Page => ubc::pager::FilePager::open(&host, false).ok().and_then(|p| p.direct_alignment()).map_or(PAGE, |a| a.1 as u64),
+                Model::Page => ubc::pager::FilePager::open(&host, false)
+                    .ok()
+                    .and_then(|p| p.direct_alignment())
+                    .map_or(PAGE, |a| a.1 as u64),
                 _ => PAGE,
             };
             for (b, r) in blocks.iter().enumerate() {
@@ -643,7 +664,10 @@ fn check_file(kind: &Kind, dir: &Path, name: &str, h: &Hist, t: &mut Tally) -> R
                         Some(false) => {}
                         Some(true) => t.cut_pages += 1,
                         None => {
-                            let by_sector = got.chunks(sector as usize).enumerate().all(|(i, c)| classify(h, b * PAGE + i as u64 * sector, c).is_some());
+                            let by_sector = got
+                                .chunks(sector as usize)
+                                .enumerate()
+                                .all(|(i, c)| classify(h, b * PAGE + i as u64 * sector, c).is_some());
                             if sector == PAGE || !by_sector {
                                 return Err(format!("{name}: garbage: {}", describe(b)));
                             }
@@ -895,11 +919,18 @@ fn regression_new_aead_file_header_first_with_old_length() {
     // And it is on the store itself, not only in the lower file's cache (whose write-behind
     // may store later pages first; a truncation cuts the store at once).
     let on_disk = std::fs::read(tmp.path().join("f")).unwrap();
-    assert!(on_disk.starts_with(ubc_stack::encrypt::MAGIC), "no header on the store after the first write ({} bytes)", on_disk.len());
+    assert!(
+        on_disk.starts_with(ubc_stack::encrypt::MAGIC),
+        "no header on the store after the first write ({} bytes)",
+        on_disk.len()
+    );
     let lower3 = cache.create_path(tmp.path().join("h")).unwrap();
     let pager3 = EncryptPager::open(lower3.try_clone().unwrap(), key.clone()).unwrap();
     pager3.set_len(50000).unwrap();
-    assert!(std::fs::read(tmp.path().join("h")).unwrap().starts_with(ubc_stack::encrypt::MAGIC), "no header on the store after growth");
+    assert!(
+        std::fs::read(tmp.path().join("h")).unwrap().starts_with(ubc_stack::encrypt::MAGIC),
+        "no header on the store after growth"
+    );
     // A gap (exclusive path) on another new file.
     let lower2 = cache.create_path(tmp.path().join("g")).unwrap();
     let pager2 = EncryptPager::open(lower2.try_clone().unwrap(), key.clone()).unwrap();
@@ -1016,10 +1047,15 @@ fn crash_inspect() {
     let kind = STACKS.iter().find(|k| k.name == name).unwrap();
     let (recs, torn) = read_journal(&dir.join("journal")).unwrap();
     println!("{} records, torn tail {torn}", recs.len());
-    let last_sync = |f: &str| recs.iter().rposition(|r| matches!(r, Rec::Synced(None) | Rec::Closed) || *r == Rec::Synced(Some(f.into())));
+    let last_sync = |f: &str| {
+        recs.iter().rposition(|r| matches!(r, Rec::Synced(None) | Rec::Closed) || *r == Rec::Synced(Some(f.into())))
+    };
     for (fname, h) in replay(&recs).unwrap() {
         let from = last_sync(&fname).map_or(0, |i| i + 1);
-        println!("== {fname}: synced {} msync {} in-flight {} touched {:?}", h.synced, h.msync, h.sync_in_flight, h.touched);
+        println!(
+            "== {fname}: synced {} msync {} in-flight {} touched {:?}",
+            h.synced, h.msync, h.sync_in_flight, h.touched
+        );
         for r in &recs[from..] {
             let mine = match r {
                 Rec::Write { f, .. } | Rec::SetLen { f, .. } | Rec::MapFlush(f) | Rec::Create(f) => f == &fname,
@@ -1039,18 +1075,30 @@ fn crash_inspect() {
             }
         };
         let len = f.len().unwrap();
-        println!("   len {len}, state lens {:?}, cuts {:?}", h.states.iter().map(|s| s.len()).collect::<Vec<_>>(), h.cuts);
+        println!(
+            "   len {len}, state lens {:?}, cuts {:?}",
+            h.states.iter().map(|s| s.len()).collect::<Vec<_>>(),
+            h.cuts
+        );
         println!("   check: {:?}", check_file(kind, dir, &fname, &h, &mut Tally::default()));
         for (b, r) in read_blocks(&f, len).into_iter().enumerate() {
             let b = b as u64;
             match r {
                 Err(e) => println!("   block {b}: {e}"),
                 Ok(g) => {
-                    let ks: Vec<usize> = (0..h.states.len()).filter(|&k| same_range(&h.states[k], b * PAGE, &g)).collect();
+                    let ks: Vec<usize> =
+                        (0..h.states.len()).filter(|&k| same_range(&h.states[k], b * PAGE, &g)).collect();
                     if ks.is_empty() {
                         for (k, st) in h.states.iter().enumerate() {
-                            let diff: Vec<usize> = (0..g.len()).filter(|&i| st.get((b * PAGE) as usize + i).copied().unwrap_or(0) != g[i]).collect();
-                            println!("   block {b} vs state {k}: {} bytes differ, first {:?} last {:?}", diff.len(), diff.first(), diff.last());
+                            let diff: Vec<usize> = (0..g.len())
+                                .filter(|&i| st.get((b * PAGE) as usize + i).copied().unwrap_or(0) != g[i])
+                                .collect();
+                            println!(
+                                "   block {b} vs state {k}: {} bytes differ, first {:?} last {:?}",
+                                diff.len(),
+                                diff.first(),
+                                diff.last()
+                            );
                         }
                     } else if !ks.contains(&0) {
                         println!("   block {b}: states {ks:?}");
@@ -1095,7 +1143,6 @@ fn crash_dir_aead_zstd() {
         run("dir|aead|zstd");
     }
 }
-
 
 /// A closed aead file whose pages were all written back and dropped (so the cache forgets
 /// its object at once, without a sync) keeps the length its writes gave it. Were the header's
@@ -1160,7 +1207,8 @@ fn checker_rejects_lost_synced_data_and_garbage() {
         }
         let host = dir.join("data").join("f");
         let good = std::fs::read(&host).unwrap();
-        check(kind, dir, &mut Tally::default()).unwrap_or_else(|e| panic!("{}: the untouched files fail: {e}", kind.name));
+        check(kind, dir, &mut Tally::default())
+            .unwrap_or_else(|e| panic!("{}: the untouched files fail: {e}", kind.name));
         let bad = |what: &str, img: Vec<u8>| {
             std::fs::write(&host, &img).unwrap();
             let r = check(kind, dir, &mut Tally::default());

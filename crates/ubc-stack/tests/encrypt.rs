@@ -4,7 +4,7 @@ use proptest::prelude::*;
 use std::path::Path;
 use std::sync::Arc;
 use ubc::{Access, Cache, File, Pager};
-use ubc_stack::encrypt::{AuthError, EncryptPager, Failure, Key, BLOCK, HEADER_LEN, STORED_BLOCK};
+use ubc_stack::encrypt::{AuthError, BLOCK, EncryptPager, Failure, HEADER_LEN, Key, STORED_BLOCK};
 
 const B: u64 = BLOCK;
 
@@ -133,7 +133,9 @@ fn block_straddling_writes_and_overwrites() {
     {
         let c = cache();
         let (_l, upper) = open(&c, &path, &key).unwrap();
-        for (i, (off, len)) in [(0usize, 10000usize), (4000, 200), (8190, 10), (20000, 3), (12288, 4096), (1, 1)].into_iter().enumerate() {
+        for (i, (off, len)) in
+            [(0usize, 10000usize), (4000, 200), (8190, 10), (20000, 3), (12288, 4096), (1, 1)].into_iter().enumerate()
+        {
             let d = data(len, 100 + i as u64);
             upper.write_at(&d, off as u64).unwrap();
             if model.len() < off + len {
@@ -206,7 +208,13 @@ fn every_header_byte_flip_is_auth_error() {
 /// Byte offsets in the stored file of block `i`'s nonce, ciphertext and tag.
 fn parts(i: u64) -> [(&'static str, usize); 5] {
     let s = (HEADER_LEN + i * STORED_BLOCK) as usize;
-    [("nonce first", s), ("nonce last", s + 23), ("ciphertext", s + 24 + 1234), ("ciphertext last", s + 24 + 4095), ("tag", s + 24 + 4096 + 7)]
+    [
+        ("nonce first", s),
+        ("nonce last", s + 23),
+        ("ciphertext", s + 24 + 1234),
+        ("ciphertext last", s + 24 + 4095),
+        ("tag", s + 24 + 4096 + 7),
+    ]
 }
 
 #[test]
@@ -229,7 +237,10 @@ fn flipping_a_byte_of_a_block_fails_that_block_only() {
                 if i == bad {
                     let e = r.expect_err(what);
                     let a = auth_of(&e);
-                    assert!(matches!(a, AuthError::Block { index, failure: Failure::BadTag } if index == bad), "{what}: {a}");
+                    assert!(
+                        matches!(a, AuthError::Block { index, failure: Failure::BadTag } if index == bad),
+                        "{what}: {a}"
+                    );
                 } else {
                     let got = r.unwrap_or_else(|e| panic!("block {i} with {what} of block {bad} flipped: {e}"));
                     assert_eq!(&got[..], &content[(i * B) as usize..((i * B) as usize + got.len())]);
@@ -319,7 +330,12 @@ fn truncated_store_fails_on_missing_blocks() {
     make_file(&path, &key, &content);
     let full = std::fs::read(&path).unwrap();
     // Cut a whole block, then cut in the middle of a block, then cut to the header.
-    for cut in [full.len() - STORED_BLOCK as usize, full.len() - STORED_BLOCK as usize - 100, (HEADER_LEN + 3 * STORED_BLOCK + 5) as usize, HEADER_LEN as usize] {
+    for cut in [
+        full.len() - STORED_BLOCK as usize,
+        full.len() - STORED_BLOCK as usize - 100,
+        (HEADER_LEN + 3 * STORED_BLOCK + 5) as usize,
+        HEADER_LEN as usize,
+    ] {
         std::fs::write(&path, &full[..cut]).unwrap();
         let c = cache();
         let (_l, upper) = open(&c, &path, &key).unwrap();
@@ -331,7 +347,10 @@ fn truncated_store_fails_on_missing_blocks() {
                 assert_eq!(r.unwrap(), &content[(i * B) as usize..((i + 1) * B).min(content.len() as u64) as usize]);
             } else {
                 let a = auth_of(&r.unwrap_err());
-                assert!(matches!(a, AuthError::Block { index, failure: Failure::Truncated } if index == i), "cut {cut} block {i}: {a}");
+                assert!(
+                    matches!(a, AuthError::Block { index, failure: Failure::Truncated } if index == i),
+                    "cut {cut} block {i}: {a}"
+                );
             }
         }
     }
@@ -385,7 +404,10 @@ fn gaps_are_encrypted_zeros() {
     tamper(&path, |b| b[s..s + STORED_BLOCK as usize].fill(0));
     let c = cache();
     let (_l, upper) = open(&c, &path, &key).unwrap();
-    assert!(matches!(auth_of(&read_block(&upper, 10).unwrap_err()), AuthError::Block { index: 10, failure: Failure::Zeroed }));
+    assert!(matches!(
+        auth_of(&read_block(&upper, 10).unwrap_err()),
+        AuthError::Block { index: 10, failure: Failure::Zeroed }
+    ));
 }
 
 #[test]
@@ -435,7 +457,11 @@ fn no_cleartext_in_store() {
     make_file(&path, &key, &content);
     let stored = std::fs::read(&path).unwrap();
     for w in [&phrase[..12], &phrase[20..32], b"ATTACK"] {
-        assert!(!stored.windows(w.len()).any(|x| x == w), "cleartext {:?} found in the store", String::from_utf8_lossy(w));
+        assert!(
+            !stored.windows(w.len()).any(|x| x == w),
+            "cleartext {:?} found in the store",
+            String::from_utf8_lossy(w)
+        );
     }
     // Long runs of identical bytes would betray structure: there are none.
     assert!(stored[HEADER_LEN as usize..].windows(16).all(|x| x.iter().any(|&b| b != x[0])));
@@ -769,7 +795,12 @@ fn throughput() {
     }
     let r = t.elapsed();
     let mb = (size >> 20) as f64;
-    eprintln!("aead write+sync: {:.0} MiB/s, cold read: {:.0} MiB/s ({} MiB)", mb / w.as_secs_f64(), mb / r.as_secs_f64(), size >> 20);
+    eprintln!(
+        "aead write+sync: {:.0} MiB/s, cold read: {:.0} MiB/s ({} MiB)",
+        mb / w.as_secs_f64(),
+        mb / r.as_secs_f64(),
+        size >> 20
+    );
     let _ = c;
     // Baseline: the same through a plain host file.
     let c3 = Cache::new(1 << 30).unwrap();
@@ -803,5 +834,9 @@ fn throughput() {
         p.get_pages((i << 20) as u64, &mut buf).unwrap();
     }
     let sr = t.elapsed();
-    eprintln!("pager over memory, one thread: put {:.0} MiB/s, get {:.0} MiB/s", mb / sw.as_secs_f64(), mb / sr.as_secs_f64());
+    eprintln!(
+        "pager over memory, one thread: put {:.0} MiB/s, get {:.0} MiB/s",
+        mb / sw.as_secs_f64(),
+        mb / sr.as_secs_f64()
+    );
 }

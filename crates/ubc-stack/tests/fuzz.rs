@@ -28,7 +28,7 @@ use std::io;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
-use std::sync::{mpsc, Once};
+use std::sync::{Once, mpsc};
 use std::time::Duration;
 use ubc_stack::encrypt::{AuthError, Failure, Key};
 use ubc_stack::{Error, OpenOptions, Stack};
@@ -78,7 +78,12 @@ fn cases(default: u32) -> u32 {
 }
 
 fn config(default: u32) -> ProptestConfig {
-    ProptestConfig { cases: cases(default), max_shrink_iters: 300, failure_persistence: None, ..ProptestConfig::default() }
+    ProptestConfig {
+        cases: cases(default),
+        max_shrink_iters: 300,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    }
 }
 
 /// `FUZZ_VERBOSE=1`: print each case's outcome (to see what the generators reach).
@@ -327,9 +332,21 @@ impl ZImage {
 
 #[derive(Debug, Clone)]
 enum ZMut {
-    Flip { t: Target, at: Index, bit: u8 },
-    Overwrite { t: Target, at: Index, bytes: Vec<u8> },
-    Zero { t: Target, at: Index, len: usize },
+    Flip {
+        t: Target,
+        at: Index,
+        bit: u8,
+    },
+    Overwrite {
+        t: Target,
+        at: Index,
+        bytes: Vec<u8>,
+    },
+    Zero {
+        t: Target,
+        at: Index,
+        len: usize,
+    },
     Truncate(Index),
     Extend(Vec<u8>),
     SwapExtents(Index, Index),
@@ -337,12 +354,21 @@ enum ZMut {
     SwapSlots,
     ZeroSlots,
     /// An index entry field set to `value`, checksums fixed up (a forged but "valid" index).
-    ForgeEntry { entry: Index, field: u8, value: u64 },
+    ForgeEntry {
+        entry: Index,
+        field: u8,
+        value: u64,
+    },
     /// A superblock field set to `value`, checksums fixed up.
-    ForgeSb { field: u8, value: u64 },
+    ForgeSb {
+        field: u8,
+        value: u64,
+    },
     /// The lower file extended sparsely to `2^shift` bytes and the index length (checksums
     /// fixed) made to cover much of it.
-    GiantIndex { shift: u8 },
+    GiantIndex {
+        shift: u8,
+    },
     Random(Vec<u8>),
 }
 
@@ -496,7 +522,12 @@ fn zstd_err(e: &Error, ctx: &str) -> Result<String, TestCaseError> {
 }
 
 /// Read chunks `which` of "f" at the top: each `Ok(bytes)` or `Err(message)`.
-fn read_chunks(f: &ubc_stack::File, cs: usize, len: u64, which: &[u64]) -> Result<Vec<(u64, ChunkRead)>, TestCaseError> {
+fn read_chunks(
+    f: &ubc_stack::File,
+    cs: usize,
+    len: u64,
+    which: &[u64],
+) -> Result<Vec<(u64, ChunkRead)>, TestCaseError> {
     let mut out = Vec::new();
     for &c in which {
         let start = c * cs as u64;
@@ -559,8 +590,12 @@ fn zstd_check(img: &ZImage, d: &Damaged, m: &ZMut, bottom: Bottom, write_chunk: 
             }
             match &expect {
                 None | Some(Expect::Fallback) => {}
-                Some(Expect::OpenFails(what)) => prop_assert!(msg.contains(what), "open error should name the {}: {}", what, msg),
-                Some(Expect::Empty) | Some(Expect::Chunks(_)) => return Err(TestCaseError::fail(format!("open failed: {msg}"))),
+                Some(Expect::OpenFails(what)) => {
+                    prop_assert!(msg.contains(what), "open error should name the {}: {}", what, msg)
+                }
+                Some(Expect::Empty) | Some(Expect::Chunks(_)) => {
+                    return Err(TestCaseError::fail(format!("open failed: {msg}")));
+                }
             }
             return Ok(());
         }
@@ -613,7 +648,12 @@ fn zstd_check(img: &ZImage, d: &Damaged, m: &ZMut, bottom: Bottom, write_chunk: 
             prop_assert_eq!(len, latest.len() as u64);
             for (c, r) in &reads {
                 match r {
-                    Err(msg) => prop_assert!(bad.contains(c) && msg.contains(&format!("chunk {c} ")), "chunk {} failed: {}", c, msg),
+                    Err(msg) => prop_assert!(
+                        bad.contains(c) && msg.contains(&format!("chunk {c} ")),
+                        "chunk {} failed: {}",
+                        c,
+                        msg
+                    ),
                     Ok(b) => {
                         prop_assert!(!bad.contains(c), "damaged chunk {} read without an error", c);
                         let s = *c as usize * cs;
@@ -655,7 +695,8 @@ fn zstd_check(img: &ZImage, d: &Damaged, m: &ZMut, bottom: Bottom, write_chunk: 
     let env2 = env_over(bottom, &stored, None, &format!("zstd:chunk={cs}"));
     let g = env2.stack.top().open("f").map_err(|e| TestCaseError::fail(format!("reopen after a commit: {e}")))?;
     prop_assert_eq!(g.len().unwrap(), len.max((k + 1) * cs as u64));
-    g.read_exact_at(&mut back, k * cs as u64).map_err(|e| TestCaseError::fail(format!("read back after reopen: {e}")))?;
+    g.read_exact_at(&mut back, k * cs as u64)
+        .map_err(|e| TestCaseError::fail(format!("read back after reopen: {e}")))?;
     prop_assert!(back == data, "written chunk {} reads back wrong after reopen", k);
     let again = read_chunks(&g, cs, len, &which)?;
     for ((c, x), (_, y)) in after.iter().zip(&again) {
@@ -665,7 +706,11 @@ fn zstd_check(img: &ZImage, d: &Damaged, m: &ZMut, bottom: Bottom, write_chunk: 
         match (x, y) {
             (Ok(a), Ok(b)) => prop_assert!(a == b, "chunk {} changed across the commit", c),
             (Err(_), Err(_)) => {}
-            _ => return Err(TestCaseError::fail(format!("chunk {c}: {x:?} before, {y:?} after reopen").chars().take(300).collect::<String>())),
+            _ => {
+                return Err(TestCaseError::fail(
+                    format!("chunk {c}: {x:?} before, {y:?} after reopen").chars().take(300).collect::<String>(),
+                ));
+            }
         }
     }
     Ok(())
@@ -790,11 +835,24 @@ fn make_aead(keys: &Keys, bottom: Bottom, ops: &[AOp], seed: u64) -> (Vec<u8>, V
 
 #[derive(Debug, Clone)]
 enum AMut {
-    Flip { at: Index, bit: u8 },
-    FlipInBlock { block: Index, at: Index, bit: u8 },
-    Overwrite { at: Index, bytes: Vec<u8> },
+    Flip {
+        at: Index,
+        bit: u8,
+    },
+    FlipInBlock {
+        block: Index,
+        at: Index,
+        bit: u8,
+    },
+    Overwrite {
+        at: Index,
+        bytes: Vec<u8>,
+    },
     ZeroBlock(Index),
-    ZeroRange { at: Index, len: usize },
+    ZeroRange {
+        at: Index,
+        len: usize,
+    },
     Truncate(Index),
     Extend(Vec<u8>),
     SwapBlocks(Index, Index),
@@ -804,7 +862,10 @@ enum AMut {
     Splice(Index),
     /// The other file's header over this file's blocks.
     HeaderFrom,
-    HeaderField { at: Index, value: u8 },
+    HeaderField {
+        at: Index,
+        value: u8,
+    },
     WrongKey,
     Random(Vec<u8>),
 }
@@ -932,7 +993,9 @@ fn aead_check(keys: &Keys, img: &AImage, m: &AMut, bottom: Bottom) -> Result<(),
         let mut buf = vec![0u8; want.len()];
         let got = f.read_exact_at(&mut buf, (i * BLK) as u64);
         if foreign || missing(&r) || changed(r.clone()) {
-            let e = got.err().ok_or_else(|| TestCaseError::fail(format!("block {i}: damaged (or foreign) but read without an error")))?;
+            let e = got.err().ok_or_else(|| {
+                TestCaseError::fail(format!("block {i}: damaged (or foreign) but read without an error"))
+            })?;
             let a = auth_failure(&e, &format!("block {i}"))?;
             match a {
                 AuthError::Block { index, failure } => {
@@ -1078,7 +1141,20 @@ fn number_choice(k: usize, raw: u64) -> String {
 /// One layer of a near-valid spec.
 fn layer_text(fx: &SpecFx, name: usize, opts: &[(usize, usize, u64)]) -> String {
     let names = ["dir", "mem", "null", "zstd", "aead", "union", "DIR", "zst", "", " zstd ", "dir:", "null:x", "☃"];
-    let keys = ["level", "chunk", "keyfile", "passphrase-file", "salt", "upper", "bogus", "", "level=", "=", " ", "chunk,chunk"];
+    let keys = [
+        "level",
+        "chunk",
+        "keyfile",
+        "passphrase-file",
+        "salt",
+        "upper",
+        "bogus",
+        "",
+        "level=",
+        "=",
+        " ",
+        "chunk,chunk",
+    ];
     let n = names[name % names.len()];
     if opts.is_empty() {
         return n.to_string();
@@ -1088,7 +1164,14 @@ fn layer_text(fx: &SpecFx, name: usize, opts: &[(usize, usize, u64)]) -> String 
         let key = keys[k % keys.len()];
         let val = match key {
             "keyfile" | "passphrase-file" | "upper" => path_choice(fx, v),
-            "salt" => ["00112233445566778899aabbccddeeff", "xyz", "", "0011223344556677889900112233445566", "ÿÿÿÿÿÿÿÿÿÿÿÿÿÿÿÿ"][v % 5].to_string(),
+            "salt" => [
+                "00112233445566778899aabbccddeeff",
+                "xyz",
+                "",
+                "0011223344556677889900112233445566",
+                "ÿÿÿÿÿÿÿÿÿÿÿÿÿÿÿÿ",
+            ][v % 5]
+                .to_string(),
             _ => number_choice(v, raw),
         };
         parts.push(format!("{key}={val}"));
@@ -1104,24 +1187,27 @@ fn layer_text(fx: &SpecFx, name: usize, opts: &[(usize, usize, u64)]) -> String 
 fn try_spec(spec: String) -> Result<(), TestCaseError> {
     // A valid passphrase spec derives a key with Argon2 (64 MiB, seconds in debug builds):
     // allowed, but given more time.
-    let r = guarded(format!("spec {spec:?}").chars().take(300).collect(), 120, move || match Stack::open(&spec, cache()) {
-        Ok(s) => {
-            let _ = s.spec();
-            let _ = s.top().getattr("");
-            let _ = s.top().open("no-such-file");
-            Ok(())
-        }
-        Err(e) => {
-            let msg = e.to_string();
-            if msg.is_empty() {
-                return Err(format!("{spec:?}: empty error message ({e:?})"));
+    let r =
+        guarded(format!("spec {spec:?}").chars().take(300).collect(), 120, move || match Stack::open(&spec, cache()) {
+            Ok(s) => {
+                let _ = s.spec();
+                let _ = s.top().getattr("");
+                let _ = s.top().open("no-such-file");
+                Ok(())
             }
-            match e {
-                Error::Spec(_) | Error::Io { .. } | Error::NotFound(_) | Error::NotDir(_) | Error::Invalid(_) => Ok(()),
-                other => Err(format!("{spec:?}: unexpected error kind {other:?}")),
+            Err(e) => {
+                let msg = e.to_string();
+                if msg.is_empty() {
+                    return Err(format!("{spec:?}: empty error message ({e:?})"));
+                }
+                match e {
+                    Error::Spec(_) | Error::Io { .. } | Error::NotFound(_) | Error::NotDir(_) | Error::Invalid(_) => {
+                        Ok(())
+                    }
+                    other => Err(format!("{spec:?}: unexpected error kind {other:?}")),
+                }
             }
-        }
-    });
+        });
     r.map_err(TestCaseError::fail)
 }
 
@@ -1156,7 +1242,9 @@ proptest! {
 #[test]
 fn spec_passphrase_from_an_endless_file_is_refused() {
     let r = guarded("passphrase /dev/zero".into(), 30, || {
-        Stack::open("mem | aead:passphrase-file=/dev/zero,salt=00112233445566778899aabbccddeeff", cache()).err().map(|e| e.to_string())
+        Stack::open("mem | aead:passphrase-file=/dev/zero,salt=00112233445566778899aabbccddeeff", cache())
+            .err()
+            .map(|e| e.to_string())
     });
     let msg = r.expect("an endless passphrase file must be refused");
     assert!(msg.contains("passphrase-file") && msg.contains("/dev/zero"), "{msg}");
@@ -1218,12 +1306,12 @@ fn aead_header_length_past_what_can_be_stored() {
         let mut b = [0u8; 4096];
         let last = (MAX_LEN - 1) / 4096 * 4096;
         let e = ubc::Pager::get_pages(&p, last, &mut b).unwrap_err();
-        assert!(
-            matches!(AuthError::find(&e), Some(AuthError::Block { failure: Failure::Truncated, .. })),
-            "{e}"
-        );
+        assert!(matches!(AuthError::find(&e), Some(AuthError::Block { failure: Failure::Truncated, .. })), "{e}");
         // Growing past it is refused, not attempted.
         assert_eq!(ubc::Pager::set_len(&p, MAX_LEN + 1).unwrap_err().kind(), io::ErrorKind::InvalidInput);
-        assert_eq!(ubc::Pager::put_pages(&p, MAX_LEN / 4096 * 4096, &b).unwrap_err().kind(), io::ErrorKind::InvalidInput);
+        assert_eq!(
+            ubc::Pager::put_pages(&p, MAX_LEN / 4096 * 4096, &b).unwrap_err().kind(),
+            io::ErrorKind::InvalidInput
+        );
     });
 }

@@ -8,7 +8,12 @@ use std::time::{Duration, Instant};
 use ubc::pager::Injector;
 use ubc_stack::compress::CompressOptions;
 use ubc_stack::encrypt::Key;
-use ubc_stack::layer::{inject::Inject, general::{Aead, Zstd}, dir::Dir, Layer};
+use ubc_stack::layer::{
+    Layer,
+    dir::Dir,
+    general::{Aead, Zstd},
+    inject::Inject,
+};
 use ubc_stack::{OpenOptions, Stack};
 
 /// Where the inject layer sits in `dir | zstd | aead`.
@@ -49,7 +54,11 @@ fn stack(fx: &Fx, at: At, faults: &Arc<Injector>, cache: ubc::Cache) -> Stack {
     if let At::AboveDir = at {
         b = b.push(|l| Ok(fault_over(l.unwrap()))).unwrap();
     }
-    b = b.push(|l| Ok(Arc::new(Zstd::new(l.unwrap(), CompressOptions::default().with_chunk_size(16 << 10).with_level(1))))).unwrap();
+    b = b
+        .push(|l| {
+            Ok(Arc::new(Zstd::new(l.unwrap(), CompressOptions::default().with_chunk_size(16 << 10).with_level(1))))
+        })
+        .unwrap();
     if let At::AboveZstd = at {
         b = b.push(|l| Ok(fault_over(l.unwrap()))).unwrap();
     }

@@ -65,7 +65,10 @@ fn no_cleartext_reaches_any_layer_below_the_encryption_layer() {
         top.write_at(SECRET, (4 << 20) + 17).unwrap();
         s.top().rename("plans.txt", "renamed.txt").unwrap();
         let st = s.cache().stats();
-        assert!(st.daemon_evictions + st.totals.evictions > evictions_before, "pages were evicted before any sync: {st:?}");
+        assert!(
+            st.daemon_evictions + st.totals.evictions > evictions_before,
+            "pages were evicted before any sync: {st:?}"
+        );
         for phase in ["before sync", "after sync"] {
             for level in 0..aead_at {
                 let f = s.layer(level).unwrap().open("renamed.txt").unwrap();
@@ -148,7 +151,10 @@ fn neither_dir_nor_union_can_be_led_outside_their_directories() {
     let t = trap();
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(t.outside.join("secret"), std::fs::Permissions::from_mode(0o644)).unwrap();
-    let specs = [format!("dir:{}", t.upper.display()), format!("dir:{} | union:upper={}", t.lower.display(), t.upper.display())];
+    let specs = [
+        format!("dir:{}", t.upper.display()),
+        format!("dir:{} | union:upper={}", t.lower.display(), t.upper.display()),
+    ];
     for spec in &specs {
         let s = Stack::open(spec, cache()).unwrap();
         let top = s.top();

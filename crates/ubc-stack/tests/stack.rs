@@ -26,7 +26,8 @@ fn cache() -> ubc::Cache {
 
 /// dir | zstd | aead: layer 0 ciphertext-compressed bytes on disk, 1 ciphertext, 2 cleartext.
 fn full_stack(fx: &Fixture, cache: ubc::Cache) -> Stack {
-    Stack::open(&format!("dir:{} | zstd:level=3 | aead:keyfile={}", fx.data.display(), fx.keyfile.display()), cache).unwrap()
+    Stack::open(&format!("dir:{} | zstd:level=3 | aead:keyfile={}", fx.data.display(), fx.keyfile.display()), cache)
+        .unwrap()
 }
 
 /// Read a whole file through a layer.
@@ -43,7 +44,9 @@ fn offline_cleartext(fx: &Fixture, name: &str, stored: &[u8], zstd: bool) -> Vec
     let copy = tempfile::tempdir().unwrap();
     std::fs::write(copy.path().join(name), stored).unwrap();
     let mid = if zstd { " | zstd" } else { "" };
-    let s = Stack::open(&format!("dir:{}{mid} | aead:keyfile={}", copy.path().display(), fx.keyfile.display()), cache()).unwrap();
+    let s =
+        Stack::open(&format!("dir:{}{mid} | aead:keyfile={}", copy.path().display(), fx.keyfile.display()), cache())
+            .unwrap();
     read_all(&s.top().open(name).unwrap())
 }
 
@@ -96,7 +99,8 @@ fn a_restore_at_the_bottom_is_what_the_top_and_its_mapping_show_next() {
     let old = pattern(7, 64 * 1024);
     top.write_at(&old, 0).unwrap();
     top.sync().unwrap();
-    let bottom = s.layer(0).unwrap().open_with("r.bin", ubc_stack::OpenOptions { write: true, ..Default::default() }).unwrap();
+    let bottom =
+        s.layer(0).unwrap().open_with("r.bin", ubc_stack::OpenOptions { write: true, ..Default::default() }).unwrap();
     let backup = read_all(&bottom);
 
     let new = pattern(9, 64 * 1024);
@@ -201,7 +205,8 @@ fn null_layers_share_one_cached_copy() {
 #[test]
 fn byte_range_locks_hold_across_layers() {
     let fx = fixture();
-    let s = Stack::open(&format!("dir:{} | aead:keyfile={}", fx.data.display(), fx.keyfile.display()), cache()).unwrap();
+    let s =
+        Stack::open(&format!("dir:{} | aead:keyfile={}", fx.data.display(), fx.keyfile.display()), cache()).unwrap();
     let top = s.top().create("l").unwrap();
     top.write_at(&[1u8; 3 * 4096], 0).unwrap();
     let bottom = s.layer(0).unwrap().open("l").unwrap();
@@ -246,14 +251,17 @@ fn concurrent_layers_never_show_a_byte_no_write_produced() {
     const BLOCKS: usize = 32;
     const BS: usize = 4096;
     let fx = fixture();
-    let s = Stack::open(&format!("dir:{} | aead:keyfile={}", fx.data.display(), fx.keyfile.display()), cache()).unwrap();
+    let s =
+        Stack::open(&format!("dir:{} | aead:keyfile={}", fx.data.display(), fx.keyfile.display()), cache()).unwrap();
     let top = Arc::new(s.top().create("m").unwrap());
     // Every block starts as value 1; block b's writes use values 1..=ROUNDS+1 (whole blocks).
     top.write_at(&vec![1u8; BLOCKS * BS], 0).unwrap();
     top.sync().unwrap();
     // The bottom writer owns blocks 0..4: it captures their ciphertext for value 1, so that
     // writing it back through the bottom layer sets them to 1 again.
-    let bottom = Arc::new(s.layer(0).unwrap().open_with("m", ubc_stack::OpenOptions { write: true, ..Default::default() }).unwrap());
+    let bottom = Arc::new(
+        s.layer(0).unwrap().open_with("m", ubc_stack::OpenOptions { write: true, ..Default::default() }).unwrap(),
+    );
     let stored = |b: usize| ubc_stack::encrypt::HEADER_LEN + b as u64 * ubc_stack::encrypt::STORED_BLOCK;
     let mut captured = Vec::new();
     for b in 0..4 {
@@ -347,7 +355,8 @@ fn concurrent_layers_never_show_a_byte_no_write_produced() {
     let stored_now = read_all(&s.layer(0).unwrap().open("m").unwrap());
     let copy = tempfile::tempdir().unwrap();
     std::fs::write(copy.path().join("m"), &stored_now).unwrap();
-    let s2 = Stack::open(&format!("dir:{} | aead:keyfile={}", copy.path().display(), fx.keyfile.display()), cache()).unwrap();
+    let s2 = Stack::open(&format!("dir:{} | aead:keyfile={}", copy.path().display(), fx.keyfile.display()), cache())
+        .unwrap();
     assert_eq!(read_all(&s2.top().open("m").unwrap()), want, "stored bytes decrypt to the model");
 }
 
@@ -441,7 +450,6 @@ fn compressed_file_used_through_two_layers_at_once_stays_exact() {
     assert_eq!(read_all(&s2.top().open("z").unwrap()), want);
 }
 
-
 /// `sync` at a lower layer makes what was written above durable, metadata included: an aead
 /// length that so far lived only in memory reaches the disk.
 #[test]
@@ -473,11 +481,13 @@ fn sync_at_the_bottom_makes_writes_above_durable() {
 #[test]
 fn mappings_see_writes_through_other_layers_when_they_return() {
     let fx = fixture();
-    let s = Stack::open(&format!("dir:{} | aead:keyfile={}", fx.data.display(), fx.keyfile.display()), cache()).unwrap();
+    let s =
+        Stack::open(&format!("dir:{} | aead:keyfile={}", fx.data.display(), fx.keyfile.display()), cache()).unwrap();
     let top = s.top().create("w.bin").unwrap();
     let n = 64 * 1024;
     top.write_at(&pattern(1, n), 0).unwrap();
-    let bottom = s.layer(0).unwrap().open_with("w.bin", ubc_stack::OpenOptions { write: true, ..Default::default() }).unwrap();
+    let bottom =
+        s.layer(0).unwrap().open_with("w.bin", ubc_stack::OpenOptions { write: true, ..Default::default() }).unwrap();
     let stored_len = bottom.len().unwrap();
     let low = bottom.map(0..stored_len, ubc::Access::ReadOnly, ubc::Sharing::Shared).unwrap();
     let high = top.map(0..n as u64, ubc::Access::ReadOnly, ubc::Sharing::Shared).unwrap();

@@ -8,12 +8,26 @@ use ubc_stack::{OpenOptions, Stack};
 
 #[derive(Debug, Clone)]
 enum Op {
-    TopWrite { off: u64, len: usize, seed: u8 },
-    TopRead { off: u64, len: usize },
+    TopWrite {
+        off: u64,
+        len: usize,
+        seed: u8,
+    },
+    TopRead {
+        off: u64,
+        len: usize,
+    },
     TopSetLen(u64),
     /// Store through a shared writable mapping of the top (clipped to the file).
-    MapWrite { off: u64, len: usize, seed: u8 },
-    MapRead { off: u64, len: usize },
+    MapWrite {
+        off: u64,
+        len: usize,
+        seed: u8,
+    },
+    MapRead {
+        off: u64,
+        len: usize,
+    },
     Unmap,
     /// Read every stored byte at the bottom and keep them as a backup of this state.
     Backup,
@@ -100,7 +114,9 @@ fn run(spec_tail: &str, ops: Vec<Op>) {
             Op::MapWrite { off, len, seed } => {
                 let end = (off as usize + len).min(model.len()).min(MAP_LEN as usize);
                 if (off as usize) < end {
-                    let m = map.get_or_insert_with(|| top.map(0..MAP_LEN, ubc::Access::ReadWrite, ubc::Sharing::Shared).unwrap());
+                    let m = map.get_or_insert_with(|| {
+                        top.map(0..MAP_LEN, ubc::Access::ReadWrite, ubc::Sharing::Shared).unwrap()
+                    });
                     let d = bytes(seed, end - off as usize);
                     m[off as usize..end].copy_from_slice(&d);
                     model[off as usize..end].copy_from_slice(&d);
@@ -109,7 +125,9 @@ fn run(spec_tail: &str, ops: Vec<Op>) {
             Op::MapRead { off, len } => {
                 let end = (off as usize + len).min(model.len()).min(MAP_LEN as usize);
                 if (off as usize) < end {
-                    let m = map.get_or_insert_with(|| top.map(0..MAP_LEN, ubc::Access::ReadWrite, ubc::Sharing::Shared).unwrap());
+                    let m = map.get_or_insert_with(|| {
+                        top.map(0..MAP_LEN, ubc::Access::ReadWrite, ubc::Sharing::Shared).unwrap()
+                    });
                     assert!(m[off as usize..end] == model[off as usize..end], "step {step}: mapping at {off}");
                 }
             }
@@ -141,7 +159,13 @@ fn run(spec_tail: &str, ops: Vec<Op>) {
     let got = read_all(&top);
     if got != model {
         let i = got.iter().zip(&model).position(|(a, b)| a != b).unwrap_or(got.len().min(model.len()));
-        panic!("final contents: lengths {} vs {}, first difference at {i}: {:?} vs {:?}", got.len(), model.len(), got.get(i), model.get(i));
+        panic!(
+            "final contents: lengths {} vs {}, first difference at {i}: {:?} vs {:?}",
+            got.len(),
+            model.len(),
+            got.get(i),
+            model.get(i)
+        );
     }
     // What is stored decodes to the model through a fresh stack (no shared cache).
     let stored = read_all(&bottom);

@@ -16,8 +16,8 @@ mod common;
 use common::dump_threads;
 use parking_lot::Mutex;
 use rand::{RngExt, SeedableRng};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
 use std::time::{Duration, Instant};
 use ubc_stack::encrypt::Key;
 use ubc_stack::{OpenOptions, Stack};
@@ -74,7 +74,8 @@ fn fill(rng: &mut rand::rngs::StdRng, n: usize) -> Vec<u8> {
 #[test]
 fn many_threads_many_files_two_stacks_one_small_cache() {
     let secs: u64 = std::env::var("UBC_STRESS_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(6);
-    let seed: u64 = std::env::var("UBC_STRESS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| rand::random());
+    let seed: u64 =
+        std::env::var("UBC_STRESS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| rand::random());
     println!("stress: {secs} s, seed {seed} (UBC_STRESS_SEED={seed} to replay the schedule of operations)");
     let tmp = tempfile::tempdir().unwrap();
     let key = tmp.path().join("key");
@@ -109,7 +110,8 @@ fn many_threads_many_files_two_stacks_one_small_cache() {
     let start = Instant::now();
     let stop = Arc::new(AtomicBool::new(false));
     // UBC_STRESS_BOTTOM_READERS=n: threads reading the bottom layer (default BOTTOM_READERS).
-    let bottom: usize = std::env::var("UBC_STRESS_BOTTOM_READERS").ok().and_then(|s| s.parse().ok()).unwrap_or(BOTTOM_READERS);
+    let bottom: usize =
+        std::env::var("UBC_STRESS_BOTTOM_READERS").ok().and_then(|s| s.parse().ok()).unwrap_or(BOTTOM_READERS);
     let nthreads = WORKERS + bottom;
     let busy = Arc::new(Busy {
         since: (0..nthreads).map(|_| AtomicU64::new(0)).collect(),
@@ -153,7 +155,10 @@ fn many_threads_many_files_two_stacks_one_small_cache() {
                 // before it is counted in must not wrap them below zero (in a debug build
                 // `Cache::stats` would overflow summing them). Slack: the dirty total is
                 // summed object by object while pages move.
-                assert!(st.totals.dirty_bytes <= 2 * BUDGET && st.unclean_bytes <= 2 * BUDGET, "stats read garbage: {st:?}");
+                assert!(
+                    st.totals.dirty_bytes <= 2 * BUDGET && st.unclean_bytes <= 2 * BUDGET,
+                    "stats read garbage: {st:?}"
+                );
                 n += 1;
                 std::thread::sleep(Duration::from_millis(1));
             }
@@ -163,7 +168,8 @@ fn many_threads_many_files_two_stacks_one_small_cache() {
 
     let mut threads = Vec::new();
     for t in 0..nthreads {
-        let (files, stacks, stop, busy, ops, lat) = (files.clone(), stacks.clone(), stop.clone(), busy.clone(), ops.clone(), latencies.clone());
+        let (files, stacks, stop, busy, ops, lat) =
+            (files.clone(), stacks.clone(), stop.clone(), busy.clone(), ops.clone(), latencies.clone());
         threads.push(std::thread::spawn(move || {
             let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ (t as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
             let bottom_reader = t >= WORKERS;

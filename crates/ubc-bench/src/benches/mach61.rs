@@ -91,7 +91,23 @@ pub fn run(ctx: &Ctx) -> Vec<Record> {
         size >> 20
     );
     vec![
-        Record::from_samples("mach61_fgetc", "ms", Better::Lower, &getc, &old, "libc fopen + getc", &format!("ubc_fopen + inline ubc_fgetc; {note}")),
-        Record::from_samples("mach61_fmap", "ms", Better::Lower, &fmap, &old, "libc fopen + getc", &format!("ubc_fmap + array loop; {note}")),
+        Record::from_samples(
+            "mach61_fgetc",
+            "ms",
+            Better::Lower,
+            &getc,
+            &old,
+            "libc fopen + getc",
+            &format!("ubc_fopen + inline ubc_fgetc; {note}"),
+        ),
+        Record::from_samples(
+            "mach61_fmap",
+            "ms",
+            Better::Lower,
+            &fmap,
+            &old,
+            "libc fopen + getc",
+            &format!("ubc_fmap + array loop; {note}"),
+        ),
     ]
 }

@@ -5,8 +5,8 @@
 
 use super::Ctx;
 use crate::report::Record;
-use ubc::evict::sim::{standard_workloads, Model};
 use ubc::evict::PolicyKind;
+use ubc::evict::sim::{Model, standard_workloads};
 
 pub fn run(ctx: &Ctx) -> Vec<Record> {
     let cap = 8192;

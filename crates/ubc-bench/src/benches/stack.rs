@@ -155,8 +155,12 @@ fn updates(
 
 fn fig11(ctx: &Ctx, base: &Path, order: Order) -> Record {
     let (name, paper, target) = match order {
-        Order::Random => ("fig11_random_update", "paper 23.9x slowdown (ratio 1/23.9)", "target <= 1.2x slowdown (ratio >= 0.83)"),
-        Order::Sequential => ("fig11_sequential_update", "paper 1.006x slowdown", "target <= 1.05x slowdown (ratio >= 0.95)"),
+        Order::Random => {
+            ("fig11_random_update", "paper 23.9x slowdown (ratio 1/23.9)", "target <= 1.2x slowdown (ratio >= 0.83)")
+        }
+        Order::Sequential => {
+            ("fig11_sequential_update", "paper 1.006x slowdown", "target <= 1.05x slowdown (ratio >= 0.95)")
+        }
     };
     let d = fresh_dir(base, name);
     let stack = Stack::open(&format!("dir:{} | null | null", d.display()), cache(BUDGET)).expect("open stack");
@@ -208,8 +212,8 @@ fn fig11(ctx: &Ctx, base: &Path, order: Order) -> Record {
 fn fig11_general(ctx: &Ctx, base: &Path, key: &Path) -> Record {
     let name = "fig11_random_update_general";
     let d = fresh_dir(base, name);
-    let stack =
-        Stack::open(&format!("dir:{} | aead:keyfile={}", d.display(), key.display()), cache(BUDGET)).expect("open stack");
+    let stack = Stack::open(&format!("dir:{} | aead:keyfile={}", d.display(), key.display()), cache(BUDGET))
+        .expect("open stack");
     let top = stack.layer(1).expect("layer 1");
     let f = top.create("f11").expect("create");
     fill(&f, FIG11_LEN);
@@ -263,8 +267,12 @@ fn coherence_overhead(ctx: &Ctx, base: &Path) -> Record {
     let mk = |coherent: bool| {
         let d = fresh_dir(base, if coherent { "coh_on" } else { "coh_off" });
         let spec = format!("dir:{} | null", d.display());
-        let s = if coherent { Stack::open(&spec, cache(BUDGET)) } else { Stack::open_without_coherence(&spec, cache(BUDGET)) }
-            .expect("open stack");
+        let s = if coherent {
+            Stack::open(&spec, cache(BUDGET))
+        } else {
+            Stack::open_without_coherence(&spec, cache(BUDGET))
+        }
+        .expect("open stack");
         let f = s.top().create("data").expect("create");
         fill(&f, len);
         f.sync().expect("sync");

@@ -29,8 +29,8 @@ use std::os::unix::fs::FileExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::time::{Duration, Instant};
 use ubc_cli::mounts;
 
@@ -321,11 +321,26 @@ unsafe impl Sync for Progress {}
 
 impl Progress {
     fn open(path: &Path, create: bool) -> R<Progress> {
-        let f = std::fs::OpenOptions::new().read(true).write(true).create(create).truncate(create).open(path).ctx(path.display())?;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(create)
+            .truncate(create)
+            .open(path)
+            .ctx(path.display())?;
         f.set_len(4096).ctx("progress set_len")?;
         use std::os::fd::AsRawFd;
         // SAFETY: a new shared mapping of our own 4 KiB file at a kernel-chosen address.
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), 4096, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, f.as_raw_fd(), 0) };
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                f.as_raw_fd(),
+                0,
+            )
+        };
         if p == libc::MAP_FAILED {
             return Err("mmap progress".into());
         }
@@ -458,7 +473,11 @@ fn spec_of(stack: &str, l: &Layout) -> R<(String, usize)> {
         "dir|aead|zstd" => (format!("dir:{d} | aead:keyfile={k} | zstd"), 3),
         "dir|zstd|aead" => (format!("dir:{d} | zstd | aead:keyfile={k}"), 3),
         "union" => (format!("dir:{d} | union:upper={}", l.upper.display()), 2),
-        other => return Err(format!("unknown stack `{other}` (dir, dir|zstd, dir|aead, dir|aead|zstd, dir|zstd|aead, union)")),
+        other => {
+            return Err(format!(
+                "unknown stack `{other}` (dir, dir|zstd, dir|aead, dir|aead|zstd, dir|zstd|aead, union)"
+            ));
+        }
     };
     Ok(s)
 }
@@ -588,7 +607,14 @@ impl Io for HostFile {
         // SAFETY: a new shared mapping of this file (fresh address, aliases nothing), written
         // only within its `len` bytes and unmapped before returning.
         unsafe {
-            let p = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, self.as_raw_fd(), off as i64);
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                self.as_raw_fd(),
+                off as i64,
+            );
             if p == libc::MAP_FAILED {
                 return Err(format!("mmap {len} @{off}: {}", std::io::Error::last_os_error()));
             }
@@ -633,7 +659,9 @@ impl Io for ubc_stack::File {
         self.sync().ctx("sync")
     }
     fn map_store(&self, data: &[u8], off: u64) -> R<()> {
-        let mut m = self.map(off..off + data.len() as u64, ubc::Access::ReadWrite, ubc::Sharing::Shared).ctx(format!("map @{off}"))?;
+        let mut m = self
+            .map(off..off + data.len() as u64, ubc::Access::ReadWrite, ubc::Sharing::Shared)
+            .ctx(format!("map @{off}"))?;
         m[..].copy_from_slice(data);
         m.flush().ctx("mapping flush")
     }
@@ -719,8 +747,11 @@ fn case(c: &CaseArgs, prog: &Progress) -> R<Outcome> {
     // Write phase: returns the files' models and the counts.
     let (models, mut out): (Vec<(String, Model)>, Outcome) = match c.frontend.as_str() {
         "mount" => {
-            let ats: Vec<(usize, PathBuf)> =
-                if c.pattern == "two-mounts" { vec![(top, mt.clone()), (0, m0.clone())] } else { vec![(top, mt.clone())] };
+            let ats: Vec<(usize, PathBuf)> = if c.pattern == "two-mounts" {
+                vec![(top, mt.clone()), (0, m0.clone())]
+            } else {
+                vec![(top, mt.clone())]
+            };
             if c.pattern == "two-mounts" && depth < 2 {
                 return Err("two-mounts needs a stack of two layers or more".into());
             }
@@ -831,7 +862,15 @@ fn seq_write(f: &dyn Io, size: u64, prog: &Progress) -> R<u64> {
 
 /// Mixed operations on one file by one thread against its byte model: writes, reads
 /// (checked at once), truncations, stores through a shared mapping, syncs.
-fn mixed_one(f: &dyn Io, seed: u64, max: u64, ops: u64, prog: &Progress, diff: &AtomicU64, bytes: &AtomicU64) -> R<Vec<u8>> {
+fn mixed_one(
+    f: &dyn Io,
+    seed: u64,
+    max: u64,
+    ops: u64,
+    prog: &Progress,
+    diff: &AtomicU64,
+    bytes: &AtomicU64,
+) -> R<Vec<u8>> {
     let ctr = prog.slot();
     let mut rng = Rng::new(seed);
     let mut model: Vec<u8> = vec![0; f.length()? as usize];
@@ -921,7 +960,10 @@ fn mixed(c: &CaseArgs, prog: &Progress, open: &(dyn Fn(&str) -> R<Box<dyn Io + S
         hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("mixed worker panicked".into()))).collect::<R<Vec<_>>>()
     })?;
     let secs = t0.elapsed().as_secs_f64();
-    Ok((models, Outcome { ops: 4 * c.mixed_ops, bytes: bytes.load(SeqCst), secs, diff: diff.load(SeqCst), note: String::new() }))
+    Ok((
+        models,
+        Outcome { ops: 4 * c.mixed_ops, bytes: bytes.load(SeqCst), secs, diff: diff.load(SeqCst), note: String::new() },
+    ))
 }
 
 fn host_create(p: &Path) -> R<Box<dyn Io + Send>> {
@@ -940,13 +982,20 @@ fn mount_pattern(c: &CaseArgs, prog: &Progress, mt: &Path, m0: &Path) -> R<Phase
             for round in 1..=c.fio_rounds {
                 let quarter = c.size / 4 / BS4K * BS4K;
                 let mut cmd = Command::new("fio");
-                cmd.args(["--name=soak", "--rw=randwrite", "--bs=4k", "--ioengine=psync", "--numjobs=4", "--fallocate=none"])
-                    .arg(format!("--filename={}", mt.join("f").display()))
-                    .arg(format!("--size={quarter}"))
-                    .arg(format!("--offset_increment={quarter}"))
-                    .arg(format!("--randseed={}", c.seed + round as u64))
-                    .args(["--verify=pattern", "--do_verify=0", "--group_reporting", "--output-format=terse"])
-                    .arg(format!("--verify_pattern=0x{round:08x}%o"));
+                cmd.args([
+                    "--name=soak",
+                    "--rw=randwrite",
+                    "--bs=4k",
+                    "--ioengine=psync",
+                    "--numjobs=4",
+                    "--fallocate=none",
+                ])
+                .arg(format!("--filename={}", mt.join("f").display()))
+                .arg(format!("--size={quarter}"))
+                .arg(format!("--offset_increment={quarter}"))
+                .arg(format!("--randseed={}", c.seed + round as u64))
+                .args(["--verify=pattern", "--do_verify=0", "--group_reporting", "--output-format=terse"])
+                .arg(format!("--verify_pattern=0x{round:08x}%o"));
                 if c.pattern == "rand4k-threads" {
                     cmd.arg("--thread");
                 }
@@ -956,15 +1005,31 @@ fn mount_pattern(c: &CaseArgs, prog: &Progress, mt: &Path, m0: &Path) -> R<Phase
             let gens = (0..nblocks).map(|b| if b < 4 * quarter_blocks { c.fio_rounds } else { 0 }).collect();
             let secs = t0.elapsed().as_secs_f64();
             let ops = 4 * quarter_blocks * c.fio_rounds as u64;
-            Ok((vec![("f".into(), Model::Blocks { bs: BS4K, gens, len: c.size })], Outcome { ops, bytes: ops * BS4K, secs, ..Default::default() }))
+            Ok((
+                vec![("f".into(), Model::Blocks { bs: BS4K, gens, len: c.size })],
+                Outcome { ops, bytes: ops * BS4K, secs, ..Default::default() },
+            ))
         }
         "seq1m-fsync" => {
             let t0 = Instant::now();
             let mut cmd = Command::new("fio");
-            cmd.args(["--name=soak", "--rw=write", "--bs=1M", "--ioengine=psync", "--numjobs=1", "--fallocate=none", "--end_fsync=1"])
-                .arg(format!("--filename={}", mt.join("f").display()))
-                .arg(format!("--size={}", c.size))
-                .args(["--verify=pattern", "--do_verify=0", "--output-format=terse", "--verify_pattern=0x00000001%o"]);
+            cmd.args([
+                "--name=soak",
+                "--rw=write",
+                "--bs=1M",
+                "--ioengine=psync",
+                "--numjobs=1",
+                "--fallocate=none",
+                "--end_fsync=1",
+            ])
+            .arg(format!("--filename={}", mt.join("f").display()))
+            .arg(format!("--size={}", c.size))
+            .args([
+                "--verify=pattern",
+                "--do_verify=0",
+                "--output-format=terse",
+                "--verify_pattern=0x00000001%o",
+            ]);
             run_fio(cmd, prog, &c.dir)?;
             let secs = t0.elapsed().as_secs_f64();
             let nb = c.size.div_ceil(MIB);
@@ -978,7 +1043,13 @@ fn mount_pattern(c: &CaseArgs, prog: &Progress, mt: &Path, m0: &Path) -> R<Phase
         "two-mounts" => {
             // 4 threads of random 4 KiB writes of cleartext at the top while one thread
             // reads every file of the bottom layer over and over.
-            let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(mt.join("f")).ctx("create f")?;
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(mt.join("f"))
+                .ctx("create f")?;
             f.set_len(c.size).ctx("set_len")?;
             let ops_per = c.size / BS4K / 4;
             let stop = std::sync::atomic::AtomicBool::new(false);
@@ -1059,7 +1130,14 @@ fn lib_pattern(c: &CaseArgs, prog: &Progress, spec: &str) -> R<Phase> {
             let slot = prog.slot();
             let child = Command::new(&me)
                 .args(["lib-worker", "--spec", spec, "--budget", &c.budget.to_string(), "--file", &format!("f{k}")])
-                .args(["--size", &quarter.to_string(), "--seed", &(c.seed + 100 * k).to_string(), "--ops", &ops.to_string()])
+                .args([
+                    "--size",
+                    &quarter.to_string(),
+                    "--seed",
+                    &(c.seed + 100 * k).to_string(),
+                    "--ops",
+                    &ops.to_string(),
+                ])
                 .arg("--progress")
                 .arg(c.dir.join("progress"))
                 .args(["--slot", &slot.i.to_string()])
@@ -1095,7 +1173,10 @@ fn lib_pattern(c: &CaseArgs, prog: &Progress, spec: &str) -> R<Phase> {
             let t0 = Instant::now();
             let ops = rand_threads(&f, c.seed, 4, c.size, ops_per, prog)?;
             let secs = t0.elapsed().as_secs_f64();
-            (vec![("f".into(), rand_model(c.seed, 4, c.size, ops_per))], Outcome { ops, bytes: ops * BS4K, secs, ..Default::default() })
+            (
+                vec![("f".into(), rand_model(c.seed, 4, c.size, ops_per))],
+                Outcome { ops, bytes: ops * BS4K, secs, ..Default::default() },
+            )
         }
         "seq1m-fsync" => {
             let f = stack.top().create("f").ctx("create f")?;
@@ -1106,7 +1187,9 @@ fn lib_pattern(c: &CaseArgs, prog: &Progress, spec: &str) -> R<Phase> {
             (vec![("f".into(), model)], Outcome { ops, bytes: c.size, secs, ..Default::default() })
         }
         "mixed" => {
-            let open = |name: &str| -> R<Box<dyn Io + Send>> { Ok(Box::new(stack.top().create(name).ctx(format!("create {name}"))?)) };
+            let open = |name: &str| -> R<Box<dyn Io + Send>> {
+                Ok(Box::new(stack.top().create(name).ctx(format!("create {name}"))?))
+            };
             mixed(c, prog, &open)?
         }
         "two-mounts" => return Err("two-mounts is a mount pattern".into()),
@@ -1276,7 +1359,10 @@ fn run(a: RunArgs) -> i32 {
                         ubc: ubc.clone(),
                         seed: a.seed,
                     };
-                    println!("-- case {n}: stack '{stack}' budget {budget} MiB, {pattern}, {frontend}, {} MiB", row.mib);
+                    println!(
+                        "-- case {n}: stack '{stack}' budget {budget} MiB, {pattern}, {frontend}, {} MiB",
+                        row.mib
+                    );
                     let _ = std::io::stdout().flush();
                     run_case(&ca, &a, &mut row);
                     let ok = row.result == "ok";
@@ -1296,13 +1382,20 @@ fn run(a: RunArgs) -> i32 {
     if !failed {
         let _ = std::fs::remove_dir(&work);
     }
-    println!("ubc-soak: {} cases in {:.0} s: {}", rows.len(), t_start.elapsed().as_secs_f64(), if failed { "FAILED" } else { "ok" });
+    println!(
+        "ubc-soak: {} cases in {:.0} s: {}",
+        rows.len(),
+        t_start.elapsed().as_secs_f64(),
+        if failed { "FAILED" } else { "ok" }
+    );
     if failed { 1 } else { 0 }
 }
 
 fn print_table(rows: &[Row]) {
     println!();
-    println!("| stack | budget MiB | pattern | front end | file MiB | ops | MiB/s | stalls | bytes differing | result |");
+    println!(
+        "| stack | budget MiB | pattern | front end | file MiB | ops | MiB/s | stalls | bytes differing | result |"
+    );
     println!("|---|---:|---|---|---:|---:|---:|---:|---:|---|");
     for r in rows {
         println!(
@@ -1334,8 +1427,24 @@ fn run_case(ca: &CaseArgs, a: &RunArgs, row: &mut Row) {
     let stderr = HostFile::create(ca.dir.join("case.log")).unwrap();
     let mut cmd = Command::new(me);
     cmd.arg("case")
-        .args(["--stack", &ca.stack, "--budget", &ca.budget.to_string(), "--pattern", &ca.pattern, "--frontend", &ca.frontend])
-        .args(["--size", &ca.size.to_string(), "--mixed-size", &ca.mixed_size.to_string(), "--mixed-ops", &ca.mixed_ops.to_string()])
+        .args([
+            "--stack",
+            &ca.stack,
+            "--budget",
+            &ca.budget.to_string(),
+            "--pattern",
+            &ca.pattern,
+            "--frontend",
+            &ca.frontend,
+        ])
+        .args([
+            "--size",
+            &ca.size.to_string(),
+            "--mixed-size",
+            &ca.mixed_size.to_string(),
+            "--mixed-ops",
+            &ca.mixed_ops.to_string(),
+        ])
         .args(["--fio-rounds", &ca.fio_rounds.to_string(), "--seed", &ca.seed.to_string()])
         .arg("--dir")
         .arg(&ca.dir)
@@ -1404,7 +1513,12 @@ fn run_case(ca: &CaseArgs, a: &RunArgs, row: &mut Row) {
                 *e = (v, now);
                 last_any = now;
             } else if now - e.1 > stall && server_idle {
-                stale = Some(format!("worker {} made no progress for {} s (at {} ops), nor did the server store anything", i - SLOT0, a.stall_secs, v - 1));
+                stale = Some(format!(
+                    "worker {} made no progress for {} s (at {} ops), nor did the server store anything",
+                    i - SLOT0,
+                    a.stall_secs,
+                    v - 1
+                ));
             }
         }
         for i in PID0..PIDN {
@@ -1423,7 +1537,11 @@ fn run_case(ca: &CaseArgs, a: &RunArgs, row: &mut Row) {
                 last_any = now;
             } else if now - e.1 > stall && server_idle {
                 let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-                stale = Some(format!("process {pid} ({}) wrote nothing for {} s, nor did the server store anything", comm.trim(), a.stall_secs));
+                stale = Some(format!(
+                    "process {pid} ({}) wrote nothing for {} s, nor did the server store anything",
+                    comm.trim(),
+                    a.stall_secs
+                ));
             }
         }
         seen.retain(|k, _| live.contains(k));
@@ -1483,7 +1601,8 @@ fn run_case(ca: &CaseArgs, a: &RunArgs, row: &mut Row) {
     }
     lazy_unmount_under(&ca.dir);
     let Some(r) = result_line else {
-        row.result = format!("error: case exited {status:?} without a result (see {})", ca.dir.join("case.log").display());
+        row.result =
+            format!("error: case exited {status:?} without a result (see {})", ca.dir.join("case.log").display());
         return;
     };
     if let Some(e) = r.strip_prefix("error=") {
@@ -1528,7 +1647,17 @@ fn dump_stacks(pids: &[u32], path: &Path) {
     let mut text = String::new();
     for pid in pids {
         let out = Command::new("timeout")
-            .args(["60", "gdb", "-p", &pid.to_string(), "-batch", "-ex", "set pagination off", "-ex", "thread apply all bt"])
+            .args([
+                "60",
+                "gdb",
+                "-p",
+                &pid.to_string(),
+                "-batch",
+                "-ex",
+                "set pagination off",
+                "-ex",
+                "thread apply all bt",
+            ])
             .stdin(Stdio::null())
             .output();
         match out {
@@ -1606,7 +1735,8 @@ fn summarize(text: &str) -> (HashMap<String, usize>, HashMap<String, usize>, Has
     for l in text.lines() {
         if l.starts_with("Thread ") {
             flush(&mut inner, &mut fns);
-            let name = l.rsplit_once(" \"").map(|(_, n)| n.trim_end_matches("\"):").trim_end_matches('"')).unwrap_or("?");
+            let name =
+                l.rsplit_once(" \"").map(|(_, n)| n.trim_end_matches("\"):").trim_end_matches('"')).unwrap_or("?");
             // ubc-io-0, ubc-io-1… count as one name.
             let base = name.trim_end_matches(|c: char| c.is_ascii_digit()).to_string();
             *by_name.entry(base).or_insert(0usize) += 1;

@@ -1,6 +1,6 @@
 //! `ubc bench`: run the repository's benchmark suite (`scripts/bench`).
 
-use crate::error::{Fail, Result, EX_UNAVAILABLE};
+use crate::error::{EX_UNAVAILABLE, Fail, Result};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 

@@ -1,7 +1,7 @@
 //! `ubc cat`: a file as one layer of the stack sees it, to stdout.
 
 use crate::common::StackArgs;
-use crate::error::{Ctx, Fail, Result, EX_IOERR};
+use crate::error::{Ctx, EX_IOERR, Fail, Result};
 use std::io::Write;
 
 #[derive(clap::Args, Debug)]
@@ -32,7 +32,9 @@ pub fn run(a: Args) -> Result<()> {
         off += n as u64;
     }
     match out.flush() {
-        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(Fail::new(EX_IOERR, "<stdout>", crate::error::io_cause(&e))),
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(Fail::new(EX_IOERR, "<stdout>", crate::error::io_cause(&e)))
+        }
         _ => Ok(()),
     }
 }

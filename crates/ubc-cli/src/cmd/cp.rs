@@ -1,8 +1,8 @@
 //! `ubc cp`: copy files and directories (recursively) within the stack, or between the
 //! stack and the host (`host:PATH`), with a progress bar when stderr is a terminal.
 
-use crate::common::{stderr_is_terminal, Loc, StackArgs};
-use crate::error::{Ctx, Fail, Result, EX_CANTCREAT, EX_NOINPUT, EX_USAGE};
+use crate::common::{Loc, StackArgs, stderr_is_terminal};
+use crate::error::{Ctx, EX_CANTCREAT, EX_NOINPUT, EX_USAGE, Fail, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::os::unix::fs::FileExt;
 use ubc_stack::{Kind, LayerRef};

@@ -3,11 +3,11 @@
 //! encrypted by aead, then stored by dir: ciphertext is random and would not compress.
 //! Every number printed is measured while the tour runs.
 
-use crate::error::{Ctx, Fail, Result, EX_CANTCREAT, EX_SOFTWARE};
+use crate::error::{Ctx, EX_CANTCREAT, EX_SOFTWARE, Fail, Result};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use ubc::{Access, Cache, Sharing};
-use ubc_stack::{encrypt::Key, Stack};
+use ubc_stack::{Stack, encrypt::Key};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -42,7 +42,9 @@ pub fn run(a: Args) -> Result<()> {
         Some(d) => tempfile::Builder::new().prefix("ubc-tour-").tempdir_in(d),
         None => tempfile::Builder::new().prefix("ubc-tour-").tempdir(),
     }
-    .map_err(|e| Fail::io(crate::error::Side::Output, &a.dir.as_deref().unwrap_or(Path::new("$TMPDIR")).display().to_string(), e))?;
+    .map_err(|e| {
+        Fail::io(crate::error::Side::Output, &a.dir.as_deref().unwrap_or(Path::new("$TMPDIR")).display().to_string(), e)
+    })?;
     let root = tmp.path();
     let data = root.join("data");
     std::fs::create_dir(&data).output(&data.display().to_string())?;
@@ -60,10 +62,20 @@ pub fn run(a: Args) -> Result<()> {
     let stack = Stack::open(&spec, cache.clone()).input(&spec)?;
     let top = stack.top();
     let bottom = stack.layer(0).input(&spec)?;
-    println!("ubc tour — stack `dir | aead | zstd:level=3` in {}, cache budget {} MiB, page {} B", root.display(), a.budget, cache.page_size());
+    println!(
+        "ubc tour — stack `dir | aead | zstd:level=3` in {}, cache budget {} MiB, page {} B",
+        root.display(),
+        a.budget,
+        cache.page_size()
+    );
 
     // The sample data set, written at the top (cleartext), synced down to the directory.
-    let files: [(&str, u64); 4] = [("notes.txt", 24 << 10), ("logs/day-1.log", 2 * MIB), ("logs/day-2.log", 2 * MIB), ("big/archive.txt", 16 * MIB)];
+    let files: [(&str, u64); 4] = [
+        ("notes.txt", 24 << 10),
+        ("logs/day-1.log", 2 * MIB),
+        ("logs/day-2.log", 2 * MIB),
+        ("big/archive.txt", 16 * MIB),
+    ];
     top.mkdir("logs").output("logs")?;
     top.mkdir("big").output("big")?;
     let t = Instant::now();
@@ -83,7 +95,9 @@ pub fn run(a: Args) -> Result<()> {
         mib(stored),
         clear as f64 / stored.max(1) as f64
     );
-    println!("  (zstd sits above aead: it compresses the cleartext, then aead encrypts; ciphertext is random and would not compress)");
+    println!(
+        "  (zstd sits above aead: it compresses the cleartext, then aead encrypts; ciphertext is random and would not compress)"
+    );
 
     one_copy(&stack, &cache)?;
     store_then_read(&stack)?;
@@ -96,7 +110,10 @@ pub fn run(a: Args) -> Result<()> {
     let c = stack.coherence_stats();
     let (hits, inval) = stack.name_cache_stats();
     println!("\n(f) statistics of the main cache:\n{}", cache.stats());
-    println!("coherence     {:>10}       slow-path ops, {} flushes down, {} invalidations; name cache {} hits, {} invalidations", c.slow_path, c.flushes, c.invalidations, hits, inval);
+    println!(
+        "coherence     {:>10}       slow-path ops, {} flushes down, {} invalidations; name cache {} hits, {} invalidations",
+        c.slow_path, c.flushes, c.invalidations, hits, inval
+    );
     println!("\ntour done in {:.2} s", t0.elapsed().as_secs_f64());
     drop(bottom);
     Ok(())
@@ -124,8 +141,17 @@ fn one_copy(stack: &Stack, cache: &Cache) -> Result<()> {
     let st = cache.stats();
     println!("\n(a) one copy for read and map — {name}, {}", mib(len));
     println!("    read_at of all of it, then mmap and a load from each of its {touched} pages (checksum {sum}):");
-    println!("    cache resident before the map {}, after {} (+{} B; a second copy would add {})", mib(before), mib(after), after as i64 - before as i64, mib(len));
-    println!("    mapping == read_at bytes: {same}; faults the cache resolved for it: {} (map mode {})", st.map_faults, st.map_mode);
+    println!(
+        "    cache resident before the map {}, after {} (+{} B; a second copy would add {})",
+        mib(before),
+        mib(after),
+        after as i64 - before as i64,
+        mib(len)
+    );
+    println!(
+        "    mapping == read_at bytes: {same}; faults the cache resolved for it: {} (map mode {})",
+        st.map_faults, st.map_mode
+    );
     check(same, "mapped bytes equal read bytes")?;
     check(after < before + len / 2, "resident bytes do not double")?;
     Ok(())
@@ -164,8 +190,16 @@ fn top_and_bottom(stack: &Stack, spec: &str, data: &Path) -> Result<()> {
     let leaks = stored.windows(4).filter(|w| *w == b"noon").count();
     let host_before = std::fs::metadata(data.join(name)).map(|m| m.len()).unwrap_or(0);
     println!("\n(c) cleartext at the top, ciphertext at the bottom — {name}, no sync");
-    println!("    wrote {} B of cleartext at the top; layer 0 reads {} B: {:02x?}…", text.len(), stored.len(), &stored[..12.min(stored.len())]);
-    println!("    occurrences of \"noon\": {} in the cleartext, {leaks} in the stored bytes", text.windows(4).filter(|w| *w == b"noon").count());
+    println!(
+        "    wrote {} B of cleartext at the top; layer 0 reads {} B: {:02x?}…",
+        text.len(),
+        stored.len(),
+        &stored[..12.min(stored.len())]
+    );
+    println!(
+        "    occurrences of \"noon\": {} in the cleartext, {leaks} in the stored bytes",
+        text.windows(4).filter(|w| *w == b"noon").count()
+    );
     check(leaks == 0 && stored.len() != text.len(), "no cleartext below, size differs")?;
     stack.sync_all().output(name)?;
     let host_after = std::fs::metadata(data.join(name)).map(|m| m.len()).unwrap_or(0);
@@ -173,7 +207,13 @@ fn top_and_bottom(stack: &Stack, spec: &str, data: &Path) -> Result<()> {
     let g = fresh.top().open(name).input(name)?;
     let mut back = vec![0u8; g.len().input(name)? as usize];
     g.read_exact_at(&mut back, 0).input(name)?;
-    println!("    host file {} B before sync, {} B after; a fresh stack (new cache) decrypts it to {} B: {:?}…", host_before, host_after, back.len(), String::from_utf8_lossy(&back[..28.min(back.len())]));
+    println!(
+        "    host file {} B before sync, {} B after; a fresh stack (new cache) decrypts it to {} B: {:?}…",
+        host_before,
+        host_after,
+        back.len(),
+        String::from_utf8_lossy(&back[..28.min(back.len())])
+    );
     check(back == text, "fresh stack reads the new cleartext")?;
     Ok(())
 }
@@ -198,7 +238,11 @@ fn eviction(spec: &str) -> Result<()> {
         peak = peak.max(small.stats().totals.resident_bytes);
     }
     let st = small.stats();
-    println!("\n(d) eviction under a small budget — a second cache of {} reads {name} ({}) through all three layers", mib(budget), mib(len));
+    println!(
+        "\n(d) eviction under a small budget — a second cache of {} reads {name} ({}) through all three layers",
+        mib(budget),
+        mib(len)
+    );
     println!(
         "    read {} in {:.2} s; pages evicted {}; resident at most {} during the read, {} now (budget {})",
         mib(off),
@@ -250,8 +294,19 @@ fn readahead_writebehind(stack: &Stack, cache: &Cache, spec: &str) -> Result<()>
     let cs = cache.stats();
     let dirty = cs.totals.dirty_bytes;
     let host = |p: &str| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
-    let host_path = spec.split('|').next().and_then(|d| d.trim().strip_prefix("dir:")).map(|d| format!("{d}/{name}")).ok_or_else(|| Fail::new(EX_CANTCREAT, spec, "no dir layer"))?;
-    println!("    wrote {} at the top in {write_ms:.1} ms, no sync: {} dirty in the cache ({} unclean), host file {} B", mib(text.len() as u64), mib(dirty), mib(cs.unclean_bytes), host(&host_path));
+    let host_path = spec
+        .split('|')
+        .next()
+        .and_then(|d| d.trim().strip_prefix("dir:"))
+        .map(|d| format!("{d}/{name}"))
+        .ok_or_else(|| Fail::new(EX_CANTCREAT, spec, "no dir layer"))?;
+    println!(
+        "    wrote {} at the top in {write_ms:.1} ms, no sync: {} dirty in the cache ({} unclean), host file {} B",
+        mib(text.len() as u64),
+        mib(dirty),
+        mib(cs.unclean_bytes),
+        host(&host_path)
+    );
     // The flusher writes the top's (zstd) pages into the aead layer's, those into the directory's:
     // wait until nothing is unclean (dirty, under writeback or reserved) any more.
     let t = Instant::now();
@@ -277,9 +332,10 @@ fn readahead_writebehind(stack: &Stack, cache: &Cache, spec: &str) -> Result<()>
 /// Semi-compressible text: lines of words from a small vocabulary, with numbers.
 fn sample_text(len: usize, seed: u64) -> Vec<u8> {
     const WORDS: &[&str] = &[
-        "cache", "page", "buffer", "unified", "layer", "stack", "mapping", "fault", "evict", "dirty", "clean", "flush", "read", "write",
-        "ahead", "behind", "budget", "memory", "disk", "block", "cipher", "zstd", "chunk", "header", "vnode", "pager", "window", "daemon",
-        "policy", "clock", "sieve", "queue", "the", "a", "of", "to", "and", "in", "is", "on",
+        "cache", "page", "buffer", "unified", "layer", "stack", "mapping", "fault", "evict", "dirty", "clean", "flush",
+        "read", "write", "ahead", "behind", "budget", "memory", "disk", "block", "cipher", "zstd", "chunk", "header",
+        "vnode", "pager", "window", "daemon", "policy", "clock", "sieve", "queue", "the", "a", "of", "to", "and", "in",
+        "is", "on",
     ];
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     let mut next = || {

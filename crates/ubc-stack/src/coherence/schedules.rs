@@ -281,7 +281,10 @@ fn read(g: &Group<Cached>, m: &Model, d: usize, r: Range<u64>) {
         s.note(format!("read d{d} b{b} -> {v}"));
         if s.regular {
             if v < before[b as usize] {
-                s.fail(format!("stale read: domain {d} block {b} read {v}, written before the read began {}", before[b as usize]));
+                s.fail(format!(
+                    "stale read: domain {d} block {b} read {v}, written before the read began {}",
+                    before[b as usize]
+                ));
             }
         } else if v != s.last[b as usize] {
             s.fail(format!("stale read: domain {d} block {b} read {v}, last written {}", s.last[b as usize]));
@@ -697,7 +700,10 @@ fn load(m: &Model, d: usize, b: u64) {
     let v = s.read(d, b);
     s.note(format!("load d{d} b{b} -> {v}"));
     if s.regular && v < s.done[b as usize] || !s.regular && v != s.last[b as usize] {
-        s.fail(format!("stale load through a mapping of domain {d} block {b}: {v}, last written {}", s.last[b as usize]));
+        s.fail(format!(
+            "stale load through a mapping of domain {d} block {b}: {v}, last written {}",
+            s.last[b as usize]
+        ));
     }
 }
 

@@ -215,12 +215,18 @@ mod tests {
                 for w in sorted.windows(2) {
                     let ((o1, l1), (o2, _)) = (w[0], w[1]);
                     assert!(o1 + l1 <= o2, "round {round} step {step}: live extents overlap: {w:?}");
-                    assert!((o1 + l1 - 1) / grain < o2 / grain, "round {round} step {step}: extents share a grain block: {w:?}");
+                    assert!(
+                        (o1 + l1 - 1) / grain < o2 / grain,
+                        "round {round} step {step}: extents share a grain block: {w:?}"
+                    );
                 }
                 for &(o, l) in &live {
                     assert!(o + l <= a.end(), "round {round} step {step}: live extent past the end");
                     if let Some((&fo, &fl)) = a.by_off.range(..o + l).next_back() {
-                        assert!(fo + fl <= o || fo >= o + l, "round {round} step {step}: free block {fo}+{fl} overlaps live {o}+{l}");
+                        assert!(
+                            fo + fl <= o || fo >= o + l,
+                            "round {round} step {step}: free block {fo}+{fl} overlaps live {o}+{l}"
+                        );
                     }
                 }
                 assert_eq!(a.free_bytes, a.by_off.values().sum::<u64>(), "round {round} step {step}");

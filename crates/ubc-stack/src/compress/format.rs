@@ -347,7 +347,12 @@ impl<'a> IndexReader<'a> {
 #[cfg(test)]
 pub(crate) fn decode_index(b: &[u8], sb: &Superblock, lower_len: u64) -> io::Result<Vec<(u64, Extent)>> {
     if b.len() < IDX_HEADER || b.len() as u64 != sb.index_len {
-        return Err(invalid(format!("index at lower offset {}: {} bytes, superblock says {}", sb.index_off, b.len(), sb.index_len)));
+        return Err(invalid(format!(
+            "index at lower offset {}: {} bytes, superblock says {}",
+            sb.index_off,
+            b.len(),
+            sb.index_len
+        )));
     }
     let mut r = IndexReader::new(&b[..IDX_HEADER], sb, lower_len)?;
     r.entries(&b[IDX_HEADER..])?;

@@ -501,7 +501,10 @@ impl CompressPager {
                     )));
                 }
                 Err(e) => {
-                    return Err(invalid(format!("chunk {chunk} at lower offset {}: decompression failed: {e}", ext.off)));
+                    return Err(invalid(format!(
+                        "chunk {chunk} at lower offset {}: decompression failed: {e}",
+                        ext.off
+                    )));
                 }
             }
         }

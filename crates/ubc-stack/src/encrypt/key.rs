@@ -56,8 +56,17 @@ impl Key {
     /// `\n` (or `\r\n`). Anything else is an `InvalidData` error that names the file and the
     /// problem but never echoes the content.
     pub fn from_file(path: &Path) -> io::Result<Key> {
-        let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, format!("key file {}: {what}; expected 64 hex characters and an optional trailing newline", path.display()));
-        let f = std::fs::File::open(path).map_err(|e| io::Error::new(e.kind(), format!("key file {}: {e}", path.display())))?;
+        let bad = |what: &str| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "key file {}: {what}; expected 64 hex characters and an optional trailing newline",
+                    path.display()
+                ),
+            )
+        };
+        let f = std::fs::File::open(path)
+            .map_err(|e| io::Error::new(e.kind(), format!("key file {}: {e}", path.display())))?;
         let mut text = Zeroizing::new(Vec::with_capacity(KEY_FILE_MAX as usize));
         f.take(KEY_FILE_MAX).read_to_end(&mut text)?;
         let mut body: &[u8] = &text;
@@ -82,7 +91,12 @@ impl Key {
     /// file: replacing a key file loses every file encrypted under the old key.
     pub fn write_file(&self, path: &Path) -> io::Result<()> {
         use std::os::unix::fs::OpenOptionsExt;
-        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path).map_err(|e| io::Error::new(e.kind(), format!("key file {}: {e}", path.display())))?;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path)
+            .map_err(|e| io::Error::new(e.kind(), format!("key file {}: {e}", path.display())))?;
         const HEX: &[u8; 16] = b"0123456789abcdef";
         let mut text = Zeroizing::new([0u8; 65]);
         for (i, b) in self.0.iter().enumerate() {
@@ -99,10 +113,12 @@ impl Key {
     /// Deterministic for the same passphrase and salt. Takes a fraction of a second in a
     /// release build (much longer in debug) and 64 MiB of memory, which is wiped after.
     pub fn from_passphrase(pass: &[u8], salt: &[u8; 16]) -> io::Result<Key> {
-        let params = argon2::Params::new(ARGON2_M_COST_KIB, ARGON2_T_COST, ARGON2_P_COST, Some(32)).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("argon2 parameters: {e}")))?;
+        let params = argon2::Params::new(ARGON2_M_COST_KIB, ARGON2_T_COST, ARGON2_P_COST, Some(32))
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("argon2 parameters: {e}")))?;
         let a = argon2::Argon2::new(argon2::Algorithm::Argon2id, argon2::Version::V0x13, params);
         let mut k = Key([0u8; 32]);
-        a.hash_password_into(pass, salt, &mut k.0).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("argon2: {e}")))?;
+        a.hash_password_into(pass, salt, &mut k.0)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("argon2: {e}")))?;
         Ok(k)
     }
 }

@@ -61,10 +61,10 @@ pub use key::{ARGON2_M_COST_KIB, ARGON2_P_COST, ARGON2_T_COST, Key};
 
 use chacha20poly1305::{AeadInOut, KeyInit, Tag, XChaCha20Poly1305, XNonce};
 use parking_lot::{Mutex, RecursiveRwLock};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
 use std::io;
 use std::ops::Range;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
 use ubc::{Fill, Identity, IoMode, Pager};
 use zeroize::Zeroize;
 
@@ -250,7 +250,10 @@ fn write_all(f: &ubc::File, buf: &[u8], offset: u64) -> io::Result<()> {
     while done < buf.len() {
         let n = f.write_at(&buf[done..], offset + done as u64).map_err(ubc_io)?;
         if n == 0 {
-            return Err(io::Error::new(io::ErrorKind::WriteZero, format!("lower file took {done} of {} bytes at {offset}", buf.len())));
+            return Err(io::Error::new(
+                io::ErrorKind::WriteZero,
+                format!("lower file took {done} of {} bytes at {offset}", buf.len()),
+            ));
         }
         done += n;
     }
@@ -305,11 +308,21 @@ impl EncryptPager {
 
     fn load(lower: &ubc::File, cipher: &XChaCha20Poly1305) -> io::Result<State> {
         Ok(match read_header(lower, cipher)? {
-            Some((file_id, len)) => State { file_id, header_on_store: AtomicBool::new(true), len: AtomicU64::new(len), header_len: AtomicU64::new(len) },
+            Some((file_id, len)) => State {
+                file_id,
+                header_on_store: AtomicBool::new(true),
+                len: AtomicU64::new(len),
+                header_len: AtomicU64::new(len),
+            },
             None => {
                 let mut file_id = [0u8; 16];
                 random(&mut file_id)?;
-                State { file_id, header_on_store: AtomicBool::new(false), len: AtomicU64::new(0), header_len: AtomicU64::new(0) }
+                State {
+                    file_id,
+                    header_on_store: AtomicBool::new(false),
+                    len: AtomicU64::new(0),
+                    header_len: AtomicU64::new(0),
+                }
             }
         })
     }
@@ -396,7 +409,10 @@ impl EncryptPager {
         h[32..40].copy_from_slice(&len.to_le_bytes());
         random(&mut h[40..64])?;
         let nonce = XNonce::try_from(&h[40..64]).expect("24 bytes");
-        let tag = self.cipher.encrypt_inout_detached(&nonce, &header_aad(&h), (&mut [][..]).into()).map_err(|_| io::Error::other("aead: sealing the header failed"))?;
+        let tag = self
+            .cipher
+            .encrypt_inout_detached(&nonce, &header_aad(&h), (&mut [][..]).into())
+            .map_err(|_| io::Error::other("aead: sealing the header failed"))?;
         h[64..80].copy_from_slice(&tag);
         write_all(&self.lower, &h, 0)?;
         st.header_len.store(len, SeqCst);
@@ -463,7 +479,10 @@ impl EncryptPager {
             let (nonce_bytes, ct) = head.split_at_mut(NONCE_LEN);
             ct[..src.len()].copy_from_slice(src); // the rest stays zero: padding
             let nonce = XNonce::try_from(&*nonce_bytes).expect("24 bytes");
-            let tag = self.cipher.encrypt_inout_detached(&nonce, &block_aad(file_id, first + k as u64), (&mut *ct).into()).map_err(|_| io::Error::other("aead: sealing a block failed"))?;
+            let tag = self
+                .cipher
+                .encrypt_inout_detached(&nonce, &block_aad(file_id, first + k as u64), (&mut *ct).into())
+                .map_err(|_| io::Error::other("aead: sealing a block failed"))?;
             tag_dst.copy_from_slice(&tag);
         }
         write_all(&self.lower, &out, slot(first))
@@ -522,7 +541,10 @@ impl EncryptPager {
 
     fn check_aligned(offset: u64) -> io::Result<()> {
         if !offset.is_multiple_of(BLOCK) {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("aead: offset {offset} is not a multiple of the {BLOCK}-byte block")));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("aead: offset {offset} is not a multiple of the {BLOCK}-byte block"),
+            ));
         }
         Ok(())
     }
@@ -553,7 +575,13 @@ impl Pager for EncryptPager {
         let got = read_full(&self.lower, &mut stored, slot(first))?;
         for k in 0..n {
             let out_end = ((k + 1) * B).min(buf.len());
-            self.open_slot(&st.file_id, first + k as u64, &stored[k * S..(k + 1) * S], got >= (k + 1) * S, &mut buf[k * B..out_end])?;
+            self.open_slot(
+                &st.file_id,
+                first + k as u64,
+                &stored[k * S..(k + 1) * S],
+                got >= (k + 1) * S,
+                &mut buf[k * B..out_end],
+            )?;
         }
         // Past the end reads as zero (the padding is zero already; the rest of `buf` is not
         // ours to assume).
@@ -571,10 +599,12 @@ impl Pager for EncryptPager {
         if data.is_empty() {
             return Ok(());
         }
-        let end = offset
-            .checked_add(data.len() as u64)
-            .filter(|&e| e <= MAX_LEN)
-            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("aead: write at {offset} past the largest length ({MAX_LEN})")))?;
+        let end = offset.checked_add(data.len() as u64).filter(|&e| e <= MAX_LEN).ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("aead: write at {offset} past the largest length ({MAX_LEN})"),
+            )
+        })?;
         let first = offset / BLOCK;
         {
             // Starting at or before the end of the stored blocks leaves no gap: every block
@@ -614,7 +644,10 @@ impl Pager for EncryptPager {
     fn set_len(&self, len: u64) -> io::Result<()> {
         self.check_writable()?;
         if len > MAX_LEN {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("aead: length {len} past the largest ({MAX_LEN})")));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("aead: length {len} past the largest ({MAX_LEN})"),
+            ));
         }
         let st = self.state.write();
         let id = st.file_id;
@@ -695,6 +728,9 @@ impl Drop for EncryptPager {
 
 impl std::fmt::Debug for EncryptPager {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EncryptPager").field("lower", &self.lower).field("writable", &self.writable).finish_non_exhaustive()
+        f.debug_struct("EncryptPager")
+            .field("lower", &self.lower)
+            .field("writable", &self.writable)
+            .finish_non_exhaustive()
     }
 }

@@ -157,7 +157,11 @@ impl Layer for Dir {
         if let Some(size) = set.size {
             // Only reached for files not open through the stack (the stack resizes open
             // files through the cache).
-            let f = std::fs::File::options().write(true).custom_flags(libc::O_NOFOLLOW).open(&p).map_err(|e| Error::io(path, e))?;
+            let f = std::fs::File::options()
+                .write(true)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&p)
+                .map_err(|e| Error::io(path, e))?;
             f.set_len(size).map_err(|e| Error::io(path, e))?;
         }
         Ok(())

@@ -4,7 +4,7 @@
 //! cache manager which bytes correspond.
 
 use super::{Below, Layer, Opened};
-use crate::coherence::{Translate, ALL};
+use crate::coherence::{ALL, Translate};
 use crate::compress::{CompressOptions, CompressPager};
 use crate::encrypt::{EncryptPager, Key};
 use crate::error::{Error, Result};

@@ -11,7 +11,7 @@
 //! Not reachable from the spec language: it is for tests and for checking how a program
 //! copes with failing storage (build the stack with [`crate::Stack::builder`]).
 
-use super::{dir::Dir, Below, Layer, Opened};
+use super::{Below, Layer, Opened, dir::Dir};
 use crate::coherence::Translate;
 use crate::error::Result;
 use std::io;
@@ -110,7 +110,8 @@ impl Layer for Inject {
     }
 
     fn wrap(&self, _path: &str, lower: ubc::File) -> Result<(Arc<dyn Pager>, Arc<dyn Translate>)> {
-        let p: Arc<dyn Pager> = Arc::new(InjectingPager::with_injector(Arc::new(LowerFile(lower)), self.faults.clone()));
+        let p: Arc<dyn Pager> =
+            Arc::new(InjectingPager::with_injector(Arc::new(LowerFile(lower)), self.faults.clone()));
         Ok((p, Arc::new(Identical)))
     }
 }

@@ -1,13 +1,13 @@
 //! `mem`: an in-memory tree (Mach's default pager for every file). Nothing persists past
 //! the process; useful for tests, scratch stacks and as the bottom of benchmarks.
 
-use super::{parent, Attr, Below, DirEntry, Kind, Layer, Opened, SetAttr};
+use super::{Attr, Below, DirEntry, Kind, Layer, Opened, SetAttr, parent};
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::SystemTime;
 
 static NEXT_TREE: AtomicU64 = AtomicU64::new(1);
@@ -86,7 +86,8 @@ impl Mem {
             None => return Err(Error::NotFound(parent(path).into())),
         }
         let ino = self.next_ino.fetch_add(1, Relaxed);
-        let data = (kind == Kind::File).then(|| Arc::new(MemFile { pager: ubc::pager::MemPager::new(), id: format!("{}:{ino}", self.tree) }));
+        let data = (kind == Kind::File)
+            .then(|| Arc::new(MemFile { pager: ubc::pager::MemPager::new(), id: format!("{}:{ino}", self.tree) }));
         let now = SystemTime::now();
         n.insert(path.into(), Node { kind, ino, mode, mtime: now, atime: now, data });
         Ok(())
@@ -187,7 +188,8 @@ impl Layer for Mem {
                 return Err(Error::NotEmpty(to.into()));
             }
         }
-        let moved: Vec<String> = n.keys().filter(|p| *p == from || p.starts_with(&format!("{from}/"))).cloned().collect();
+        let moved: Vec<String> =
+            n.keys().filter(|p| *p == from || p.starts_with(&format!("{from}/"))).cloned().collect();
         n.remove(to);
         for p in moved {
             let node = n.remove(&p).expect("listed");

@@ -15,9 +15,9 @@
 //! in the clear), which is what lets name-cache invalidations be broadcast by path.
 
 pub mod dir;
+pub mod general;
 #[cfg(feature = "testing")]
 pub mod inject;
-pub mod general;
 pub mod mem;
 pub mod null;
 pub mod union;
@@ -157,7 +157,9 @@ pub fn norm(path: &str) -> Result<String> {
             "" | "." => continue,
             ".." => return Err(Error::Invalid(format!("{path}: `..` is not allowed in stack paths"))),
             c if c.contains('\0') => return Err(Error::Invalid(format!("{path:?}: NUL in path"))),
-            c if c.len() > NAME_MAX => return Err(Error::Invalid(format!("{path}: a name longer than {NAME_MAX} bytes"))),
+            c if c.len() > NAME_MAX => {
+                return Err(Error::Invalid(format!("{path}: a name longer than {NAME_MAX} bytes")));
+            }
             c => out.push(c),
         }
     }

@@ -10,7 +10,7 @@
 //! Linux 4.19); handles opened after see the upper copy.
 
 use super::dir::Dir;
-use super::{parent, Attr, Below, DirEntry, Kind, Layer, Opened, SetAttr};
+use super::{Attr, Below, DirEntry, Kind, Layer, Opened, SetAttr, parent};
 use crate::error::{Error, Result};
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -54,7 +54,10 @@ impl Union {
             if self.in_upper(&join(&cur, &format!("{WH}{c}"))).is_some() {
                 return true;
             }
-            if !cur.is_empty() && self.in_upper(&join(&cur, OPAQUE)).is_some() && self.in_upper(&join(&cur, c)).is_none() {
+            if !cur.is_empty()
+                && self.in_upper(&join(&cur, OPAQUE)).is_some()
+                && self.in_upper(&join(&cur, c)).is_none()
+            {
                 return true;
             }
             cur = join(&cur, c);
@@ -247,7 +250,9 @@ impl Layer for Union {
             if a.kind != Kind::File {
                 return Err(Error::Invalid(format!("{from}: renaming a lower directory is not supported (EXDEV)")));
             }
-            return Err(Error::Invalid(format!("{from}: a lower file must be copied up before a rename (the stack does this)")));
+            return Err(Error::Invalid(format!(
+                "{from}: a lower file must be copied up before a rename (the stack does this)"
+            )));
         }
         if a.kind == Kind::Dir && self.in_lower(from).is_some() {
             return Err(Error::Invalid(format!("{from}: renaming a merged directory is not supported (EXDEV)")));

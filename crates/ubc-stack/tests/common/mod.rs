@@ -4,8 +4,8 @@
 
 pub mod data;
 
-use std::sync::atomic::{AtomicBool, Ordering::*};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering::*};
 use std::time::{Duration, Instant};
 
 /// Print every thread's stack (to stderr): a hang is only useful with the stacks that show
