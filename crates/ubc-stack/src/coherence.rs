@@ -255,11 +255,10 @@ impl<F: Actions> Domain<F> {
         for r in ranges {
             self.file.clean(r.clone())?;
         }
-        if let Some(x) = &self.xlate {
-            if !x.flush_metadata().map_err(|e| layer_err("writing", e))? {
+        if let Some(x) = &self.xlate
+            && !x.flush_metadata().map_err(|e| layer_err("writing", e))? {
                 self.file.sync()?;
             }
-        }
         Ok(())
     }
 }
@@ -416,8 +415,8 @@ impl<F: Actions> Group<F> {
                 cur = cur.into_iter().flat_map(|r| x.down(r)).collect();
             }
         } else {
-            for k in from + 1..=to {
-                let x = doms[k].xlate.as_ref().expect("an upper domain translates");
+            for dom in &doms[from + 1..=to] {
+                let x = dom.xlate.as_ref().expect("an upper domain translates");
                 let mut next = Vec::new();
                 for r in cur {
                     match x.up(r) {

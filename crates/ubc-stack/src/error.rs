@@ -63,11 +63,10 @@ impl Error {
             if x.is::<crate::encrypt::AuthError>() {
                 return true;
             }
-            if let Some(io) = x.downcast_ref::<io::Error>() {
-                if io.get_ref().is_some_and(|i| i.is::<crate::encrypt::AuthError>()) {
+            if let Some(io) = x.downcast_ref::<io::Error>()
+                && io.get_ref().is_some_and(|i| i.is::<crate::encrypt::AuthError>()) {
                     return true;
                 }
-            }
             e = x.source();
         }
         false

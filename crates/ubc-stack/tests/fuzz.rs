@@ -1253,9 +1253,10 @@ fn spec_passphrase_from_an_endless_file_is_refused() {
 // ------------------------------------------------------------------ cargo-fuzz replays
 
 /// The cargo-fuzz cases themselves (`fuzz/src/lib.rs`), compiled here on stable so the
-/// inputs it found are replayed by `cargo test`.
+/// inputs it found are replayed by `cargo test`. It includes the shared data generator
+/// (`common/data.rs`) itself, as the fuzz crate has no `common`: a second copy here.
 #[path = "../../../fuzz/src/lib.rs"]
-#[allow(dead_code)]
+#[allow(dead_code, clippy::duplicate_mod)]
 mod cases;
 
 /// Every input cargo-fuzz found crashing (`tests/fuzz-regressions/TARGET/`), run through

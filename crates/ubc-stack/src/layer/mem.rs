@@ -183,11 +183,10 @@ impl Layer for Mem {
             Some(p) if p.kind == Kind::Dir => {}
             _ => return Err(Error::NotFound(parent(to).into())),
         }
-        if let Some(t) = n.get(to) {
-            if t.kind == Kind::Dir && n.keys().any(|p| is_child(to, p)) {
+        if let Some(t) = n.get(to)
+            && t.kind == Kind::Dir && n.keys().any(|p| is_child(to, p)) {
                 return Err(Error::NotEmpty(to.into()));
             }
-        }
         let moved: Vec<String> =
             n.keys().filter(|p| *p == from || p.starts_with(&format!("{from}/"))).cloned().collect();
         n.remove(to);

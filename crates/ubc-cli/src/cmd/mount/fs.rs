@@ -464,6 +464,8 @@ impl Filesystem for LayerFs {
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
         if let Some(s) = self.statfs_dir.as_deref().and_then(host_statvfs) {
+            // The statvfs field types differ between targets (u32 on some 32-bit ones).
+            #[allow(clippy::unnecessary_cast)]
             return reply.statfs(
                 s.f_blocks as u64,
                 s.f_bfree as u64,
