@@ -256,9 +256,10 @@ impl<F: Actions> Domain<F> {
             self.file.clean(r.clone())?;
         }
         if let Some(x) = &self.xlate
-            && !x.flush_metadata().map_err(|e| layer_err("writing", e))? {
-                self.file.sync()?;
-            }
+            && !x.flush_metadata().map_err(|e| layer_err("writing", e))?
+        {
+            self.file.sync()?;
+        }
         Ok(())
     }
 }

@@ -64,9 +64,10 @@ impl Error {
                 return true;
             }
             if let Some(io) = x.downcast_ref::<io::Error>()
-                && io.get_ref().is_some_and(|i| i.is::<crate::encrypt::AuthError>()) {
-                    return true;
-                }
+                && io.get_ref().is_some_and(|i| i.is::<crate::encrypt::AuthError>())
+            {
+                return true;
+            }
             e = x.source();
         }
         false

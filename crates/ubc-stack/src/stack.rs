@@ -423,9 +423,10 @@ impl LayerRef {
         drop(groups);
         for d in 0..g.depth() {
             if let Some(dom) = g.domain(d)
-                && let Some(i) = dom.file.identity() {
-                    self.inner().cache.forget(&i);
-                }
+                && let Some(i) = dom.file.identity()
+            {
+                self.inner().cache.forget(&i);
+            }
         }
         if let Some(i) = id {
             self.inner().cache.forget(&i);
@@ -445,10 +446,11 @@ impl LayerRef {
         let (f, t) = (not_root(norm(from)?, "rename")?, not_root(norm(to)?, "replace")?);
         if self.layer().spec().starts_with("union:")
             && let Ok(a) = self.layer().getattr(&f)
-                && a.kind == Kind::File {
-                    // Copy a lower file up first: the union renames only upper files.
-                    drop(self.open_with(&f, OpenOptions { write: true, ..Default::default() })?);
-                }
+            && a.kind == Kind::File
+        {
+            // Copy a lower file up first: the union renames only upper files.
+            drop(self.open_with(&f, OpenOptions { write: true, ..Default::default() })?);
+        }
         let replaced = self.inner().group_of(self.level, &t);
         self.layer().rename(&f, &t)?;
         self.inner().invalidate_names(&f);

@@ -94,13 +94,15 @@ fn errno_in(e: &(dyn std::error::Error + 'static)) -> Option<i32> {
     let mut cur = Some(e);
     while let Some(e) = cur {
         if let Some(io) = e.downcast_ref::<std::io::Error>()
-            && let Some(n) = io.raw_os_error() {
-                return Some(n);
-            }
+            && let Some(n) = io.raw_os_error()
+        {
+            return Some(n);
+        }
         if let Some(u) = e.downcast_ref::<ubc::Error>()
-            && let Some(n) = u.raw_os_error().filter(|_| !matches!(u, ubc::Error::InvalidArgument(_))) {
-                return Some(n);
-            }
+            && let Some(n) = u.raw_os_error().filter(|_| !matches!(u, ubc::Error::InvalidArgument(_)))
+        {
+            return Some(n);
+        }
         cur = e.source();
     }
     None

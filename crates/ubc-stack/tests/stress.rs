@@ -74,8 +74,7 @@ fn fill(rng: &mut rand::rngs::StdRng, n: usize) -> Vec<u8> {
 #[test]
 fn many_threads_many_files_two_stacks_one_small_cache() {
     let secs: u64 = std::env::var("UBC_STRESS_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(6);
-    let seed: u64 =
-        std::env::var("UBC_STRESS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(rand::random);
+    let seed: u64 = std::env::var("UBC_STRESS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(rand::random);
     println!("stress: {secs} s, seed {seed} (UBC_STRESS_SEED={seed} to replay the schedule of operations)");
     let tmp = tempfile::tempdir().unwrap();
     let key = tmp.path().join("key");

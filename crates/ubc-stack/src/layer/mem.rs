@@ -184,9 +184,11 @@ impl Layer for Mem {
             _ => return Err(Error::NotFound(parent(to).into())),
         }
         if let Some(t) = n.get(to)
-            && t.kind == Kind::Dir && n.keys().any(|p| is_child(to, p)) {
-                return Err(Error::NotEmpty(to.into()));
-            }
+            && t.kind == Kind::Dir
+            && n.keys().any(|p| is_child(to, p))
+        {
+            return Err(Error::NotEmpty(to.into()));
+        }
         let moved: Vec<String> =
             n.keys().filter(|p| *p == from || p.starts_with(&format!("{from}/"))).cloned().collect();
         n.remove(to);

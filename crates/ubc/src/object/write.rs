@@ -175,8 +175,8 @@ impl Object {
             let copied = if matches!(h, Held::Filled(_, _, true)) {
                 // A page with no memory yet: `pwrite` into the memfd allocates it in the
                 // kernel without zeroing it first and without a page fault on the window
-                // (table1 writes +40%, A/B on this host: docs/bench.md). The page is BUSY: no mapping maps it (they are registered
-                // MINOR), no reader reads it. `checked_end` kept the write below the memfd's
+                // (measured in docs/bench.md, table1 writes). The page is BUSY: no mapping
+                // maps it (they are registered MINOR), no reader reads it. `checked_end` kept the write below the memfd's
                 // size, so below any RLIMIT_FSIZE.
                 self.memfd().and_then(|m| m.write_at(src, pos))
             } else {

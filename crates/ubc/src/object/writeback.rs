@@ -158,11 +158,11 @@ impl Object {
             // Exclusive, and both lengths read again under it: with writers running (they
             // hold the lock shared), the length read before could be stale by the time the
             // pager is told, and a writer's page past it could already be written back —
-            // `set_len` to the stale length then cut that page off the store while the
-            // cache kept it clean, and it read back as zeros after eviction (a zstd chunk
-            // failing its checksum when a commit synced its lower file while other threads
-            // wrote: tests/nested_writeback.rs). Held exclusive, the length cannot move and
-            // writebacks in flight are clipped to it, so the store cannot pass it meanwhile.
+            // `set_len` to the stale length would cut that page off the store while the cache
+            // keeps it clean, and it would read back as zeros after eviction (a layer that
+            // syncs its lower file while other threads write it, as zstd's commit does, would
+            // lose data). Held exclusive, the length cannot move and writebacks in flight are
+            // clipped to it, so the store cannot pass it meanwhile.
             let _size = self.size_exclusive();
             let len = self.len();
             let stored = self.call_pager(PagerOp::Len, 0, |p| p.len())?;

@@ -1,7 +1,7 @@
 //! The primitives of the page state word, swappable for model checking.
 //!
-//! Normal builds use `std`'s `AtomicU32` and the futex of `atomic-wait`: exactly what
-//! `state.rs` called before this module existed (the functions are `#[inline]` re-exports).
+//! Normal builds use `std`'s `AtomicU32` and the futex of `atomic-wait` directly (the
+//! functions are `#[inline]` re-exports: no cost over calling them in `state.rs`).
 //!
 //! With the `shuttle` feature (tests only: `cargo test -p ubc --features shuttle --lib
 //! schedules`) the word is a shuttle atomic — every operation on it is a point where the

@@ -258,8 +258,8 @@ impl Pager for InjectingPager {
         self.inner.io_mode()
     }
     fn depth(&self) -> u32 {
-        // A wrapper is at its inner pager's depth (the lock order depends on it: a
-        // wrapped layer reporting 0 was caught by the checker, `order.rs`).
+        // A wrapper is at its inner pager's depth: the lock order (`order.rs`) ranks its
+        // calls by it, and a wrapped layer reporting 0 would break that order.
         self.inner.depth()
     }
 }
