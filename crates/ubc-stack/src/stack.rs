@@ -45,11 +45,21 @@ pub struct Stack {
     inner: Arc<Inner>,
 }
 
+/// Whether a stack keeps its layers coherent (the cache manager).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Coherence {
+    /// Data and mappings through every layer stay coherent (the default).
+    Kept,
+    /// Every layer caches on its own: only for measuring the manager's overhead.
+    Off,
+}
+
 /// Builds a [`Stack`] bottom-up.
 pub struct StackBuilder {
     cache: ubc::Cache,
     layers: Vec<Arc<dyn Layer>>,
-    coherence: bool,
+    coherence: Coherence,
 }
 
 impl StackBuilder {
@@ -64,7 +74,7 @@ impl StackBuilder {
     /// coherence. Only for measuring the manager's overhead — data through different
     /// layers is then *not* coherent.
     pub fn without_coherence(mut self) -> Self {
-        self.coherence = false;
+        self.coherence = Coherence::Off;
         self
     }
 
@@ -93,7 +103,7 @@ impl Stack {
     /// e.g. `dir:/data | zstd:level=3 | aead:keyfile=/etc/k`.
     pub fn open(spec: &str, cache: ubc::Cache) -> Result<Stack> {
         let layers = crate::spec::parse(spec)?;
-        Stack::from_layers(cache, layers, true)
+        Stack::from_layers(cache, layers, Coherence::Kept)
     }
 
     /// [`Stack::open`] with the cache manager off: each domain caches on its own and views
@@ -101,16 +111,16 @@ impl Stack {
     /// (`coherence_overhead`) and for showing what it prevents; not for real use.
     pub fn open_without_coherence(spec: &str, cache: ubc::Cache) -> Result<Stack> {
         let layers = crate::spec::parse(spec)?;
-        Stack::from_layers(cache, layers, false)
+        Stack::from_layers(cache, layers, Coherence::Off)
     }
 
     /// A builder for stacks made in code.
     pub fn builder(cache: ubc::Cache) -> StackBuilder {
-        StackBuilder { cache, layers: Vec::new(), coherence: true }
+        StackBuilder { cache, layers: Vec::new(), coherence: Coherence::Kept }
     }
 
     /// A stack of `layers` (bottom first; each layer's `lower()` must be the one before).
-    pub fn from_layers(cache: ubc::Cache, layers: Vec<Arc<dyn Layer>>, coherence: bool) -> Result<Stack> {
+    pub fn from_layers(cache: ubc::Cache, layers: Vec<Arc<dyn Layer>>, coherence: Coherence) -> Result<Stack> {
         if layers.is_empty() {
             return Err(Error::Spec("a stack needs at least one layer".into()));
         }
@@ -136,7 +146,7 @@ impl Stack {
                 layers,
                 groups: Mutex::new(HashMap::new()),
                 counters: Arc::new(Counters::default()),
-                coherence,
+                coherence: coherence == Coherence::Kept,
                 names,
                 name_hits: AtomicU64::new(0),
                 name_invalidations: AtomicU64::new(0),
@@ -218,7 +228,7 @@ impl Inner {
     fn open_node(self: &Arc<Self>, level: usize, path: &str, writable: bool) -> Result<Node> {
         let access = if writable { ubc::Access::ReadWrite } else { ubc::Access::ReadOnly };
         let below = BelowImpl { inner: self, level };
-        match self.layers[level].open(path, writable, &below)? {
+        match self.layers[level].open(path, access, &below)? {
             Opened::Store(pager) => {
                 if writable && !pager.is_writable() {
                     return Err(Error::ReadOnly(path.into()));
@@ -304,16 +314,16 @@ struct BelowImpl<'a> {
 }
 
 impl Below for BelowImpl<'_> {
-    fn open_lower(&self, path: &str, writable: bool) -> Result<ubc::File> {
+    fn open_lower(&self, path: &str, access: ubc::Access) -> Result<ubc::File> {
         if self.level == 0 {
             return Err(Error::Invalid("the bottom layer has nothing below".into()));
         }
         // Through the stack's File (not the raw node) so the read is coherent with layers above.
         let f = LayerRef { stack: Stack { inner: self.inner.clone() }, level: self.level - 1 }
-            .open_with(path, OpenOptions { write: writable, ..Default::default() })?;
+            .open_with(path, OpenOptions { write: access == ubc::Access::ReadWrite, ..Default::default() })?;
         // Make layers above flush first: the copy must see their data.
         f.group.flush_above(f.domain)?;
-        Ok(f.inner.reopen(if writable { ubc::Access::ReadWrite } else { ubc::Access::ReadOnly })?)
+        Ok(f.inner.reopen(access)?)
     }
 }
 
@@ -520,6 +530,15 @@ pub enum LockKind {
     Exclusive,
 }
 
+/// What [`File::lock`] does when the range is locked by another owner.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LockWait {
+    /// Wait until it can be taken (`F_SETLKW`).
+    Block,
+    /// Give up at once (`F_SETLK`).
+    Try,
+}
+
 fn span(offset: u64, len: usize) -> Result<Range<u64>> {
     match offset.checked_add(len as u64) {
         Some(end) if end <= i64::MAX as u64 => Ok(offset..end.max(offset + 1)),
@@ -606,11 +625,12 @@ impl File {
         }
     }
 
-    /// Take an advisory byte-range lock (like `fcntl(F_SETLK)`/`F_SETLKW` with `wait`)
-    /// on bytes `range`. Locks hold across layers: they are compared in the stored bytes
-    /// of the bottom layer. Returns whether the lock was taken (always true with `wait`).
-    pub fn lock(&self, range: Range<u64>, kind: LockKind, wait: bool) -> bool {
-        self.group.lock(self.owner, self.domain, range, kind == LockKind::Exclusive, wait)
+    /// Take an advisory byte-range lock (like `fcntl(F_SETLK)`, or `F_SETLKW` with
+    /// [`LockWait::Block`]) on bytes `range`. Locks hold across layers: they are compared in
+    /// the stored bytes of the bottom layer. Returns whether the lock was taken (always
+    /// true with `Block`).
+    pub fn lock(&self, range: Range<u64>, kind: LockKind, wait: LockWait) -> bool {
+        self.group.lock(self.owner, self.domain, range, kind == LockKind::Exclusive, wait == LockWait::Block)
     }
 
     /// Release this handle's locks overlapping `range`.

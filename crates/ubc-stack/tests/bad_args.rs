@@ -199,14 +199,20 @@ fn stack_and_layer_arguments() {
                 invalid(s.layer(i).map(|_| ()), &format!("{spec}: layer {i}"));
             }
         }
-        assert!(matches!(Stack::from_layers(cache(), Vec::new(), true), Err(Error::Spec(_))));
+        assert!(matches!(Stack::from_layers(cache(), Vec::new(), ubc_stack::Coherence::Kept), Err(Error::Spec(_))));
         // Layers not stacked on each other.
         let a: Arc<dyn ubc_stack::Layer> = Arc::new(ubc_stack::layer::mem::Mem::new());
         let b: Arc<dyn ubc_stack::Layer> = Arc::new(ubc_stack::layer::mem::Mem::new());
-        assert!(matches!(Stack::from_layers(cache(), vec![a.clone(), b], true), Err(Error::Spec(_))));
+        assert!(matches!(
+            Stack::from_layers(cache(), vec![a.clone(), b], ubc_stack::Coherence::Kept),
+            Err(Error::Spec(_))
+        ));
         let null_on_a: Arc<dyn ubc_stack::Layer> = Arc::new(ubc_stack::layer::null::Null::new(a.clone()));
-        assert!(matches!(Stack::from_layers(cache(), vec![null_on_a.clone()], true), Err(Error::Spec(_))));
-        assert!(Stack::from_layers(cache(), vec![a, null_on_a], true).is_ok());
+        assert!(matches!(
+            Stack::from_layers(cache(), vec![null_on_a.clone()], ubc_stack::Coherence::Kept),
+            Err(Error::Spec(_))
+        ));
+        assert!(Stack::from_layers(cache(), vec![a, null_on_a], ubc_stack::Coherence::Kept).is_ok());
         // Keys: bad key files are typed errors naming the file, never their content.
         let tmp = tempfile::tempdir().unwrap();
         let write = |name: &str, b: &[u8]| {
@@ -285,9 +291,9 @@ fn file_offsets_ranges_and_read_only_opens() {
                 let lock_ranges: [Range<u64>; 6] =
                     [0..0, 9..2, u64::MAX..0, 0..u64::MAX, MAX..u64::MAX, u64::MAX - 1..u64::MAX];
                 for r in lock_ranges {
-                    let _ = f.lock(r.clone(), LockKind::Exclusive, false);
+                    let _ = f.lock(r.clone(), LockKind::Exclusive, ubc_stack::LockWait::Try);
                     f.unlock(r.clone());
-                    let _ = f.lock(r.clone(), LockKind::Shared, false);
+                    let _ = f.lock(r.clone(), LockKind::Shared, ubc_stack::LockWait::Try);
                     f.unlock(r);
                 }
                 // Nothing above broke the file.

@@ -651,7 +651,7 @@ fn check_file(kind: &Kind, dir: &Path, name: &str, h: &Hist, t: &mut Tally) -> R
             // direct-I/O alignment: ubc's file pager writes its aligned prefix with O_DIRECT
             // and the tail through a buffered descriptor (two system calls).
             let sector = match kind.model {
-                Model::Page => ubc::pager::FilePager::open(&host, false)
+                Model::Page => ubc::pager::FilePager::open(&host, ubc::Access::ReadOnly)
                     .ok()
                     .and_then(|p| p.direct_alignment())
                     .map_or(PAGE, |a| a.1 as u64),

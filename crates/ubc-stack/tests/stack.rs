@@ -210,15 +210,15 @@ fn byte_range_locks_hold_across_layers() {
     let top = s.top().create("l").unwrap();
     top.write_at(&[1u8; 3 * 4096], 0).unwrap();
     let bottom = s.layer(0).unwrap().open("l").unwrap();
-    assert!(top.lock(4096..8192, ubc_stack::LockKind::Exclusive, false));
+    assert!(top.lock(4096..8192, ubc_stack::LockKind::Exclusive, ubc_stack::LockWait::Try));
     // Cleartext block 1 is stored in ciphertext block 1: the bottom's range conflicts.
     let b1 = ubc_stack::encrypt::HEADER_LEN + ubc_stack::encrypt::STORED_BLOCK;
-    assert!(!bottom.lock(b1..b1 + 10, ubc_stack::LockKind::Shared, false));
+    assert!(!bottom.lock(b1..b1 + 10, ubc_stack::LockKind::Shared, ubc_stack::LockWait::Try));
     // Block 2 is free.
     let b2 = b1 + ubc_stack::encrypt::STORED_BLOCK;
-    assert!(bottom.lock(b2..b2 + 10, ubc_stack::LockKind::Shared, false));
+    assert!(bottom.lock(b2..b2 + 10, ubc_stack::LockKind::Shared, ubc_stack::LockWait::Try));
     top.unlock(4096..8192);
-    assert!(bottom.lock(b1..b1 + 10, ubc_stack::LockKind::Shared, false));
+    assert!(bottom.lock(b1..b1 + 10, ubc_stack::LockKind::Shared, ubc_stack::LockWait::Try));
 }
 
 #[test]

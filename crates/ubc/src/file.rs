@@ -51,7 +51,7 @@ impl Cache {
     /// Open an existing host file through a [`FilePager`].
     pub fn open_path(&self, path: impl AsRef<Path>, access: Access) -> Result<File> {
         let path = path.as_ref();
-        let pager = FilePager::open(path, access == Access::ReadWrite).map_err(|e| open_err(path, e))?;
+        let pager = FilePager::open(path, access).map_err(|e| open_err(path, e))?;
         self.open(Arc::new(pager), access)
     }
 

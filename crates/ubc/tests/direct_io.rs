@@ -364,7 +364,7 @@ fn from_file_reopens_with_o_direct() {
     }
     let path = dir.path().join("e.bin");
     std::fs::write(&path, pattern(5, 0, 3 * 4096 + 10)).unwrap();
-    let p = FilePager::from_file(std::fs::File::open(&path).unwrap(), "e", false).unwrap();
+    let p = FilePager::from_file(std::fs::File::open(&path).unwrap(), "e", ubc::Access::ReadOnly).unwrap();
     assert_eq!(p.io_mode(), IoMode::Direct);
     assert!(!p.is_writable());
     let (mut b, s) = skewed(4 * 4096, 0);

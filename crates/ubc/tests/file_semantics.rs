@@ -232,7 +232,7 @@ fn file_pager_reads_existing_data_directly() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("fp");
     std::fs::write(&path, b"0123456789").unwrap();
-    let p = FilePager::open(&path, false).unwrap();
+    let p = FilePager::open(&path, ubc::Access::ReadOnly).unwrap();
     assert!(!p.is_writable());
     let mut b = vec![0xffu8; 4096];
     assert_eq!(p.get_pages(0, &mut b).unwrap(), ubc::Fill::Data);

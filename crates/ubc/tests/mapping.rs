@@ -456,7 +456,7 @@ fn file_pager_mapping_round_trip_through_a_fresh_cache() {
         // no flush, no sync: dropping the mapping, the file and the cache must write it all
     }
     let cache = Cache::builder().budget(1 << 20).build().unwrap();
-    let f = FilePager::open(&path, false).unwrap();
+    let f = FilePager::open(&path, ubc::Access::ReadOnly).unwrap();
     let f = cache.open(Arc::new(f), Access::ReadOnly).unwrap();
     let m = f.map(0..len as u64, Access::ReadOnly, Sharing::Shared).unwrap();
     assert_same(&m, &pattern(14, 0, len), "stores through a mapping, read back by a fresh cache");
@@ -595,7 +595,7 @@ fn stores_through_a_mapping_racing_read_ahead_and_cleaning_all_reach_the_file() 
             f.sync().unwrap();
         }
         let cache = Cache::builder().budget(1 << 20).build().unwrap();
-        let f = cache.open(Arc::new(FilePager::open(&path, false).unwrap()), Access::ReadOnly).unwrap();
+        let f = cache.open(Arc::new(FilePager::open(&path, ubc::Access::ReadOnly).unwrap()), Access::ReadOnly).unwrap();
         let mut got = vec![0u8; len];
         f.read_exact_at(&mut got, 0).unwrap();
         assert_same(&got, &want, &format!("round {round}: stores through a mapping, read back"));

@@ -212,9 +212,10 @@ impl Layer for Dir {
         std::fs::rename(self.host(from), self.host(to)).map_err(|e| Error::io(from, e))
     }
 
-    fn open(&self, path: &str, writable: bool, _below: &dyn Below) -> Result<Opened> {
-        let f = self.open_beneath(path, if writable { libc::O_RDWR } else { libc::O_RDONLY }, 0)?;
-        let pager = ubc::pager::FilePager::from_file(f, self.host(path), writable).map_err(|e| Error::io(path, e))?;
+    fn open(&self, path: &str, access: ubc::Access, _below: &dyn Below) -> Result<Opened> {
+        let flags = if access == ubc::Access::ReadWrite { libc::O_RDWR } else { libc::O_RDONLY };
+        let f = self.open_beneath(path, flags, 0)?;
+        let pager = ubc::pager::FilePager::from_file(f, self.host(path), access).map_err(|e| Error::io(path, e))?;
         Ok(Opened::Store(Arc::new(pager)))
     }
 }

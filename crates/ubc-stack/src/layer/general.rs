@@ -52,7 +52,7 @@ impl Layer for Zstd {
     fn is_general(&self) -> bool {
         true
     }
-    fn open(&self, _path: &str, _writable: bool, _below: &dyn Below) -> Result<Opened> {
+    fn open(&self, _path: &str, _access: ubc::Access, _below: &dyn Below) -> Result<Opened> {
         Ok(Opened::Wrap)
     }
     fn wrap(&self, path: &str, lower: ubc::File) -> Result<(Arc<dyn ubc::Pager>, Arc<dyn Translate>)> {
@@ -122,7 +122,7 @@ impl Layer for Aead {
     fn is_general(&self) -> bool {
         true
     }
-    fn open(&self, _path: &str, _writable: bool, _below: &dyn Below) -> Result<Opened> {
+    fn open(&self, _path: &str, _access: ubc::Access, _below: &dyn Below) -> Result<Opened> {
         Ok(Opened::Wrap)
     }
     fn wrap(&self, path: &str, lower: ubc::File) -> Result<(Arc<dyn ubc::Pager>, Arc<dyn Translate>)> {

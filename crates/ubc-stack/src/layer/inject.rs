@@ -99,10 +99,10 @@ impl Layer for Inject {
         self.names().rename(from, to)
     }
 
-    fn open(&self, path: &str, writable: bool, below: &dyn Below) -> Result<Opened> {
+    fn open(&self, path: &str, access: ubc::Access, below: &dyn Below) -> Result<Opened> {
         match &self.kind {
             Kind::Over(_) => Ok(Opened::Wrap),
-            Kind::Dir(d) => match d.open(path, writable, below)? {
+            Kind::Dir(d) => match d.open(path, access, below)? {
                 Opened::Store(p) => Ok(Opened::Store(Arc::new(InjectingPager::with_injector(p, self.faults.clone())))),
                 other => Ok(other),
             },

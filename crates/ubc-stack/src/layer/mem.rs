@@ -199,7 +199,7 @@ impl Layer for Mem {
         }
         Ok(())
     }
-    fn open(&self, path: &str, _writable: bool, _below: &dyn Below) -> Result<Opened> {
+    fn open(&self, path: &str, _access: ubc::Access, _below: &dyn Below) -> Result<Opened> {
         let n = self.nodes.lock();
         let x = n.get(path).ok_or_else(|| Error::NotFound(path.into()))?;
         match &x.data {

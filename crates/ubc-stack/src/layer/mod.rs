@@ -77,7 +77,7 @@ pub enum Opened {
 /// How a layer's open reaches the layer below (given by the stack).
 pub trait Below {
     /// Open `path` in the layer below; the handle is writable if `writable`.
-    fn open_lower(&self, path: &str, writable: bool) -> Result<ubc::File>;
+    fn open_lower(&self, path: &str, access: ubc::Access) -> Result<ubc::File>;
 }
 
 /// A stackable layer.
@@ -123,7 +123,7 @@ pub trait Layer: Send + Sync {
     }
 
     /// Open the data of regular file `path`. => the file exists (the stack checked).
-    fn open(&self, path: &str, writable: bool, below: &dyn Below) -> Result<Opened>;
+    fn open(&self, path: &str, access: ubc::Access, below: &dyn Below) -> Result<Opened>;
 
     /// A general layer's pager over the lower layer's file (opened writable when the
     /// lower store allows it), and how ranges translate between the two namings. `path`

@@ -25,7 +25,7 @@ impl Layer for Null {
     fn lower(&self) -> Option<&Arc<dyn Layer>> {
         Some(&self.lower)
     }
-    fn open(&self, _path: &str, _writable: bool, _below: &dyn Below) -> Result<Opened> {
+    fn open(&self, _path: &str, _access: ubc::Access, _below: &dyn Below) -> Result<Opened> {
         Ok(Opened::Lower)
     }
 }

@@ -114,7 +114,7 @@ impl Union {
             return Err(Error::Invalid(format!("{path}: only regular files are copied up")));
         }
         self.upper_parents(path)?;
-        let src = below.open_lower(path, false)?;
+        let src = below.open_lower(path, ubc::Access::ReadOnly)?;
         let tmp = join(parent(path), &format!(".ubc-copyup.{}", name_of(path)));
         // A stale temporary (or a link planted under its name) goes; the new one is created
         // exclusively beneath the upper root, following no link (the parent may itself be a
@@ -265,16 +265,16 @@ impl Layer for Union {
         }
         Ok(())
     }
-    fn open(&self, path: &str, writable: bool, below: &dyn Below) -> Result<Opened> {
+    fn open(&self, path: &str, access: ubc::Access, below: &dyn Below) -> Result<Opened> {
         if self.in_upper(path).is_some() {
-            return self.upper.open(path, writable, below);
+            return self.upper.open(path, access, below);
         }
         if self.in_lower(path).is_none() {
             return Err(Error::NotFound(path.into()));
         }
-        if writable {
+        if access == ubc::Access::ReadWrite {
             self.copy_up(path, below)?;
-            return self.upper.open(path, writable, below);
+            return self.upper.open(path, access, below);
         }
         Ok(Opened::Lower)
     }

@@ -117,8 +117,9 @@ impl std::ops::Deref for Fd<'_> {
 
 impl FilePager {
     /// Open an existing host file, read-only or read-write.
-    pub fn open(path: impl AsRef<Path>, writable: bool) -> io::Result<FilePager> {
+    pub fn open(path: impl AsRef<Path>, access: crate::Access) -> io::Result<FilePager> {
         let path = path.as_ref();
+        let writable = access == crate::Access::ReadWrite;
         let file = OpenOptions::new().read(true).write(writable).open(path)?;
         FilePager::new(file, path, writable, true)
     }
@@ -133,8 +134,8 @@ impl FilePager {
     /// Wrap an already open host file. `path` is only used in messages. Direct I/O is tried
     /// by reopening the file through `/proc/self/fd` (a new open file description, so other
     /// duplicates of `file` are not affected); `file` itself is then closed.
-    pub fn from_file(file: File, path: impl AsRef<Path>, writable: bool) -> io::Result<FilePager> {
-        FilePager::new(file, path.as_ref(), writable, false)
+    pub fn from_file(file: File, path: impl AsRef<Path>, access: crate::Access) -> io::Result<FilePager> {
+        FilePager::new(file, path.as_ref(), access == crate::Access::ReadWrite, false)
     }
 
     fn new(file: File, path: &Path, writable: bool, path_is_real: bool) -> io::Result<FilePager> {
@@ -166,7 +167,7 @@ impl FilePager {
     }
 
     /// Use buffered I/O only (dropping pages from the kernel's cache after each transfer),
-    /// even where `O_DIRECT` would work: `FilePager::open(path, true)?.buffered()`.
+    /// even where `O_DIRECT` would work: `FilePager::open(path, Access::ReadWrite)?.buffered()`.
     pub fn buffered(mut self) -> FilePager {
         if self.align.take().is_some() {
             // Our own open file description (never shared): clear O_DIRECT on it.
