@@ -97,6 +97,7 @@ const HEADER_DOMAIN: &[u8; 16] = b"ubc-aead1 header";
 
 /// What failed authentication (see [`AuthError`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Failure {
     /// The store ends before the data the authenticated length says it holds.
     Truncated,
@@ -125,6 +126,7 @@ impl std::fmt::Display for Failure {
 /// An authentication failure. Returned as an `io::Error` of kind `InvalidData` whose inner
 /// error is this type: `err.get_ref().and_then(|e| e.downcast_ref::<AuthError>())`.
 #[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
 pub enum AuthError {
     /// The header failed (wrong key, tampering, truncation, not an aead file).
     #[error("aead header: {0}")]

@@ -64,6 +64,7 @@ pub struct DirEntry {
 }
 
 /// What a layer gives for an open file.
+#[non_exhaustive]
 pub enum Opened {
     /// This layer stores the bytes (a new file token).
     Store(Arc<dyn ubc::Pager>),
