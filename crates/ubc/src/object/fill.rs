@@ -129,12 +129,12 @@ impl Object {
             self.publish_dirtied(n);
         }
         for p in first..first + n {
-            chunk.pages[(p - base) as usize].finish_fill(
+            chunk.pages[(p - base) as usize].finish_fill(Filled {
                 dirty,
                 pins,
-                admission == Admission::ReadAhead,
-                mark == Some(p),
-            );
+                speculative: admission == Admission::ReadAhead,
+                ra_mark: mark == Some(p),
+            });
         }
         if let Some(svc) = svc {
             for m in self.maps.read().iter() {

@@ -24,7 +24,7 @@ use crate::error::{Error, PagerOp, Result};
 use crate::evict::{Admission, PageKey};
 use crate::map::UserMap;
 use crate::memfd::Memfd;
-use crate::page::state::{self, Pin, WriteLock};
+use crate::page::state::{self, Filled, IfHeld, Pin, WriteLock, Written};
 use crate::page::table::{Chunk, PageTable};
 use crate::pager::{Fill, Pager};
 use crate::stats::{Counters, Stats, bump};

@@ -56,14 +56,14 @@ impl Object {
             let mut p = lo;
             while p < hi {
                 let st = &chunk.pages[(p - base) as usize];
-                if !st.snapshot().unclean() || !st.begin_writeback(wait) {
+                if !st.snapshot().unclean() || !st.begin_writeback(if wait { IfHeld::Wait } else { IfHeld::Skip }) {
                     p += 1;
                     continue;
                 }
                 let mut n = 1;
                 while p + n < hi
                     && n < self.core.max_put_pages
-                    && chunk.pages[(p + n - base) as usize].begin_writeback(false)
+                    && chunk.pages[(p + n - base) as usize].begin_writeback(IfHeld::Skip)
                 {
                     n += 1;
                 }
@@ -123,7 +123,9 @@ impl Object {
         }
         let mut redirtied = 0;
         for p in first..first + n {
-            redirtied += chunk.pages[(p - base) as usize].end_writeback(ok) as u64;
+            redirtied +=
+                chunk.pages[(p - base) as usize].end_writeback(if ok { Written::Stored } else { Written::Failed })
+                    as u64;
         }
         if ok {
             bump(&sh.written_bytes, bytes as u64);

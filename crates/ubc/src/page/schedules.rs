@@ -115,7 +115,7 @@ impl Page {
         } else {
             p.data.store(1, SeqCst);
         }
-        p.st.finish_fill(dirty, 0, false, false);
+        p.st.finish_fill(Filled { dirty, pins: 0, speculative: false, ra_mark: false });
         p
     }
 
@@ -153,7 +153,7 @@ impl Page {
                 self.pins.fetch_add(1, SeqCst);
             }
             let spec = thread_rng().gen_bool(0.5);
-            self.st.finish_fill(false, u32::from(pinned), spec, !spec);
+            self.st.finish_fill(Filled { dirty: false, pins: u32::from(pinned), speculative: spec, ra_mark: !spec });
             if pinned {
                 self.read_pinned();
             }
@@ -216,7 +216,7 @@ impl Page {
                 thread::yield_now();
                 self.data.store(self.next_version(), SeqCst);
                 self.busy.store(false, SeqCst);
-                self.st.finish_fill(true, 0, false, false);
+                self.st.finish_fill(Filled { dirty: true, pins: 0, speculative: false, ra_mark: false });
             }
         }
         self.observe();
@@ -253,7 +253,7 @@ impl Page {
 
     /// Write the page back (if dirty); the pager's write succeeds if `ok`.
     fn writeback(&self, ok: bool, wait: bool) -> bool {
-        if !self.st.begin_writeback(wait) {
+        if !self.st.begin_writeback(if wait { IfHeld::Wait } else { IfHeld::Skip }) {
             return false;
         }
         assert!(!self.writeback.swap(true, SeqCst), "two writebacks at once");
@@ -267,7 +267,7 @@ impl Page {
             self.disk.store(snapshot, SeqCst);
         }
         self.writeback.store(false, SeqCst);
-        self.st.end_writeback(ok);
+        self.st.end_writeback(if ok { Written::Stored } else { Written::Failed });
         self.observe();
         true
     }
@@ -446,14 +446,14 @@ fn schedules_wakeups() {
     // truncation wait for a writeback and for pins. Nobody may sleep forever.
     explore("wakeups", || {
         let p = Page::valid(true);
-        assert!(p.st.begin_writeback(false));
+        assert!(p.st.begin_writeback(IfHeld::Skip));
         p.writeback.store(true, SeqCst);
         let q = p.clone();
         let flusher = thread::spawn(move || {
             thread::yield_now();
             q.disk.store(2, SeqCst);
             q.writeback.store(false, SeqCst);
-            q.st.end_writeback(true);
+            q.st.end_writeback(Written::Stored);
         });
         run(
             p,

@@ -76,6 +76,37 @@ pub(crate) fn pins(s: u32) -> u32 {
     s >> PIN_SHIFT
 }
 
+/// How a filled page is published (`PageState::finish_fill`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Filled {
+    /// A writer filled it: it is dirty from the start.
+    pub(crate) dirty: bool,
+    /// Pins handed to the caller (and to the mapping service while it maps the page).
+    pub(crate) pins: u32,
+    /// Read ahead, not asked for yet.
+    pub(crate) speculative: bool,
+    /// Carries the read-ahead trigger.
+    pub(crate) ra_mark: bool,
+}
+
+/// What `PageState::begin_writeback` does with a page a writer or another writeback holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum IfHeld {
+    /// Sleep until it is free (`sync`, `clean`).
+    Wait,
+    /// Give up on it (background writeback, reclaim).
+    Skip,
+}
+
+/// How a writeback ended (`PageState::end_writeback`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Written {
+    /// The pager stored it: the page is clean unless written meanwhile.
+    Stored,
+    /// The pager failed: the page is dirty again.
+    Failed,
+}
+
 /// A page's state word as read once, for decisions made outside `page/`: the bits and their
 /// combinations are this module's business, callers ask what they mean.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -249,9 +280,10 @@ impl PageState {
             && self.0.compare_exchange(s, (s & WAITERS) | BUSY, SeqCst, SeqCst).is_ok()
     }
 
-    /// Publish a filled page: BUSY → VALID (+`dirty`, +`pins` pins, read-ahead flags).
-    /// => caller holds the page BUSY; `pins` is small (0–2).
-    pub(crate) fn finish_fill(&self, dirty: bool, pins: u32, speculative: bool, ra_mark: bool) {
+    /// Publish a filled page: BUSY → VALID, as `how` says (dirty, pins, read-ahead flags).
+    /// => caller holds the page BUSY; `how.pins` is small (0–2).
+    pub(crate) fn finish_fill(&self, how: Filled) {
+        let Filled { dirty, pins, speculative, ra_mark } = how;
         let mut new = VALID;
         if dirty {
             new |= DIRTY;
@@ -339,9 +371,11 @@ impl PageState {
         }
     }
 
-    /// Start writing back a dirty page: DIRTY → WRITEBACK. With `wait`, sleeps while a writer
-    /// or another writeback holds it; without, gives up. False if the page is not dirty.
-    pub(crate) fn begin_writeback(&self, wait: bool) -> bool {
+    /// Start writing back a dirty page: DIRTY → WRITEBACK. With [`IfHeld::Wait`], sleeps
+    /// while a writer or another writeback holds it; with `Skip`, gives up. False if the page
+    /// is not dirty.
+    pub(crate) fn begin_writeback(&self, if_held: IfHeld) -> bool {
+        let wait = if_held == IfHeld::Wait;
         loop {
             let s = self.0.load(SeqCst);
             if s & VALID == 0 || s & DIRTY == 0 && s & WRITEBACK == 0 {
@@ -365,7 +399,8 @@ impl PageState {
     /// Returns whether the page was dirty again already (a store through a mapping was found
     /// while it was written): such a page was counted dirty anew when it was found, so on
     /// failure the caller must not count it a second time.
-    pub(crate) fn end_writeback(&self, ok: bool) -> bool {
+    pub(crate) fn end_writeback(&self, outcome: Written) -> bool {
+        let ok = outcome == Written::Stored;
         let mut s = self.0.load(SeqCst);
         loop {
             debug_assert!(s & WRITEBACK != 0);
@@ -443,7 +478,7 @@ mod tests {
         assert_eq!(p.pin(), Pin::Invalid);
         assert!(p.try_lock_empty());
         assert!(!p.try_lock_empty(), "BUSY page cannot be taken twice");
-        p.finish_fill(false, 0, true, true);
+        p.finish_fill(Filled { dirty: false, pins: 0, speculative: true, ra_mark: true });
         assert_eq!(p.pin(), Pin::Pinned { ra_mark: true, first_use: true });
         assert_eq!(p.take_accesses(), 1, "every use is reported; the policy discounts read-ahead");
         assert!(!p.try_lock_for_evict(), "pinned page is not evictable");
@@ -460,14 +495,14 @@ mod tests {
     fn dirty_pages_are_not_evictable_and_failed_writeback_redirties() {
         let p = PageState::default();
         assert!(p.try_lock_empty());
-        p.finish_fill(true, 0, false, false);
+        p.finish_fill(Filled { dirty: true, pins: 0, speculative: false, ra_mark: false });
         assert!(!p.try_lock_for_evict());
-        assert!(p.begin_writeback(false));
+        assert!(p.begin_writeback(IfHeld::Skip));
         assert!(!p.try_lock_for_evict(), "page under writeback is not evictable");
-        p.end_writeback(false);
+        p.end_writeback(Written::Failed);
         assert_ne!(p.load() & DIRTY, 0, "failed writeback keeps the page dirty");
-        assert!(p.begin_writeback(false));
-        p.end_writeback(true);
+        assert!(p.begin_writeback(IfHeld::Skip));
+        p.end_writeback(Written::Stored);
         assert_eq!(p.load() & (DIRTY | WRITEBACK), 0);
         assert!(p.try_lock_for_evict());
     }
@@ -476,8 +511,8 @@ mod tests {
     fn writer_waits_for_writeback_then_redirties() {
         let p = Arc::new(PageState::default());
         assert!(p.try_lock_empty());
-        p.finish_fill(true, 0, false, false);
-        assert!(p.begin_writeback(false));
+        p.finish_fill(Filled { dirty: true, pins: 0, speculative: false, ra_mark: false });
+        assert!(p.begin_writeback(IfHeld::Skip));
         let p2 = p.clone();
         let t = std::thread::spawn(move || {
             assert_eq!(p2.begin_write(), WriteLock::Resident);
@@ -485,7 +520,7 @@ mod tests {
         });
         std::thread::sleep(std::time::Duration::from_millis(20));
         assert_eq!(p.load() & WRITING, 0, "writer must not enter during writeback");
-        p.end_writeback(true);
+        p.end_writeback(Written::Stored);
         t.join().unwrap();
         assert_ne!(p.load() & DIRTY, 0);
     }
@@ -510,7 +545,12 @@ mod tests {
                                     if p.try_lock_empty() {
                                         fills.fetch_add(1, SeqCst);
                                         std::thread::yield_now();
-                                        p.finish_fill(false, 0, false, false);
+                                        p.finish_fill(Filled {
+                                            dirty: false,
+                                            pins: 0,
+                                            speculative: false,
+                                            ra_mark: false,
+                                        });
                                     }
                                 }
                             }
