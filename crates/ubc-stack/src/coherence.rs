@@ -355,14 +355,15 @@ impl<F: Actions> Drop for Permit<'_, F> {
 }
 
 impl Group {
-    pub(crate) fn new(counters: Arc<Counters>, disabled: bool) -> Group {
-        Group::with_actions(counters, disabled)
+    pub(crate) fn new(counters: Arc<Counters>, coherence: Coherence) -> Group {
+        Group::with_actions(counters, coherence)
     }
 }
 
 impl<F: Actions> Group<F> {
     /// A group whose domains' cache objects are `F`s (`ubc::File` but in the model tests).
-    pub(crate) fn with_actions(counters: Arc<Counters>, disabled: bool) -> Group<F> {
+    pub(crate) fn with_actions(counters: Arc<Counters>, coherence: Coherence) -> Group<F> {
+        let disabled = coherence == Coherence::Off;
         Group {
             lock: Mutex::new(()),
             domains: RwLock::new(Vec::new()),
@@ -854,9 +855,10 @@ impl<F: Actions> Group<F> {
 
     /// Take an advisory lock (fcntl `F_SETLK(W)`-style) on bytes `r` of domain `d`. Locks
     /// of different owners conflict if they overlap in the stored bytes and one is
-    /// exclusive; an owner's own locks never conflict. With `wait`, blocks until granted;
-    /// else returns `false` on conflict.
-    pub(crate) fn lock(&self, owner: u64, d: usize, r: Range<u64>, exclusive: bool, wait: bool) -> bool {
+    /// exclusive; an owner's own locks never conflict. With [`LockWait::Block`], blocks until
+    /// granted; else returns `false` on conflict.
+    pub(crate) fn lock(&self, owner: u64, d: usize, r: Range<u64>, kind: LockKind, wait: LockWait) -> bool {
+        let (exclusive, wait) = (kind == LockKind::Exclusive, wait == LockWait::Block);
         let ranges = self.lock_range(d, r);
         let mut l = self.locks.lock();
         loop {
@@ -919,3 +921,29 @@ mod tests {
 /// Randomized-schedule tests of the protocol (`--features shuttle`).
 #[cfg(all(test, feature = "shuttle"))]
 mod schedules;
+
+/// Whether a stack keeps its layers coherent (the cache manager).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Coherence {
+    /// Data and mappings through every layer stay coherent (the default).
+    Kept,
+    /// Every layer caches on its own: only for measuring the manager's overhead.
+    Off,
+}
+
+/// Kind of an advisory byte-range lock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LockKind {
+    Shared,
+    Exclusive,
+}
+
+/// What `File::lock` does when the range is locked by another owner.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LockWait {
+    /// Wait until it can be taken (`F_SETLKW`).
+    Block,
+    /// Give up at once (`F_SETLK`).
+    Try,
+}

@@ -2,6 +2,7 @@
 //! coherent across layers by the cache manager ([`crate::coherence`]).
 
 use crate::coherence::{ALL, CoherenceStats, Counters, Group, Mode};
+pub use crate::coherence::{Coherence, LockKind, LockWait};
 use crate::error::{Error, Result};
 use crate::layer::{Attr, Below, DirEntry, Kind, Layer, Opened, SetAttr, norm};
 use parking_lot::Mutex;
@@ -43,16 +44,6 @@ struct Inner {
 #[derive(Clone)]
 pub struct Stack {
     inner: Arc<Inner>,
-}
-
-/// Whether a stack keeps its layers coherent (the cache manager).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Coherence {
-    /// Data and mappings through every layer stay coherent (the default).
-    Kept,
-    /// Every layer caches on its own: only for measuring the manager's overhead.
-    Off,
 }
 
 /// Builds a [`Stack`] bottom-up.
@@ -242,7 +233,12 @@ impl Inner {
                     .groups
                     .lock()
                     .entry(key)
-                    .or_insert_with(|| Arc::new(Group::new(self.counters.clone(), !self.coherence)))
+                    .or_insert_with(|| {
+                        Arc::new(Group::new(
+                            self.counters.clone(),
+                            if self.coherence { Coherence::Kept } else { Coherence::Off },
+                        ))
+                    })
                     .clone();
                 group.add_domain(0, || Ok((file.reopen(ubc::Access::ReadOnly)?, None)))?;
                 Ok(Node { file, group, domain: 0 })
@@ -523,22 +519,6 @@ pub struct File {
     level: usize,
 }
 
-/// Kind of an advisory byte-range lock.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LockKind {
-    Shared,
-    Exclusive,
-}
-
-/// What [`File::lock`] does when the range is locked by another owner.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LockWait {
-    /// Wait until it can be taken (`F_SETLKW`).
-    Block,
-    /// Give up at once (`F_SETLK`).
-    Try,
-}
-
 fn span(offset: u64, len: usize) -> Result<Range<u64>> {
     match offset.checked_add(len as u64) {
         Some(end) if end <= i64::MAX as u64 => Ok(offset..end.max(offset + 1)),
@@ -630,7 +610,7 @@ impl File {
     /// the stored bytes of the bottom layer. Returns whether the lock was taken (always
     /// true with `Block`).
     pub fn lock(&self, range: Range<u64>, kind: LockKind, wait: LockWait) -> bool {
-        self.group.lock(self.owner, self.domain, range, kind == LockKind::Exclusive, wait == LockWait::Block)
+        self.group.lock(self.owner, self.domain, range, kind, wait)
     }
 
     /// Release this handle's locks overlapping `range`.

@@ -255,7 +255,7 @@ enum Layer {
 /// A group of `1 + layers.len()` domains over one model.
 fn group(layers: &[Layer]) -> (Arc<Group<Cached>>, Model) {
     let m: Model = Arc::new(StdMutex::new(State::new(1 + layers.len())));
-    let g = Arc::new(Group::with_actions(Arc::new(Counters::default()), false));
+    let g = Arc::new(Group::with_actions(Arc::new(Counters::default()), Coherence::Kept));
     let c = Cached { m: m.clone(), d: 0 };
     g.add_domain(0, || Ok((c, None))).unwrap();
     for (i, l) in layers.iter().enumerate() {
@@ -459,7 +459,9 @@ fn schedules_byte_range_locks() {
                         let r = start..start + rng.gen_range(1..3u64);
                         let exclusive = rng.gen_bool(0.6);
                         let wait = rng.gen_bool(0.7);
-                        if !g.lock(owner, d, r.clone(), exclusive, wait) {
+                        let kind = if exclusive { LockKind::Exclusive } else { LockKind::Shared };
+                        let how = if wait { LockWait::Block } else { LockWait::Try };
+                        if !g.lock(owner, d, r.clone(), kind, how) {
                             assert!(!wait, "a waiting lock returned without the lock");
                             continue;
                         }
@@ -601,10 +603,10 @@ fn schedules_byte_range_lock_handoff() {
     // then waits for the waiter: a release that wakes nobody leaves both asleep.
     explore("byte-range lock handoff", || {
         let (g, _m) = group(THREE);
-        assert!(g.lock(1, 2, 0..2, true, false));
+        assert!(g.lock(1, 2, 0..2, LockKind::Exclusive, LockWait::Try));
         let g2 = g.clone();
         let waiter = thread::spawn(move || {
-            assert!(g2.lock(2, 0, 1..3, false, true));
+            assert!(g2.lock(2, 0, 1..3, LockKind::Shared, LockWait::Block));
             g2.unlock_all(2);
         });
         thread::yield_now();
