@@ -177,6 +177,22 @@ struct State {
     header_len: AtomicU64,
 }
 
+/// What `flush_header` does when another thread is writing the header.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Writer {
+    /// Wait for it, then write if still stale (`sync`, `flush_metadata`).
+    Wait,
+    /// Leave it to that thread (a put, which must not wait: it may be re-entered).
+    Yield,
+}
+
+/// How the caller of `first_header` holds the state lock.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Held {
+    Shared,
+    Exclusive,
+}
+
 /// A [`Pager`] storing a file's cleartext encrypted per block in a lower `ubc::File`.
 pub struct EncryptPager {
     lower: ubc::File,
@@ -345,7 +361,7 @@ impl EncryptPager {
         let _scope = self.scope();
         let st = self.state.read();
         if Self::header_stale(&st) {
-            self.flush_header(&st, true)?;
+            self.flush_header(&st, Writer::Wait)?;
         }
         Ok(())
     }
@@ -427,10 +443,10 @@ impl EncryptPager {
     }
 
     /// Write the header if it is missing or its length is stale. => shared state lock held.
-    /// With `wait == false`, skip if another thread is writing it (it or the next `sync`
+    /// With [`Writer::Yield`], skip if another thread is writing it (it or the next `sync`
     /// brings it up to date; never waiting here keeps a re-entered put from deadlocking).
-    fn flush_header(&self, st: &State, wait: bool) -> io::Result<()> {
-        let _g = if wait {
+    fn flush_header(&self, st: &State, other: Writer) -> io::Result<()> {
+        let _g = if other == Writer::Wait {
             self.header_lock.lock()
         } else {
             match self.header_lock.try_lock() {
@@ -447,17 +463,17 @@ impl EncryptPager {
     /// A new file's first header, with the current length, *on the lower store* — not only
     /// in its cache, where the lower's write-behind could store later pages first; a crash,
     /// or a truncation (which cuts the store at once), then left blocks or zeros without a
-    /// header: "not an aead file" (checked by tests/crash.rs). Once per file. `exclusive`: the
-    /// state lock is held exclusively; else shared, and a header another thread is writing
-    /// right now is left to it. => state lock held.
-    fn first_header(&self, st: &State, exclusive: bool) -> io::Result<()> {
+    /// header: "not an aead file" (checked by tests/crash.rs). Once per file. `held`: how the
+    /// caller holds the state lock; held shared, a header another thread is writing right now
+    /// is left to it.
+    fn first_header(&self, st: &State, held: Held) -> io::Result<()> {
         if st.header_on_store.load(SeqCst) {
             return Ok(());
         }
-        if exclusive {
+        if held == Held::Exclusive {
             self.write_header(st)?;
         } else {
-            self.flush_header(st, false)?;
+            self.flush_header(st, Writer::Yield)?;
             if !st.header_on_store.load(SeqCst) {
                 return Ok(());
             }
@@ -618,7 +634,7 @@ impl Pager for EncryptPager {
                 // showing its last length. Written after the blocks, a crash could leave
                 // blocks without any header ("not an aead file") or a header with a length
                 // the file never had (tests/crash.rs checks both).
-                self.first_header(&st, false)?;
+                self.first_header(&st, Held::Shared)?;
                 self.write_blocks(&st.file_id, first, data)?;
                 // A failed put leaves the length alone (the cache retries it).
                 st.len.fetch_max(end, SeqCst);
@@ -629,7 +645,7 @@ impl Pager for EncryptPager {
         // (a hole must not read as unauthenticated zeros), exclusively so that no other put
         // into the gap can be overwritten by the zeros and no reader sees a gap half-filled.
         let st = self.state.write();
-        self.first_header(&st, true)?; // first, as above
+        self.first_header(&st, Held::Exclusive)?; // first, as above
         self.write_zero_blocks(&st.file_id, blocks(st.len.load(SeqCst)), first)?;
         self.write_blocks(&st.file_id, first, data)?;
         st.len.fetch_max(end, SeqCst);
@@ -657,7 +673,7 @@ impl Pager for EncryptPager {
         if len > old {
             // A new file's header (with the old length) goes first, as in `put_pages`: zero
             // blocks without a header on the store would make it "not an aead file".
-            self.first_header(&st, true)?;
+            self.first_header(&st, Held::Exclusive)?;
             // Blocks past `old` are new: the last old block's tail is already zero.
             self.write_zero_blocks(&id, blocks(old), blocks(len))?;
             st.len.store(len, SeqCst);
@@ -689,7 +705,7 @@ impl Pager for EncryptPager {
         if self.writable {
             let st = self.state.read();
             if Self::header_stale(&st) {
-                self.flush_header(&st, true)?;
+                self.flush_header(&st, Writer::Wait)?;
             }
         }
         self.lower.sync().map_err(ubc_io)
