@@ -129,11 +129,13 @@ fn wc_example() {
     assert!(err.contains("missing.txt") && err.contains("No such file"), "{err}");
 }
 
-/// The README's C example, compiled and run as written.
+/// The README's C example (the block after its `<!-- readme-example: c -->` marker, the one
+/// `scripts/test-install` builds against an installed library), compiled and run as written.
 #[test]
 fn readme_example() {
     let readme = std::fs::read_to_string(crate_dir().join("../../README.md")).unwrap();
-    let start = readme.find("```c\n").expect("a ```c block in the README") + 5;
+    let marker = readme.find("<!-- readme-example: c -->").expect("the C example's marker in the README");
+    let start = marker + readme[marker..].find("```c\n").expect("a ```c block after the marker") + 5;
     let end = start + readme[start..].find("```").unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let src = tmp.path().join("readme.c");

@@ -32,7 +32,7 @@ struct Inner {
     layers: Vec<Arc<dyn Layer>>,
     groups: Mutex<HashMap<GroupKey, Arc<Group>>>,
     counters: Arc<Counters>,
-    coherence: bool,
+    coherence: Coherence,
     /// Per layer: path → the opened file (see [`Named`]).
     names: Vec<Mutex<HashMap<String, Named>>>,
     name_hits: AtomicU64,
@@ -137,7 +137,7 @@ impl Stack {
                 layers,
                 groups: Mutex::new(HashMap::new()),
                 counters: Arc::new(Counters::default()),
-                coherence: coherence == Coherence::Kept,
+                coherence,
                 names,
                 name_hits: AtomicU64::new(0),
                 name_invalidations: AtomicU64::new(0),
@@ -233,12 +233,7 @@ impl Inner {
                     .groups
                     .lock()
                     .entry(key)
-                    .or_insert_with(|| {
-                        Arc::new(Group::new(
-                            self.counters.clone(),
-                            if self.coherence { Coherence::Kept } else { Coherence::Off },
-                        ))
-                    })
+                    .or_insert_with(|| Arc::new(Group::new(self.counters.clone(), self.coherence)))
                     .clone();
                 group.add_domain(0, || Ok((file.reopen(ubc::Access::ReadOnly)?, None)))?;
                 Ok(Node { file, group, domain: 0 })

@@ -159,8 +159,7 @@ impl File {
     /// [`Length::Reload`] the file's length is re-read from the pager too. A store through a
     /// mapping racing the drop may be lost; writers through this cache wait.
     pub fn invalidate(&self, range: std::ops::Range<u64>, length: Length) -> Result<()> {
-        let reload_len = length == Length::Reload;
-        self.live()?.invalidate(range.start, range.end, reload_len)
+        self.live()?.invalidate(range.start, range.end, length)
     }
 
     /// Close the handle: later calls on it fail with [`Error::Closed`]. Like `close(2)`,

@@ -157,17 +157,17 @@ impl Object {
 
     /// Mach's `pager_flush_request`: clean bytes `from..to`, then drop their cached pages
     /// from the cache and from every mapping (a mapping re-faults them from the pager).
-    /// With `reload_len`, the length is then taken from the pager again (the stored data
+    /// With `Length::Reload`, the length is then taken from the pager again (the stored data
     /// changed underneath: a restore through a lower layer). Writers on this object wait.
     /// A store through a mapping that lands between the clean and the drop is lost: the
     /// caller (the cache manager) invalidates only ranges another domain is about to
     /// overwrite or has overwritten.
-    pub(crate) fn invalidate(&self, from: u64, to: u64, reload_len: bool) -> Result<()> {
+    pub(crate) fn invalidate(&self, from: u64, to: u64, length: crate::Length) -> Result<()> {
         self.clean(from, to)?;
         let _size = self.size_exclusive();
         let ps = self.ps();
         self.drop_pages(from >> ps, to.div_ceil(1 << ps).max(from >> ps))?;
-        if reload_len {
+        if length == crate::Length::Reload {
             let old = self.len();
             let new = self.call_pager(PagerOp::Len, 0, |p| p.len())?;
             if new != old {

@@ -35,6 +35,7 @@ impl Object {
     pub(crate) fn writeback(&self, from: u64, to: u64, pass: Pass) -> Result<()> {
         let wait = pass == Pass::Wait;
         let parallel = pass != Pass::Inline;
+        let if_held = if wait { IfHeld::Wait } else { IfHeld::Skip };
         if self.dirty_pages() == 0 && !wait {
             return Ok(());
         }
@@ -56,7 +57,7 @@ impl Object {
             let mut p = lo;
             while p < hi {
                 let st = &chunk.pages[(p - base) as usize];
-                if !st.snapshot().unclean() || !st.begin_writeback(if wait { IfHeld::Wait } else { IfHeld::Skip }) {
+                if !st.snapshot().unclean() || !st.begin_writeback(if_held) {
                     p += 1;
                     continue;
                 }
