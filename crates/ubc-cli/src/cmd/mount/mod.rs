@@ -86,7 +86,7 @@ use ubc_cli::mounts;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// The stack, bottom layer first, e.g. 'dir:/data | zstd | aead:keyfile=/etc/k'
+    /// The stack, bottom layer first, e.g. 'dir:/data | aead:keyfile=/etc/k | zstd' (compress, then encrypt)
     #[arg(long, short = 's', value_name = "SPEC")]
     stack: String,
     /// Serve layer N at MOUNTPOINT (repeatable; 0 is the bottom layer)
