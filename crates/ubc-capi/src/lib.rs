@@ -265,7 +265,12 @@ pub unsafe extern "C" fn ubc_open(
         if truncate && !write {
             return Err(Fail::inval(format!("open {path}: UBC_TRUNC needs UBC_RDWR")));
         }
-        let file = open_file(&s.stack, layer, path, OpenOptions { write, create: flags & UBC_CREAT != 0, truncate })?;
+        let file = open_file(
+            &s.stack,
+            layer,
+            path,
+            OpenOptions { write, create: flags & UBC_CREAT != 0, truncate, ..Default::default() },
+        )?;
         Ok(Box::into_raw(Box::new(ubc_file { file })))
     })
 }

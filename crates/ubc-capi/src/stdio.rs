@@ -337,7 +337,8 @@ pub unsafe extern "C" fn ubc_fopen(
             "a+" => (true, true, true, false, true, true),
             _ => return Err(Fail::inval(format!("fopen {path}: bad mode {mode:?}"))),
         };
-        let file = open_file(&s.stack, -1, path, OpenOptions { write: writable, create, truncate })?;
+        let file =
+            open_file(&s.stack, -1, path, OpenOptions { write: writable, create, truncate, ..Default::default() })?;
         let mut st = Box::new(UbcStdio {
             ptr: std::ptr::null_mut(),
             rend: std::ptr::null_mut(),

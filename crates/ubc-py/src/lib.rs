@@ -237,7 +237,7 @@ impl RawLayer {
 
     #[pyo3(signature = (path, write = false, create = false, truncate = false))]
     fn open(&self, py: Python<'_>, path: String, write: bool, create: bool, truncate: bool) -> PyResult<NativeFile> {
-        let opts = ubc_stack::OpenOptions { write, create, truncate };
+        let opts = ubc_stack::OpenOptions { write, create, truncate, ..Default::default() };
         let l = self.inner.clone();
         let f = py.detach(|| l.open_with(&path, opts)).map_err(err)?;
         Ok(NativeFile { inner: Mutex::new(Some(Arc::new(f))), writable: write })

@@ -30,6 +30,9 @@ pub enum Error {
     NotEmpty(String),
     #[error("{0}: read-only layer")]
     ReadOnly(String),
+    /// A name longer than `NAME_MAX` or a path longer than `PATH_MAX`.
+    #[error("{0}")]
+    NameTooLong(String),
     /// A bad argument or spec.
     #[error("{0}")]
     Invalid(String),
@@ -88,6 +91,7 @@ impl Error {
             Error::IsDir(_) => libc::EISDIR,
             Error::NotEmpty(_) => libc::ENOTEMPTY,
             Error::ReadOnly(_) => libc::EROFS,
+            Error::NameTooLong(_) => libc::ENAMETOOLONG,
             Error::Invalid(_) | Error::Spec(_) => libc::EINVAL,
         }
     }

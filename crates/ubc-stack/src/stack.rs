@@ -78,8 +78,14 @@ impl StackBuilder {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct OpenOptions {
     pub write: bool,
+    /// Create the file if it does not exist (`O_CREAT`).
     pub create: bool,
     pub truncate: bool,
+    /// With `create`: fail with [`Error::Exists`] if the name exists (`O_EXCL`), decided by
+    /// the store in one step.
+    pub exclusive: bool,
+    /// With `create`: the new file's permission bits (default `0o644`), set as it is made.
+    pub mode: Option<u32>,
 }
 
 impl Stack {
@@ -216,7 +222,15 @@ impl Drop for Inner {
 
 impl Inner {
     /// Open the data of `path` at `level`: the file's group, its domain there, and a handle.
+    /// The name cache of `level` and of every level below that the open passed through
+    /// learns the file, so that a `getattr` at any of them reads the cached length.
     fn open_node(self: &Arc<Self>, level: usize, path: &str, writable: bool) -> Result<Node> {
+        let node = self.open_node_at(level, path, writable)?;
+        self.names[level].lock().insert(path.to_string(), (node.group.clone(), node.domain));
+        Ok(node)
+    }
+
+    fn open_node_at(self: &Arc<Self>, level: usize, path: &str, writable: bool) -> Result<Node> {
         let access = if writable { ubc::Access::ReadWrite } else { ubc::Access::ReadOnly };
         let below = BelowImpl { inner: self, level };
         match self.layers[level].open(path, access, &below)? {
@@ -357,16 +371,23 @@ impl LayerRef {
     pub fn getattr(&self, path: &str) -> Result<Attr> {
         let p = norm(path)?;
         let mut a = self.layer().getattr(&p)?;
-        if a.kind == Kind::File && (self.layer().is_general() || self.level_is_above_general()) {
-            let named = self.inner().names[self.level].lock().get(&p).cloned();
-            a.size = match named.and_then(|(g, d)| Some((g.domain(d)?, g, d))) {
-                Some((dom, g, d)) => {
-                    self.inner().name_hits.fetch_add(1, Relaxed);
-                    let _p = g.acquire(&dom, d, ALL, Mode::Read)?;
-                    dom.file.len()?
-                }
-                None => self.open_with(&p, OpenOptions::default())?.len()?,
-            };
+        if a.kind != Kind::File {
+            return Ok(a);
+        }
+        // The length is the cache's when the file is cached (dirty pages and pending
+        // truncates count, and a write through another layer is pushed down first); a
+        // general layer's length exists only in the opened file.
+        let named = self.inner().names[self.level].lock().get(&p).cloned();
+        match named.and_then(|(g, d)| Some((g.domain(d)?, g, d))) {
+            Some((dom, g, d)) => {
+                self.inner().name_hits.fetch_add(1, Relaxed);
+                let _p = g.acquire(&dom, d, ALL, Mode::Read)?;
+                a.size = dom.file.len()?;
+            }
+            None if self.layer().is_general() || self.level_is_above_general() => {
+                a.size = self.open_with(&p, OpenOptions::default())?.len()?;
+            }
+            None => {}
         }
         Ok(a)
     }
@@ -383,10 +404,10 @@ impl LayerRef {
             self.open_with(&p, OpenOptions { write: true, ..Default::default() })?.set_len(size)?;
         }
         let rest = SetAttr { size: None, ..set.clone() };
-        if rest.mode.is_some() || rest.mtime.is_some() || rest.atime.is_some() {
+        if rest.changes_metadata() {
             self.layer().setattr(&p, &rest)?;
         }
-        self.inner().invalidate_names(&p);
+        // The name still names the same file: the name caches stay.
         Ok(())
     }
 
@@ -469,22 +490,25 @@ impl LayerRef {
 
     /// Create (or truncate) a file and open it read-write.
     pub fn create(&self, path: &str) -> Result<File> {
-        self.open_with(path, OpenOptions { write: true, create: true, truncate: true })
+        self.open_with(path, OpenOptions { write: true, create: true, truncate: true, ..Default::default() })
     }
 
     pub fn open_with(&self, path: &str, opts: OpenOptions) -> Result<File> {
         let p = norm(path)?;
-        match self.layer().getattr(&p) {
-            Ok(a) if a.kind == Kind::Dir => return Err(Error::IsDir(p)),
-            Ok(_) => {}
-            Err(Error::NotFound(_)) if opts.create => {
-                self.layer().create(&p, 0o644)?;
-                self.inner().invalidate_names(&p);
+        if opts.create {
+            // Create first and let the store say whether the name existed: a check before
+            // the create could race with another creator.
+            match self.layer().create(&p, opts.mode.unwrap_or(0o644) & 0o7777) {
+                Ok(()) => self.inner().invalidate_names(&p),
+                Err(e) if e.errno() == libc::EEXIST && !opts.exclusive => {}
+                Err(e) if e.errno() == libc::EEXIST => return Err(Error::Exists(p)),
+                Err(e) => return Err(e),
             }
-            Err(e) => return Err(e),
+        }
+        if self.layer().getattr(&p)?.kind == Kind::Dir {
+            return Err(Error::IsDir(p));
         }
         let node = self.inner().open_node(self.level, &p, opts.write)?;
-        self.inner().names[self.level].lock().insert(p.clone(), (node.group.clone(), node.domain));
         let dom = node.group.domain(node.domain).expect("opened domain");
         let f = File {
             inner: node.file,

@@ -88,6 +88,10 @@ impl Dir {
 
 pub(crate) fn attr_of(md: &std::fs::Metadata) -> Attr {
     let ft = md.file_type();
+    let at = |sec: i64, nsec: i64| {
+        let d = std::time::Duration::new(sec.unsigned_abs(), nsec.clamp(0, 999_999_999) as u32);
+        if sec >= 0 { std::time::UNIX_EPOCH + d } else { std::time::UNIX_EPOCH - d }
+    };
     Attr {
         kind: if ft.is_dir() {
             Kind::Dir
@@ -99,8 +103,32 @@ pub(crate) fn attr_of(md: &std::fs::Metadata) -> Attr {
         ino: md.ino(),
         mode: md.mode() & 0o7777,
         size: md.len(),
-        mtime: md.modified().unwrap_or(std::time::UNIX_EPOCH),
-        atime: md.accessed().unwrap_or(std::time::UNIX_EPOCH),
+        mtime: at(md.mtime(), md.mtime_nsec()),
+        atime: at(md.atime(), md.atime_nsec()),
+        ctime: at(md.ctime(), md.ctime_nsec()),
+        uid: md.uid(),
+        gid: md.gid(),
+        nlink: md.nlink().min(u32::MAX as u64) as u32,
+        blocks: md.blocks(),
+    }
+}
+
+/// A rustix timestamp for `utimensat`: `t`, or "leave it" (`UTIME_OMIT`).
+fn timespec(t: Option<std::time::SystemTime>) -> rustix::fs::Timespec {
+    match t {
+        None => rustix::fs::Timespec { tv_sec: 0, tv_nsec: rustix::fs::UTIME_OMIT },
+        Some(t) => {
+            let (sec, nsec) = match t.duration_since(std::time::UNIX_EPOCH) {
+                Ok(d) => (d.as_secs() as i64, d.subsec_nanos() as i64),
+                Err(e) => {
+                    // Before 1970: whole seconds down, then the nanoseconds up from there.
+                    let d = e.duration();
+                    let (s, n) = (d.as_secs() as i64, d.subsec_nanos() as i64);
+                    if n == 0 { (-s, 0) } else { (-s - 1, 1_000_000_000 - n) }
+                }
+            };
+            rustix::fs::Timespec { tv_sec: sec, tv_nsec: nsec }
+        }
     }
 }
 
@@ -122,10 +150,12 @@ impl Layer for Dir {
     fn setattr(&self, path: &str, set: &SetAttr) -> Result<()> {
         self.check_components(path)?;
         let p = self.host(path);
-        if let Some(mode) = set.mode {
-            // chmod(2) follows a final symbolic link (and Linux cannot chmod a link itself):
-            // pin the inode without following (O_PATH|O_NOFOLLOW), refuse a link, and chmod
-            // that very inode through /proc/self/fd — no window for a swapped-in link.
+        if set.changes_metadata() {
+            // chmod(2), chown(2) and utimensat(2) on a name follow a final symbolic link (and
+            // Linux cannot chmod a link itself): pin the inode without following
+            // (O_PATH|O_NOFOLLOW), refuse a link, and change that very inode through its
+            // descriptor — no window for a swapped-in link. O_PATH needs no permission on
+            // the file, so a mode-000 file's owner can still change it, as on the host.
             let pinned = std::fs::File::options()
                 .read(true)
                 .custom_flags(libc::O_PATH | libc::O_NOFOLLOW)
@@ -137,22 +167,23 @@ impl Layer for Dir {
             }
             use std::os::fd::AsRawFd;
             let via = PathBuf::from(format!("/proc/self/fd/{}", pinned.as_raw_fd()));
-            std::fs::set_permissions(&via, std::fs::Permissions::from_mode(mode)).map_err(|e| Error::io(path, e))?;
-        }
-        if set.mtime.is_some() || set.atime.is_some() {
-            let f = std::fs::File::options().write(false).read(true).custom_flags(libc::O_NOFOLLOW).open(&p);
-            let f = match f {
-                Ok(f) => f,
-                Err(e) => return Err(Error::io(path, e)),
-            };
-            let mut t = std::fs::FileTimes::new();
-            if let Some(m) = set.mtime {
-                t = t.set_modified(m);
+            if set.uid.is_some() || set.gid.is_some() {
+                // -1 means "leave it" to chown(2): the same as None.
+                let uid = set.uid.filter(|&u| u != u32::MAX).map(rustix::fs::Uid::from_raw);
+                let gid = set.gid.filter(|&g| g != u32::MAX).map(rustix::fs::Gid::from_raw);
+                rustix::fs::chownat(&pinned, "", uid, gid, rustix::fs::AtFlags::EMPTY_PATH)
+                    .map_err(|e| Error::io(path, e.into()))?;
             }
-            if let Some(a) = set.atime {
-                t = t.set_accessed(a);
+            if let Some(mode) = set.mode {
+                std::fs::set_permissions(&via, std::fs::Permissions::from_mode(mode))
+                    .map_err(|e| Error::io(path, e))?;
             }
-            f.set_times(t).map_err(|e| Error::io(path, e))?;
+            if set.mtime.is_some() || set.atime.is_some() {
+                let ts =
+                    rustix::fs::Timestamps { last_access: timespec(set.atime), last_modification: timespec(set.mtime) };
+                rustix::fs::utimensat(rustix::fs::CWD, &via, &ts, rustix::fs::AtFlags::empty())
+                    .map_err(|e| Error::io(path, e.into()))?;
+            }
         }
         if let Some(size) = set.size {
             // Only reached for files not open through the stack (the stack resizes open

@@ -49,9 +49,21 @@ struct Node {
     kind: Kind,
     ino: u64,
     mode: u32,
+    uid: u32,
+    gid: u32,
     mtime: SystemTime,
     atime: SystemTime,
+    ctime: SystemTime,
     data: Option<Arc<MemFile>>,
+}
+
+impl Node {
+    fn new(kind: Kind, ino: u64, mode: u32, data: Option<Arc<MemFile>>) -> Node {
+        let now = SystemTime::now();
+        // SAFETY: geteuid and getegid take no arguments and always succeed.
+        let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+        Node { kind, ino, mode, uid, gid, mtime: now, atime: now, ctime: now, data }
+    }
 }
 
 /// An in-memory tree.
@@ -70,8 +82,7 @@ impl Default for Mem {
 impl Mem {
     pub fn new() -> Mem {
         let mut nodes = BTreeMap::new();
-        let now = SystemTime::now();
-        nodes.insert(String::new(), Node { kind: Kind::Dir, ino: 1, mode: 0o755, mtime: now, atime: now, data: None });
+        nodes.insert(String::new(), Node::new(Kind::Dir, 1, 0o755, None));
         Mem { tree: NEXT_TREE.fetch_add(1, Relaxed), nodes: Mutex::new(nodes), next_ino: AtomicU64::new(2) }
     }
 
@@ -88,8 +99,7 @@ impl Mem {
         let ino = self.next_ino.fetch_add(1, Relaxed);
         let data = (kind == Kind::File)
             .then(|| Arc::new(MemFile { pager: ubc::pager::MemPager::new(), id: format!("{}:{ino}", self.tree) }));
-        let now = SystemTime::now();
-        n.insert(path.into(), Node { kind, ino, mode, mtime: now, atime: now, data });
+        n.insert(path.into(), Node::new(kind, ino, mode, data));
         Ok(())
     }
 }
@@ -109,13 +119,35 @@ impl Layer for Mem {
         let n = self.nodes.lock();
         let x = n.get(path).ok_or_else(|| Error::NotFound(path.into()))?;
         let size = x.data.as_ref().map_or(0, |d| ubc::Pager::len(&**d).unwrap_or(0));
-        Ok(Attr { kind: x.kind, ino: x.ino, mode: x.mode, size, mtime: x.mtime, atime: x.atime })
+        let nlink = match x.kind {
+            Kind::Dir => 2 + n.iter().filter(|(p, c)| c.kind == Kind::Dir && is_child(path, p)).count() as u32,
+            _ => 1,
+        };
+        Ok(Attr {
+            kind: x.kind,
+            ino: x.ino,
+            mode: x.mode,
+            size,
+            mtime: x.mtime,
+            atime: x.atime,
+            ctime: x.ctime,
+            uid: x.uid,
+            gid: x.gid,
+            nlink,
+            blocks: size.div_ceil(512),
+        })
     }
     fn setattr(&self, path: &str, set: &SetAttr) -> Result<()> {
         let mut n = self.nodes.lock();
         let x = n.get_mut(path).ok_or_else(|| Error::NotFound(path.into()))?;
         if let Some(m) = set.mode {
             x.mode = m & 0o7777;
+        }
+        if let Some(u) = set.uid {
+            x.uid = u;
+        }
+        if let Some(g) = set.gid {
+            x.gid = g;
         }
         if let Some(t) = set.mtime {
             x.mtime = t;
@@ -126,6 +158,7 @@ impl Layer for Mem {
         if let (Some(s), Some(d)) = (set.size, &x.data) {
             ubc::Pager::set_len(&**d, s).map_err(|e| Error::io(path, e))?;
         }
+        x.ctime = SystemTime::now();
         Ok(())
     }
     fn readdir(&self, path: &str) -> Result<Vec<DirEntry>> {

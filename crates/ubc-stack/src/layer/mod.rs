@@ -36,15 +36,27 @@ pub enum Kind {
 }
 
 /// File attributes. Grouped as the paper's cache manager groups them: `kind` and `ino`
-/// never change; `mode` sometimes; `size` and the times often.
+/// never change; `mode`, owner and links sometimes; `size` and the times often.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Attr {
     pub kind: Kind,
+    /// The store's number for the file, stable for its life (the host's inode number on
+    /// `dir`); unique within one store.
     pub ino: u64,
+    /// Permission bits with set-user-ID, set-group-ID and sticky (`0o7777`).
     pub mode: u32,
     pub size: u64,
     pub mtime: SystemTime,
     pub atime: SystemTime,
+    /// Last change of the data or of any attribute.
+    pub ctime: SystemTime,
+    pub uid: u32,
+    pub gid: u32,
+    /// Names of the file (for a directory: 2 plus its subdirectories, as on the host).
+    pub nlink: u32,
+    /// 512-byte blocks the store allocated for the file. Above a general layer these are the
+    /// stored (compressed, encrypted) bytes' blocks: what the file costs on the device.
+    pub blocks: u64,
 }
 
 /// Changes for [`Layer::setattr`]; `None` leaves a field alone.
@@ -52,8 +64,17 @@ pub struct Attr {
 pub struct SetAttr {
     pub size: Option<u64>,
     pub mode: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
     pub mtime: Option<SystemTime>,
     pub atime: Option<SystemTime>,
+}
+
+impl SetAttr {
+    /// Whether anything besides the size is to change.
+    pub fn changes_metadata(&self) -> bool {
+        self.mode.is_some() || self.uid.is_some() || self.gid.is_some() || self.mtime.is_some() || self.atime.is_some()
+    }
 }
 
 /// One directory entry.
@@ -150,7 +171,7 @@ pub const NAME_MAX: usize = 255;
 /// leading/trailing slashes ("" is the root).
 pub fn norm(path: &str) -> Result<String> {
     if path.len() > PATH_MAX {
-        return Err(Error::Invalid(format!("path of {} bytes: longer than {PATH_MAX}", path.len())));
+        return Err(Error::NameTooLong(format!("path of {} bytes: longer than {PATH_MAX}", path.len())));
     }
     let mut out = Vec::new();
     for c in path.split('/') {
@@ -159,7 +180,7 @@ pub fn norm(path: &str) -> Result<String> {
             ".." => return Err(Error::Invalid(format!("{path}: `..` is not allowed in stack paths"))),
             c if c.contains('\0') => return Err(Error::Invalid(format!("{path:?}: NUL in path"))),
             c if c.len() > NAME_MAX => {
-                return Err(Error::Invalid(format!("{path}: a name longer than {NAME_MAX} bytes")));
+                return Err(Error::NameTooLong(format!("{path}: a name longer than {NAME_MAX} bytes")));
             }
             c => out.push(c),
         }

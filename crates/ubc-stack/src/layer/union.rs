@@ -136,7 +136,18 @@ impl Union {
         }
         out.sync_all().map_err(|e| Error::io(path, e))?;
         drop(out);
-        self.upper.setattr(&tmp, &SetAttr { mode: Some(attr.mode), ..Default::default() })?;
+        self.upper.setattr(
+            &tmp,
+            &SetAttr { mode: Some(attr.mode), atime: Some(attr.atime), mtime: Some(attr.mtime), ..Default::default() },
+        )?;
+        // The owner too, where this process may give files away (root); a rootless union's
+        // copies belong to whoever runs it, as with overlayfs mounted by a user.
+        let owner = SetAttr { uid: Some(attr.uid), gid: Some(attr.gid), ..Default::default() };
+        match self.upper.setattr(&tmp, &owner) {
+            Ok(()) => {}
+            Err(Error::Io { source, .. }) if source.raw_os_error() == Some(libc::EPERM) => {}
+            Err(e) => return Err(e),
+        }
         self.upper.rename(&tmp, path)
     }
 }

@@ -4,7 +4,7 @@
 //! pass of the gate until it is in the cache, so that it fails with EROFS once the shutdown
 //! has begun and the shutdown's sync covers it otherwise.
 
-use super::attr::{self, Owner};
+use super::attr;
 use super::gate::Gate;
 use super::handles::{Handle, Handles};
 use super::inodes::Inodes;
@@ -25,7 +25,6 @@ pub(super) struct LayerFs {
     /// entries for `ttl`.
     kernel_cache: bool,
     ttl: Duration,
-    owner: Owner,
     /// The host directory under the bottom layer, if it is one: `statfs` reports its file
     /// system.
     statfs_dir: Option<PathBuf>,
@@ -42,6 +41,9 @@ fn errno(e: &ubc_stack::Error) -> Errno {
 
 /// The path of `name` in the directory `parent`; EINVAL for a name that is not one entry.
 fn join(parent: &str, name: &OsStr) -> Result<String> {
+    if name.len() > ubc_stack::layer::NAME_MAX {
+        return Err(Errno::ENAMETOOLONG);
+    }
     let name = name.to_str().ok_or(Errno::EINVAL)?;
     if name.is_empty() || name == "." || name == ".." || name.contains('/') {
         return Err(Errno::EINVAL);
@@ -70,7 +72,6 @@ impl LayerFs {
             layer,
             kernel_cache,
             ttl: if kernel_cache { Duration::from_secs(1) } else { Duration::ZERO },
-            owner: Owner::of_process(),
             statfs_dir,
             inodes: Mutex::new(Inodes::new()),
             handles,
@@ -88,15 +89,41 @@ impl LayerFs {
 
     /// Attributes of `path`, with its inode number.
     fn stat(&self, path: &str) -> Result<FileAttr> {
-        let a = self.layer.getattr(path).map_err(|e| errno(&e))?;
-        let ino = self.inodes.lock().unwrap().ino(path);
-        Ok(attr::file_attr(ino, &a, self.owner))
+        self.stat_attr(path).map(|(ino, a)| attr::file_attr(ino, &a))
     }
 
-    /// Attributes through an open handle (the name may be gone).
+    fn stat_attr(&self, path: &str) -> Result<(u64, ubc_stack::Attr)> {
+        let a = self.layer.getattr(path).map_err(|e| errno(&e))?;
+        let ino = self.inodes.lock().unwrap().ino(path);
+        Ok((ino, a))
+    }
+
+    /// Attributes through an open handle: by its name while it has one, else what the
+    /// handle last saw with the current size (the name may be gone).
     fn stat_handle(&self, ino: u64, h: &Handle) -> Result<FileAttr> {
+        if let Ok(p) = self.path(INodeNo(ino))
+            && let Ok((i, a)) = self.stat_attr(&p)
+        {
+            *h.last.lock().unwrap() = a.clone();
+            return Ok(attr::file_attr(i, &a));
+        }
         let size = h.file.len().map_err(|e| errno(&e))?;
-        Ok(attr::file_attr(ino, &attr::open_file_attr(ino, size), self.owner))
+        let last = h.last.lock().unwrap().clone();
+        Ok(attr::file_attr(ino, &attr::unlinked_file_attr(&last, size)))
+    }
+
+    /// A new file or directory belongs to the process that made it, as on the host: chown it
+    /// to the requester's user and group when they are not this daemon's. Needs the
+    /// privilege to give files away (a daemon run by root, as `allow_other` mounts are);
+    /// otherwise every file belongs to the daemon's user, as with any unprivileged mount.
+    fn give_to_requester(&self, req: &Request, path: &str) -> Result<()> {
+        // SAFETY: geteuid and getegid take no arguments and always succeed.
+        let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+        if (req.uid(), req.gid()) == (uid, gid) || uid != 0 {
+            return Ok(());
+        }
+        let set = SetAttr { uid: Some(req.uid()), gid: Some(req.gid()), ..Default::default() };
+        self.layer.setattr(path, &set).map_err(|e| errno(&e))
     }
 
     /// Sync through `h`, as `flush`, `release` and `fsync` do.
@@ -104,8 +131,8 @@ impl LayerFs {
         h.sync().map_err(|e| errno(&e))
     }
 
-    fn add_handle(&self, file: ubc_stack::File, append: bool, pid: u32) -> FileHandle {
-        FileHandle(self.handles.add(file, append, pid))
+    fn add_handle(&self, file: ubc_stack::File, append: bool, pid: u32, attr: ubc_stack::Attr) -> FileHandle {
+        FileHandle(self.handles.add(file, append, pid, attr))
     }
 
     fn open_flags(&self) -> FopenFlags {
@@ -153,12 +180,9 @@ impl Filesystem for LayerFs {
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
-        let r = match self.path(ino).and_then(|p| self.stat(&p)) {
-            Ok(a) => Ok(a),
-            Err(e) => match fh.map(|f| self.handle(f)) {
-                Some(Ok(h)) => self.stat_handle(ino.0, &h),
-                _ => Err(e),
-            },
+        let r = match fh.map(|f| self.handle(f)) {
+            Some(Ok(h)) => self.stat_handle(ino.0, &h),
+            _ => self.path(ino).and_then(|p| self.stat(&p)),
         };
         match r {
             Ok(a) => reply.attr(&self.ttl, &a),
@@ -171,8 +195,8 @@ impl Filesystem for LayerFs {
         _req: &Request,
         ino: INodeNo,
         mode: Option<u32>,
-        _uid: Option<u32>,
-        _gid: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
         size: Option<u64>,
         atime: Option<TimeOrNow>,
         mtime: Option<TimeOrNow>,
@@ -189,10 +213,12 @@ impl Filesystem for LayerFs {
             let path = self.path(ino);
             let h = fh.and_then(|f| self.handle(f).ok());
             let mut set = SetAttr {
-                size: None,
                 mode: mode.map(|m| m & 0o7777),
+                uid,
+                gid,
                 atime: atime.map(attr::time),
                 mtime: mtime.map(attr::time),
+                ..Default::default()
             };
             if let Some(s) = size {
                 match (&h, &path) {
@@ -207,7 +233,7 @@ impl Filesystem for LayerFs {
             }
             match &path {
                 Ok(p) => {
-                    if set.size.is_some() || set.mode.is_some() || set.atime.is_some() || set.mtime.is_some() {
+                    if set.size.is_some() || set.changes_metadata() {
                         self.layer.setattr(p, &set).map_err(|e| errno(&e))?;
                     }
                     match self.stat(p) {
@@ -224,15 +250,16 @@ impl Filesystem for LayerFs {
         }
     }
 
-    fn mkdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, reply: ReplyEntry) {
+    fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, reply: ReplyEntry) {
         let r = (|| {
             let _pass = self.gate.enter()?;
             let p = join(&self.path(parent)?, name)?;
             self.layer.mkdir(&p).map_err(|e| errno(&e))?;
             let m = mode & !umask & 0o7777;
             if m != 0o755 {
-                let _ = self.layer.setattr(&p, &SetAttr { mode: Some(m), ..Default::default() });
+                self.layer.setattr(&p, &SetAttr { mode: Some(m), ..Default::default() }).map_err(|e| errno(&e))?;
             }
+            self.give_to_requester(req, &p)?;
             self.stat(&p)
         })();
         match r {
@@ -285,8 +312,12 @@ impl Filesystem for LayerFs {
             let write = flags.0 & libc::O_ACCMODE != libc::O_RDONLY;
             let _pass = if write { Some(self.gate.enter()?) } else { None };
             let truncate = write && flags.0 & libc::O_TRUNC != 0;
-            let f = self.layer.open_with(&p, OpenOptions { write, create: false, truncate }).map_err(|e| errno(&e))?;
-            Ok(self.add_handle(f, flags.0 & libc::O_APPEND != 0, process_of(req.pid())))
+            let f = self
+                .layer
+                .open_with(&p, OpenOptions { write, truncate, ..Default::default() })
+                .map_err(|e| errno(&e))?;
+            let (_, a) = self.stat_attr(&p)?;
+            Ok(self.add_handle(f, flags.0 & libc::O_APPEND != 0, process_of(req.pid()), a))
         })();
         match r {
             Ok(fh) => reply.opened(fh, self.open_flags()),
@@ -307,18 +338,18 @@ impl Filesystem for LayerFs {
         let r = (|| {
             let _pass = self.gate.enter()?;
             let p = join(&self.path(parent)?, name)?;
-            if flags & libc::O_EXCL != 0 && self.layer.getattr(&p).is_ok() {
-                return Err(Errno::EEXIST);
-            }
-            let truncate = flags & libc::O_TRUNC != 0;
-            let f =
-                self.layer.open_with(&p, OpenOptions { write: true, create: true, truncate }).map_err(|e| errno(&e))?;
-            let m = mode & !umask & 0o7777;
-            if m != 0o644 {
-                let _ = self.layer.setattr(&p, &SetAttr { mode: Some(m), ..Default::default() });
-            }
-            let a = self.stat(&p)?;
-            Ok((a, self.add_handle(f, flags & libc::O_APPEND != 0, process_of(req.pid()))))
+            let opts = OpenOptions {
+                write: true,
+                create: true,
+                truncate: flags & libc::O_TRUNC != 0,
+                exclusive: flags & libc::O_EXCL != 0,
+                mode: Some(mode & !umask & 0o7777),
+            };
+            let f = self.layer.open_with(&p, opts).map_err(|e| errno(&e))?;
+            self.give_to_requester(req, &p)?;
+            let (ino, a) = self.stat_attr(&p)?;
+            let fh = self.add_handle(f, flags & libc::O_APPEND != 0, process_of(req.pid()), a.clone());
+            Ok((attr::file_attr(ino, &a), fh))
         })();
         match r {
             Ok((a, fh)) => reply.created(&self.ttl, &a, Generation(0), fh, self.open_flags()),

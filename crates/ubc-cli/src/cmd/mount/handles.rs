@@ -13,6 +13,9 @@ pub(super) struct Handle {
     pub(super) pid: u32,
     /// Written (or resized) through this handle since its last successful sync.
     written: AtomicBool,
+    /// The file's attributes when last seen by name: what `fstat` shows (with the current
+    /// size) once the name is gone.
+    pub(super) last: Mutex<ubc_stack::Attr>,
 }
 
 impl Handle {
@@ -51,9 +54,10 @@ impl Handles {
     }
 
     /// Enter an open of `file` by process `pid`; its handle number.
-    pub(super) fn add(&self, file: ubc_stack::File, append: bool, pid: u32) -> u64 {
+    pub(super) fn add(&self, file: ubc_stack::File, append: bool, pid: u32, attr: ubc_stack::Attr) -> u64 {
         let fh = self.next.fetch_add(1, Relaxed);
-        self.open.lock().unwrap().insert(fh, Arc::new(Handle { file, append, pid, written: AtomicBool::new(false) }));
+        let h = Handle { file, append, pid, written: AtomicBool::new(false), last: Mutex::new(attr) };
+        self.open.lock().unwrap().insert(fh, Arc::new(h));
         fh
     }
 
