@@ -296,6 +296,10 @@ pub(crate) struct Group<F = ubc::File> {
     /// Advisory byte-range locks, in domain-0 bytes.
     locks: Mutex<Vec<RangeLock>>,
     locks_cv: Condvar,
+    /// When the file's data last changed through the stack (the attribute group's often
+    /// changing part). POSIX moves `mtime` and `ctime` at the write; a store moves its own
+    /// only when the cache writes back, later. `None` after a time was set explicitly.
+    modified: Mutex<Option<std::time::SystemTime>>,
 }
 
 #[derive(Clone, Debug)]
@@ -372,7 +376,23 @@ impl<F: Actions> Group<F> {
             disabled,
             locks: Mutex::new(Vec::new()),
             locks_cv: Condvar::new(),
+            modified: Mutex::new(None),
         }
+    }
+
+    /// Note that the data changed now (a write or a resize through any domain).
+    pub(crate) fn note_modified(&self) {
+        *self.modified.lock() = Some(std::time::SystemTime::now());
+    }
+
+    /// When the data last changed through the stack, unless a time was set since.
+    pub(crate) fn modified(&self) -> Option<std::time::SystemTime> {
+        *self.modified.lock()
+    }
+
+    /// A modification time was set explicitly (`utimensat`): the store's is the truth now.
+    pub(crate) fn forget_modified(&self) {
+        *self.modified.lock() = None;
     }
 
     /// The domain at `index`, if opened.

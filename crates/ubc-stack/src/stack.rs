@@ -378,16 +378,27 @@ impl LayerRef {
         // truncates count, and a write through another layer is pushed down first); a
         // general layer's length exists only in the opened file.
         let named = self.inner().names[self.level].lock().get(&p).cloned();
-        match named.and_then(|(g, d)| Some((g.domain(d)?, g, d))) {
+        let group = match named.and_then(|(g, d)| Some((g.domain(d)?, g, d))) {
             Some((dom, g, d)) => {
                 self.inner().name_hits.fetch_add(1, Relaxed);
-                let _p = g.acquire(&dom, d, ALL, Mode::Read)?;
-                a.size = dom.file.len()?;
+                a.size = {
+                    let _p = g.acquire(&dom, d, ALL, Mode::Read)?;
+                    dom.file.len()?
+                };
+                Some(g)
             }
             None if self.layer().is_general() || self.level_is_above_general() => {
-                a.size = self.open_with(&p, OpenOptions::default())?.len()?;
+                let f = self.open_with(&p, OpenOptions::default())?;
+                a.size = f.len()?;
+                Some(f.group.clone())
             }
-            None => {}
+            None => None,
+        };
+        // Data written but not yet written back has moved the times already (POSIX), though
+        // the store's own clock moves only at writeback.
+        if let Some(m) = group.and_then(|g| g.modified()) {
+            a.mtime = a.mtime.max(m);
+            a.ctime = a.ctime.max(m);
         }
         Ok(a)
     }
@@ -406,6 +417,11 @@ impl LayerRef {
         let rest = SetAttr { size: None, ..set.clone() };
         if rest.changes_metadata() {
             self.layer().setattr(&p, &rest)?;
+        }
+        if rest.mtime.is_some()
+            && let Some((g, _)) = self.inner().names[self.level].lock().get(&p)
+        {
+            g.forget_modified();
         }
         // The name still names the same file: the name caches stay.
         Ok(())
@@ -568,7 +584,9 @@ impl File {
 
     pub fn write_at(&self, buf: &[u8], offset: u64) -> Result<usize> {
         let _p = self.group.acquire(&self.dom, self.domain, span(offset, buf.len())?, Mode::Write)?;
-        Ok(self.inner.write_at(buf, offset)?)
+        let r = self.inner.write_at(buf, offset);
+        self.group.note_modified();
+        Ok(r?)
     }
 
     /// Length as this layer sees it (data written through layers above included).
@@ -584,7 +602,9 @@ impl File {
     pub fn set_len(&self, len: u64) -> Result<()> {
         let cur = self.inner.len()?;
         let _p = self.group.acquire(&self.dom, self.domain, cur.min(len)..u64::MAX, Mode::Write)?;
-        Ok(self.inner.set_len(len)?)
+        let r = self.inner.set_len(len);
+        self.group.note_modified();
+        Ok(r?)
     }
 
     /// Data written through layers above this one is pushed down, then everything reaches

@@ -126,6 +126,32 @@ impl LayerFs {
         self.layer.setattr(path, &set).map_err(|e| errno(&e))
     }
 
+    /// After a write by `req` through `h`: a writer without `CAP_FSETID` (taken to be any
+    /// user but root) clears the set-user-ID bit, and the set-group-ID bit when group execute
+    /// is set, as the kernel does for its own file systems (FUSE leaves it to the daemon
+    /// when writes bypass the kernel's cache). Best effort: the write itself succeeded.
+    fn kill_setid(&self, req: &Request, ino: INodeNo, h: &Handle) {
+        let kills = |mode: u32| {
+            let mut k = mode & libc::S_ISUID;
+            if mode & libc::S_IXGRP != 0 {
+                k |= mode & libc::S_ISGID;
+            }
+            k
+        };
+        if req.uid() == 0 || kills(h.last.lock().unwrap().mode) == 0 {
+            return;
+        }
+        let Ok(p) = self.path(ino) else { return };
+        let Ok((_, a)) = self.stat_attr(&p) else { return };
+        let k = kills(a.mode);
+        if k != 0 {
+            let mode = a.mode & !k & 0o7777;
+            if self.layer.setattr(&p, &SetAttr { mode: Some(mode), ..Default::default() }).is_ok() {
+                h.last.lock().unwrap().mode = mode;
+            }
+        }
+    }
+
     /// Sync through `h`, as `flush`, `release` and `fsync` do.
     fn sync(h: &Handle) -> Result<()> {
         h.sync().map_err(|e| errno(&e))
@@ -390,8 +416,8 @@ impl Filesystem for LayerFs {
 
     fn write(
         &self,
-        _req: &Request,
-        _ino: INodeNo,
+        req: &Request,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         data: &[u8],
@@ -419,6 +445,9 @@ impl Filesystem for LayerFs {
                 }
             };
             h.mark_written();
+            if r.is_ok() {
+                self.kill_setid(req, ino, &h);
+            }
             r
         })();
         match r {
