@@ -52,6 +52,10 @@ fn kind_name(k: ubc_stack::Kind) -> &'static str {
         ubc_stack::Kind::File => "file",
         ubc_stack::Kind::Dir => "dir",
         ubc_stack::Kind::Symlink => "symlink",
+        ubc_stack::Kind::Fifo => "fifo",
+        ubc_stack::Kind::Socket => "socket",
+        ubc_stack::Kind::CharDevice => "chardev",
+        ubc_stack::Kind::BlockDevice => "blockdev",
     }
 }
 

@@ -30,6 +30,13 @@ pub enum Error {
     NotEmpty(String),
     #[error("{0}: read-only layer")]
     ReadOnly(String),
+    /// The layer cannot do this (a hard link in a memory tree, extended attributes through
+    /// an encryption layer, which would show them in the clear).
+    #[error("{0}: not supported by this layer")]
+    NotSupported(String),
+    /// A move the layer cannot make in one step (a union's lower directory): callers copy.
+    #[error("{0}: cannot be moved in one step")]
+    CrossDevice(String),
     /// A name longer than `NAME_MAX` or a path longer than `PATH_MAX`.
     #[error("{0}")]
     NameTooLong(String),
@@ -92,6 +99,8 @@ impl Error {
             Error::NotEmpty(_) => libc::ENOTEMPTY,
             Error::ReadOnly(_) => libc::EROFS,
             Error::NameTooLong(_) => libc::ENAMETOOLONG,
+            Error::NotSupported(_) => libc::EOPNOTSUPP,
+            Error::CrossDevice(_) => libc::EXDEV,
             Error::Invalid(_) | Error::Spec(_) => libc::EINVAL,
         }
     }

@@ -442,7 +442,9 @@ impl LayerRef {
     /// (in every domain) is dropped: a new file that reuses the inode starts clean.
     pub fn remove(&self, path: &str) -> Result<()> {
         let p = not_root(norm(path)?, "remove")?;
-        let doomed = self.inner().group_of(self.level, &p);
+        // Only a regular file has cached data; its last name is going if it has one link.
+        let last_name = self.layer().getattr(&p).is_ok_and(|a| a.kind == Kind::File && a.nlink <= 1);
+        let doomed = if last_name { self.inner().group_of(self.level, &p) } else { None };
         self.layer().remove(&p)?;
         self.inner().invalidate_names(&p);
         if let Some((g, id)) = doomed {
@@ -453,6 +455,60 @@ impl LayerRef {
             }
         }
         Ok(())
+    }
+
+    /// Make `path` a symbolic link to `target`.
+    pub fn symlink(&self, target: &str, path: &str) -> Result<()> {
+        let p = not_root(norm(path)?, "replace")?;
+        if target.is_empty() || target.len() > crate::layer::PATH_MAX || target.contains('\0') {
+            return Err(Error::Invalid(format!("{p}: a link target of {} bytes", target.len())));
+        }
+        self.layer().symlink(target, &p)?;
+        self.inner().invalidate_names(&p);
+        Ok(())
+    }
+
+    /// The target of the symbolic link `path`.
+    pub fn readlink(&self, path: &str) -> Result<String> {
+        self.layer().readlink(&norm(path)?)
+    }
+
+    /// Give the file `from` the second name `to`. A union's lower file is copied up first.
+    pub fn link(&self, from: &str, to: &str) -> Result<()> {
+        let (f, t) = (not_root(norm(from)?, "link")?, not_root(norm(to)?, "replace")?);
+        match self.layer().link(&f, &t) {
+            Err(Error::CrossDevice(_)) if self.layer().getattr(&f)?.kind == Kind::File => {
+                drop(self.open_with(&f, OpenOptions { write: true, ..Default::default() })?);
+                self.layer().link(&f, &t)?;
+            }
+            r => r?,
+        }
+        self.inner().invalidate_names(&t);
+        Ok(())
+    }
+
+    /// Make a special file: a FIFO, a socket's name or a device node.
+    pub fn mknod(&self, path: &str, kind: Kind, mode: u32, rdev: u64) -> Result<()> {
+        let p = not_root(norm(path)?, "replace")?;
+        self.layer().mknod(&p, kind, mode & 0o7777, rdev)?;
+        self.inner().invalidate_names(&p);
+        Ok(())
+    }
+
+    pub fn getxattr(&self, path: &str, name: &str) -> Result<Vec<u8>> {
+        self.layer().getxattr(&norm(path)?, name)
+    }
+
+    pub fn setxattr(&self, path: &str, name: &str, value: &[u8], flags: i32) -> Result<()> {
+        self.layer().setxattr(&norm(path)?, name, value, flags)
+    }
+
+    pub fn listxattr(&self, path: &str) -> Result<Vec<String>> {
+        self.layer().listxattr(&norm(path)?)
+    }
+
+    pub fn removexattr(&self, path: &str, name: &str) -> Result<()> {
+        self.layer().removexattr(&norm(path)?, name)
     }
 
     fn forget_group(&self, g: &Arc<Group>, id: Option<ubc::Identity>) {
@@ -521,8 +577,11 @@ impl LayerRef {
                 Err(e) => return Err(e),
             }
         }
-        if self.layer().getattr(&p)?.kind == Kind::Dir {
-            return Err(Error::IsDir(p));
+        match self.layer().getattr(&p)?.kind {
+            Kind::File => {}
+            Kind::Dir => return Err(Error::IsDir(p)),
+            // Opening a FIFO would wait for a writer; links are not followed.
+            k => return Err(Error::Invalid(format!("{p}: not a regular file ({k:?})"))),
         }
         let node = self.inner().open_node(self.level, &p, opts.write)?;
         let dom = node.group.domain(node.domain).expect("opened domain");

@@ -93,8 +93,8 @@ fn walk(layer: &LayerRef, src: &Loc, dst: &Loc, is_dir: bool, plan: &mut Vec<Ste
             .filter_map(|e| match e.kind {
                 Kind::Dir => Some((e.name, true)),
                 Kind::File => Some((e.name, false)),
-                Kind::Symlink => {
-                    eprintln!("ubc: {}: symbolic link not copied", src.join(&e.name).show());
+                k => {
+                    eprintln!("ubc: {}: {} not copied", src.join(&e.name).show(), crate::cmd::stat::kind_name(k));
                     None
                 }
             })

@@ -34,6 +34,10 @@ pub fn run(a: Args) -> Result<()> {
                 Kind::Dir => 'd',
                 Kind::File => '-',
                 Kind::Symlink => 'l',
+                Kind::Fifo => 'p',
+                Kind::Socket => 's',
+                Kind::CharDevice => 'c',
+                Kind::BlockDevice => 'b',
             };
             println!("{k} {:04o} {:>12} {name}", at.mode & 0o7777, at.size);
         } else {

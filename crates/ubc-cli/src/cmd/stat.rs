@@ -30,6 +30,10 @@ pub fn kind_name(k: Kind) -> &'static str {
         Kind::File => "file",
         Kind::Dir => "directory",
         Kind::Symlink => "symlink",
+        Kind::Fifo => "fifo",
+        Kind::Socket => "socket",
+        Kind::CharDevice => "character device",
+        Kind::BlockDevice => "block device",
     }
 }
 

@@ -87,19 +87,12 @@ impl Dir {
 }
 
 pub(crate) fn attr_of(md: &std::fs::Metadata) -> Attr {
-    let ft = md.file_type();
     let at = |sec: i64, nsec: i64| {
         let d = std::time::Duration::new(sec.unsigned_abs(), nsec.clamp(0, 999_999_999) as u32);
         if sec >= 0 { std::time::UNIX_EPOCH + d } else { std::time::UNIX_EPOCH - d }
     };
     Attr {
-        kind: if ft.is_dir() {
-            Kind::Dir
-        } else if ft.is_symlink() {
-            Kind::Symlink
-        } else {
-            Kind::File
-        },
+        kind: Kind::of_mode(md.mode()).unwrap_or(Kind::File),
         ino: md.ino(),
         mode: md.mode() & 0o7777,
         size: md.len(),
@@ -110,6 +103,8 @@ pub(crate) fn attr_of(md: &std::fs::Metadata) -> Attr {
         gid: md.gid(),
         nlink: md.nlink().min(u32::MAX as u64) as u32,
         blocks: md.blocks(),
+        rdev: md.rdev(),
+        dev: md.dev(),
     }
 }
 
@@ -162,7 +157,9 @@ impl Layer for Dir {
                 .open(&p)
                 .map_err(|e| Error::io(path, e))?;
             let md = pinned.metadata().map_err(|e| Error::io(path, e))?;
-            if md.file_type().is_symlink() {
+            // A link's owner is its own (lchown); its mode and times are not changed here.
+            let only_owner = set.mode.is_none() && set.mtime.is_none() && set.atime.is_none();
+            if md.file_type().is_symlink() && !only_owner {
                 return Err(Error::Invalid(format!("{path}: is a symbolic link (not followed)")));
             }
             use std::os::fd::AsRawFd;
@@ -204,14 +201,23 @@ impl Layer for Dir {
         for e in std::fs::read_dir(self.host(path)).map_err(|e| Error::io(path, e))? {
             let e = e.map_err(|e| Error::io(path, e))?;
             let ft = e.file_type().map_err(|e| Error::io(path, e))?;
+            use std::os::unix::fs::{DirEntryExt, FileTypeExt};
             let kind = if ft.is_dir() {
                 Kind::Dir
             } else if ft.is_symlink() {
                 Kind::Symlink
+            } else if ft.is_fifo() {
+                Kind::Fifo
+            } else if ft.is_socket() {
+                Kind::Socket
+            } else if ft.is_char_device() {
+                Kind::CharDevice
+            } else if ft.is_block_device() {
+                Kind::BlockDevice
             } else {
                 Kind::File
             };
-            out.push(DirEntry { name: e.file_name().to_string_lossy().into_owned(), kind });
+            out.push(DirEntry { name: e.file_name().to_string_lossy().into_owned(), kind, ino: e.ino() });
         }
         out.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(out)
@@ -241,6 +247,88 @@ impl Layer for Dir {
         self.check_components(from)?;
         self.check_components(to)?;
         std::fs::rename(self.host(from), self.host(to)).map_err(|e| Error::io(from, e))
+    }
+
+    fn symlink(&self, target: &str, path: &str) -> Result<()> {
+        self.check_components(path)?;
+        std::os::unix::fs::symlink(target, self.host(path)).map_err(|e| Error::io(path, e))
+    }
+
+    fn readlink(&self, path: &str) -> Result<String> {
+        self.check_components(path)?;
+        let t = std::fs::read_link(self.host(path)).map_err(|e| match e.raw_os_error() {
+            Some(libc::EINVAL) => Error::Invalid(format!("{path}: not a symbolic link")),
+            _ => Error::io(path, e),
+        })?;
+        t.into_os_string().into_string().map_err(|_| Error::Invalid(format!("{path}: link target is not UTF-8")))
+    }
+
+    fn link(&self, from: &str, to: &str) -> Result<()> {
+        self.check_components(from)?;
+        self.check_components(to)?;
+        // linkat(2) without AT_SYMLINK_FOLLOW: a final link is linked, not followed.
+        std::fs::hard_link(self.host(from), self.host(to)).map_err(|e| Error::io(to, e))
+    }
+
+    fn mknod(&self, path: &str, kind: Kind, mode: u32, rdev: u64) -> Result<()> {
+        self.check_components(path)?;
+        let ft = match kind {
+            Kind::Fifo => rustix::fs::FileType::Fifo,
+            Kind::Socket => rustix::fs::FileType::Socket,
+            Kind::CharDevice => rustix::fs::FileType::CharacterDevice,
+            Kind::BlockDevice => rustix::fs::FileType::BlockDevice,
+            _ => return Err(Error::Invalid(format!("{path}: mknod makes special files only"))),
+        };
+        rustix::fs::mknodat(rustix::fs::CWD, self.host(path), ft, rustix::fs::Mode::from_bits_truncate(mode), rdev)
+            .map_err(|e| Error::io(path, e.into()))
+    }
+
+    fn getxattr(&self, path: &str, name: &str) -> Result<Vec<u8>> {
+        self.check_components(path)?;
+        let p = self.host(path);
+        // The value may grow between the size query and the read (ERANGE): ask again.
+        loop {
+            let n = rustix::fs::lgetxattr_query(&p, name).map_err(|e| Error::io(path, e.into()))?;
+            let mut buf = vec![0u8; n];
+            match rustix::fs::lgetxattr(&p, name, &mut buf[..]) {
+                Ok(got) => {
+                    buf.truncate(got);
+                    return Ok(buf);
+                }
+                Err(rustix::io::Errno::RANGE) => continue,
+                Err(e) => return Err(Error::io(path, e.into())),
+            }
+        }
+    }
+
+    fn setxattr(&self, path: &str, name: &str, value: &[u8], flags: i32) -> Result<()> {
+        self.check_components(path)?;
+        let f = rustix::fs::XattrFlags::from_bits_retain(flags as u32);
+        rustix::fs::lsetxattr(self.host(path), name, value, f).map_err(|e| Error::io(path, e.into()))
+    }
+
+    fn listxattr(&self, path: &str) -> Result<Vec<String>> {
+        self.check_components(path)?;
+        let p = self.host(path);
+        let (buf, n) = loop {
+            let n = rustix::fs::llistxattr_query(&p).map_err(|e| Error::io(path, e.into()))?;
+            let mut buf = vec![0u8; n];
+            match rustix::fs::llistxattr(&p, &mut buf[..]) {
+                Ok(got) => break (buf, got),
+                Err(rustix::io::Errno::RANGE) => continue,
+                Err(e) => return Err(Error::io(path, e.into())),
+            }
+        };
+        Ok(buf[..n]
+            .split(|&b| b == 0)
+            .filter(|x| !x.is_empty())
+            .map(|x| String::from_utf8_lossy(x).into_owned())
+            .collect())
+    }
+
+    fn removexattr(&self, path: &str, name: &str) -> Result<()> {
+        self.check_components(path)?;
+        rustix::fs::lremovexattr(self.host(path), name).map_err(|e| Error::io(path, e.into()))
     }
 
     fn open(&self, path: &str, access: ubc::Access, _below: &dyn Below) -> Result<Opened> {

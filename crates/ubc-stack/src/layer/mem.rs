@@ -55,6 +55,9 @@ struct Node {
     atime: SystemTime,
     ctime: SystemTime,
     data: Option<Arc<MemFile>>,
+    /// A symbolic link's target.
+    target: Option<String>,
+    rdev: u64,
 }
 
 impl Node {
@@ -62,7 +65,7 @@ impl Node {
         let now = SystemTime::now();
         // SAFETY: geteuid and getegid take no arguments and always succeed.
         let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
-        Node { kind, ino, mode, uid, gid, mtime: now, atime: now, ctime: now, data }
+        Node { kind, ino, mode, uid, gid, mtime: now, atime: now, ctime: now, data, target: None, rdev: 0 }
     }
 }
 
@@ -135,6 +138,8 @@ impl Layer for Mem {
             gid: x.gid,
             nlink,
             blocks: size.div_ceil(512),
+            rdev: x.rdev,
+            dev: self.tree,
         })
     }
     fn setattr(&self, path: &str, set: &SetAttr) -> Result<()> {
@@ -170,11 +175,46 @@ impl Layer for Mem {
         }
         Ok(n.iter()
             .filter(|(p, _)| is_child(path, p))
-            .map(|(p, x)| DirEntry { name: p.rsplit('/').next().unwrap_or(p).to_string(), kind: x.kind })
+            .map(|(p, x)| DirEntry { name: p.rsplit('/').next().unwrap_or(p).to_string(), kind: x.kind, ino: x.ino })
             .collect())
     }
     fn create(&self, path: &str, mode: u32) -> Result<()> {
         self.add(path, Kind::File, mode)
+    }
+    fn symlink(&self, target: &str, path: &str) -> Result<()> {
+        self.add(path, Kind::Symlink, 0o777)?;
+        let mut n = self.nodes.lock();
+        let x = n.get_mut(path).expect("just added");
+        x.target = Some(target.to_string());
+        Ok(())
+    }
+    fn readlink(&self, path: &str) -> Result<String> {
+        let n = self.nodes.lock();
+        let x = n.get(path).ok_or_else(|| Error::NotFound(path.into()))?;
+        x.target.clone().ok_or_else(|| Error::Invalid(format!("{path}: not a symbolic link")))
+    }
+    fn link(&self, _from: &str, to: &str) -> Result<()> {
+        Err(Error::NotSupported(format!("{to}: hard links in a memory tree")))
+    }
+    fn mknod(&self, path: &str, kind: Kind, mode: u32, rdev: u64) -> Result<()> {
+        if matches!(kind, Kind::File | Kind::Dir | Kind::Symlink) {
+            return Err(Error::Invalid(format!("{path}: mknod makes special files only")));
+        }
+        self.add(path, kind, mode)?;
+        self.nodes.lock().get_mut(path).expect("just added").rdev = rdev;
+        Ok(())
+    }
+    fn getxattr(&self, path: &str, _name: &str) -> Result<Vec<u8>> {
+        Err(Error::NotSupported(format!("{path}: extended attributes in a memory tree")))
+    }
+    fn setxattr(&self, path: &str, _name: &str, _value: &[u8], _flags: i32) -> Result<()> {
+        Err(Error::NotSupported(format!("{path}: extended attributes in a memory tree")))
+    }
+    fn listxattr(&self, path: &str) -> Result<Vec<String>> {
+        Err(Error::NotSupported(format!("{path}: extended attributes in a memory tree")))
+    }
+    fn removexattr(&self, path: &str, _name: &str) -> Result<()> {
+        Err(Error::NotSupported(format!("{path}: extended attributes in a memory tree")))
     }
     fn mkdir(&self, path: &str, mode: u32) -> Result<()> {
         self.add(path, Kind::Dir, mode)

@@ -33,6 +33,41 @@ pub enum Kind {
     File,
     Dir,
     Symlink,
+    /// A named pipe: the kernel serves its opens, the store keeps only the name.
+    Fifo,
+    /// A socket's name (`bind(2)` on a path).
+    Socket,
+    CharDevice,
+    BlockDevice,
+}
+
+impl Kind {
+    /// The `S_IFMT` bits of this kind.
+    pub fn mode_bits(self) -> u32 {
+        match self {
+            Kind::File => libc::S_IFREG,
+            Kind::Dir => libc::S_IFDIR,
+            Kind::Symlink => libc::S_IFLNK,
+            Kind::Fifo => libc::S_IFIFO,
+            Kind::Socket => libc::S_IFSOCK,
+            Kind::CharDevice => libc::S_IFCHR,
+            Kind::BlockDevice => libc::S_IFBLK,
+        }
+    }
+
+    /// The kind named by the `S_IFMT` bits of `mode`, if any.
+    pub fn of_mode(mode: u32) -> Option<Kind> {
+        Some(match mode & libc::S_IFMT {
+            libc::S_IFREG => Kind::File,
+            libc::S_IFDIR => Kind::Dir,
+            libc::S_IFLNK => Kind::Symlink,
+            libc::S_IFIFO => Kind::Fifo,
+            libc::S_IFSOCK => Kind::Socket,
+            libc::S_IFCHR => Kind::CharDevice,
+            libc::S_IFBLK => Kind::BlockDevice,
+            _ => return None,
+        })
+    }
 }
 
 /// File attributes. Grouped as the paper's cache manager groups them: `kind` and `ino`
@@ -57,6 +92,11 @@ pub struct Attr {
     /// 512-byte blocks the store allocated for the file. Above a general layer these are the
     /// stored (compressed, encrypted) bytes' blocks: what the file costs on the device.
     pub blocks: u64,
+    /// The device a device node stands for (0 for other kinds).
+    pub rdev: u64,
+    /// Which store `ino` is unique in (the host's device number on `dir`): a union shows
+    /// files of two stores, whose inode numbers may collide.
+    pub dev: u64,
 }
 
 /// Changes for [`Layer::setattr`]; `None` leaves a field alone.
@@ -82,6 +122,8 @@ impl SetAttr {
 pub struct DirEntry {
     pub name: String,
     pub kind: Kind,
+    /// The entry's [`Attr::ino`].
+    pub ino: u64,
 }
 
 /// What a layer gives for an open file.
@@ -142,6 +184,37 @@ pub trait Layer: Send + Sync {
     }
     fn rename(&self, from: &str, to: &str) -> Result<()> {
         self.below()?.rename(from, to)
+    }
+    /// Make `path` a symbolic link to `target` (kept as given; never followed by a layer).
+    fn symlink(&self, target: &str, path: &str) -> Result<()> {
+        self.below()?.symlink(target, path)
+    }
+    /// The target of the symbolic link `path`.
+    fn readlink(&self, path: &str) -> Result<String> {
+        self.below()?.readlink(path)
+    }
+    /// Give the file `from` a second name `to` (a hard link: one file, its data shared).
+    fn link(&self, from: &str, to: &str) -> Result<()> {
+        self.below()?.link(from, to)
+    }
+    /// Make a special file (`Fifo`, `Socket`, `CharDevice`, `BlockDevice`) at `path`.
+    fn mknod(&self, path: &str, kind: Kind, mode: u32, rdev: u64) -> Result<()> {
+        self.below()?.mknod(path, kind, mode, rdev)
+    }
+    /// The value of extended attribute `name` of `path`.
+    fn getxattr(&self, path: &str, name: &str) -> Result<Vec<u8>> {
+        self.below()?.getxattr(path, name)
+    }
+    /// Set extended attribute `name` (`flags`: `XATTR_CREATE`/`XATTR_REPLACE` as setxattr(2)).
+    fn setxattr(&self, path: &str, name: &str, value: &[u8], flags: i32) -> Result<()> {
+        self.below()?.setxattr(path, name, value, flags)
+    }
+    /// The names of `path`'s extended attributes.
+    fn listxattr(&self, path: &str) -> Result<Vec<String>> {
+        self.below()?.listxattr(path)
+    }
+    fn removexattr(&self, path: &str, name: &str) -> Result<()> {
+        self.below()?.removexattr(path, name)
     }
 
     /// Open the data of regular file `path`. => the file exists (the stack checked).

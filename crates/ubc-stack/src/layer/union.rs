@@ -211,6 +211,75 @@ impl Layer for Union {
         self.clear_whiteout(path)?;
         self.upper.create(path, mode)
     }
+    fn symlink(&self, target: &str, path: &str) -> Result<()> {
+        if self.getattr(path).is_ok() {
+            return Err(Error::Exists(path.into()));
+        }
+        self.upper_parents(path)?;
+        self.clear_whiteout(path)?;
+        self.upper.symlink(target, path)
+    }
+    fn mknod(&self, path: &str, kind: Kind, mode: u32, rdev: u64) -> Result<()> {
+        if self.getattr(path).is_ok() {
+            return Err(Error::Exists(path.into()));
+        }
+        self.upper_parents(path)?;
+        self.clear_whiteout(path)?;
+        self.upper.mknod(path, kind, mode, rdev)
+    }
+    fn readlink(&self, path: &str) -> Result<String> {
+        if self.in_upper(path).is_some() {
+            return self.upper.readlink(path);
+        }
+        if self.in_lower(path).is_none() {
+            return Err(Error::NotFound(path.into()));
+        }
+        self.lower.readlink(path)
+    }
+    /// Links are made in the upper directory: a lower file is copied up first (the stack
+    /// does this, as for a rename), so both names reach the one upper copy.
+    fn link(&self, from: &str, to: &str) -> Result<()> {
+        if self.getattr(to).is_ok() {
+            return Err(Error::Exists(to.into()));
+        }
+        if self.in_upper(from).is_none() {
+            self.getattr(from)?;
+            return Err(Error::CrossDevice(format!("{from}: a lower file must be copied up before a link")));
+        }
+        self.upper_parents(to)?;
+        self.clear_whiteout(to)?;
+        self.upper.link(from, to)
+    }
+    fn getxattr(&self, path: &str, name: &str) -> Result<Vec<u8>> {
+        if self.in_upper(path).is_some() {
+            return self.upper.getxattr(path, name);
+        }
+        if self.in_lower(path).is_none() {
+            return Err(Error::NotFound(path.into()));
+        }
+        self.lower.getxattr(path, name)
+    }
+    fn listxattr(&self, path: &str) -> Result<Vec<String>> {
+        if self.in_upper(path).is_some() {
+            return self.upper.listxattr(path);
+        }
+        if self.in_lower(path).is_none() {
+            return Err(Error::NotFound(path.into()));
+        }
+        self.lower.listxattr(path)
+    }
+    fn setxattr(&self, path: &str, name: &str, value: &[u8], flags: i32) -> Result<()> {
+        if self.in_upper(path).is_none() {
+            return Err(Error::ReadOnly(format!("{path} (copy it up by opening it for writing first)")));
+        }
+        self.upper.setxattr(path, name, value, flags)
+    }
+    fn removexattr(&self, path: &str, name: &str) -> Result<()> {
+        if self.in_upper(path).is_none() {
+            return Err(Error::ReadOnly(format!("{path} (copy it up by opening it for writing first)")));
+        }
+        self.upper.removexattr(path, name)
+    }
     fn mkdir(&self, path: &str, mode: u32) -> Result<()> {
         if self.getattr(path).is_ok() {
             return Err(Error::Exists(path.into()));
@@ -259,14 +328,14 @@ impl Layer for Union {
         let a = self.getattr(from)?;
         if self.in_upper(from).is_none() {
             if a.kind != Kind::File {
-                return Err(Error::Invalid(format!("{from}: renaming a lower directory is not supported (EXDEV)")));
+                return Err(Error::CrossDevice(format!("{from}: renaming a lower directory")));
             }
             return Err(Error::Invalid(format!(
                 "{from}: a lower file must be copied up before a rename (the stack does this)"
             )));
         }
         if a.kind == Kind::Dir && self.in_lower(from).is_some() {
-            return Err(Error::Invalid(format!("{from}: renaming a merged directory is not supported (EXDEV)")));
+            return Err(Error::CrossDevice(format!("{from}: renaming a merged directory")));
         }
         self.upper_parents(to)?;
         self.clear_whiteout(to)?;

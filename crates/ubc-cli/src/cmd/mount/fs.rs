@@ -11,10 +11,10 @@ use super::inodes::Inodes;
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags, KernelConfig,
     LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry,
-    ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow, WriteFlags,
+    ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 use std::ffi::OsStr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 use ubc_stack::{LayerRef, OpenOptions, SetAttr};
@@ -87,14 +87,46 @@ impl LayerFs {
         self.handles.get(fh.0).ok_or(Errno::EBADF)
     }
 
-    /// Attributes of `path`, with its inode number.
+    /// Attributes of `path`, with its node id.
     fn stat(&self, path: &str) -> Result<FileAttr> {
         self.stat_attr(path).map(|(ino, a)| attr::file_attr(ino, &a))
     }
 
+    /// The errno of a failed `getattr` of `path`; a name found missing (removed or renamed
+    /// through another mount of the stack) is forgotten.
+    fn gone(&self, path: &str, e: ubc_stack::Error) -> Errno {
+        let n = errno(&e);
+        if n == Errno::ENOENT {
+            self.inodes.lock().unwrap().remove(path);
+        }
+        n
+    }
+
+    /// Attributes of node `ino` by any of its names, the newest first (names found missing
+    /// on the way are forgotten).
+    fn stat_node(&self, ino: INodeNo) -> Result<FileAttr> {
+        let paths = self.inodes.lock().unwrap().paths(ino.0);
+        let mut last = Errno::ENOENT;
+        for p in paths {
+            match self.stat(&p) {
+                Err(e) if e == Errno::ENOENT => last = e,
+                r => return r,
+            }
+        }
+        Err(last)
+    }
+
+    /// Attributes of `path` for an entry reply (lookup, create, mkdir, …): the kernel then
+    /// holds one more reference to the node, until it sends FORGET.
+    fn entry(&self, path: &str) -> Result<FileAttr> {
+        let a = self.layer.getattr(path).map_err(|e| self.gone(path, e))?;
+        let ino = self.inodes.lock().unwrap().node(path, (a.dev, a.ino), true);
+        Ok(attr::file_attr(ino, &a))
+    }
+
     fn stat_attr(&self, path: &str) -> Result<(u64, ubc_stack::Attr)> {
-        let a = self.layer.getattr(path).map_err(|e| errno(&e))?;
-        let ino = self.inodes.lock().unwrap().ino(path);
+        let a = self.layer.getattr(path).map_err(|e| self.gone(path, e))?;
+        let ino = self.inodes.lock().unwrap().node(path, (a.dev, a.ino), false);
         Ok((ino, a))
     }
 
@@ -198,7 +230,7 @@ impl Filesystem for LayerFs {
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        let r = self.path(parent).and_then(|p| join(&p, name)).and_then(|p| self.stat(&p));
+        let r = self.path(parent).and_then(|p| join(&p, name)).and_then(|p| self.entry(&p));
         match r {
             Ok(a) => reply.entry(&self.ttl, &a, Generation(0)),
             Err(e) => reply.error(e),
@@ -208,7 +240,7 @@ impl Filesystem for LayerFs {
     fn getattr(&self, _req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
         let r = match fh.map(|f| self.handle(f)) {
             Some(Ok(h)) => self.stat_handle(ino.0, &h),
-            _ => self.path(ino).and_then(|p| self.stat(&p)),
+            _ => self.stat_node(ino),
         };
         match r {
             Ok(a) => reply.attr(&self.ttl, &a),
@@ -286,7 +318,7 @@ impl Filesystem for LayerFs {
                 self.layer.setattr(&p, &SetAttr { mode: Some(m), ..Default::default() }).map_err(|e| errno(&e))?;
             }
             self.give_to_requester(req, &p)?;
-            self.stat(&p)
+            self.entry(&p)
         })();
         match r {
             Ok(a) => reply.entry(&self.ttl, &a, Generation(0)),
@@ -300,6 +332,135 @@ impl Filesystem for LayerFs {
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         self.remove(parent, name, reply, |p| self.layer.rmdir(p))
+    }
+
+    fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
+        self.inodes.lock().unwrap().forget(ino.0, nlookup);
+    }
+
+    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        match self.path(ino).and_then(|p| self.layer.readlink(&p).map_err(|e| errno(&e))) {
+            Ok(t) => reply.data(t.as_bytes()),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn symlink(&self, req: &Request, parent: INodeNo, link_name: &OsStr, target: &Path, reply: ReplyEntry) {
+        let r = (|| {
+            let _pass = self.gate.enter()?;
+            let p = join(&self.path(parent)?, link_name)?;
+            let t = target.to_str().ok_or(Errno::EINVAL)?;
+            self.layer.symlink(t, &p).map_err(|e| errno(&e))?;
+            self.give_to_requester(req, &p)?;
+            self.entry(&p)
+        })();
+        match r {
+            Ok(a) => reply.entry(&self.ttl, &a, Generation(0)),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn link(&self, _req: &Request, ino: INodeNo, newparent: INodeNo, newname: &OsStr, reply: ReplyEntry) {
+        let r = (|| {
+            let _pass = self.gate.enter()?;
+            let from = self.path(ino)?;
+            let to = join(&self.path(newparent)?, newname)?;
+            self.layer.link(&from, &to).map_err(|e| match e {
+                // link(2) on a file system that cannot: EPERM.
+                ubc_stack::Error::NotSupported(_) => Errno::EPERM,
+                e => errno(&e),
+            })?;
+            self.entry(&to)
+        })();
+        match r {
+            Ok(a) => reply.entry(&self.ttl, &a, Generation(0)),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn mknod(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, rdev: u32, reply: ReplyEntry) {
+        let r = (|| {
+            let _pass = self.gate.enter()?;
+            let p = join(&self.path(parent)?, name)?;
+            let kind = ubc_stack::Kind::of_mode(mode).ok_or(Errno::EINVAL)?;
+            let perm = mode & !umask & 0o7777;
+            if kind == ubc_stack::Kind::File {
+                // mknod(S_IFREG) makes an empty regular file.
+                let opts =
+                    OpenOptions { write: true, create: true, exclusive: true, mode: Some(perm), ..Default::default() };
+                drop(self.layer.open_with(&p, opts).map_err(|e| errno(&e))?);
+            } else {
+                self.layer.mknod(&p, kind, perm, rdev as u64).map_err(|e| errno(&e))?;
+            }
+            self.give_to_requester(req, &p)?;
+            self.entry(&p)
+        })();
+        match r {
+            Ok(a) => reply.entry(&self.ttl, &a, Generation(0)),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn setxattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        name: &OsStr,
+        value: &[u8],
+        flags: i32,
+        _position: u32,
+        reply: ReplyEmpty,
+    ) {
+        let r = (|| {
+            let _pass = self.gate.enter()?;
+            let p = self.path(ino)?;
+            let n = name.to_str().ok_or(Errno::EINVAL)?;
+            self.layer.setxattr(&p, n, value, flags).map_err(|e| errno(&e))
+        })();
+        match r {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        let r = (|| {
+            let p = self.path(ino)?;
+            let n = name.to_str().ok_or(Errno::ENODATA)?;
+            self.layer.getxattr(&p, n).map_err(|e| errno(&e))
+        })();
+        match r {
+            Ok(v) => xattr_reply(reply, &v, size),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        let r = self.path(ino).and_then(|p| self.layer.listxattr(&p).map_err(|e| errno(&e)));
+        match r {
+            Ok(names) => {
+                let mut v = Vec::new();
+                for n in names {
+                    v.extend_from_slice(n.as_bytes());
+                    v.push(0);
+                }
+                xattr_reply(reply, &v, size)
+            }
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let r = (|| {
+            let _pass = self.gate.enter()?;
+            let p = self.path(ino)?;
+            let n = name.to_str().ok_or(Errno::ENODATA)?;
+            self.layer.removexattr(&p, n).map_err(|e| errno(&e))
+        })();
+        match r {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
     }
 
     fn rename(
@@ -373,7 +534,8 @@ impl Filesystem for LayerFs {
             };
             let f = self.layer.open_with(&p, opts).map_err(|e| errno(&e))?;
             self.give_to_requester(req, &p)?;
-            let (ino, a) = self.stat_attr(&p)?;
+            let a = self.layer.getattr(&p).map_err(|e| errno(&e))?;
+            let ino = self.inodes.lock().unwrap().node(&p, (a.dev, a.ino), true);
             let fh = self.add_handle(f, flags & libc::O_APPEND != 0, process_of(req.pid()), a.clone());
             Ok((attr::file_attr(ino, &a), fh))
         })();
@@ -498,10 +660,12 @@ impl Filesystem for LayerFs {
             let entries = self.layer.readdir(&p).map_err(|e| errno(&e))?;
             let mut all =
                 vec![(ino.0, FileType::Directory, ".".to_string()), (1, FileType::Directory, "..".to_string())];
-            let mut inodes = self.inodes.lock().unwrap();
+            let inodes = self.inodes.lock().unwrap();
             for e in entries {
+                // The node id where the name is known, else the store's number (the d_ino a
+                // later lookup will show, unless that number is taken).
                 let child = if p.is_empty() { e.name.clone() } else { format!("{p}/{}", e.name) };
-                all.push((inodes.ino(&child), attr::file_type(e.kind), e.name));
+                all.push((inodes.known(&child).unwrap_or(e.ino), attr::file_type(e.kind), e.name));
             }
             Ok(all)
         })();
@@ -539,6 +703,18 @@ impl Filesystem for LayerFs {
         }
         // Not over a host directory: a nominal, empty-looking 1 TiB.
         reply.statfs(1 << 28, 1 << 28, 1 << 28, 1 << 20, 1 << 20, 4096, 255, 4096)
+    }
+}
+
+/// An extended attribute's value (or name list) `v` for a caller with a `size`-byte buffer:
+/// the size alone when asked with 0, ERANGE when it does not fit.
+fn xattr_reply(reply: ReplyXattr, v: &[u8], size: u32) {
+    if size == 0 {
+        reply.size(v.len() as u32)
+    } else if v.len() > size as usize {
+        reply.error(Errno::ERANGE)
+    } else {
+        reply.data(v)
     }
 }
 
