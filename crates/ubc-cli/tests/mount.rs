@@ -291,6 +291,43 @@ fn two_mounts_of_one_stack_with_ordinary_tools() {
     assert!(!contains(&host_raw, b"hello through fuse"));
 }
 
+/// `python3 -c CODE ARGS…` exits 0.
+fn python_ok(code: &str, args: &[&Path]) -> bool {
+    Command::new("python3").arg("-c").arg(code).args(args).status().unwrap().success()
+}
+
+#[test]
+fn a_record_lock_through_one_mount_holds_against_another_process_through_another_mount() {
+    if !fuse_available() {
+        return;
+    }
+    let (_t, _, clear, stored, mut d) = clear_and_stored(&[]);
+    std::fs::write(clear.join("locked"), sample(100_000)).unwrap();
+    // Through the clear-text mount: an exclusive lock on bytes 0..10 of the clear text.
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(clear.join("locked")).unwrap();
+    // SAFETY: flock is a C struct of integers: all zeroes is a valid value.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = libc::F_WRLCK as i16;
+    fl.l_whence = libc::SEEK_SET as i16;
+    fl.l_start = 0;
+    fl.l_len = 10;
+    use std::os::fd::AsRawFd;
+    // SAFETY: F_SETLK reads the flock struct we pass, which lives across the call.
+    assert_eq!(unsafe { libc::fcntl(f.as_raw_fd(), libc::F_SETLK, &fl) }, 0, "{}", std::io::Error::last_os_error());
+    let try_lock = "import fcntl, os, sys\nfd = os.open(sys.argv[1], os.O_RDWR)\n\
+                    try:\n    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 10, 0)\nexcept OSError:\n    sys.exit(1)";
+    // Another process: refused through the same mount and through the mount of the stored
+    // bytes (the lock covers the first block there), granted on a part nobody holds.
+    assert!(!python_ok(try_lock, &[&clear.join("locked")]), "the lock did not hold on the same mount");
+    assert!(!python_ok(try_lock, &[&stored.join("locked")]), "the lock did not hold across mounts");
+    let far = "import fcntl, os, sys\nfd = os.open(sys.argv[1], os.O_RDWR)\nfcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 10, 90000)";
+    assert!(python_ok(far, &[&clear.join("locked")]), "a lock far away was refused");
+    // Closing the descriptor drops the process's locks (POSIX), on every mount.
+    drop(f);
+    assert!(python_ok(try_lock, &[&stored.join("locked")]), "the lock outlived its descriptor");
+    d.unmount();
+}
+
 #[test]
 fn sigterm_unmounts_and_exits_zero() {
     if !fuse_available() {

@@ -302,11 +302,67 @@ pub(crate) struct Group<F = ubc::File> {
     modified: Mutex<Option<std::time::SystemTime>>,
 }
 
+/// One owner's lock on bytes `range` of `domain`, as POSIX record locks keep them: an
+/// owner's later lock or unlock over part of it replaces or splits it.
 #[derive(Clone, Debug)]
 struct RangeLock {
     owner: u64,
+    /// The process shown by `F_GETLK` (0 when the taker gave none).
+    pid: u32,
+    domain: usize,
     range: Range<u64>,
+    /// `range` in domain-0 bytes, where every layer's locks meet (conflicts are decided
+    /// there). A piece left by a split keeps its whole lock's ranges above domain 0: a
+    /// superset, which may conflict more than needed but never less.
+    lower: Vec<Range<u64>>,
     exclusive: bool,
+}
+
+/// A lock that conflicts with one asked for (`F_GETLK`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LockConflict {
+    /// The conflicting lock's bytes, in the asker's layer when it was taken there, else the
+    /// asked range.
+    pub range: Range<u64>,
+    pub kind: LockKind,
+    pub pid: u32,
+}
+
+impl RangeLock {
+    /// Whether this lock covers any of bytes `r` of domain `d` (`lower`: `r` in domain-0
+    /// bytes). Locks of one layer compare in its own bytes, exactly; across layers they
+    /// compare in the stored bytes, where a general layer's range grows to whole blocks
+    /// or chunks.
+    fn meets(&self, d: usize, r: &Range<u64>, lower: &[Range<u64>]) -> bool {
+        if self.domain == d {
+            overlaps(&self.range, r)
+        } else {
+            self.lower.iter().any(|a| lower.iter().any(|b| overlaps(a, b)))
+        }
+    }
+}
+
+fn overlaps(a: &Range<u64>, b: &Range<u64>) -> bool {
+    a.start < b.end && b.start < a.end
+}
+
+/// Remove `owner`'s hold on bytes `r` of domain `d` from `locks`, splitting the locks it
+/// cuts (POSIX: an unlock, or a new lock replacing an old one's type, over part of it).
+fn carve(locks: &mut Vec<RangeLock>, owner: u64, d: usize, r: &Range<u64>) {
+    let mut kept = Vec::with_capacity(locks.len());
+    for x in locks.drain(..) {
+        if x.owner != owner || x.domain != d || !overlaps(&x.range, r) {
+            kept.push(x);
+            continue;
+        }
+        for piece in [x.range.start..r.start.max(x.range.start), r.end.min(x.range.end)..x.range.end] {
+            if piece.start < piece.end {
+                let lower = if d == 0 { vec![piece.clone()] } else { x.lower.clone() };
+                kept.push(RangeLock { range: piece, lower, ..x.clone() });
+            }
+        }
+    }
+    *locks = kept;
 }
 
 /// What an operation that conflicted with a mapping does once it is done (see `revoke`).
@@ -869,28 +925,29 @@ impl<F: Actions> Group<F> {
 
     /// Translate `r` in domain `d` down to domain 0 (where all layers' locks meet).
     fn lock_range(&self, d: usize, r: Range<u64>) -> Vec<Range<u64>> {
+        if d == 0 {
+            return vec![r];
+        }
         let doms = self.domains.read().clone();
         Self::translate(&doms, d, 0, r).0
     }
 
-    /// Take an advisory lock (fcntl `F_SETLK(W)`-style) on bytes `r` of domain `d`. Locks
-    /// of different owners conflict if they overlap in the stored bytes and one is
-    /// exclusive; an owner's own locks never conflict. With [`LockWait::Block`], blocks until
-    /// granted; else returns `false` on conflict.
-    pub(crate) fn lock(&self, owner: u64, d: usize, r: Range<u64>, kind: LockKind, wait: LockWait) -> bool {
+    /// Take an advisory lock (fcntl `F_SETLK(W)`-style) on bytes `r` of domain `d` for
+    /// `owner` (process `pid`, for `F_GETLK`). Locks of different owners conflict if they
+    /// overlap in the stored bytes and one is exclusive; an owner's own locks never conflict,
+    /// and its new lock replaces what it held over `r` (an upgrade or a downgrade). With
+    /// [`LockWait::Block`], blocks until granted; else returns `false` on conflict.
+    pub(crate) fn lock(&self, owner: u64, pid: u32, d: usize, r: Range<u64>, kind: LockKind, wait: LockWait) -> bool {
         let (exclusive, wait) = (kind == LockKind::Exclusive, wait == LockWait::Block);
-        let ranges = self.lock_range(d, r);
+        let lower = self.lock_range(d, r.clone());
         let mut l = self.locks.lock();
         loop {
-            let conflict = l.iter().any(|x| {
-                x.owner != owner
-                    && (x.exclusive || exclusive)
-                    && ranges.iter().any(|r| x.range.start < r.end && r.start < x.range.end)
-            });
+            let conflict = l.iter().any(|x| x.owner != owner && (x.exclusive || exclusive) && x.meets(d, &r, &lower));
             if !conflict {
-                for r in ranges {
-                    l.push(RangeLock { owner, range: r, exclusive });
-                }
+                carve(&mut l, owner, d, &r);
+                l.push(RangeLock { owner, pid, domain: d, range: r, lower, exclusive });
+                // A downgrade may let shared waiters in.
+                self.locks_cv.notify_all();
                 return true;
             }
             if !wait {
@@ -900,11 +957,25 @@ impl<F: Actions> Group<F> {
         }
     }
 
-    /// Release `owner`'s locks overlapping bytes `r` of domain `d` (whole locks).
+    /// The first lock of another owner that a `kind` lock by `owner` on bytes `r` of domain
+    /// `d` would conflict with (`F_GETLK`), if any.
+    pub(crate) fn test_lock(&self, owner: u64, d: usize, r: Range<u64>, kind: LockKind) -> Option<LockConflict> {
+        let exclusive = kind == LockKind::Exclusive;
+        let lower = self.lock_range(d, r.clone());
+        let l = self.locks.lock();
+        l.iter().find(|x| x.owner != owner && (x.exclusive || exclusive) && x.meets(d, &r, &lower)).map(|x| {
+            LockConflict {
+                range: if x.domain == d { x.range.clone() } else { r },
+                kind: if x.exclusive { LockKind::Exclusive } else { LockKind::Shared },
+                pid: x.pid,
+            }
+        })
+    }
+
+    /// Release `owner`'s hold on bytes `r` of domain `d`, splitting locks it cuts.
     pub(crate) fn unlock(&self, owner: u64, d: usize, r: Range<u64>) {
-        let ranges = self.lock_range(d, r);
         let mut l = self.locks.lock();
-        l.retain(|x| x.owner != owner || !ranges.iter().any(|r| x.range.start < r.end && r.start < x.range.end));
+        carve(&mut l, owner, d, &r);
         self.locks_cv.notify_all();
     }
 
@@ -919,6 +990,25 @@ impl<F: Actions> Group<F> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn record_locks_split_replace_and_conflict_as_posix_says() {
+        let g = Group::new(Arc::new(Counters::default()), Coherence::Kept);
+        let (a, b) = (1, 2);
+        assert!(g.lock(a, 7, 0, 0..100, LockKind::Exclusive, LockWait::Try));
+        g.unlock(a, 0, 40..60);
+        assert!(g.lock(b, 0, 0, 45..50, LockKind::Exclusive, LockWait::Try), "the unlocked middle is free");
+        assert!(!g.lock(b, 0, 0, 30..35, LockKind::Shared, LockWait::Try), "the left piece stays");
+        assert!(!g.lock(b, 0, 0, 90..95, LockKind::Shared, LockWait::Try), "the right piece stays");
+        // Downgrade the right piece: b may share it now, not the left one.
+        assert!(g.lock(a, 7, 0, 60..100, LockKind::Shared, LockWait::Try));
+        assert!(g.lock(b, 0, 0, 90..95, LockKind::Shared, LockWait::Try));
+        let c = g.test_lock(b, 0, 10..20, LockKind::Shared).expect("conflict");
+        assert_eq!((c.range, c.kind, c.pid), (0..40, LockKind::Exclusive, 7));
+        assert_eq!(g.test_lock(a, 0, 10..20, LockKind::Exclusive), None, "an owner never conflicts with itself");
+        g.unlock_all(a);
+        assert!(g.lock(b, 0, 0, 0..40, LockKind::Exclusive, LockWait::Try));
+    }
 
     #[test]
     fn range_set_merges_splits_and_covers() {

@@ -38,4 +38,6 @@ mod sync;
 pub use coherence::{CoherenceStats, Translate};
 pub use error::{Error, Result};
 pub use layer::{Attr, DirEntry, Kind, Layer, SetAttr};
-pub use stack::{Coherence, File, LayerRef, LockKind, LockWait, Mapping, OpenOptions, Stack, StackBuilder};
+pub use stack::{
+    Coherence, File, LayerRef, LockConflict, LockKind, LockOwner, LockWait, Mapping, OpenOptions, Stack, StackBuilder,
+};

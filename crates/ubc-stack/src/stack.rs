@@ -2,7 +2,7 @@
 //! coherent across layers by the cache manager ([`crate::coherence`]).
 
 use crate::coherence::{ALL, CoherenceStats, Counters, Group, Mode};
-pub use crate::coherence::{Coherence, LockKind, LockWait};
+pub use crate::coherence::{Coherence, LockConflict, LockKind, LockWait};
 use crate::error::{Error, Result};
 use crate::layer::{Attr, Below, DirEntry, Kind, Layer, Opened, SetAttr, norm};
 use parking_lot::Mutex;
@@ -601,6 +601,19 @@ impl LayerRef {
     }
 }
 
+/// Who holds a byte-range lock taken with [`File::lock_as`]: a process or an open file
+/// description, named by the caller (a FUSE request's lock owner). Kept apart from the
+/// owners of [`File::lock`], which are file handles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LockOwner(pub u64);
+
+impl LockOwner {
+    /// The group's owner key: handle owners count up from 1, so these take the top bit.
+    fn key(self) -> u64 {
+        self.0 | 1 << 63
+    }
+}
+
 /// A file opened at one layer of a stack. Positional calls are thread-safe and coherent
 /// with every other layer's view of the same file, mappings included.
 pub struct File {
@@ -708,7 +721,31 @@ impl File {
     /// the stored bytes of the bottom layer. Returns whether the lock was taken (always
     /// true with `Block`).
     pub fn lock(&self, range: Range<u64>, kind: LockKind, wait: LockWait) -> bool {
-        self.group.lock(self.owner, self.domain, range, kind, wait)
+        self.group.lock(self.owner, 0, self.domain, range, kind, wait)
+    }
+
+    /// [`File::lock`] for the lock owner `owner` (a process, or an open file description,
+    /// as a FUSE request names it) rather than this handle: POSIX record locks belong to
+    /// the process, whichever descriptor took them. `pid` is shown by [`File::test_lock`].
+    /// The owner's locks go with [`File::unlock_owner`], not with this handle.
+    pub fn lock_as(&self, owner: LockOwner, pid: u32, range: Range<u64>, kind: LockKind, wait: LockWait) -> bool {
+        self.group.lock(owner.key(), pid, self.domain, range, kind, wait)
+    }
+
+    /// The lock of another owner that a `kind` lock on `range` by `owner` would conflict
+    /// with (`F_GETLK`).
+    pub fn test_lock(&self, owner: LockOwner, range: Range<u64>, kind: LockKind) -> Option<LockConflict> {
+        self.group.test_lock(owner.key(), self.domain, range, kind)
+    }
+
+    /// Release `owner`'s locks on `range` (`F_UNLCK`), splitting those it cuts.
+    pub fn unlock_as(&self, owner: LockOwner, range: Range<u64>) {
+        self.group.unlock(owner.key(), self.domain, range)
+    }
+
+    /// Release every lock of `owner` on this file (the process closed a descriptor of it).
+    pub fn unlock_owner(&self, owner: LockOwner) {
+        self.group.unlock_all(owner.key())
     }
 
     /// Release this handle's locks overlapping `range`.

@@ -483,6 +483,57 @@ def setid_bits_cleared_on_write_by_owner_without_privilege(d):
     return r
 
 
+def getlk(fd, typ, start, length):
+    """F_GETLK: (type, start, len, pid) of a lock that would conflict, or type F_UNLCK."""
+    import fcntl
+    import struct
+    fmt = "hhxxxxqqixxxx"
+    r = fcntl.fcntl(fd, fcntl.F_GETLK, struct.pack(fmt, typ, 0, start, length, 0))
+    return struct.unpack(fmt, r)
+
+
+@case("both")
+def record_locks_between_processes(d):
+    import fcntl
+    with open(f"{d}/f", "wb") as f:
+        f.write(b"x" * 1000)
+    fd = os.open(f"{d}/f", os.O_RDWR)
+    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 100, 0)      # bytes 0..100
+    fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB, 100, 200)    # bytes 200..300
+    parent = os.getpid()
+    rd, wr = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(rd)
+        out = []
+        c = os.open(f"{d}/f", os.O_RDWR)
+        for how, length, start in ((fcntl.LOCK_EX, 10, 50), (fcntl.LOCK_SH, 10, 250), (fcntl.LOCK_EX, 10, 250),
+                                   (fcntl.LOCK_EX, 10, 150)):
+            out.append(attempt(fcntl.lockf, c, how | fcntl.LOCK_NB, length, start))
+        t, _, s, ln, p = getlk(c, fcntl.F_WRLCK, 60, 5)
+        out.append([t == fcntl.F_WRLCK, s, ln, p == parent])
+        t, *_ = getlk(c, fcntl.F_WRLCK, 400, 5)
+        out.append(t == fcntl.F_UNLCK)
+        os.write(wr, b"ready\n")
+        # Blocks until the parent unlocks 0..100.
+        out.append(attempt(fcntl.lockf, c, fcntl.LOCK_EX, 10, 20))
+        os.write(wr, (json.dumps(out) + "\n").encode())
+        os._exit(0)
+    os.close(wr)
+    r = os.fdopen(rd)
+    assert r.readline() == "ready\n"
+    time.sleep(0.2)
+    fcntl.lockf(fd, fcntl.LOCK_UN, 50, 0)                       # split: 50..100 stays
+    time.sleep(0.1)
+    fcntl.lockf(fd, fcntl.LOCK_UN, 0, 0)
+    out = json.loads(r.readline())
+    os.waitpid(pid, 0)
+    # The child's lock went with its exit: the parent locks everything again.
+    out.append(attempt(fcntl.lockf, fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 0, 0))
+    os.close(fd)
+    return out
+
+
 @case("both")
 def extended_attributes(d):
     with open(f"{d}/f", "w") as f:

@@ -461,7 +461,7 @@ fn schedules_byte_range_locks() {
                         let wait = rng.gen_bool(0.7);
                         let kind = if exclusive { LockKind::Exclusive } else { LockKind::Shared };
                         let how = if wait { LockWait::Block } else { LockWait::Try };
-                        if !g.lock(owner, d, r.clone(), kind, how) {
+                        if !g.lock(owner, 0, d, r.clone(), kind, how) {
                             assert!(!wait, "a waiting lock returned without the lock");
                             continue;
                         }
@@ -599,18 +599,19 @@ fn schedules_refill_during_invalidation() {
 
 #[test]
 fn schedules_byte_range_lock_handoff() {
-    // A waiter sleeps on a lock its owner gives up with `unlock` (not `unlock_all`) and
-    // then waits for the waiter: a release that wakes nobody leaves both asleep.
+    // A waiter (in another domain) sleeps on a lock its owner gives up with `unlock` (not
+    // `unlock_all`) and then waits for the waiter: a release that wakes nobody leaves both
+    // asleep.
     explore("byte-range lock handoff", || {
         let (g, _m) = group(THREE);
-        assert!(g.lock(1, 2, 0..2, LockKind::Exclusive, LockWait::Try));
+        assert!(g.lock(1, 0, 2, 0..2, LockKind::Exclusive, LockWait::Try));
         let g2 = g.clone();
         let waiter = thread::spawn(move || {
-            assert!(g2.lock(2, 0, 1..3, LockKind::Shared, LockWait::Block));
+            assert!(g2.lock(2, 0, 0, 1..3, LockKind::Shared, LockWait::Block));
             g2.unlock_all(2);
         });
         thread::yield_now();
-        g.unlock(1, 1, 0..1);
+        g.unlock(1, 2, 0..2);
         waiter.join().unwrap();
         g.unlock_all(1);
     });

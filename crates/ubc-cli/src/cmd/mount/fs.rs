@@ -11,13 +11,13 @@ use super::inodes::Inodes;
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags, KernelConfig,
     LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry,
-    ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+    ReplyLock, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
-use ubc_stack::{LayerRef, OpenOptions, SetAttr};
+use ubc_stack::{LayerRef, LockKind, LockWait, OpenOptions, SetAttr};
 
 pub(super) struct LayerFs {
     layer: LayerRef,
@@ -226,6 +226,10 @@ impl Filesystem for LayerFs {
             // Shared mmap of direct-I/O files (Linux >= 6.6); without it MAP_SHARED gives ENODEV.
             let _ = config.add_capabilities(InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP);
         }
+        // POSIX record locks (and OFD locks) come here, to the stack's one lock table per
+        // file, so that a lock through one mount conflicts with one through another. flock(2)
+        // stays with the kernel (per mount): fuser does not tell its requests from fcntl's.
+        let _ = config.add_capabilities(InitFlags::FUSE_POSIX_LOCKS);
         Ok(())
     }
 
@@ -622,7 +626,11 @@ impl Filesystem for LayerFs {
     /// inherited. Only the opener's close syncs (and reports write-back errors, as NFS
     /// does); anybody else's returns at once, so that a program that forks (a shell, a
     /// test harness) is never held up by a sync — which the last close (RELEASE) does anyway.
-    fn flush(&self, req: &Request, _ino: INodeNo, fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
+    fn flush(&self, req: &Request, _ino: INodeNo, fh: FileHandle, lock_owner: LockOwner, reply: ReplyEmpty) {
+        // POSIX: closing any descriptor of a file drops the process's record locks on it.
+        if let Ok(h) = self.handle(fh) {
+            h.file.unlock_owner(ubc_stack::LockOwner(lock_owner.0));
+        }
         let r = self.handle(fh).and_then(|h| if h.pid == process_of(req.pid()) { Self::sync(&h) } else { Ok(()) });
         match r {
             Ok(()) => reply.ok(),
@@ -636,11 +644,14 @@ impl Filesystem for LayerFs {
         _ino: INodeNo,
         fh: FileHandle,
         _flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
+        lock_owner: Option<LockOwner>,
         _flush: bool,
         reply: ReplyEmpty,
     ) {
         let h = self.handles.remove(fh.0);
+        if let (Some(h), Some(o)) = (&h, lock_owner) {
+            h.file.unlock_owner(ubc_stack::LockOwner(o.0));
+        }
         match h.map(|h| Self::sync(&h)) {
             Some(Err(e)) => reply.error(e),
             _ => reply.ok(),
@@ -652,6 +663,80 @@ impl Filesystem for LayerFs {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
         }
+    }
+
+    fn getlk(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        lock_owner: LockOwner,
+        start: u64,
+        end: u64,
+        typ: i32,
+        _pid: u32,
+        reply: ReplyLock,
+    ) {
+        let r = (|| {
+            let h = self.handle(fh)?;
+            let kind = lock_kind(typ).ok_or(Errno::EINVAL)?;
+            Ok(h.file.test_lock(ubc_stack::LockOwner(lock_owner.0), lock_range(start, end), kind))
+        })();
+        match r {
+            Ok(None) => reply.locked(start, end, libc::F_UNLCK, 0),
+            Ok(Some(c)) => {
+                let typ = if c.kind == LockKind::Exclusive { libc::F_WRLCK } else { libc::F_RDLCK };
+                let end = if c.range.end == u64::MAX { i64::MAX as u64 } else { c.range.end - 1 };
+                reply.locked(c.range.start, end, typ, c.pid)
+            }
+            Err(e) => reply.error(e),
+        }
+    }
+
+    /// `F_SETLK`, and `F_SETLKW` (`sleep`): a waiting lock is waited for on a thread of its
+    /// own, so that this mount goes on serving (the unlock that ends the wait may come
+    /// through it). The wait ends when the lock is granted or the handle is released.
+    fn setlk(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        lock_owner: LockOwner,
+        start: u64,
+        end: u64,
+        typ: i32,
+        pid: u32,
+        sleep: bool,
+        reply: ReplyEmpty,
+    ) {
+        let h = match self.handle(fh) {
+            Ok(h) => h,
+            Err(e) => return reply.error(e),
+        };
+        let (owner, range) = (ubc_stack::LockOwner(lock_owner.0), lock_range(start, end));
+        if typ == libc::F_UNLCK {
+            h.file.unlock_as(owner, range);
+            return reply.ok();
+        }
+        let Some(kind) = lock_kind(typ) else { return reply.error(Errno::EINVAL) };
+        if h.file.lock_as(owner, pid, range.clone(), kind, LockWait::Try) {
+            return reply.ok();
+        }
+        if !sleep {
+            return reply.error(Errno::EAGAIN);
+        }
+        let handles = self.handles.clone();
+        std::thread::spawn(move || {
+            loop {
+                if handles.get(fh.0).is_none() {
+                    return reply.error(Errno::EINTR);
+                }
+                if h.file.lock_as(owner, pid, range.clone(), kind, LockWait::Try) {
+                    return reply.ok();
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        });
     }
 
     fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
@@ -704,6 +789,21 @@ impl Filesystem for LayerFs {
         // Not over a host directory: a nominal, empty-looking 1 TiB.
         reply.statfs(1 << 28, 1 << 28, 1 << 28, 1 << 20, 1 << 20, 4096, 255, 4096)
     }
+}
+
+/// The lock kind of an fcntl lock type (`F_RDLCK`, `F_WRLCK`).
+fn lock_kind(typ: i32) -> Option<LockKind> {
+    match typ {
+        libc::F_RDLCK => Some(LockKind::Shared),
+        libc::F_WRLCK => Some(LockKind::Exclusive),
+        _ => None,
+    }
+}
+
+/// FUSE's inclusive lock range (`end` = `OFFSET_MAX`: to the end of any file) as bytes.
+fn lock_range(start: u64, end: u64) -> std::ops::Range<u64> {
+    let end = if end >= i64::MAX as u64 { u64::MAX } else { end + 1 };
+    start..end.max(start + 1)
 }
 
 /// An extended attribute's value (or name list) `v` for a caller with a `size`-byte buffer:
