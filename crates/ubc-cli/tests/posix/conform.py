@@ -543,11 +543,38 @@ def extended_attributes(d):
             attempt(os.getxattr, f"{d}/f", "user.k")]
 
 
+def fallocate(fd, mode, off, length):
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    if libc.fallocate(fd, mode, off, length) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
 @case("both")
 def fallocate_modes(d):
+    keep_size, punch_hole, zero_range = 1, 2, 16
     fd = os.open(f"{d}/f", os.O_CREAT | os.O_RDWR, 0o644)
     r = [attempt(os.posix_fallocate, fd, 0, 8192), os.fstat(fd).st_size]
+    os.pwrite(fd, b"d" * 20000, 0)
+    r.append(attempt(fallocate, fd, keep_size, 0, 100000))
+    r.append(os.fstat(fd).st_size)
+    r.append(attempt(fallocate, fd, 0, 10000, 30000))
+    r.append(os.fstat(fd).st_size)
+    r.append(attempt(fallocate, fd, punch_hole | keep_size, 4096, 8192))
+    b = os.pread(fd, 40000, 0)
+    r.append([os.fstat(fd).st_size, b[:4096].count(b"d"), b[4096:12288].count(0), b[12288:20000].count(b"d")])
+    r.append(attempt(fallocate, fd, punch_hole, 0, 10))
+    r.append(attempt(fallocate, fd, zero_range, 30000, 20000))
+    b = os.pread(fd, 60000, 0)
+    r.append([os.fstat(fd).st_size, b[30000:].count(0)])
+    r.append(attempt(fallocate, fd, 0, 0, 0))
+    r.append([os.lseek(fd, 0, os.SEEK_DATA), attempt(os.lseek, fd, 10**9, os.SEEK_DATA)])
     os.close(fd)
+    ro = os.open(f"{d}/f", os.O_RDONLY)
+    r.append(attempt(fallocate, ro, 0, 0, 10))
+    os.close(ro)
     return r
 
 

@@ -665,6 +665,107 @@ impl Filesystem for LayerFs {
         }
     }
 
+    /// `fallocate(2)`. The cache keeps no block map, so space is not reserved ahead (a full
+    /// store still fails at writeback, reported at `fsync`); the modes' effects on size and
+    /// content are the kernel's: plain and `ZERO_RANGE` extend the file unless `KEEP_SIZE`,
+    /// `PUNCH_HOLE` (which needs `KEEP_SIZE`) and `ZERO_RANGE` make the range read as zeros.
+    /// `COLLAPSE_RANGE`, `INSERT_RANGE` and `UNSHARE_RANGE`: EOPNOTSUPP.
+    fn fallocate(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        length: u64,
+        mode: i32,
+        reply: ReplyEmpty,
+    ) {
+        let r = (|| {
+            let _pass = self.gate.enter()?;
+            let h = self.handle(fh)?;
+            let end = offset.checked_add(length).filter(|&e| e <= i64::MAX as u64).ok_or(Errno::EFBIG)?;
+            let keep = mode & libc::FALLOC_FL_KEEP_SIZE != 0;
+            let zero = match mode & !libc::FALLOC_FL_KEEP_SIZE {
+                0 => false,
+                libc::FALLOC_FL_PUNCH_HOLE if keep => true,
+                libc::FALLOC_FL_ZERO_RANGE => true,
+                _ => return Err(Errno::EOPNOTSUPP),
+            };
+            let size = h.file.len().map_err(|e| errno(&e))?;
+            let r = (|| {
+                if zero && offset < size {
+                    let zeros = vec![0u8; 1 << 20];
+                    let mut at = offset;
+                    while at < end.min(size) {
+                        let n = (end.min(size) - at).min(zeros.len() as u64) as usize;
+                        at += h.file.write_at(&zeros[..n], at)? as u64;
+                    }
+                }
+                if !keep && end > size {
+                    h.file.set_len(end)?;
+                }
+                Ok(())
+            })();
+            h.mark_written();
+            r.map_err(|e: ubc_stack::Error| errno(&e))
+        })();
+        match r {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    /// `copy_file_range(2)` inside the daemon, through the cache: up to `len` bytes, fewer
+    /// only at the end of the source as the cache knows it (0 only there), so callers that
+    /// loop to the length they asked for end.
+    fn copy_file_range(
+        &self,
+        _req: &Request,
+        _ino_in: INodeNo,
+        fh_in: FileHandle,
+        offset_in: u64,
+        _ino_out: INodeNo,
+        fh_out: FileHandle,
+        offset_out: u64,
+        len: u64,
+        _flags: fuser::CopyFileRangeFlags,
+        reply: ReplyWrite,
+    ) {
+        let r = (|| {
+            let _pass = self.gate.enter()?;
+            let (src, dst) = (self.handle(fh_in)?, self.handle(fh_out)?);
+            // The reply counts bytes in 32 bits.
+            let len = len.min(u32::MAX as u64 & !0xfff);
+            let mut buf = vec![0u8; len.min(1 << 20) as usize];
+            let mut done = 0u64;
+            let r = (|| {
+                while done < len {
+                    let want = (len - done).min(buf.len() as u64) as usize;
+                    let n = src.file.read_at(&mut buf[..want], offset_in + done)?;
+                    if n == 0 {
+                        break;
+                    }
+                    let mut w = 0;
+                    while w < n {
+                        w += dst.file.write_at(&buf[w..n], offset_out + done + w as u64)?;
+                    }
+                    done += n as u64;
+                }
+                Ok(())
+            })();
+            dst.mark_written();
+            match r {
+                Ok(()) => Ok(done as u32),
+                Err(_) if done > 0 => Ok(done as u32),
+                Err(e) => Err(errno(&e)),
+            }
+        })();
+        match r {
+            Ok(n) => reply.written(n),
+            Err(e) => reply.error(e),
+        }
+    }
+
     fn getlk(
         &self,
         _req: &Request,
