@@ -37,7 +37,7 @@ impl Cache {
             return Err(Error::ReadOnly);
         }
         let obj = self.attach(pager)?;
-        Ok(File::new(obj, self.clone(), access == Access::ReadWrite))
+        Ok(File::new(obj, self.clone(), access))
     }
 
     /// Open an existing host file through a [`FilePager`].
@@ -60,8 +60,9 @@ fn open_err(path: &Path, e: std::io::Error) -> Error {
 }
 
 impl File {
-    pub(crate) fn new(obj: Arc<Object>, cache: Cache, writable: bool) -> File {
+    pub(crate) fn new(obj: Arc<Object>, cache: Cache, access: Access) -> File {
         let errors = obj.wb_errors.cursor();
+        let writable = access == Access::ReadWrite;
         File { obj, cache, writable, closed: AtomicBool::new(false), pos: 0, errors }
     }
 
@@ -188,7 +189,7 @@ impl File {
     pub fn try_clone(&self) -> Result<File> {
         let o = self.live()?;
         o.handles.fetch_add(1, SeqCst);
-        Ok(File::new(self.obj.clone(), self.cache.clone(), self.writable))
+        Ok(File::new(self.obj.clone(), self.cache.clone(), self.access()))
     }
 
     /// This handle, made *internal*: it no longer keeps the cache running. For a file that
@@ -212,7 +213,7 @@ impl File {
             return Err(Error::ReadOnly);
         }
         o.handles.fetch_add(1, SeqCst);
-        Ok(File::new(self.obj.clone(), self.cache.clone(), access == Access::ReadWrite))
+        Ok(File::new(self.obj.clone(), self.cache.clone(), access))
     }
 
     /// Statistics of this file's cached object (shared by all its handles).
@@ -235,6 +236,10 @@ impl File {
     /// Whether this handle may modify the file.
     pub fn is_writable(&self) -> bool {
         self.writable
+    }
+
+    fn access(&self) -> Access {
+        if self.writable { Access::ReadWrite } else { Access::ReadOnly }
     }
 
     /// The cache this file lives in.

@@ -1,6 +1,6 @@
 //! Writing an object's dirty pages to its pager: clustered runs over the I/O pool, `clean`
 //! (Mach's `pager_clean_request`) and `sync`. *When* to write back (dirty limits, age, the
-//! flusher) is decided cache-wide in `cache/flusher.rs`.
+//! flusher) is decided cache-wide: `resources/dirty.rs` (limits) and `cache/flusher.rs`.
 
 use super::*;
 
