@@ -92,7 +92,8 @@ impl Wakeup {
     }
 
     /// Sleep until kicked, shut down or `nap` passed (`None`: do not sleep), then take the
-    /// kick. Returns false once shut down.
+    /// kick. Returns false once shut down. => called only by the thread this wakes, holding
+    /// no lock.
     pub(crate) fn wait(&self, nap: Option<Duration>) -> bool {
         let mut st = self.state.lock();
         if let Some(nap) = nap
@@ -173,7 +174,8 @@ impl Resources {
         }
     }
 
-    /// Connect the cache above (once, when it is built).
+    /// Connect the cache above. => called once, by `CacheBuilder::build`, before any object
+    /// exists (until then reclaim finds nothing to free).
     pub(crate) fn install(&self, up: Weak<dyn Reclaim>) {
         let _ = self.up.set(up);
     }

@@ -123,7 +123,8 @@ impl DirtyAccount {
     }
 
     /// The flusher's sleep: until kicked, shut down or `nap` passed (`None`: do not sleep);
-    /// then take the kick. Returns false once shut down.
+    /// then take the kick. Returns false once shut down. => called only by the flusher
+    /// thread, holding no lock.
     pub(crate) fn wait_for_kick(&self, nap: Option<Duration>) -> bool {
         let mut c = self.ctl.lock();
         if let Some(nap) = nap
