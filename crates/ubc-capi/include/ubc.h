@@ -1,7 +1,7 @@
 /*
  * ubc.h — C API of ubc, a user-space unified buffer cache with stackable layers.
  *
- * Link with -lubc_capi (see ubc.pc). All functions are implemented in Rust behind
+ * Link with -lubc (see ubc.pc). All functions are implemented in Rust behind
  * extern "C"; none of them lets a Rust panic escape (a panic becomes EIO).
  *
  * Errors (errno style)

@@ -1,6 +1,6 @@
 //! Compiles the C programs in `tests/c/` (and `examples/c/wc.c`) with the system `cc`
-//! against the cdylib `cargo test -p ubc-capi` builds (`target/<profile>/libubc_capi.so`,
-//! the crate being a cdylib too), and runs them.
+//! against the cdylib `cargo test -p ubc-capi` builds (`target/<profile>/deps/libubc_capi.so`,
+//! the crate being a cdylib too), and runs them (loading it by its SONAME, `libubc.so.0`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -9,18 +9,25 @@ fn crate_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// `target/<profile>`: the test binary lives in `target/<profile>/deps`.
+/// `target/<profile>/deps`, where the test binary lives: `cargo test` builds the cdylib there
+/// (it copies it up to `target/<profile>` only on `cargo build`, so that copy may be stale).
 fn lib_dir() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
+    let dir = exe.parent().unwrap().to_path_buf();
     assert!(dir.join("libubc_capi.so").exists(), "{} has no libubc_capi.so", dir.display());
     dir
 }
 
-/// Compile `src` to `out/name`; returns the executable.
+/// Compile `src` to `out/name`; returns the executable. The library's SONAME is the
+/// installed name (`libubc.so.0`, see `build.rs`): the program finds it through a link of that
+/// name to the build tree's `libubc_capi.so`, made in `out`.
 fn compile(src: &Path, out: &Path, name: &str, opt: &str) -> PathBuf {
     let exe = out.join(name);
     let lib = lib_dir();
+    let soname = out.join(format!("libubc.so.{}", env!("CARGO_PKG_VERSION_MAJOR")));
+    if !soname.exists() {
+        std::os::unix::fs::symlink(lib.join("libubc_capi.so"), &soname).unwrap();
+    }
     let o = Command::new("cc")
         .args(["-std=c11", "-Wall", "-Wextra", "-Werror", opt])
         .arg("-I")
@@ -33,7 +40,7 @@ fn compile(src: &Path, out: &Path, name: &str, opt: &str) -> PathBuf {
         .arg("-L")
         .arg(&lib)
         .arg("-lubc_capi")
-        .arg(format!("-Wl,-rpath,{}", lib.display()))
+        .arg(format!("-Wl,-rpath,{}", out.display()))
         .output()
         .expect("run cc");
     assert!(o.status.success(), "cc {} failed:\n{}", src.display(), String::from_utf8_lossy(&o.stderr));

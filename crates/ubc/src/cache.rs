@@ -1,10 +1,8 @@
-//! The cache: one memory budget for every object, one replacement policy, one page daemon.
-//!
-//! Budget. `resident` counts pages that are valid or reserved for a fill in progress;
-//! a fill reserves before it allocates, so memory never exceeds the budget (the memfds may
-//! hold less: a hole page counts resident before anything touches it). When a reservation
-//! does not fit, the reserving thread reclaims (direct reclaim), as `uvm_pagealloc` falls back
-//! to the page daemon's work when free pages run out.
+//! The cache: the registry of objects, and the threads and decisions that walk it — reclaim
+//! and the page daemon (`cache/pdaemon.rs`), the flusher (`cache/flusher.rs`), keeping closed
+//! files cached up to a limit, statistics and shutdown. The budget, policy, windows and
+//! write-behind accounting every object draws on are the [`Resources`] below the objects;
+//! the cache builds them and installs itself as their [`Reclaim`].
 //!
 //! Page daemon (NetBSD `uvm_pdaemon.c`, Linux `kswapd`). A background thread keeps free space
 //! between a low and a high watermark, so foreground fills rarely have to reclaim themselves.
@@ -12,22 +10,22 @@
 //! written back (clustered) and taken on the next round.
 
 use crate::error::{Error, Result};
-use crate::evict::{EvictionPolicy, PolicyKind};
-use crate::object::Object;
+use crate::evict::PolicyKind;
+use crate::map::Serve;
+use crate::object::{Object, ObjectKey};
 use crate::pager::{Identity, Pager};
-use crate::stats::{CacheStats, Stats};
+use crate::resources::{DirtyAccount, Geometry, Parts, Reclaim, Resources};
+use crate::stats::CacheStats;
 use crate::window::Windows;
-use parking_lot::{Condvar, Mutex, RwLock};
+use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::*};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 mod flusher;
 mod pdaemon;
-
-use pdaemon::DaemonCtl;
 
 /// Largest window size the builder accepts (1 GiB).
 const MAX_WINDOW: usize = 1 << 30;
@@ -255,11 +253,9 @@ impl CacheBuilder {
             ));
         }
         let ra_max = (self.readahead_max / self.page_size) as u64;
-        let core = Arc::new(CacheCore {
-            max_objects,
+        let geo = Geometry {
             ra_max_pages: ra_max.min(budget_pages / 8),
             ra_init_pages: ((self.readahead_init / self.page_size) as u64).clamp(1, ra_max.max(1)),
-            io: crate::io::IoPool::new(self.io_threads),
             page_shift,
             page_size: self.page_size,
             chunk_shift,
@@ -274,49 +270,39 @@ impl CacheBuilder {
             reserve_pages: if budget_pages < 64 { 0 } else { (budget_pages / 16).min(4096) },
             high_free: high.max(low).min(budget_pages / 2),
             reserve_timeout: self.reserve_timeout,
-            resident: AtomicU64::new(0),
-            flusher: flusher::Flusher::new(
-                self.writeback_interval,
-                self.dirty_expire,
-                budget_pages * self.dirty_background_percent / 100,
-                (budget_pages * self.dirty_limit_percent / 100).max(2),
-            ),
-            maps: OnceLock::new(),
-            use_uffd: self.userfaultfd,
-            fault_threads: self.fault_threads,
-            policy_name: self.policy.to_string(),
-            policy: Mutex::new(self.policy.build(budget_pages as usize)),
+        };
+        let res = Arc::new(Resources::new(
+            geo,
+            Parts {
+                dirty: DirtyAccount::new(
+                    budget_pages * self.dirty_background_percent / 100,
+                    (budget_pages * self.dirty_limit_percent / 100).max(2),
+                ),
+                io: crate::io::IoPool::new(self.io_threads),
+                serve: if self.userfaultfd { Serve::Userfaultfd } else { Serve::Populate },
+                fault_threads: self.fault_threads,
+                policy_name: self.policy.to_string(),
+                policy: self.policy.build(budget_pages as usize),
+                windows: Windows::new(self.window_size, max_windows),
+            },
+        ));
+        let core = Arc::new(CacheCore {
+            res: res.clone(),
+            max_objects,
+            flusher: flusher::Flusher::new(self.writeback_interval, self.dirty_expire),
             registry: RwLock::new(Registry::default()),
-            windows: Windows::new(self.window_size, max_windows),
-            daemon: DaemonCtl::default(),
-            retired: Mutex::new(Stats::default()),
+            daemon_thread: Mutex::new(None),
             next_id: AtomicU64::new(1),
             daemon_runs: AtomicU64::new(0),
             daemon_evictions: AtomicU64::new(0),
         });
+        let up: std::sync::Weak<dyn Reclaim> = Arc::downgrade(&core) as _;
+        res.install(up);
         if self.daemon {
             CacheCore::start_daemon(&core)?;
         }
         core.flusher.start(core.clone());
         Ok(Cache { core: core.clone(), _handle: Some(Arc::new(Handle { core })) })
-    }
-}
-
-/// What makes two opens reach the same cached object: the data's identity if the pager
-/// has one, else the pager instance itself (its address: the object keeps the pager alive,
-/// so the address cannot be reused while the entry exists).
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub(crate) enum ObjectKey {
-    Data(Identity),
-    Instance(usize),
-}
-
-impl ObjectKey {
-    fn of(pager: &Arc<dyn Pager>) -> ObjectKey {
-        match pager.identity() {
-            Some(i) => ObjectKey::Data(i),
-            None => ObjectKey::Instance(Arc::as_ptr(pager) as *const () as usize),
-        }
     }
 }
 
@@ -330,53 +316,19 @@ pub(crate) struct Registry {
 }
 
 pub(crate) struct CacheCore {
+    /// What objects draw on: budget, policy, windows, I/O, mappings, dirty accounting.
+    pub(crate) res: Arc<Resources>,
     max_objects: usize,
-    /// Read-ahead window sizes in pages (`ra_max_pages` 0: off).
-    pub(crate) ra_init_pages: u64,
-    pub(crate) ra_max_pages: u64,
-    /// Background I/O threads (read-ahead, writeback).
-    pub(crate) io: crate::io::IoPool,
-    pub(crate) page_shift: u32,
-    pub(crate) page_size: usize,
-    /// log2 of pages per chunk (= per window).
-    pub(crate) chunk_shift: u32,
-    pub(crate) budget_pages: u64,
-    pub(crate) max_fill_pages: u64,
-    pub(crate) max_put_pages: u64,
-    low_free: u64,
-    high_free: u64,
-    /// Pages only pager scopes may use (see `limit`).
-    reserve_pages: u64,
-    reserve_timeout: Duration,
-    /// Pages valid or reserved, over all objects.
-    pub(crate) resident: AtomicU64,
-    /// Write-behind: the flusher thread, dirty thresholds and the unclean page count.
-    pub(crate) flusher: flusher::Flusher,
-    /// Memory mappings: fault handling and the mapping table (made on first `map`).
-    pub(crate) maps: OnceLock<Arc<crate::map::MapService>>,
-    use_uffd: bool,
-    fault_threads: usize,
-    pub(crate) policy: Mutex<Box<dyn EvictionPolicy>>,
-    policy_name: String,
+    /// The flusher thread and its timing.
+    flusher: flusher::Flusher,
     pub(crate) registry: RwLock<Registry>,
-    pub(crate) windows: Windows,
-    daemon: DaemonCtl,
-    retired: Mutex<Stats>,
+    daemon_thread: Mutex<Option<JoinHandle<()>>>,
     next_id: AtomicU64,
     daemon_runs: AtomicU64,
     daemon_evictions: AtomicU64,
 }
 
 impl CacheCore {
-    /// The mapping service, started on first use.
-    pub(crate) fn map_service(&self) -> &Arc<crate::map::MapService> {
-        self.maps.get_or_init(|| crate::map::MapService::start(self.use_uffd, self.fault_threads))
-    }
-
-    pub(crate) fn retire_stats(&self, s: Stats) {
-        self.retired.lock().add(&s);
-    }
-
     pub(crate) fn object(&self, id: u64) -> Option<Arc<Object>> {
         self.registry.read().by_id.get(&id).cloned()
     }
@@ -458,7 +410,8 @@ impl CacheCore {
     }
 
     fn stats(&self) -> CacheStats {
-        let mut totals = *self.retired.lock();
+        let res = &*self.res;
+        let mut totals = res.retired();
         let mut allocated = 0;
         let objects: Vec<Arc<Object>> = self.registry.read().by_id.values().cloned().collect();
         for o in &objects {
@@ -468,30 +421,32 @@ impl CacheCore {
         // The cache-wide resident count is the reservation counter, not the sum over objects:
         // the sum is read object by object while pages move between them, so it can count a
         // page twice. The counter includes pages being filled (their memory is committed).
-        totals.resident_bytes = self.resident.load(SeqCst) << self.page_shift;
-        let w = self.windows.stats();
+        let g = &res.geo;
+        totals.resident_bytes = res.resident.load(SeqCst) << g.page_shift;
+        let w = res.windows.stats();
+        let maps = res.maps.get();
         CacheStats {
             totals,
-            budget_bytes: self.budget_pages << self.page_shift,
+            budget_bytes: g.budget_pages << g.page_shift,
             allocated_bytes: allocated,
-            page_size: self.page_size,
+            page_size: g.page_size,
             objects: objects.len(),
             windows: w.live,
             window_maps: w.maps,
             window_retires: w.retires,
             daemon_runs: self.daemon_runs.load(Relaxed),
             daemon_evictions: self.daemon_evictions.load(Relaxed),
-            policy: leak_name(&self.policy_name),
-            unclean_bytes: self.flusher.unclean() << self.page_shift,
-            dirty_limit_bytes: self.flusher.limit << self.page_shift,
-            throttled_ms: self.flusher.throttled_us.load(Relaxed) / 1000,
+            policy: leak_name(&res.policy_name),
+            unclean_bytes: res.dirty.unclean() << g.page_shift,
+            dirty_limit_bytes: res.dirty.limit << g.page_shift,
+            throttled_ms: res.dirty.throttled_us.load(Relaxed) / 1000,
             flusher_runs: self.flusher.runs.load(Relaxed),
-            map_mode: self.maps.get().map_or_else(|| "none yet".to_string(), |m| m.mode.clone()),
-            mappings: self.maps.get().map_or(0, |m| m.live()),
-            map_faults: self.maps.get().map_or(0, |m| m.faults.load(Relaxed)),
-            map_fault_pages: self.maps.get().map_or(0, |m| m.fault_pages.load(Relaxed)),
-            map_sigbus: self.maps.get().map_or(0, |m| m.sigbus.load(Relaxed)),
-            map_dirty_found: self.maps.get().map_or(0, |m| m.scan_dirty.load(Relaxed)),
+            map_mode: maps.map_or_else(|| "none yet".to_string(), |m| m.mode.clone()),
+            mappings: maps.map_or(0, |m| m.live()),
+            map_faults: maps.map_or(0, |m| m.faults.load(Relaxed)),
+            map_fault_pages: maps.map_or(0, |m| m.fault_pages.load(Relaxed)),
+            map_sigbus: maps.map_or(0, |m| m.sigbus.load(Relaxed)),
+            map_dirty_found: maps.map_or(0, |m| m.scan_dirty.load(Relaxed)),
         }
     }
 
@@ -512,8 +467,8 @@ impl CacheCore {
     /// Last handle gone: stop the daemon, write back what we can, drop every object.
     fn shutdown(&self) {
         self.stop_daemon();
-        self.flusher.stop();
-        if let Some(m) = self.maps.get() {
+        self.flusher.stop(&self.res.dirty);
+        if let Some(m) = self.res.maps.get() {
             // No mapping is left: each holds a file handle, so the cache outlives them.
             m.stop();
         }
@@ -521,13 +476,23 @@ impl CacheCore {
         // errors here have no caller left to receive them; `sync` before dropping the last
         // handle is how to learn about them.
         let _ = self.sync_all();
-        self.io.shutdown();
+        self.res.io.shutdown();
         let objects: Vec<Arc<Object>> = {
             let mut reg = self.registry.write();
             reg.by_identity.clear();
             reg.by_id.drain().map(|(_, o)| o).collect()
         };
         drop(objects);
+    }
+}
+
+impl Reclaim for CacheCore {
+    fn reclaim(&self, want: u64) -> Result<u64> {
+        CacheCore::reclaim(self, want)
+    }
+
+    fn clean_others(&self, except: u64) -> Result<()> {
+        self.write_back_others(except)
     }
 }
 
@@ -611,7 +576,7 @@ impl Cache {
             return Ok(o);
         }
         let id = core.next_id.fetch_add(1, Relaxed);
-        let fresh = Object::new(id, core.clone(), pager.clone(), key.clone())?;
+        let fresh = Object::new(id, core.res.clone(), pager.clone(), key.clone())?;
         let mut reg = core.registry.write();
         let existing = reg.by_identity.get(&key).copied();
         Ok(match existing.and_then(|id| reg.by_id.get(&id).cloned()) {
@@ -672,22 +637,23 @@ impl Cache {
         core.sync_all()?;
         let mut freed = 0;
         loop {
-            let n = core.reclaim(core.budget_pages)?;
+            let n = core.reclaim(core.res.geo.budget_pages)?;
             freed += n;
             if n == 0 {
                 break;
             }
         }
-        Ok(freed << core.page_shift)
+        Ok(freed << core.res.geo.page_shift)
     }
 
     /// The page size in bytes.
     pub fn page_size(&self) -> usize {
-        self.core().page_size
+        self.core().res.geo.page_size
     }
 
     /// The budget in bytes.
     pub fn budget(&self) -> u64 {
-        self.core().budget_pages << self.core().page_shift
+        let g = &self.core().res.geo;
+        g.budget_pages << g.page_shift
     }
 }

@@ -4,22 +4,14 @@
 
 use crate::cache::Cache;
 use crate::error::{Error, Result};
-use crate::object::{Object, checked_end};
+use crate::object::{Length, Object, checked_end};
 use crate::page::table::Chunk;
-use crate::pager::{FilePager, Pager};
+use crate::pager::{Access, FilePager, Pager};
 use crate::stats::Stats;
 use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering::*};
-
-/// Whether a handle may modify the file.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Access {
-    ReadOnly,
-    ReadWrite,
-}
 
 /// An open file in the cache.
 ///
@@ -45,7 +37,7 @@ impl Cache {
             return Err(Error::ReadOnly);
         }
         let obj = self.attach(pager)?;
-        Ok(File::new(obj, self.clone(), access == Access::ReadWrite))
+        Ok(File::new(obj, self.clone(), access))
     }
 
     /// Open an existing host file through a [`FilePager`].
@@ -68,8 +60,9 @@ fn open_err(path: &Path, e: std::io::Error) -> Error {
 }
 
 impl File {
-    pub(crate) fn new(obj: Arc<Object>, cache: Cache, writable: bool) -> File {
+    pub(crate) fn new(obj: Arc<Object>, cache: Cache, access: Access) -> File {
         let errors = obj.wb_errors.cursor();
+        let writable = access == Access::ReadWrite;
         File { obj, cache, writable, closed: AtomicBool::new(false), pos: 0, errors }
     }
 
@@ -188,7 +181,7 @@ impl File {
 
     fn release_handle(&self) {
         if self.obj.handles.fetch_sub(1, SeqCst) == 1 {
-            self.obj.core.object_idle(&self.obj, crate::cache::Idle::Closed);
+            self.cache.core().object_idle(&self.obj, crate::cache::Idle::Closed);
         }
     }
 
@@ -196,7 +189,7 @@ impl File {
     pub fn try_clone(&self) -> Result<File> {
         let o = self.live()?;
         o.handles.fetch_add(1, SeqCst);
-        Ok(File::new(self.obj.clone(), self.cache.clone(), self.writable))
+        Ok(File::new(self.obj.clone(), self.cache.clone(), self.access()))
     }
 
     /// This handle, made *internal*: it no longer keeps the cache running. For a file that
@@ -220,7 +213,7 @@ impl File {
             return Err(Error::ReadOnly);
         }
         o.handles.fetch_add(1, SeqCst);
-        Ok(File::new(self.obj.clone(), self.cache.clone(), access == Access::ReadWrite))
+        Ok(File::new(self.obj.clone(), self.cache.clone(), access))
     }
 
     /// Statistics of this file's cached object (shared by all its handles).
@@ -245,6 +238,10 @@ impl File {
         self.writable
     }
 
+    fn access(&self) -> Access {
+        if self.writable { Access::ReadWrite } else { Access::ReadOnly }
+    }
+
     /// The cache this file lives in.
     pub fn cache(&self) -> &Cache {
         &self.cache
@@ -254,16 +251,16 @@ impl File {
     /// clipped to the chunk (a window is one mapping) and to `limit`. A window may pin at
     /// most half the budget: more would starve every other reader.
     fn window_span(&self, obj: &Object, offset: u64, len: usize, limit: u64) -> Result<(u64, u64)> {
-        let core = &obj.core;
-        let chunk_bytes = (core.page_size as u64) << core.chunk_shift;
+        let g = &obj.res.geo;
+        let chunk_bytes = (g.page_size as u64) << g.chunk_shift;
         let chunk_end = (offset / chunk_bytes + 1) * chunk_bytes;
         let end = offset.saturating_add(len as u64).min(chunk_end).min(limit);
         if end > offset {
-            let pages = ((end - 1) >> core.page_shift) - (offset >> core.page_shift) + 1;
-            if pages > core.budget_pages / 2 {
+            let pages = ((end - 1) >> g.page_shift) - (offset >> g.page_shift) + 1;
+            if pages > g.budget_pages / 2 {
                 return Err(Error::BudgetExceeded {
-                    needed: pages << core.page_shift,
-                    budget: core.budget_pages << core.page_shift,
+                    needed: pages << g.page_shift,
+                    budget: g.budget_pages << g.page_shift,
                 });
             }
         }
@@ -282,10 +279,10 @@ impl File {
             return Ok(Window { obj, chunk: None, ptr: std::ptr::null(), len: 0, first: 0, last: 0 });
         }
         let chunk = obj.table.get_or_create(ci);
-        let ps = obj.core.page_shift;
+        let ps = obj.res.geo.page_shift;
         let (first, last) = (offset >> ps, (end - 1) >> ps);
         let win = obj.pin_range(chunk, first, last)?;
-        let chunk_off = ci * ((obj.core.page_size as u64) << obj.core.chunk_shift);
+        let chunk_off = ci * ((obj.res.geo.page_size as u64) << obj.res.geo.chunk_shift);
         // SAFETY: pointer into the chunk's window, within the pinned pages.
         let ptr = unsafe { win.add((offset - chunk_off) as usize) };
         Ok(Window { obj, chunk: Some(chunk), ptr, len: (end - offset) as usize, first, last })
@@ -309,7 +306,7 @@ impl File {
         let size = obj.size_lock.read();
         let chunk = obj.table.get_or_create(ci);
         let win = obj.lock_range_for_write(chunk, offset, end)?;
-        let chunk_off = ci * ((obj.core.page_size as u64) << obj.core.chunk_shift);
+        let chunk_off = ci * ((obj.res.geo.page_size as u64) << obj.res.geo.chunk_shift);
         // SAFETY: pointer into the chunk's window, within the pages we hold.
         let ptr = unsafe { win.add((offset - chunk_off) as usize) };
         Ok(WindowMut { obj, chunk: Some(chunk), ptr, len: (end - offset) as usize, offset, size: Some(size) })
@@ -440,14 +437,4 @@ impl Seek for File {
         self.pos = new as u64;
         Ok(self.pos)
     }
-}
-
-/// What [`File::invalidate`] does with the file's length.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Length {
-    /// Keep the length the cache knows (only the bytes changed underneath).
-    Keep,
-    /// Read it from the pager again (the stored file was replaced or resized underneath).
-    Reload,
 }

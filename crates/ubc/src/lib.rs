@@ -31,6 +31,7 @@ mod object;
 pub mod order;
 mod page;
 pub mod pager;
+mod resources;
 mod stats;
 mod window;
 
@@ -48,8 +49,11 @@ pub mod evict {
 
 pub use cache::{Cache, CacheBuilder};
 pub use error::{Error, PagerOp, Result};
-pub use file::{Access, File, Length, Window, WindowMut};
-pub use mapping::{Mapping, Sharing};
+pub use file::{File, Window, WindowMut};
+pub use mapping::Mapping;
+pub use memfd::Sharing;
+pub use object::Length;
+pub use pager::file::Access;
 pub use pager::{Fill, Identity, IoMode, Pager};
 pub use stats::{CacheStats, Stats};
 

@@ -14,22 +14,13 @@
 //! tells which mode is in use and why.
 
 use crate::error::{Error, Result};
-use crate::file::{Access, File};
+use crate::file::File;
 use crate::map::UserMap;
+use crate::memfd::Sharing;
 use crate::object::{Harvest, Object, Pass, checked_end};
+use crate::pager::Access;
 use std::ops::{Deref, DerefMut, Range};
 use std::sync::Arc;
-
-/// Whether stores through a mapping reach the file.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Sharing {
-    /// `MAP_SHARED`: the cache's pages themselves; stores reach the file.
-    Shared,
-    /// `MAP_PRIVATE`: copy-on-write; stores stay in this mapping. Pages not yet stored to
-    /// show the file's current contents.
-    Private,
-}
 
 /// A mapping of a range of a cached file (see [`File::map`]).
 ///
@@ -73,13 +64,12 @@ impl File {
     /// the cache budget; without userfaultfd the range is populated and pinned at once and
     /// may be at most half the budget ([`Error::BudgetExceeded`]). See [`Mapping`].
     pub fn map(&self, range: std::ops::Range<u64>, access: Access, sharing: Sharing) -> Result<Mapping> {
-        let writable = access == Access::ReadWrite;
-        if writable && sharing == Sharing::Shared {
+        if access == Access::ReadWrite && sharing == Sharing::Shared {
             self.live_writable()?;
         } else {
             self.live()?;
         }
-        Mapping::new(self, &self.obj, range, writable, sharing)
+        Mapping::new(self, &self.obj, range, access, sharing)
     }
 }
 
@@ -89,7 +79,7 @@ impl Mapping {
         file: &File,
         obj: &Arc<Object>,
         range: Range<u64>,
-        writable: bool,
+        access: Access,
         sharing: Sharing,
     ) -> Result<Mapping> {
         if range.end <= range.start {
@@ -103,17 +93,15 @@ impl Mapping {
         let start = range.start >> ps << ps;
         let end = range.end.div_ceil(1 << ps) << ps;
         let map_len = (end - start) as usize;
-        let shared = sharing == Sharing::Shared;
-        let svc = obj.core.map_service().clone();
+        let svc = obj.res.map_service().clone();
         let memfd = obj.memfd_for_map()?;
-        let addr = memfd.map_user(start, map_len, shared, writable)? as usize;
+        let addr = memfd.map_user(start, map_len, sharing, access)? as usize;
         let unmap = || {
             // SAFETY: our fresh mapping; nothing refers to it yet.
             unsafe { crate::memfd::unmap(addr as *mut u8, map_len) }
         };
-        let tracked = shared && writable;
         let target: std::sync::Weak<dyn crate::map::Mapped> = Arc::downgrade(obj) as _;
-        let um = Arc::new(UserMap::new(addr, map_len, start, target, shared, tracked));
+        let um = Arc::new(UserMap::new(addr, map_len, start, target, sharing, access));
         let (a, b) = (start >> ps, end >> ps);
         let mut pinned = Vec::new();
         if svc.kernel.is_some() {
@@ -146,7 +134,7 @@ impl Mapping {
             ptr: (addr + delta) as *mut u8,
             len,
             offset: range.start,
-            writable,
+            writable: access == Access::ReadWrite,
             pinned,
         })
     }
@@ -210,7 +198,7 @@ impl Drop for Mapping {
         let (a, b) = (self.map.offset >> ps, (self.map.offset + self.map.len as u64) >> ps);
         // Stores made through this mapping are found before it goes (munmap forgets them).
         self.obj.harvest(a, b, Harvest::Explicit);
-        if let Some(svc) = self.obj.core.maps.get() {
+        if let Some(svc) = self.obj.res.maps.get() {
             svc.unregister(&self.map);
         }
         {
@@ -268,7 +256,7 @@ mod tests {
             assert!(t0.elapsed().as_secs() < 10, "page 1 never became clean and idle: {:?}", st.snapshot());
             std::thread::yield_now();
         }
-        obj.core.policy.lock().remove(PageKey { object: obj.id, index: 1 });
+        obj.res.policy.lock().remove(PageKey { object: obj.id, index: 1 });
         m[4096..4096 + 5].copy_from_slice(b"hello");
         drop(m);
         obj.release_evicted(&[1]);

@@ -3,6 +3,7 @@
 //! a hole, which also removes them from every mapping of the memfd.
 
 use crate::error::{Error, Result};
+use crate::pager::Access;
 use rustix::fd::{AsFd, OwnedFd};
 use rustix::fs::{FallocateFlags, MemfdFlags};
 use rustix::mm::{MapFlags, ProtFlags};
@@ -27,6 +28,17 @@ pub(crate) fn max_size() -> u64 {
         let ok = unsafe { libc::getrlimit(libc::RLIMIT_FSIZE, &mut r) } == 0;
         if !ok || r.rlim_cur == libc::RLIM_INFINITY { MEMFD_SIZE } else { r.rlim_cur.min(MEMFD_SIZE) & !0xffff }
     })
+}
+
+/// Whether stores through a mapping reach the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Sharing {
+    /// `MAP_SHARED`: the cache's pages themselves; stores reach the file.
+    Shared,
+    /// `MAP_PRIVATE`: copy-on-write; stores stay in this mapping. Pages not yet stored to
+    /// show the file's current contents.
+    Private,
 }
 
 pub(crate) struct Memfd {
@@ -74,9 +86,15 @@ impl Memfd {
 
     /// A user mapping of `len` bytes at `offset`: shared or private (copy-on-write),
     /// writable or not.
-    pub(crate) fn map_user(&self, offset: u64, len: usize, shared: bool, writable: bool) -> Result<*mut u8> {
-        let prot = if writable { ProtFlags::READ | ProtFlags::WRITE } else { ProtFlags::READ };
-        let flags = if shared { MapFlags::SHARED } else { MapFlags::PRIVATE };
+    pub(crate) fn map_user(&self, offset: u64, len: usize, sharing: Sharing, access: Access) -> Result<*mut u8> {
+        let prot = match access {
+            Access::ReadWrite => ProtFlags::READ | ProtFlags::WRITE,
+            Access::ReadOnly => ProtFlags::READ,
+        };
+        let flags = match sharing {
+            Sharing::Shared => MapFlags::SHARED,
+            Sharing::Private => MapFlags::PRIVATE,
+        };
         // SAFETY: a fresh mapping at a kernel-chosen address; it aliases no Rust object.
         let p = unsafe { rustix::mm::mmap(std::ptr::null_mut(), len, prot, flags, self.fd.as_fd(), offset) }
             .map_err(|e| Error::os("mmap(user mapping)", e))?;

@@ -33,8 +33,8 @@
 //!   below `Pager(d)`, i.e. for work of depth `< d`; the pool of depth 0 waits for nothing
 //!   in the cache. By induction on depth every job finishes with a fixed number of threads:
 //!   no job ever waits for a job of its own pool.
-//! * The two budget waits — memory (`CacheCore::reserve`) and dirty pages
-//!   (`CacheCore::reserve_dirty`) — are bounded polls, not ranks: they never sleep longer than
+//! * The two budget waits — memory (`Resources::reserve`) and dirty pages
+//!   (`Resources::reserve_dirty`) — are bounded polls, not ranks: they never sleep longer than
 //!   their deadline, and what they do to make progress themselves (reclaim, writeback) obeys
 //!   the rule above. A writer inside a pager call is never throttled (`PagerScope`).
 //!

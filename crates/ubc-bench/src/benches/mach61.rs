@@ -36,6 +36,14 @@ pub fn run(ctx: &Ctx) -> Vec<Record> {
     let dir = ctx.dir.join("mach61");
     let _ = std::fs::create_dir_all(&dir);
     let exe = dir.join("table61");
+    // The library's SONAME is the installed name (crates/ubc-capi/build.rs): the program
+    // loads it through a link of that name beside it.
+    let soname = dir.join("libubc.so.0");
+    let _ = std::fs::remove_file(&soname);
+    if let Err(e) = std::os::unix::fs::symlink(lib.join("libubc_capi.so"), &soname) {
+        eprintln!("mach61: skipped: cannot link {}: {e}", soname.display());
+        return Vec::new();
+    }
     let cc = Command::new("cc")
         .args(["-std=c11", "-O2"])
         .arg("-I")
@@ -48,7 +56,7 @@ pub fn run(ctx: &Ctx) -> Vec<Record> {
         .arg("-L")
         .arg(&lib)
         .arg("-lubc_capi")
-        .arg(format!("-Wl,-rpath,{}", lib.display()))
+        .arg(format!("-Wl,-rpath,{}", dir.display()))
         .output();
     match cc {
         Ok(o) if o.status.success() => {}

@@ -69,7 +69,7 @@ mod pagemap;
 mod service;
 mod uffd;
 
-pub(crate) use service::{MapService, Mapped, UserMap, dedup_pages};
+pub(crate) use service::{Holes, MapService, Mapped, Serve, UserMap, dedup_pages};
 
 #[cfg(test)]
 mod tests;

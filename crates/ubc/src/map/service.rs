@@ -21,8 +21,10 @@
 
 use super::{Event, FillMode, Mode, Pagemap, Ready, Uffd, UffdMsg, Waker, feature};
 use crate::error::{Error, Result};
+use crate::memfd::Sharing;
 use crate::page::state::PageState;
 use crate::page::table::Chunk;
+use crate::pager::Access;
 use parking_lot::{Mutex, RwLock};
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -84,10 +86,9 @@ pub(crate) struct UserMap {
     /// File (and memfd) offset of `addr`; a multiple of the cache page size.
     pub(crate) offset: u64,
     pub(crate) obj: Weak<dyn Mapped>,
-    /// MAP_SHARED and writable: stores reach the file and are tracked (WP_ASYNC).
+    /// MAP_SHARED and writable: stores reach the file and are tracked (WP_ASYNC). (A
+    /// MAP_PRIVATE mapping's stores are copied on write: the file never sees them.)
     pub(crate) tracked: bool,
-    /// MAP_SHARED (else MAP_PRIVATE: stores are copied on write, the file never sees them).
-    pub(crate) shared: bool,
     /// Set false (under the write lock) before the address range is unmapped: whoever maps
     /// pages into it, poisons or wakes holds the read lock and checks it first, so nothing is
     /// ever placed at an address that a later mmap may have reused.
@@ -103,16 +104,15 @@ impl UserMap {
         len: usize,
         offset: u64,
         obj: Weak<dyn Mapped>,
-        shared: bool,
-        tracked: bool,
+        sharing: Sharing,
+        access: Access,
     ) -> UserMap {
         UserMap {
             addr,
             len,
             offset,
             obj,
-            tracked,
-            shared,
+            tracked: sharing == Sharing::Shared && access == Access::ReadWrite,
             alive: RwLock::new(true),
             next: AtomicU64::new(u64::MAX),
             cluster: AtomicU64::new(CLUSTER_INIT),
@@ -137,14 +137,33 @@ impl UserMap {
     }
 }
 
+/// How a cache serves memory mappings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Serve {
+    /// Through userfaultfd, if the kernel offers it (else as `Populate`, saying why).
+    Userfaultfd,
+    /// Populate and pin each mapping's pages when it is made (`CacheBuilder::userfaultfd(false)`).
+    Populate,
+}
+
+/// What `map_pages` does with a valid page the memfd holds no memory for (a hole, which
+/// `UFFDIO_CONTINUE` refuses with `EFAULT`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Holes {
+    /// Allocate its (zeroed) memory and map it: a fault or a new mapping needs the page now.
+    Allocate,
+    /// Leave it unmapped (it traps when touched): a fill publishing pages maps what it can
+    /// without allocating memory for holes no one may touch.
+    Skip,
+}
+
 impl MapService {
     /// Probe the kernel and start `threads` handler threads; without userfaultfd (or with
-    /// `use_uffd` false), a service in populate mode.
-    pub(crate) fn start(use_uffd: bool, threads: usize) -> Arc<MapService> {
-        let kernel = if use_uffd {
-            open_kernel()
-        } else {
-            Err("userfaultfd disabled by CacheBuilder::userfaultfd(false)".into())
+    /// `Serve::Populate`), a service in populate mode.
+    pub(crate) fn start(serve: Serve, threads: usize) -> Arc<MapService> {
+        let kernel = match serve {
+            Serve::Userfaultfd => open_kernel(),
+            Serve::Populate => Err("userfaultfd disabled by CacheBuilder::userfaultfd(false)".into()),
         };
         let mode = match &kernel {
             Ok(_) => "userfaultfd".to_string(),
@@ -237,7 +256,7 @@ impl MapService {
     ///   the next window — Linux's `PG_readahead` met by a fault (`do_async_mmap_readahead`).
     ///
     /// Errors are ignored: a page not mapped now traps and is mapped then.
-    pub(crate) fn map_pages(&self, obj: &dyn Mapped, m: &UserMap, a: u64, b: u64, materialize: bool) {
+    pub(crate) fn map_pages(&self, obj: &dyn Mapped, m: &UserMap, a: u64, b: u64, holes: Holes) {
         if self.kernel.is_none() {
             return;
         }
@@ -252,13 +271,13 @@ impl MapService {
             while q < b && mappable(q) {
                 q += 1;
             }
-            self.map_run(obj, m, p, q, materialize);
+            self.map_run(obj, m, p, q, holes);
             p = q;
         }
     }
 
     /// `map_pages` for a run of mappable pages.
-    fn map_run(&self, obj: &dyn Mapped, m: &UserMap, a: u64, b: u64, materialize: bool) {
+    fn map_run(&self, obj: &dyn Mapped, m: &UserMap, a: u64, b: u64, holes: Holes) {
         let Some(k) = &self.kernel else { return };
         let ps = obj.page_shift();
         let Some((start, len)) = m.span(a, b, ps) else { return };
@@ -277,7 +296,7 @@ impl MapService {
                     off += e.done;
                     tries = 0;
                 }
-                Err(e) if e.errno == libc::EFAULT && materialize && tries == 0 => {
+                Err(e) if e.errno == libc::EFAULT && holes == Holes::Allocate && tries == 0 => {
                     // Not in the memfd: a valid hole. Allocate the zero page and retry.
                     let file_off = m.offset + (start + off - m.addr) as u64;
                     obj.materialize(file_off, sys as u64);
@@ -424,7 +443,7 @@ impl MapService {
         match obj.pin_for_fault(page, last) {
             Ok((chunk, n)) => {
                 self.fault_pages.fetch_add(n, Relaxed);
-                self.map_pages(&*obj, &m, page, page + n, true);
+                self.map_pages(&*obj, &m, page, page + n, Holes::Allocate);
                 {
                     let alive = m.alive.read();
                     if *alive {

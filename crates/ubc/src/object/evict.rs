@@ -21,7 +21,7 @@ impl Object {
         let _scan = (self.nmaps.load(SeqCst) > 0).then(|| self.scan_lock.lock());
         if _scan.is_some() {
             let mut found = Vec::new();
-            if let Some(svc) = self.core.maps.get() {
+            if let Some(svc) = self.res.maps.get() {
                 for m in self.maps.read().iter().filter(|m| m.tracked) {
                     for (a, b) in runs(pages) {
                         svc.zap(m, a, b, ps);
@@ -42,7 +42,7 @@ impl Object {
         let pages = if pages.iter().any(is_dirty) {
             let (keep, go): (Vec<u64>, Vec<u64>) = pages.iter().partition(|p| is_dirty(p));
             {
-                let mut pol = self.core.policy.lock();
+                let mut pol = self.res.policy.lock();
                 for &p in &keep {
                     pol.insert(self.key(p), Admission::Demand);
                 }
@@ -73,7 +73,7 @@ impl Object {
         }
         let n = pages.len() as u64;
         self.resident.fetch_sub(n, Relaxed);
-        self.core.unreserve(n);
+        self.res.unreserve(n);
         let sh = self.counters.mine();
         bump(&sh.evictions, n);
         bump(&sh.readahead_waste, waste);
@@ -81,7 +81,7 @@ impl Object {
 
     /// Evict every clean, unheld page (deactivation of a closed object). Returns pages freed.
     pub(crate) fn evict_clean(&self) -> u64 {
-        let cs = self.core.chunk_shift;
+        let cs = self.res.geo.chunk_shift;
         let mut freed = 0;
         self.table.for_each(0, u64::MAX, |chunk| {
             let base = chunk.index << cs;
@@ -93,7 +93,7 @@ impl Object {
                 return;
             }
             {
-                let mut pol = self.core.policy.lock();
+                let mut pol = self.res.policy.lock();
                 for &p in &taken {
                     pol.remove(self.key(p));
                 }

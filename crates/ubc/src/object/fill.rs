@@ -21,9 +21,9 @@ impl Object {
     /// (fewer than asked if a later page was not empty), or 0 if `first` itself was taken
     /// by someone else (the caller retries its pin, which waits for that filler).
     fn fill_run(&self, chunk: &Chunk, first: u64, last: u64, admission: Admission) -> Result<u64> {
-        let base = chunk.index << self.core.chunk_shift;
+        let base = chunk.index << self.res.geo.chunk_shift;
         let s0 = (first - base) as usize;
-        let max = self.core.max_fill_pages;
+        let max = self.res.geo.max_fill_pages;
         // Memory first, pages second (Linux allocates a page before it adds it locked to
         // the page cache): reserving may reclaim, and reclaim may write back any file —
         // which it could not do while this thread held pages BUSY (`order.rs`: a pager
@@ -35,10 +35,10 @@ impl Object {
         if want == 0 {
             return Ok(0);
         }
-        self.core.reserve(want)?;
+        self.res.reserve(want)?;
         let _pages = crate::order::hold(crate::order::Rank::page(self.depth()));
         if !chunk.pages[s0].try_lock_empty() {
-            self.core.unreserve(want);
+            self.res.unreserve(want);
             return Ok(0);
         }
         let mut n = 1u64;
@@ -46,11 +46,11 @@ impl Object {
             n += 1;
         }
         if n < want {
-            self.core.unreserve(want - n);
+            self.res.unreserve(want - n);
         }
         let locked = &chunk.pages[s0..s0 + n as usize];
         if let Err(e) = self.fill_locked(chunk, first, n) {
-            self.core.unreserve(n);
+            self.res.unreserve(n);
             locked.iter().for_each(|p| {
                 p.release_empty();
             });
@@ -70,7 +70,7 @@ impl Object {
             return Ok(());
         }
         let memfd = self.memfd()?;
-        let win = self.core.windows.address(chunk, memfd)?;
+        let win = self.res.windows.address(chunk, memfd)?;
         let bytes = (n << self.ps()) as usize;
         // SAFETY: the window maps the whole chunk; the caller holds these pages BUSY, so no
         // one else reads or writes these bytes, and the window cannot be retired.
@@ -104,11 +104,11 @@ impl Object {
         mark: Option<u64>,
     ) {
         let (dirty, pin) = (publish == Publish::Dirty, publish == Publish::Pinned);
-        let base = chunk.index << self.core.chunk_shift;
+        let base = chunk.index << self.res.geo.chunk_shift;
         // Insert into the policy before the pages become visible as valid: a page must
         // never be valid (evictable) without the policy knowing it.
         {
-            let mut pol = self.core.policy.lock();
+            let mut pol = self.res.policy.lock();
             for p in first..first + n {
                 pol.insert(self.key(p), admission);
             }
@@ -120,7 +120,7 @@ impl Object {
         // valid yet dirty and would re-protect it: the store would be lost. The contents are
         // final at `finish_fill`, so no mapping sees a half-made page either way. Resident
         // pages never trap, except the read-ahead marker, which `map_pages` leaves out.
-        let svc = if self.nmaps.load(SeqCst) > 0 { self.core.maps.get() } else { None };
+        let svc = if self.nmaps.load(SeqCst) > 0 { self.res.maps.get() } else { None };
         let pins = u32::from(pin) + u32::from(svc.is_some());
         // Counted before they are valid (and dirty): from `finish_fill` on, an eviction or a
         // writeback may count them out (see `dirty`).
@@ -138,7 +138,7 @@ impl Object {
         }
         if let Some(svc) = svc {
             for m in self.maps.read().iter() {
-                svc.map_pages(self, m, first, first + n, false);
+                svc.map_pages(self, m, first, first + n, Holes::Skip);
             }
             self.unpin_run(chunk, first, n);
         }
@@ -152,7 +152,7 @@ impl Object {
     pub(super) fn pin_run(&self, chunk: &Chunk, first: u64, last: u64, req_last: Option<u64>) -> Result<u64> {
         // A pin waits while the page is BUSY (a fill, perhaps a queued read-ahead job).
         crate::order::check_wait(crate::order::Rank::page(self.depth()));
-        let base = chunk.index << self.core.chunk_shift;
+        let base = chunk.index << self.res.geo.chunk_shift;
         let mut n = 0;
         loop {
             let p = first + n;
@@ -187,7 +187,7 @@ impl Object {
     }
 
     pub(super) fn unpin_run(&self, chunk: &Chunk, first: u64, n: u64) {
-        let base = chunk.index << self.core.chunk_shift;
+        let base = chunk.index << self.res.geo.chunk_shift;
         for p in first..first + n {
             chunk.pages[(p - base) as usize].unpin();
         }
@@ -203,7 +203,7 @@ impl Object {
             let page = pos >> ps;
             let (ci, _) = self.locate(page);
             let chunk = self.table.get_or_create(ci);
-            let chunk_last = ((ci + 1) << self.core.chunk_shift) - 1;
+            let chunk_last = ((ci + 1) << self.res.geo.chunk_shift) - 1;
             let req_last = (end - 1) >> ps;
             let last = req_last.min(chunk_last);
             let n = self.pin_run(chunk, page, last, Some(req_last))?;
@@ -212,7 +212,7 @@ impl Object {
             end = end.min(self.len());
             let to = end.min((page + n) << ps);
             if pos < to {
-                let r = self.memfd().and_then(|m| self.core.windows.address(chunk, m));
+                let r = self.memfd().and_then(|m| self.res.windows.address(chunk, m));
                 match r {
                     Ok(win) => {
                         // SAFETY: pages page..page+n are pinned (valid, cannot be evicted or
@@ -253,7 +253,7 @@ impl Object {
                 }
             }
         }
-        match self.memfd().and_then(|m| self.core.windows.address(chunk, m)) {
+        match self.memfd().and_then(|m| self.res.windows.address(chunk, m)) {
             Ok(w) => Ok(w),
             Err(e) => {
                 self.unpin_run(chunk, first, last + 1 - first);

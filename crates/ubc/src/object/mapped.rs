@@ -29,7 +29,7 @@ impl Object {
         if k == 0 {
             return 0;
         }
-        self.core.flusher.add_unclean(k);
+        self.res.dirty.add_unclean(k);
         self.note_dirtied(k);
         let n = clean.iter().filter(|st| st.mark_dirty()).count() as u64;
         if n < k {
@@ -37,13 +37,13 @@ impl Object {
             // Out of the published unclean count without counting as cleaned (which would
             // tell waiting writers that writeback made progress): as slots a writer took and
             // gave back unused.
-            self.core.flusher.hold(k - n);
+            self.res.dirty.hold(k - n);
             for _ in n..k {
-                self.core.flusher.unreserve();
+                self.res.dirty.unreserve();
             }
         }
         if n > 0
-            && let Some(svc) = self.core.maps.get()
+            && let Some(svc) = self.res.maps.get()
         {
             svc.scan_dirty.fetch_add(n, Relaxed);
         }
@@ -58,7 +58,7 @@ impl Object {
         if self.nmaps.load(SeqCst) == 0 {
             return 0;
         }
-        let Some(svc) = self.core.maps.get() else { return 0 };
+        let Some(svc) = self.res.maps.get() else { return 0 };
         let ps = self.ps();
         let _g = self.scan_lock.lock();
         let mut found = Vec::new();
@@ -83,7 +83,7 @@ impl Object {
     pub(crate) fn pin_for_fault(&self, page: u64, last: u64) -> Result<(&Chunk, u64)> {
         let (ci, _) = self.locate(page);
         let chunk = self.table.get_or_create(ci);
-        let chunk_last = ((ci + 1) << self.core.chunk_shift) - 1;
+        let chunk_last = ((ci + 1) << self.res.geo.chunk_shift) - 1;
         let last = last.min(chunk_last);
         let n = self.pin_run(chunk, page, last, Some(last))?;
         Ok((chunk, n))
@@ -96,7 +96,7 @@ impl Object {
     /// Map every page of `[a, b)` resident now into the new mapping `m` (so resident pages
     /// never trap). Pages being filled are waited for; their filler may map them first.
     pub(crate) fn map_resident(&self, svc: &crate::map::MapService, m: &UserMap, a: u64, b: u64) {
-        let cs = self.core.chunk_shift;
+        let cs = self.res.geo.chunk_shift;
         self.table.for_each(a >> cs, (b >> cs).saturating_add(1), |chunk| {
             let base = chunk.index << cs;
             let (lo, hi) = (a.max(base), b.min(base + (1 << cs)));
@@ -111,7 +111,7 @@ impl Object {
                     n += 1;
                 }
                 if n > 0 {
-                    svc.map_pages(self, m, p, p + n, true);
+                    svc.map_pages(self, m, p, p + n, Holes::Allocate);
                     self.unpin_run(chunk, p, n);
                 }
                 p += n + 1;
@@ -122,12 +122,12 @@ impl Object {
     /// Populate mode (no userfaultfd): pin every page of `[a, b)` within the file, filling
     /// them, for the life of a mapping. Returns the pinned runs (chunk index, first, last).
     pub(crate) fn pin_all(&self, a: u64, b: u64) -> Result<Vec<(u64, u64, u64)>> {
-        let cs = self.core.chunk_shift;
+        let cs = self.res.geo.chunk_shift;
         let b = b.min(self.len().div_ceil(1 << self.ps()));
-        if b.saturating_sub(a) > self.core.budget_pages / 2 {
+        if b.saturating_sub(a) > self.res.geo.budget_pages / 2 {
             return Err(Error::BudgetExceeded {
                 needed: (b - a) << self.ps(),
-                budget: self.core.budget_pages << self.ps(),
+                budget: self.res.geo.budget_pages << self.ps(),
             });
         }
         let mut runs = Vec::new();

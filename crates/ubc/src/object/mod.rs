@@ -18,15 +18,19 @@
 //! * page state words (see `page/state.rs`) — per page, lock-free CAS transitions. Threads
 //!   that hold several pages took them in ascending order.
 //! * the cache's policy mutex — only on fills, truncation and reclaim, never on hits.
+//!
+//! An object draws on the shared [`Resources`] (budget, policy, windows, I/O, dirty
+//! accounting) and never on the cache that keeps the registry of objects: where a resource
+//! needs other objects (reclaim), it reaches them through the cache's `Reclaim` hook.
 
-use crate::cache::CacheCore;
 use crate::error::{Error, PagerOp, Result};
 use crate::evict::{Admission, PageKey};
-use crate::map::UserMap;
+use crate::map::{Holes, UserMap};
 use crate::memfd::Memfd;
 use crate::page::state::{self, Filled, IfHeld, Pin, WriteLock, Written};
 use crate::page::table::{Chunk, PageTable};
-use crate::pager::{Fill, Pager};
+use crate::pager::{Fill, Identity, Pager};
+use crate::resources::{DirtyWriter, Resources};
 use crate::stats::{Counters, Stats, bump};
 use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
@@ -43,6 +47,7 @@ mod writeback;
 
 pub(crate) use fill::Publish;
 pub(crate) use mapped::Harvest;
+pub use truncate::Length;
 use write::Held;
 pub(crate) use writeback::Pass;
 
@@ -62,13 +67,31 @@ pub(crate) fn checked_end(offset: u64, len: usize) -> Result<u64> {
     }
 }
 
+/// What makes two opens reach the same cached object: the data's identity if the pager
+/// has one, else the pager instance itself (its address: the object keeps the pager alive,
+/// so the address cannot be reused while the entry exists).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum ObjectKey {
+    Data(Identity),
+    Instance(usize),
+}
+
+impl ObjectKey {
+    pub(crate) fn of(pager: &Arc<dyn Pager>) -> ObjectKey {
+        match pager.identity() {
+            Some(i) => ObjectKey::Data(i),
+            None => ObjectKey::Instance(Arc::as_ptr(pager) as *const () as usize),
+        }
+    }
+}
+
 pub(crate) struct Object {
     pub(crate) id: u64,
     /// Ourselves, for handing work to I/O threads.
     pub(crate) me: Weak<Object>,
     /// Read-ahead windows in flight: marker page → window size (see `readahead.rs`).
     pub(crate) ra_windows: Mutex<HashMap<u64, u64>>,
-    pub(crate) core: Arc<CacheCore>,
+    pub(crate) res: Arc<Resources>,
     pager: RwLock<Arc<dyn Pager>>,
     pub(crate) table: PageTable,
     memfd: OnceLock<Memfd>,
@@ -96,7 +119,7 @@ pub(crate) struct Object {
     dirtied_at: AtomicU64,
     pub(crate) counters: Counters,
     /// The registry key this object is filed under.
-    pub(crate) key: crate::cache::ObjectKey,
+    pub(crate) key: ObjectKey,
     name: String,
     /// The pager's depth (the highest any of its pagers reported): reclaim inside a pager
     /// call writes back only objects of lower depth.
@@ -114,24 +137,19 @@ pub(crate) struct Object {
 }
 
 impl Object {
-    pub(crate) fn new(
-        id: u64,
-        core: Arc<CacheCore>,
-        pager: Arc<dyn Pager>,
-        key: crate::cache::ObjectKey,
-    ) -> Result<Arc<Object>> {
+    pub(crate) fn new(id: u64, res: Arc<Resources>, pager: Arc<dyn Pager>, key: ObjectKey) -> Result<Arc<Object>> {
         let len =
             pager.len().map_err(|e| Error::Io { op: PagerOp::Len, offset: 0, object: pager.describe(), source: e })?;
         Ok(Arc::new_cyclic(|me| Object {
             id,
             me: me.clone(),
             ra_windows: Mutex::new(HashMap::new()),
-            table: PageTable::new(1 << core.chunk_shift),
+            table: PageTable::new(1 << res.geo.chunk_shift),
             key,
             name: pager.describe(),
             depth: AtomicU32::new(pager.depth()),
             pager: RwLock::new(pager),
-            core,
+            res,
             memfd: OnceLock::new(),
             memfd_init: Mutex::new(()),
             len: AtomicU64::new(len),
@@ -205,7 +223,7 @@ impl Object {
 
     /// `n` pages got the DIRTY bit whose unclean slots their writer reserved.
     fn publish_dirtied(&self, n: u64) {
-        self.core.flusher.publish(n);
+        self.res.dirty.publish(n);
         self.note_dirtied(n);
     }
 
@@ -213,7 +231,7 @@ impl Object {
     /// before the bit is set, unless the caller holds the pages WRITING (see `dirty`).
     fn note_dirtied(&self, n: u64) {
         if self.dirty.fetch_add(n, Relaxed) == 0 {
-            self.dirtied_at.store(self.core.flusher.now_ms(), Relaxed);
+            self.dirtied_at.store(self.res.dirty.now_ms(), Relaxed);
         }
     }
 
@@ -223,8 +241,8 @@ impl Object {
 
     pub(crate) fn stats(&self) -> Stats {
         let mut s = self.counters.snapshot();
-        s.resident_bytes = self.resident_pages() << self.core.page_shift;
-        s.dirty_bytes = self.dirty_pages() << self.core.page_shift;
+        s.resident_bytes = self.resident_pages() << self.res.geo.page_shift;
+        s.dirty_bytes = self.dirty_pages() << self.res.geo.page_shift;
         s.io_mode = self.pager.read().io_mode();
         s
     }
@@ -260,11 +278,11 @@ impl Object {
 
     #[inline]
     fn ps(&self) -> u32 {
-        self.core.page_shift
+        self.res.geo.page_shift
     }
 
     pub(crate) fn page_shift(&self) -> u32 {
-        self.core.page_shift
+        self.res.geo.page_shift
     }
 
     /// The memfd holding this object's pages (made on first use).
@@ -284,14 +302,14 @@ impl Object {
     /// Chunk index and slot of a page.
     #[inline]
     pub(crate) fn locate(&self, page: u64) -> (u64, usize) {
-        let cs = self.core.chunk_shift;
+        let cs = self.res.geo.chunk_shift;
         (page >> cs, (page & ((1 << cs) - 1)) as usize)
     }
 
     /// Byte offset of the start of `chunk` in the file (and the memfd).
     #[inline]
     fn chunk_offset(&self, chunk: &Chunk) -> u64 {
-        chunk.index << (self.core.chunk_shift + self.ps())
+        chunk.index << (self.res.geo.chunk_shift + self.ps())
     }
 
     fn key(&self, page: u64) -> PageKey {
@@ -307,8 +325,26 @@ impl Drop for Object {
             let _ = self.drop_pages(0, u64::MAX);
         }
         let table = &self.table;
-        self.core.windows.release_all(|f| table.for_each(0, u64::MAX, |c| f(c)));
-        self.core.retire_stats(self.counters.snapshot());
+        self.res.windows.release_all(|f| table.for_each(0, u64::MAX, |c| f(c)));
+        self.res.retire_stats(self.counters.snapshot());
+    }
+}
+
+impl DirtyWriter for Object {
+    fn id(&self) -> u64 {
+        self.id
+    }
+
+    fn depth(&self) -> u32 {
+        Object::depth(self)
+    }
+
+    fn dirty_pages(&self) -> u64 {
+        Object::dirty_pages(self)
+    }
+
+    fn write_back_inline(&self) -> Result<()> {
+        self.writeback(0, u64::MAX, Pass::Inline)
     }
 }
 

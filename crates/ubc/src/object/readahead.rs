@@ -29,8 +29,8 @@ impl Object {
     /// A demand miss at `page` by a read whose last page is `req_last`: if sequential, queue
     /// the rest of the read-ahead window beyond the request.
     pub(crate) fn readahead_on_miss(&self, page: u64, req_last: u64) {
-        let core = &self.core;
-        let max = core.ra_max_pages;
+        let g = &self.res.geo;
+        let max = g.ra_max_pages;
         if max == 0 {
             return;
         }
@@ -40,7 +40,7 @@ impl Object {
         }
         let req = req_last.min(eof) - page + 1;
         let size = if page == 0 || req >= max {
-            initial_size(req, core.ra_init_pages, max)
+            initial_size(req, g.ra_init_pages, max)
         } else {
             let contig = self.cached_run_before(page, max.min(page));
             if contig <= req {
@@ -61,13 +61,13 @@ impl Object {
 
     /// A reader reached the marked page `mark`: queue the next window.
     pub(crate) fn readahead_on_mark(&self, mark: u64) {
-        let core = &self.core;
-        let max = core.ra_max_pages;
+        let g = &self.res.geo;
+        let max = g.ra_max_pages;
         let Some(eof) = self.last_page() else { return };
         let known = self.ra_windows.lock().remove(&mark);
         // The next window starts where the cached run after the marker ends.
         let start = mark + 1 + self.cached_run_after(mark + 1, max);
-        let ramp = known.unwrap_or_else(|| (start - mark).max(core.ra_init_pages));
+        let ramp = known.unwrap_or_else(|| (start - mark).max(g.ra_init_pages));
         let size = (ramp * 2).min(max);
         let end = (start + size).min(eof + 1);
         if start < end {
@@ -88,8 +88,8 @@ impl Object {
             }
             w.insert(start, size);
         }
-        let cs = self.core.chunk_shift;
-        let piece = self.core.max_fill_pages;
+        let cs = self.res.geo.chunk_shift;
+        let piece = self.res.geo.max_fill_pages;
         let depth = self.depth();
         // The pages taken BUSY below are this thread's until their job is queued: reclaim
         // (in `try_reserve`) must not call a pager above, which could wait for them.
@@ -114,7 +114,7 @@ impl Object {
             while p + n < stop && chunk.pages[(p + n - base) as usize].try_lock_empty() {
                 n += 1;
             }
-            if self.core.try_reserve(n).is_err() {
+            if self.res.try_reserve(n).is_err() {
                 chunk.pages[(p - base) as usize..(p + n - base) as usize].iter().for_each(|s| {
                     s.release_empty();
                 });
@@ -123,7 +123,7 @@ impl Object {
             let obj: Arc<Object> = me.clone();
             let mark = (p == start).then_some(start);
             let first = p;
-            self.core.io.submit(depth, move || obj.readahead_fill(ci, first, n, mark));
+            self.res.io.submit(depth, move || obj.readahead_fill(ci, first, n, mark));
             p += n;
         }
     }
@@ -133,10 +133,10 @@ impl Object {
     fn readahead_fill(&self, ci: u64, first: u64, n: u64, mark: Option<u64>) {
         let chunk = self.table.get(ci).expect("chunk of pages taken for read-ahead");
         let _pages = crate::order::hold(crate::order::Rank::page(self.depth()));
-        let base = ci << self.core.chunk_shift;
+        let base = ci << self.res.geo.chunk_shift;
         if self.fill_locked(chunk, first, n).is_err() {
             // A read error is reported to whoever reads the page on demand.
-            self.core.unreserve(n);
+            self.res.unreserve(n);
             chunk.pages[(first - base) as usize..(first + n - base) as usize].iter().for_each(|s| {
                 s.release_empty();
             });
@@ -149,7 +149,7 @@ impl Object {
     /// Index of the last page of the file, if it is not empty.
     fn last_page(&self) -> Option<u64> {
         let len = self.len();
-        (len > 0).then(|| (len - 1) >> self.core.page_shift)
+        (len > 0).then(|| (len - 1) >> self.res.geo.page_shift)
     }
 
     /// How many pages right before `page` are valid, looking back at most `max`.

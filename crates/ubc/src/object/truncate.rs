@@ -37,7 +37,7 @@ impl Object {
             self.len.store(new, SeqCst);
             if new > old && self.nmaps.load(SeqCst) > 0 {
                 // Touches past the old end were answered with SIGBUS markers: clear them.
-                if let Some(svc) = self.core.maps.get() {
+                if let Some(svc) = self.res.maps.get() {
                     for m in self.maps.read().iter() {
                         svc.unpoison(m, old.div_ceil(1 << ps), new.div_ceil(1 << ps), ps);
                     }
@@ -66,15 +66,15 @@ impl Object {
                 // in the store, to reappear when the file grows again. One page over the
                 // limit, like a store found through a mapping.
                 if st.snapshot().dirty() {
-                    self.core.flusher.hold(1);
+                    self.res.dirty.hold(1);
                 } else if st.mark_dirty() {
-                    self.core.flusher.add_unclean(1);
+                    self.res.dirty.add_unclean(1);
                     self.note_dirtied(1);
-                    self.core.flusher.hold(1);
+                    self.res.dirty.hold(1);
                 } else {
-                    self.core.flusher.hold(1); // a found store dirtied it meanwhile
+                    self.res.dirty.hold(1); // a found store dirtied it meanwhile
                 }
-                let r = self.memfd().and_then(|m| self.core.windows.address(chunk, m));
+                let r = self.memfd().and_then(|m| self.res.windows.address(chunk, m));
                 if let Ok(win) = r {
                     let from = (new_len - self.chunk_offset(chunk)) as usize;
                     let to = (((page + 1) << ps) - self.chunk_offset(chunk)) as usize;
@@ -96,7 +96,7 @@ impl Object {
     /// invalidation, teardown). Waits for pins, writers and writebacks on those pages.
     pub(crate) fn drop_pages(&self, from: u64, to: u64) -> Result<()> {
         let _pages = crate::order::hold(crate::order::Rank::page(self.depth()));
-        let cs = self.core.chunk_shift;
+        let cs = self.res.geo.chunk_shift;
         let ps = self.ps();
         let mut err = Ok(());
         self.table.for_each(from >> cs, (to >> cs).saturating_add(1), |chunk| {
@@ -119,7 +119,7 @@ impl Object {
                 }
                 if st.clear_dirty_locked() {
                     self.dirty.fetch_sub(1, Relaxed);
-                    self.core.flusher.cleaned(1);
+                    self.res.dirty.cleaned(1);
                 }
                 dropped.push(p);
             }
@@ -127,7 +127,7 @@ impl Object {
                 return;
             }
             {
-                let mut pol = self.core.policy.lock();
+                let mut pol = self.res.policy.lock();
                 for &p in &dropped {
                     pol.remove(self.key(p));
                 }
@@ -146,11 +146,11 @@ impl Object {
             }
             if late_dirty > 0 {
                 self.dirty.fetch_sub(late_dirty, Relaxed);
-                self.core.flusher.cleaned(late_dirty);
+                self.res.dirty.cleaned(late_dirty);
             }
             let n = dropped.len() as u64;
             self.resident.fetch_sub(n, Relaxed);
-            self.core.unreserve(n);
+            self.res.unreserve(n);
         });
         err
     }
@@ -162,12 +162,12 @@ impl Object {
     /// A store through a mapping that lands between the clean and the drop is lost: the
     /// caller (the cache manager) invalidates only ranges another domain is about to
     /// overwrite or has overwritten.
-    pub(crate) fn invalidate(&self, from: u64, to: u64, length: crate::Length) -> Result<()> {
+    pub(crate) fn invalidate(&self, from: u64, to: u64, length: Length) -> Result<()> {
         self.clean(from, to)?;
         let _size = self.size_exclusive();
         let ps = self.ps();
         self.drop_pages(from >> ps, to.div_ceil(1 << ps).max(from >> ps))?;
-        if length == crate::Length::Reload {
+        if length == Length::Reload {
             let old = self.len();
             let new = self.call_pager(PagerOp::Len, 0, |p| p.len())?;
             if new != old {
@@ -176,7 +176,7 @@ impl Object {
                     // Pages past the new end read as SIGBUS in mappings, as after set_len.
                     self.drop_pages(new.div_ceil(1 << ps), u64::MAX)?;
                 } else if self.nmaps.load(SeqCst) > 0
-                    && let Some(svc) = self.core.maps.get()
+                    && let Some(svc) = self.res.maps.get()
                 {
                     for m in self.maps.read().iter() {
                         svc.unpoison(m, old.div_ceil(1 << ps), new.div_ceil(1 << ps), ps);
@@ -186,4 +186,14 @@ impl Object {
         }
         Ok(())
     }
+}
+
+/// What [`File::invalidate`](crate::File::invalidate) does with the file's length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Length {
+    /// Keep the length the cache knows (only the bytes changed underneath).
+    Keep,
+    /// Read it from the pager again (the stored file was replaced or resized underneath).
+    Reload,
 }

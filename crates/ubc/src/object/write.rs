@@ -45,12 +45,12 @@ impl Object {
             }
             WriteLock::Empty => {
                 bump(&self.counters.mine().misses, 1);
-                if let Err(e) = self.core.reserve(1) {
+                if let Err(e) = self.res.reserve(1) {
                     st.release_empty();
                     return Err(e);
                 }
-                if let Err(e) = self.core.reserve_dirty(self, None) {
-                    self.core.unreserve(1);
+                if let Err(e) = self.res.reserve_dirty(self, None) {
+                    self.res.unreserve(1);
                     st.release_empty();
                     return Err(e);
                 }
@@ -58,8 +58,8 @@ impl Object {
                 let covers = overwrite && from == page_off && to == page_off + (1 << self.ps());
                 let fresh = covers || page_off >= self.len();
                 if !fresh && let Err(e) = self.fill_locked(chunk, page, 1) {
-                    self.core.unreserve(1);
-                    self.core.unreserve_dirty();
+                    self.res.unreserve(1);
+                    self.res.unreserve_dirty();
                     st.release_empty();
                     return Err(e);
                 }
@@ -79,20 +79,20 @@ impl Object {
     fn dirty_held(&self, st: &state::PageState) -> Result<()> {
         // Nobody else clears DIRTY while we hold the page WRITING (writeback cannot begin).
         if st.snapshot().dirty() {
-            self.core.flusher.hold(1);
+            self.res.dirty.hold(1);
             return Ok(());
         }
-        if !self.core.reserve_dirty(self, Some(st))? {
+        if !self.res.reserve_dirty(self, Some(st))? {
             // A store through a mapping dirtied it while we waited and published its slot.
-            self.core.flusher.hold(1);
+            self.res.dirty.hold(1);
             return Ok(());
         }
         if st.mark_dirty() {
             self.note_dirtied(1);
         } else {
             // A store found through a mapping dirtied it first and published its slot.
-            self.core.unreserve_dirty();
-            self.core.flusher.hold(1);
+            self.res.unreserve_dirty();
+            self.res.dirty.hold(1);
         }
         Ok(())
     }
@@ -105,15 +105,15 @@ impl Object {
             Held::Writing(st) => {
                 // The page stays dirty (marked when taken): its slot becomes a published one,
                 // before the page is let go (a writeback may clean it at once; see `dirty`).
-                self.core.flusher.publish(1);
+                self.res.dirty.publish(1);
                 st.abort_write();
             }
             Held::Filled(chunk, page, _) => {
                 if let Some(m) = self.memfd.get() {
                     let _ = m.punch(page << self.ps(), 1 << self.ps());
                 }
-                self.core.unreserve(1);
-                self.core.unreserve_dirty();
+                self.res.unreserve(1);
+                self.res.unreserve_dirty();
                 chunk.pages[self.locate(page).1].release_empty();
             }
         }
@@ -125,7 +125,7 @@ impl Object {
             Held::Writing(st) => {
                 // Published before the page is let go: a writeback may clean it (and count
                 // its slot out) as soon as it is (see `dirty`).
-                self.core.flusher.publish(1);
+                self.res.dirty.publish(1);
                 let was_clean = st.end_write();
                 debug_assert!(!was_clean, "a held page is dirty from the start of the write");
             }
@@ -144,12 +144,12 @@ impl Object {
         if buf.is_empty() {
             return Ok(0);
         }
-        if self.core.maps.get().is_some_and(|svc| svc.overlaps(buf.as_ptr() as usize, buf.len())) {
+        if self.res.maps.get().is_some_and(|svc| svc.overlaps(buf.as_ptr() as usize, buf.len())) {
             return self.write_bounced(buf, offset);
         }
         let ps = self.ps();
         // Smooth dirty throttling happens here, before any page is held.
-        self.core.balance_dirty(((end - 1) >> ps) - (offset >> ps) + 1);
+        self.res.balance_dirty(((end - 1) >> ps) - (offset >> ps) + 1);
         let _size = self.size_shared();
         // Pages are held from here on (lock coupling), each taken in ascending order.
         let _pages = crate::order::hold(crate::order::Rank::page(self.depth()));
@@ -180,7 +180,7 @@ impl Object {
                 // size, so below any RLIMIT_FSIZE.
                 self.memfd().and_then(|m| m.write_at(src, pos))
             } else {
-                self.memfd().and_then(|m| self.core.windows.address(chunk, m)).map(|win| {
+                self.memfd().and_then(|m| self.res.windows.address(chunk, m)).map(|win| {
                     // SAFETY: we hold the page (WRITING or BUSY): no other writer, no
                     // eviction, no window retirement; the window maps the whole chunk.
                     unsafe {
@@ -257,7 +257,7 @@ impl Object {
                 }
             }
         }
-        match self.memfd().and_then(|m| self.core.windows.address(chunk, m)) {
+        match self.memfd().and_then(|m| self.res.windows.address(chunk, m)) {
             Ok(w) => Ok(w),
             Err(e) => {
                 helds.into_iter().for_each(|h| self.abort_held(h));

@@ -1,6 +1,6 @@
 //! Writing an object's dirty pages to its pager: clustered runs over the I/O pool, `clean`
 //! (Mach's `pager_clean_request`) and `sync`. *When* to write back (dirty limits, age, the
-//! flusher) is decided cache-wide in `cache/flusher.rs`.
+//! flusher) is decided cache-wide: `resources/dirty.rs` (limits) and `cache/flusher.rs`.
 
 use super::*;
 
@@ -48,7 +48,7 @@ impl Object {
         let _pages = crate::order::hold(crate::order::Rank::page(depth));
         let me = if parallel && !crate::io::on_io_thread() { self.me.upgrade() } else { None };
         let batch = crate::io::Batch::default();
-        let cs = self.core.chunk_shift;
+        let cs = self.res.geo.chunk_shift;
         let mut first_err: Option<Error> = None;
         self.table.for_each(from >> cs, (to >> cs).saturating_add(1), |chunk| {
             let base = chunk.index << cs;
@@ -63,7 +63,7 @@ impl Object {
                 }
                 let mut n = 1;
                 while p + n < hi
-                    && n < self.core.max_put_pages
+                    && n < self.res.geo.max_put_pages
                     && chunk.pages[(p + n - base) as usize].begin_writeback(IfHeld::Skip)
                 {
                     n += 1;
@@ -71,7 +71,7 @@ impl Object {
                 match &me {
                     Some(obj) => {
                         let (obj, ticket, ci, first) = (obj.clone(), batch.ticket(), chunk.index, p);
-                        self.core.io.submit(depth, move || {
+                        self.res.io.submit(depth, move || {
                             let chunk = obj.table.get(ci).expect("chunk of pages under writeback");
                             let _pages = crate::order::hold(crate::order::Rank::page(depth));
                             ticket.done(obj.write_run(chunk, first, n));
@@ -96,7 +96,7 @@ impl Object {
     /// Write pages `first..first+n` (WRITEBACK, taken by the caller) to the pager.
     fn write_run(&self, chunk: &Chunk, first: u64, n: u64) -> Result<()> {
         let ps = self.ps();
-        let base = chunk.index << self.core.chunk_shift;
+        let base = chunk.index << self.res.geo.chunk_shift;
         // begin_writeback cleared DIRTY; the pages stay unclean until they are written.
         self.dirty.fetch_sub(n, Relaxed);
         let offset = first << ps;
@@ -106,7 +106,7 @@ impl Object {
         let r = if bytes == 0 {
             Ok(())
         } else {
-            self.memfd().and_then(|m| self.core.windows.address(chunk, m)).and_then(|win| {
+            self.memfd().and_then(|m| self.res.windows.address(chunk, m)).and_then(|win| {
                 // SAFETY: pages held WRITEBACK (stable: no writer, no eviction, no retirement).
                 let data =
                     unsafe { std::slice::from_raw_parts(win.add((offset - self.chunk_offset(chunk)) as usize), bytes) };
@@ -131,14 +131,14 @@ impl Object {
         if ok {
             bump(&sh.written_bytes, bytes as u64);
             bump(&sh.writebacks, n);
-            self.core.flusher.cleaned(n);
+            self.res.dirty.cleaned(n);
         } else {
             // Each page is dirty again, counted once: pages re-dirtied meanwhile (by a store
             // found through a mapping) were counted dirty and unclean when found, so the
             // count just made for them and their writeback's unclean slot go.
             if redirtied > 0 {
                 self.dirty.fetch_sub(redirtied, Relaxed);
-                self.core.flusher.cleaned(redirtied);
+                self.res.dirty.cleaned(redirtied);
             }
             bump(&sh.writeback_errors, 1);
         }

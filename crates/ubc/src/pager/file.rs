@@ -63,6 +63,32 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 
+/// Whether a handle may modify the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Access {
+    ReadOnly,
+    ReadWrite,
+}
+
+impl Access {
+    /// The access mode bits of an `open` with this access.
+    fn flags(self) -> OFlags {
+        match self {
+            Access::ReadOnly => OFlags::RDONLY,
+            Access::ReadWrite => OFlags::RDWR,
+        }
+    }
+}
+
+/// What the path a pager is made with is: the file's name, by which it may be reopened (for
+/// `O_DIRECT` when `/proc/self/fd` is missing), or only a name for messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PathRole {
+    Reopenable,
+    Label,
+}
+
 /// Largest bounce buffer used for one direct transfer from or to an unaligned caller buffer.
 const BOUNCE_MAX: usize = 1 << 20;
 
@@ -85,7 +111,7 @@ pub struct FilePager {
     /// Where to reopen the file if `/proc/self/fd` is not available (`open`/`create` only).
     reopen_path: Option<PathBuf>,
     path: PathBuf,
-    writable: bool,
+    access: Access,
     dev: u64,
     ino: u64,
 }
@@ -117,36 +143,35 @@ impl std::ops::Deref for Fd<'_> {
 
 impl FilePager {
     /// Open an existing host file, read-only or read-write.
-    pub fn open(path: impl AsRef<Path>, access: crate::Access) -> io::Result<FilePager> {
+    pub fn open(path: impl AsRef<Path>, access: Access) -> io::Result<FilePager> {
         let path = path.as_ref();
-        let writable = access == crate::Access::ReadWrite;
-        let file = OpenOptions::new().read(true).write(writable).open(path)?;
-        FilePager::new(file, path, writable, true)
+        let file = OpenOptions::new().read(true).write(access == Access::ReadWrite).open(path)?;
+        FilePager::new(file, path, access, PathRole::Reopenable)
     }
 
     /// Open a host file read-write, creating it if it does not exist.
     pub fn create(path: impl AsRef<Path>) -> io::Result<FilePager> {
         let path = path.as_ref();
         let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path)?;
-        FilePager::new(file, path, true, true)
+        FilePager::new(file, path, Access::ReadWrite, PathRole::Reopenable)
     }
 
     /// Wrap an already open host file. `path` is only used in messages. Direct I/O is tried
     /// by reopening the file through `/proc/self/fd` (a new open file description, so other
     /// duplicates of `file` are not affected); `file` itself is then closed.
-    pub fn from_file(file: File, path: impl AsRef<Path>, access: crate::Access) -> io::Result<FilePager> {
-        FilePager::new(file, path.as_ref(), access == crate::Access::ReadWrite, false)
+    pub fn from_file(file: File, path: impl AsRef<Path>, access: Access) -> io::Result<FilePager> {
+        FilePager::new(file, path.as_ref(), access, PathRole::Label)
     }
 
-    fn new(file: File, path: &Path, writable: bool, path_is_real: bool) -> io::Result<FilePager> {
+    fn new(file: File, path: &Path, access: Access, role: PathRole) -> io::Result<FilePager> {
         let meta = file.metadata()?;
         if !meta.is_file() {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "not a regular file"));
         }
         let (dev, ino) = (meta.dev(), meta.ino());
-        let reopen_path = path_is_real.then(|| path.to_path_buf());
+        let reopen_path = (role == PathRole::Reopenable).then(|| path.to_path_buf());
         // In direct mode the buffered descriptor is closed: one descriptor per pager.
-        let (file, align) = match open_direct(&file, reopen_path.as_deref(), writable, dev, ino) {
+        let (file, align) = match open_direct(&file, reopen_path.as_deref(), access, dev, ino) {
             Some((direct, align)) => (direct, Some(align)),
             None => {
                 no_readahead(&file);
@@ -160,7 +185,7 @@ impl FilePager {
             fallback: OnceLock::new(),
             reopen_path,
             path: path.to_path_buf(),
-            writable,
+            access,
             dev,
             ino,
         })
@@ -206,7 +231,7 @@ impl FilePager {
         if let Some(f) = self.fallback.get() {
             return Ok(Fd::Borrowed(f));
         }
-        let flags = if self.writable { OFlags::RDWR } else { OFlags::RDONLY } | OFlags::CLOEXEC;
+        let flags = self.access.flags() | OFlags::CLOEXEC;
         let f = reopen(&self.file, self.reopen_path.as_deref(), flags, self.dev, self.ino)?;
         if self.direct_on.load(Relaxed) {
             return Ok(Fd::Owned(f));
@@ -391,7 +416,7 @@ impl Pager for FilePager {
     }
 
     fn is_writable(&self) -> bool {
-        self.writable
+        self.access == Access::ReadWrite
     }
 
     fn describe(&self) -> String {
@@ -405,7 +430,7 @@ impl Pager for FilePager {
 
 /// Open an `O_DIRECT` descriptor on the same inode as `file`, with its alignment, or `None`
 /// if the file system does not support (or does not benefit from) direct I/O.
-fn open_direct(file: &File, path: Option<&Path>, writable: bool, dev: u64, ino: u64) -> Option<(File, Align)> {
+fn open_direct(file: &File, path: Option<&Path>, access: Access, dev: u64, ino: u64) -> Option<(File, Align)> {
     let fs_type = rustix::fs::fstatfs(file).ok()?.f_type as u64 & 0xffff_ffff;
     if fs_type == TMPFS_MAGIC || fs_type == RAMFS_MAGIC {
         return None; // the page cache is the storage: O_DIRECT would copy through it anyway
@@ -427,7 +452,7 @@ fn open_direct(file: &File, path: Option<&Path>, writable: bool, dev: u64, ino: 
     if !mem.is_power_of_two() || !offset.is_power_of_two() || offset > BOUNCE_MAX {
         return None;
     }
-    let flags = if writable { OFlags::RDWR } else { OFlags::RDONLY } | OFlags::DIRECT | OFlags::CLOEXEC;
+    let flags = access.flags() | OFlags::DIRECT | OFlags::CLOEXEC;
     // EINVAL: O_DIRECT refused.
     let direct = reopen(file, path, flags, dev, ino).ok()?;
     Some((direct, Align { mem, offset }))

@@ -8,11 +8,12 @@
 //! The trait is object safe and has no ubc-internal types in it, so layers and object
 //! stores outside this crate implement it directly.
 
-mod file;
+pub(crate) mod file;
 #[cfg(feature = "testing")]
 mod inject;
 mod mem;
 
+pub(crate) use file::Access;
 pub use file::FilePager;
 #[cfg(feature = "testing")]
 pub use inject::{InjectedCounts, InjectingPager, Injector};

@@ -1,0 +1,307 @@
+//! The resources every object draws on, below the objects and the cache that keeps them:
+//! page geometry, the memory budget and its reservations, the replacement policy, the window
+//! pool, the I/O pools, the mapping service, the write-behind accounting (`dirty.rs`) and the
+//! statistics of objects already gone.
+//!
+//! Budget. `resident` counts pages that are valid or reserved for a fill in progress;
+//! a fill reserves before it allocates, so memory never exceeds the budget (the memfds may
+//! hold less: a hole page counts resident before anything touches it). When a reservation
+//! does not fit, the reserving thread reclaims (direct reclaim), as `uvm_pagealloc` falls back
+//! to the page daemon's work when free pages run out.
+//!
+//! Reclaim walks the objects, which sit above this module: it is reached through the
+//! [`Reclaim`] trait the cache implements and installs here once it is built (as the
+//! kernel's allocator calls into page reclaim through a hook, not by owning the LRU lists).
+//! The page daemon's and the flusher's wake-ups live here too (a flag and a condition
+//! variable each); their threads belong to the cache.
+
+use crate::error::{Error, Result};
+use crate::evict::EvictionPolicy;
+use crate::map::Serve;
+use crate::stats::Stats;
+use crate::window::Windows;
+use parking_lot::{Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+mod dirty;
+
+pub(crate) use dirty::{DirtyAccount, DirtyWriter};
+
+/// What the resources need from the cache above them: freeing memory and cleaning pages
+/// means visiting other objects, which only the cache's registry knows.
+pub(crate) trait Reclaim: Send + Sync {
+    /// Free up to `want` pages through the replacement policy (dirty victims are written
+    /// back and taken on a later round). Returns pages freed; an error only if nothing was
+    /// freed because writeback failed. => the caller holds neither the policy lock nor the
+    /// registry lock (reclaim takes them in that order).
+    fn reclaim(&self, want: u64) -> Result<u64>;
+
+    /// Write back, oldest dirty first, every object other than `except` that has dirty pages
+    /// and whose pager this thread may call (`order::may_call_pager`); the first error stops
+    /// it. For a writer stuck at the dirty limit. => the caller holds no registry or policy
+    /// lock (it may hold pages of `except`).
+    fn clean_others(&self, except: u64) -> Result<()>;
+}
+
+/// Sizes fixed when the cache is built.
+pub(crate) struct Geometry {
+    pub(crate) page_size: usize,
+    pub(crate) page_shift: u32,
+    /// log2 of pages per chunk (= per window).
+    pub(crate) chunk_shift: u32,
+    pub(crate) budget_pages: u64,
+    pub(crate) max_fill_pages: u64,
+    pub(crate) max_put_pages: u64,
+    /// Read-ahead window sizes in pages (`ra_max_pages` 0: off).
+    pub(crate) ra_init_pages: u64,
+    pub(crate) ra_max_pages: u64,
+    /// Free pages below which the page daemon wakes, and up to which it frees.
+    pub(crate) low_free: u64,
+    pub(crate) high_free: u64,
+    /// Pages only pager scopes may use (see `limit`).
+    pub(crate) reserve_pages: u64,
+    /// How long a fill waits for pinned pages before it fails.
+    pub(crate) reserve_timeout: Duration,
+}
+
+/// A background thread's wake-up: a kick flag, a shutdown flag and a condition variable.
+#[derive(Default)]
+pub(crate) struct Wakeup {
+    state: Mutex<WakeState>,
+    cv: Condvar,
+    /// Set from the first kick until the thread takes it: later kicks skip the mutex.
+    kicked: AtomicBool,
+}
+
+#[derive(Default)]
+struct WakeState {
+    kick: bool,
+    shutdown: bool,
+}
+
+impl Wakeup {
+    /// Wake the thread if it sleeps (cheap when already kicked).
+    pub(crate) fn kick(&self) {
+        if !self.kicked.swap(true, Relaxed) {
+            let mut st = self.state.lock();
+            st.kick = true;
+            self.cv.notify_one();
+        }
+    }
+
+    /// Sleep until kicked, shut down or `nap` passed (`None`: do not sleep), then take the
+    /// kick. Returns false once shut down. => called only by the thread this wakes, holding
+    /// no lock.
+    pub(crate) fn wait(&self, nap: Option<Duration>) -> bool {
+        let mut st = self.state.lock();
+        if let Some(nap) = nap
+            && !st.kick
+            && !st.shutdown
+        {
+            self.cv.wait_for(&mut st, nap);
+        }
+        if st.shutdown {
+            return false;
+        }
+        st.kick = false;
+        self.kicked.store(false, Relaxed);
+        true
+    }
+
+    /// Tell the thread to stop (it returns from its next `wait`).
+    pub(crate) fn shut_down(&self) {
+        let mut st = self.state.lock();
+        st.shutdown = true;
+        self.cv.notify_all();
+    }
+}
+
+pub(crate) struct Resources {
+    pub(crate) geo: Geometry,
+    /// Pages valid or reserved, over all objects.
+    pub(crate) resident: AtomicU64,
+    /// Wakes the page daemon (the cache's thread) when free space drops below `low_free`.
+    pub(crate) daemon: Wakeup,
+    /// Write-behind accounting: unclean pages, thresholds, throttling.
+    pub(crate) dirty: DirtyAccount,
+    /// Background I/O threads (read-ahead, writeback).
+    pub(crate) io: crate::io::IoPool,
+    /// Memory mappings: fault handling and the mapping table (made on first `map`).
+    pub(crate) maps: OnceLock<Arc<crate::map::MapService>>,
+    serve: Serve,
+    fault_threads: usize,
+    pub(crate) policy: Mutex<Box<dyn EvictionPolicy>>,
+    pub(crate) policy_name: String,
+    pub(crate) windows: Windows,
+    /// Counters of objects already dropped.
+    retired: Mutex<Stats>,
+    /// The cache above, for reclaim (set once it is built).
+    up: OnceLock<Weak<dyn Reclaim>>,
+}
+
+/// The settings `Resources::new` needs besides the geometry.
+pub(crate) struct Parts {
+    pub(crate) dirty: DirtyAccount,
+    pub(crate) io: crate::io::IoPool,
+    pub(crate) serve: Serve,
+    pub(crate) fault_threads: usize,
+    pub(crate) policy: Box<dyn EvictionPolicy>,
+    pub(crate) policy_name: String,
+    pub(crate) windows: Windows,
+}
+
+/// Pages reclaimed per policy-lock hold.
+pub(crate) const RECLAIM_BATCH: u64 = 64;
+
+impl Resources {
+    pub(crate) fn new(geo: Geometry, p: Parts) -> Resources {
+        Resources {
+            geo,
+            resident: AtomicU64::new(0),
+            daemon: Wakeup::default(),
+            dirty: p.dirty,
+            io: p.io,
+            maps: OnceLock::new(),
+            serve: p.serve,
+            fault_threads: p.fault_threads,
+            policy: Mutex::new(p.policy),
+            policy_name: p.policy_name,
+            windows: p.windows,
+            retired: Mutex::new(Stats::default()),
+            up: OnceLock::new(),
+        }
+    }
+
+    /// Connect the cache above. => called once, by `CacheBuilder::build`, before any object
+    /// exists (until then reclaim finds nothing to free).
+    pub(crate) fn install(&self, up: Weak<dyn Reclaim>) {
+        let _ = self.up.set(up);
+    }
+
+    /// The cache above, unless it is gone (then nothing can be reclaimed).
+    fn up(&self) -> Option<Arc<dyn Reclaim>> {
+        self.up.get().and_then(Weak::upgrade)
+    }
+
+    /// Reclaim through the cache above; 0 if it is gone. => as [`Reclaim::reclaim`].
+    pub(crate) fn reclaim(&self, want: u64) -> Result<u64> {
+        match self.up() {
+            Some(up) => up.reclaim(want),
+            None => Ok(0),
+        }
+    }
+
+    /// The mapping service, started on first use.
+    pub(crate) fn map_service(&self) -> &Arc<crate::map::MapService> {
+        self.maps.get_or_init(|| crate::map::MapService::start(self.serve, self.fault_threads))
+    }
+
+    pub(crate) fn retire_stats(&self, s: Stats) {
+        self.retired.lock().add(&s);
+    }
+
+    /// Counters of every object already dropped.
+    pub(crate) fn retired(&self) -> Stats {
+        *self.retired.lock()
+    }
+
+    /// Reserve budget for `n` pages about to be filled, reclaiming if needed.
+    /// Fails with `BudgetExceeded` only if nothing can be freed for `reserve_timeout`
+    /// (every page pinned), or with the writeback error that kept dirty pages from leaving.
+    /// => the caller holds no policy or registry lock (reclaim takes them).
+    pub(crate) fn reserve(&self, n: u64) -> Result<()> {
+        let g = &self.geo;
+        let limit = self.limit();
+        if n > limit {
+            return Err(self.budget_exceeded(n));
+        }
+        let mut deadline: Option<Instant> = None;
+        let mut spins = 0u32;
+        loop {
+            let cur = self.resident.load(SeqCst);
+            if cur + n <= limit {
+                if self.resident.compare_exchange_weak(cur, cur + n, SeqCst, SeqCst).is_ok() {
+                    if self.free_after(cur + n) < g.low_free {
+                        self.daemon.kick();
+                    }
+                    return Ok(());
+                }
+                continue;
+            }
+            self.daemon.kick();
+            let want = (cur + n - limit).max(RECLAIM_BATCH.min(g.budget_pages / 8).max(1));
+            match self.reclaim(want) {
+                Ok(freed) if freed > 0 => {
+                    deadline = None;
+                    continue;
+                }
+                Ok(_) => {}
+                Err(e) => return Err(e),
+            }
+            // Nothing evictable right now (pinned, busy or in writeback): wait for holders.
+            let d = *deadline.get_or_insert_with(|| Instant::now() + g.reserve_timeout);
+            if Instant::now() > d {
+                return Err(self.budget_exceeded(n));
+            }
+            spins += 1;
+            if spins < 16 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        }
+    }
+
+    /// Reserve budget for `n` pages without waiting: one round of reclaim at most. For
+    /// optional work (read-ahead), which should give up rather than wait for pinned pages.
+    /// => as `reserve`.
+    pub(crate) fn try_reserve(&self, n: u64) -> Result<()> {
+        let limit = self.limit();
+        for attempt in 0..2 {
+            let cur = self.resident.load(SeqCst);
+            if cur + n <= limit {
+                if self.resident.compare_exchange(cur, cur + n, SeqCst, SeqCst).is_ok() {
+                    if self.free_after(cur + n) < self.geo.low_free {
+                        self.daemon.kick();
+                    }
+                    return Ok(());
+                }
+                continue;
+            }
+            if attempt == 0 && cur + n > limit {
+                self.reclaim(cur + n - limit)?;
+            }
+        }
+        Err(self.budget_exceeded(n))
+    }
+
+    /// Pages this thread may have resident: the budget inside a pager scope, the budget less
+    /// the reserve elsewhere. The reserve is for writeback (Linux's `PF_MEMALLOC` reserves
+    /// below the min watermark): a layer's pager cleaning upper pages writes lower ones, and
+    /// with the cache full of dirty upper pages it would otherwise compete for each freed
+    /// page with every thread that is dirtying more.
+    fn limit(&self) -> u64 {
+        let g = &self.geo;
+        if crate::order::in_pager() { g.budget_pages } else { g.budget_pages - g.reserve_pages }
+    }
+
+    /// Pages free for ordinary use (the reserve excluded) when `resident` are resident: what
+    /// the page daemon keeps between its watermarks.
+    pub(crate) fn free_after(&self, resident: u64) -> u64 {
+        (self.geo.budget_pages - self.geo.reserve_pages).saturating_sub(resident)
+    }
+
+    fn budget_exceeded(&self, n: u64) -> Error {
+        let g = &self.geo;
+        Error::BudgetExceeded { needed: n << g.page_shift, budget: g.budget_pages << g.page_shift }
+    }
+
+    /// Give back `n` pages reserved with `reserve` or `try_reserve` (or counted resident by
+    /// a fill that published them and is now evicted or dropped).
+    pub(crate) fn unreserve(&self, n: u64) {
+        let old = self.resident.fetch_sub(n, SeqCst);
+        debug_assert!(old >= n);
+    }
+}
