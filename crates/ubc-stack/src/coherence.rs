@@ -9,7 +9,7 @@
 //!
 //! ## Model
 //!
-//! A file reached through a stack has one [`Group`] (the paper's *file token*, issued by the
+//! A file reached through a stack has one `Group` (the paper's *file token*, issued by the
 //! bottom layer and inherited by simply-named layers). Its cached data lives in a chain of
 //! *domains*: domain 0 is the stored file (bytes as the bottom layer keeps them); each
 //! general layer above (compression, encryption) adds a domain with its own naming of the

@@ -29,7 +29,7 @@ pub struct File {
 }
 
 impl Cache {
-    /// Open a file served by `pager`. Two pagers with the same [`Identity`] share one cached
+    /// Open a file served by `pager`. Two pagers with the same [`Identity`](crate::Identity) share one cached
     /// object (one copy of each page); so do two opens of the same pager instance. The handle is writable if `access` asks for it; a
     /// read-only pager makes that an error.
     pub fn open(&self, pager: Arc<dyn Pager>, access: Access) -> Result<File> {

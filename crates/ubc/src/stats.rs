@@ -101,7 +101,7 @@ pub struct CacheStats {
     /// Total time writers were paused by dirty throttling, and flusher rounds.
     pub throttled_ms: u64,
     pub flusher_runs: u64,
-    /// How mappings are served: "userfaultfd", or "populate (<why not userfaultfd>)";
+    /// How mappings are served: "userfaultfd", or "populate (‹why not userfaultfd›)";
     /// "none yet" before the first `map`.
     pub map_mode: String,
     /// User mappings alive now.

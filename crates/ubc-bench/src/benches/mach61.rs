@@ -16,7 +16,7 @@ fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-/// Parse "<name> … <ms> ms" lines of round 2.
+/// Parse `"<name> … <ms> ms"` lines of round 2.
 fn times(out: &str) -> Option<(f64, f64, f64)> {
     let round2 = &out[out.find("round 2")?..];
     let ms = |key: &str| -> Option<f64> {

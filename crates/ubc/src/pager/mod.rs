@@ -118,7 +118,7 @@ pub trait Pager: Send + Sync + 'static {
 }
 
 /// Marks the current thread, for its lifetime, as working for a pager of the given depth
-/// (see [`Pager::depth`](crate::Pager::depth)): the cache enters one around every pager
+/// (see [`Pager::depth`]): the cache enters one around every pager
 /// call it makes, and a layer enters one itself when it holds its own locks and uses its
 /// lower file outside such a call (a metadata flush requested from outside the cache).
 /// It holds the rank `Pager(depth)` of the lock order (`order.rs`).
