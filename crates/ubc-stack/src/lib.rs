@@ -37,7 +37,7 @@ mod sync;
 
 pub use coherence::{CoherenceStats, Translate};
 pub use error::{Error, Result};
-pub use layer::{Attr, DirEntry, Kind, Layer, SetAttr};
+pub use layer::{Attr, DirEntry, Kind, Layer, Rename, SetAttr};
 pub use stack::{
     Coherence, File, LayerRef, LockConflict, LockKind, LockOwner, LockWait, Mapping, OpenOptions, Stack, StackBuilder,
 };

@@ -4,7 +4,7 @@
 use crate::coherence::{ALL, CoherenceStats, Counters, Group, Mode};
 pub use crate::coherence::{Coherence, LockConflict, LockKind, LockWait};
 use crate::error::{Error, Result};
-use crate::layer::{Attr, Below, DirEntry, Kind, Layer, Opened, SetAttr, norm};
+use crate::layer::{Attr, Below, DirEntry, Kind, Layer, Opened, Rename, SetAttr, norm};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::ops::Range;
@@ -300,8 +300,14 @@ impl Inner {
         }
     }
 
-    /// The file token of `path` as seen at `level`, if the file has an open group.
+    /// The file token of `path` as seen at `level`, if it is a regular file whose only name
+    /// this is (its data goes with the name). Opens it: never a FIFO, which would wait for
+    /// a writer.
     fn group_of(self: &Arc<Self>, level: usize, path: &str) -> Option<(Arc<Group>, Option<ubc::Identity>)> {
+        let a = self.layers[level].getattr(path).ok()?;
+        if a.kind != Kind::File || a.nlink > 1 {
+            return None;
+        }
         let node = self.open_node(level, path, false).ok()?;
         Some((node.group.clone(), node.file.identity()))
     }
@@ -442,9 +448,7 @@ impl LayerRef {
     /// (in every domain) is dropped: a new file that reuses the inode starts clean.
     pub fn remove(&self, path: &str) -> Result<()> {
         let p = not_root(norm(path)?, "remove")?;
-        // Only a regular file has cached data; its last name is going if it has one link.
-        let last_name = self.layer().getattr(&p).is_ok_and(|a| a.kind == Kind::File && a.nlink <= 1);
-        let doomed = if last_name { self.inner().group_of(self.level, &p) } else { None };
+        let doomed = self.inner().group_of(self.level, &p);
         self.layer().remove(&p)?;
         self.inner().invalidate_names(&p);
         if let Some((g, id)) = doomed {
@@ -537,6 +541,11 @@ impl LayerRef {
     /// Rename `from` to `to` (replacing a file at `to`). Lookups of both names, and of
     /// everything under them, are invalidated in every layer.
     pub fn rename(&self, from: &str, to: &str) -> Result<()> {
+        self.rename_with(from, to, Rename::Replace)
+    }
+
+    /// [`LayerRef::rename`] with `renameat2(2)`'s modes ([`Rename`]).
+    pub fn rename_with(&self, from: &str, to: &str, how: Rename) -> Result<()> {
         let (f, t) = (not_root(norm(from)?, "rename")?, not_root(norm(to)?, "replace")?);
         if self.layer().spec().starts_with("union:")
             && let Ok(a) = self.layer().getattr(&f)
@@ -545,8 +554,9 @@ impl LayerRef {
             // Copy a lower file up first: the union renames only upper files.
             drop(self.open_with(&f, OpenOptions { write: true, ..Default::default() })?);
         }
-        let replaced = self.inner().group_of(self.level, &t);
-        self.layer().rename(&f, &t)?;
+        // Exchanged or kept, the file at `to` lives on under a name: only a replaced one goes.
+        let replaced = if how == Rename::Replace { self.inner().group_of(self.level, &t) } else { None };
+        self.layer().rename_with(&f, &t, how)?;
         self.inner().invalidate_names(&f);
         self.inner().invalidate_names(&t);
         if let Some((g, id)) = replaced {

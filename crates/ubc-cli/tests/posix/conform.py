@@ -311,6 +311,35 @@ def rename_cases(d):
     return r
 
 
+def renameat2(a, b, flags):
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    at_fdcwd = -100
+    if libc.renameat2(at_fdcwd, a.encode(), at_fdcwd, b.encode(), flags) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
+@case("both")
+def rename_noreplace_and_exchange(d):
+    noreplace, exchange = 1, 2
+    for n, body in (("a", "A"), ("b", "B")):
+        with open(f"{d}/{n}", "w") as f:
+            f.write(body)
+    os.mkdir(f"{d}/dir")
+    with open(f"{d}/dir/inside", "w") as f:
+        f.write("in")
+    r = [attempt(renameat2, f"{d}/a", f"{d}/b", noreplace),
+         attempt(renameat2, f"{d}/a", f"{d}/c", noreplace),
+         attempt(renameat2, f"{d}/c", f"{d}/b", exchange),
+         open(f"{d}/b").read(), open(f"{d}/c").read(),
+         attempt(renameat2, f"{d}/c", f"{d}/dir", exchange),
+         sorted(os.listdir(d)), attempt(lambda: open(f"{d}/c/inside").read()),
+         attempt(renameat2, f"{d}/b", f"{d}/missing", exchange),
+         attempt(renameat2, f"{d}/b", f"{d}/x", noreplace | exchange)]
+    return r
+
+
 @case("both")
 def inode_numbers_stay(d):
     with open(f"{d}/f", "w") as f:

@@ -5,7 +5,7 @@
 //! are not followed when opening or stat-ing (`O_NOFOLLOW`, `lstat`), so a link planted in
 //! the directory cannot lead the stack outside it.
 
-use super::{Attr, Below, DirEntry, Kind, Layer, Opened, SetAttr};
+use super::{Attr, Below, DirEntry, Kind, Layer, Opened, Rename, SetAttr};
 use crate::error::{Error, Result};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::PathBuf;
@@ -247,6 +247,18 @@ impl Layer for Dir {
         self.check_components(from)?;
         self.check_components(to)?;
         std::fs::rename(self.host(from), self.host(to)).map_err(|e| Error::io(from, e))
+    }
+
+    fn rename_with(&self, from: &str, to: &str, how: Rename) -> Result<()> {
+        self.check_components(from)?;
+        self.check_components(to)?;
+        let flags = match how {
+            Rename::Replace => rustix::fs::RenameFlags::empty(),
+            Rename::NoReplace => rustix::fs::RenameFlags::NOREPLACE,
+            Rename::Exchange => rustix::fs::RenameFlags::EXCHANGE,
+        };
+        rustix::fs::renameat_with(rustix::fs::CWD, self.host(from), rustix::fs::CWD, self.host(to), flags)
+            .map_err(|e| Error::io(from, e.into()))
     }
 
     fn symlink(&self, target: &str, path: &str) -> Result<()> {

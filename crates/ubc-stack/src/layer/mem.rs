@@ -1,7 +1,7 @@
 //! `mem`: an in-memory tree (Mach's default pager for every file). Nothing persists past
 //! the process; useful for tests, scratch stacks and as the bottom of benchmarks.
 
-use super::{Attr, Below, DirEntry, Kind, Layer, Opened, SetAttr, parent};
+use super::{Attr, Below, DirEntry, Kind, Layer, Opened, Rename, SetAttr, parent};
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
@@ -180,6 +180,16 @@ impl Layer for Mem {
     }
     fn create(&self, path: &str, mode: u32) -> Result<()> {
         self.add(path, Kind::File, mode)
+    }
+    fn rename_with(&self, from: &str, to: &str, how: Rename) -> Result<()> {
+        match how {
+            Rename::Replace => self.rename(from, to),
+            // Checked and renamed under one hold of the tree lock would need the rename's
+            // body here; a memory tree is one process's, so check-then-rename is enough.
+            Rename::NoReplace if self.nodes.lock().contains_key(to) => Err(Error::Exists(to.into())),
+            Rename::NoReplace => self.rename(from, to),
+            Rename::Exchange => Err(Error::NotSupported(format!("{to}: exchanging names in a memory tree"))),
+        }
     }
     fn symlink(&self, target: &str, path: &str) -> Result<()> {
         self.add(path, Kind::Symlink, 0o777)?;

@@ -70,6 +70,17 @@ impl Kind {
     }
 }
 
+/// How [`Layer::rename_with`] treats an existing `to`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rename {
+    /// Replace it (`rename(2)`).
+    Replace,
+    /// Fail with [`Error::Exists`] (`RENAME_NOREPLACE`).
+    NoReplace,
+    /// Swap the two names; both must exist (`RENAME_EXCHANGE`).
+    Exchange,
+}
+
 /// File attributes. Grouped as the paper's cache manager groups them: `kind` and `ino`
 /// never change; `mode`, owner and links sometimes; `size` and the times often.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -184,6 +195,15 @@ pub trait Layer: Send + Sync {
     }
     fn rename(&self, from: &str, to: &str) -> Result<()> {
         self.below()?.rename(from, to)
+    }
+    /// [`Layer::rename`] with `renameat2(2)`'s modes: fail if `to` exists, or swap the two
+    /// names, in one step of the store. Layers above pass it down.
+    fn rename_with(&self, from: &str, to: &str, how: Rename) -> Result<()> {
+        match self.lower() {
+            Some(l) => l.rename_with(from, to, how),
+            None if how == Rename::Replace => self.rename(from, to),
+            None => Err(Error::NotSupported(format!("{to}: renaming with {how:?}"))),
+        }
     }
     /// Make `path` a symbolic link to `target` (kept as given; never followed by a layer).
     fn symlink(&self, target: &str, path: &str) -> Result<()> {

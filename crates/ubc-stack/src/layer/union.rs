@@ -10,7 +10,7 @@
 //! Linux 4.19); handles opened after see the upper copy.
 
 use super::dir::Dir;
-use super::{Attr, Below, DirEntry, Kind, Layer, Opened, SetAttr, parent};
+use super::{Attr, Below, DirEntry, Kind, Layer, Opened, Rename, SetAttr, parent};
 use crate::error::{Error, Result};
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -210,6 +210,24 @@ impl Layer for Union {
         self.upper_parents(path)?;
         self.clear_whiteout(path)?;
         self.upper.create(path, mode)
+    }
+    /// `NoReplace` is checked, then renamed (the union is not one store, so not in one
+    /// step). `Exchange` swaps two names that only the upper directory holds (in one step
+    /// there); names with a lower part would need whiteouts moved too: not supported.
+    fn rename_with(&self, from: &str, to: &str, how: Rename) -> Result<()> {
+        match how {
+            Rename::Replace => self.rename(from, to),
+            Rename::NoReplace if self.getattr(to).is_ok() => Err(Error::Exists(to.into())),
+            Rename::NoReplace => self.rename(from, to),
+            Rename::Exchange => {
+                self.getattr(from)?;
+                self.getattr(to)?;
+                if self.in_lower(from).is_some() || self.in_lower(to).is_some() {
+                    return Err(Error::NotSupported(format!("{to}: exchanging names with a lower part")));
+                }
+                self.upper.rename_with(from, to, Rename::Exchange)
+            }
+        }
     }
     fn symlink(&self, target: &str, path: &str) -> Result<()> {
         if self.getattr(path).is_ok() {

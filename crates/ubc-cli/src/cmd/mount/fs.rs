@@ -17,7 +17,7 @@ use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
-use ubc_stack::{LayerRef, LockKind, LockWait, OpenOptions, SetAttr};
+use ubc_stack::{LayerRef, LockKind, LockWait, OpenOptions, Rename, SetAttr};
 
 pub(super) struct LayerFs {
     layer: LayerRef,
@@ -481,14 +481,25 @@ impl Filesystem for LayerFs {
             let _pass = self.gate.enter()?;
             let from = join(&self.path(parent)?, name)?;
             let to = join(&self.path(newparent)?, newname)?;
-            if flags.contains(RenameFlags::RENAME_EXCHANGE) || flags.contains(RenameFlags::RENAME_WHITEOUT) {
+            let how = if flags.contains(RenameFlags::RENAME_WHITEOUT) {
                 return Err(Errno::EINVAL);
+            } else if flags.contains(RenameFlags::RENAME_EXCHANGE) {
+                Rename::Exchange
+            } else if flags.contains(RenameFlags::RENAME_NOREPLACE) {
+                Rename::NoReplace
+            } else {
+                Rename::Replace
+            };
+            self.layer.rename_with(&from, &to, how).map_err(|e| match e {
+                // renameat2(2) on a file system without the mode: EINVAL.
+                ubc_stack::Error::NotSupported(_) => Errno::EINVAL,
+                e => errno(&e),
+            })?;
+            let mut inodes = self.inodes.lock().unwrap();
+            match how {
+                Rename::Exchange => inodes.exchange(&from, &to),
+                _ => inodes.rename(&from, &to),
             }
-            if flags.contains(RenameFlags::RENAME_NOREPLACE) && self.layer.getattr(&to).is_ok() {
-                return Err(Errno::EEXIST);
-            }
-            self.layer.rename(&from, &to).map_err(|e| errno(&e))?;
-            self.inodes.lock().unwrap().rename(&from, &to);
             Ok(())
         })();
         match r {

@@ -126,6 +126,11 @@ impl Inodes {
     /// it led to.
     pub(super) fn rename(&mut self, from: &str, to: &str) {
         self.remove(to);
+        self.move_names(from, to);
+    }
+
+    /// Every name at or under `from` now starts with `to` instead.
+    fn move_names(&mut self, from: &str, to: &str) {
         for (p, id) in self.at_or_under(from) {
             let np = format!("{to}{}", &p[from.len()..]);
             self.by_path.remove(&p);
@@ -136,6 +141,15 @@ impl Inodes {
                 }
             }
         }
+    }
+
+    /// The names `a` and `b` (and everything under them) swapped places.
+    pub(super) fn exchange(&mut self, a: &str, b: &str) {
+        // Through a name no path can have (stack paths hold no NUL).
+        let tmp = format!("\0{a}");
+        self.move_names(a, &tmp);
+        self.move_names(b, a);
+        self.move_names(&tmp, b);
     }
 
     /// Number of nodes the table holds (the root included).
@@ -233,6 +247,17 @@ mod tests {
         t.forget(b, 1);
         t.remove("g");
         assert_eq!(t.len(), 1, "only the root is left");
+    }
+
+    #[test]
+    fn exchanged_names_swap_their_nodes_and_everything_under_them() {
+        let mut t = Inodes::new();
+        let (a, a1) = (t.node("a", (1, 10), true), t.node("a/x", (1, 11), true));
+        let b = t.node("b", (1, 20), true);
+        t.exchange("a", "b");
+        assert_eq!((t.known("a"), t.known("b"), t.known("b/x")), (Some(b), Some(a), Some(a1)));
+        assert_eq!(t.known("a/x"), None);
+        assert_eq!(t.path(a1).as_deref(), Some("b/x"));
     }
 
     #[test]
