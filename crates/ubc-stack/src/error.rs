@@ -87,11 +87,9 @@ impl Error {
     pub fn errno(&self) -> i32 {
         match self {
             Error::Io { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
-            Error::Cache(ubc::Error::Closed) => libc::EBADF,
-            Error::Cache(ubc::Error::ReadOnly) => libc::EBADF,
-            Error::Cache(ubc::Error::OffsetOverflow { .. }) => libc::EFBIG,
-            Error::Cache(ubc::Error::BudgetExceeded { .. }) => libc::ENOMEM,
-            Error::Cache(_) => libc::EIO,
+            // The store's own errno where there is one (ENOSPC at writeback stays ENOSPC);
+            // EIO for failures without one (authentication, an early end of file).
+            Error::Cache(e) => e.raw_os_error().unwrap_or(libc::EIO),
             Error::NotFound(_) => libc::ENOENT,
             Error::Exists(_) => libc::EEXIST,
             Error::NotDir(_) => libc::ENOTDIR,

@@ -35,8 +35,25 @@ pub(super) struct LayerFs {
 
 type Result<T> = std::result::Result<T, Errno>;
 
+/// The errno for `e`. An EIO — a real I/O failure or a failed authentication, the errors a
+/// program cannot tell apart by number — is also logged, once per message (which names the
+/// path), so that the daemon's log says what broke.
 fn errno(e: &ubc_stack::Error) -> Errno {
-    Errno::from_i32(e.errno())
+    let n = e.errno();
+    if n == libc::EIO {
+        log_once(&e.to_string());
+    }
+    Errno::from_i32(n)
+}
+
+/// Print `msg` to stderr unless it was printed before (at most 10 000 remembered).
+fn log_once(msg: &str) {
+    static SEEN: Mutex<Option<std::collections::HashSet<String>>> = Mutex::new(None);
+    let mut seen = SEEN.lock().unwrap();
+    let set = seen.get_or_insert_with(Default::default);
+    if set.len() < 10_000 && set.insert(msg.to_string()) {
+        eprintln!("ubc mount: I/O error: {msg}");
+    }
 }
 
 /// The path of `name` in the directory `parent`; EINVAL for a name that is not one entry.
