@@ -300,6 +300,9 @@ pub(crate) struct Group<F = ubc::File> {
     /// changing part). POSIX moves `mtime` and `ctime` at the write; a store moves its own
     /// only when the cache writes back, later. `None` after a time was set explicitly.
     modified: Mutex<Option<std::time::SystemTime>>,
+    /// Held from reading the length to the end of the write by an append, so that
+    /// concurrent appenders (any layer, any mount) never write at the same end.
+    pub(crate) appending: Mutex<()>,
 }
 
 /// One owner's lock on bytes `range` of `domain`, as POSIX record locks keep them: an
@@ -433,6 +436,7 @@ impl<F: Actions> Group<F> {
             locks: Mutex::new(Vec::new()),
             locks_cv: Condvar::new(),
             modified: Mutex::new(None),
+            appending: Mutex::new(()),
         }
     }
 

@@ -461,6 +461,11 @@ impl LayerRef {
         Ok(())
     }
 
+    /// Make the entries of directory `path` durable (`fsync` of a directory).
+    pub fn sync_dir(&self, path: &str) -> Result<()> {
+        self.layer().sync_dir(&norm(path)?)
+    }
+
     /// Make `path` a symbolic link to `target`.
     pub fn symlink(&self, target: &str, path: &str) -> Result<()> {
         let p = not_root(norm(path)?, "replace")?;
@@ -669,6 +674,23 @@ impl File {
         let r = self.inner.write_at(buf, offset);
         self.group.note_modified();
         Ok(r?)
+    }
+
+    /// Write `buf` at the end of the file (`O_APPEND`): the end is read and written at in
+    /// one step with respect to every other append to the file, through any layer. Returns
+    /// the offset written at and the bytes written. (A positional write racing with the
+    /// append may still land in between, as the cache orders only appends among themselves.)
+    pub fn append(&self, buf: &[u8]) -> Result<(u64, usize)> {
+        let _one = self.group.appending.lock();
+        let at = self.len()?;
+        let mut n = 0;
+        while n < buf.len() {
+            match self.write_at(&buf[n..], at + n as u64)? {
+                0 => break,
+                k => n += k,
+            }
+        }
+        Ok((at, n))
     }
 
     /// Length as this layer sees it (data written through layers above included).

@@ -7,6 +7,9 @@
 //! [`Rank`]: depth first, higher depths first, and within one depth a [`Level`]:
 //!
 //! ```text
+//!   Append                    a file's append mutex (ubc-stack `File::append`): taken
+//!                             first, held around one length read and write; nothing
+//!                             below ever takes it
 //!   Stack                     cache-manager file lock and range tokens (ubc-stack)
 //!   ── depth D (top) ──
 //!   Size(D)                   Object::size_lock (truncate vs. writers: Linux's i_rwsem)

@@ -158,6 +158,29 @@ def append_mode_writes_at_the_end(d):
 
 
 @case("both")
+def concurrent_appenders_never_overwrite(d):
+    fd = os.open(f"{d}/log", os.O_CREAT | os.O_WRONLY, 0o644)
+    os.close(fd)
+    kids = []
+    for who in "ABCD":
+        pid = os.fork()
+        if pid == 0:
+            a = os.open(f"{d}/log", os.O_WRONLY | os.O_APPEND)
+            for i in range(300):
+                os.write(a, f"{who}{i:05}".encode() + b"." * 93 + b"\n")
+            os._exit(0)
+        kids.append(pid)
+    for k in kids:
+        os.waitpid(k, 0)
+    with open(f"{d}/log", "rb") as f:
+        data = f.read()
+    recs = data.split(b"\n")[:-1]
+    whole = all(len(r) == 99 and r.endswith(b"." * 93) for r in recs)
+    per = {w: sorted(int(r[1:6]) for r in recs if r[:1] == w.encode()) for w in "ABCD"}
+    return [len(data), len(recs), whole, all(per[w] == list(range(300)) for w in "ABCD")]
+
+
+@case("both")
 def open_errors(d):
     os.mkdir(f"{d}/sub")
     with open(f"{d}/file", "w") as f:

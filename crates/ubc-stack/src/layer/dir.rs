@@ -261,6 +261,11 @@ impl Layer for Dir {
             .map_err(|e| Error::io(from, e.into()))
     }
 
+    fn sync_dir(&self, path: &str) -> Result<()> {
+        let d = self.open_beneath(path, libc::O_RDONLY | libc::O_DIRECTORY, 0)?;
+        d.sync_all().map_err(|e| Error::io(path, e))
+    }
+
     fn symlink(&self, target: &str, path: &str) -> Result<()> {
         self.check_components(path)?;
         std::os::unix::fs::symlink(target, self.host(path)).map_err(|e| Error::io(path, e))

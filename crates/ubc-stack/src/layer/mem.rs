@@ -191,6 +191,9 @@ impl Layer for Mem {
             Rename::Exchange => Err(Error::NotSupported(format!("{to}: exchanging names in a memory tree"))),
         }
     }
+    fn sync_dir(&self, _path: &str) -> Result<()> {
+        Ok(()) // nothing persists
+    }
     fn symlink(&self, target: &str, path: &str) -> Result<()> {
         self.add(path, Kind::Symlink, 0o777)?;
         let mut n = self.nodes.lock();

@@ -205,6 +205,11 @@ pub trait Layer: Send + Sync {
             None => Err(Error::NotSupported(format!("{to}: renaming with {how:?}"))),
         }
     }
+    /// Make the entries of directory `path` durable (`fsync` of a directory: creates,
+    /// removes and renames in it survive a crash).
+    fn sync_dir(&self, path: &str) -> Result<()> {
+        self.below()?.sync_dir(path)
+    }
     /// Make `path` a symbolic link to `target` (kept as given; never followed by a layer).
     fn symlink(&self, target: &str, path: &str) -> Result<()> {
         self.below()?.symlink(target, path)

@@ -229,6 +229,10 @@ impl Layer for Union {
             }
         }
     }
+    /// Changes are made in the upper directory only.
+    fn sync_dir(&self, path: &str) -> Result<()> {
+        if self.in_upper(path).is_some() { self.upper.sync_dir(path) } else { Ok(()) }
+    }
     fn symlink(&self, target: &str, path: &str) -> Result<()> {
         if self.getattr(path).is_ok() {
             return Err(Error::Exists(path.into()));

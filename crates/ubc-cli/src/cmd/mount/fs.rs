@@ -625,17 +625,25 @@ impl Filesystem for LayerFs {
             // shutdown's sync starts, so it reaches the disk.
             let _pass = self.gate.enter()?;
             let h = self.handle(fh)?;
-            // The kernel's idea of the size may be stale (other mounts): append at ours.
-            let offset = if h.append { h.file.len().map_err(|e| errno(&e))? } else { offset };
-            let mut n = 0;
-            let r = loop {
-                if n == data.len() {
-                    break Ok(n as u32);
+            // O_APPEND: at the end as the stack knows it (the kernel's idea of the size may be
+            // stale: other mounts), read and written in one step against other appenders.
+            let r = if h.append {
+                match h.file.append(data) {
+                    Ok((_, n)) if n == data.len() => Ok(n as u32),
+                    Ok(_) => Err(Errno::EIO),
+                    Err(e) => Err(errno(&e)),
                 }
-                match h.file.write_at(&data[n..], offset + n as u64) {
-                    Ok(0) => break Err(Errno::EIO),
-                    Ok(k) => n += k,
-                    Err(e) => break Err(errno(&e)),
+            } else {
+                let mut n = 0;
+                loop {
+                    if n == data.len() {
+                        break Ok(n as u32);
+                    }
+                    match h.file.write_at(&data[n..], offset + n as u64) {
+                        Ok(0) => break Err(Errno::EIO),
+                        Ok(k) => n += k,
+                        Err(e) => break Err(errno(&e)),
+                    }
                 }
             };
             h.mark_written();
@@ -896,8 +904,11 @@ impl Filesystem for LayerFs {
         }
     }
 
-    fn fsyncdir(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
-        reply.ok()
+    fn fsyncdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+        match self.path(ino).and_then(|p| self.layer.sync_dir(&p).map_err(|e| errno(&e))) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
