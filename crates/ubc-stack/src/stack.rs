@@ -422,7 +422,14 @@ impl LayerRef {
         }
         let rest = SetAttr { size: None, ..set.clone() };
         if rest.changes_metadata() {
-            self.layer().setattr(&p, &rest)?;
+            match self.layer().setattr(&p, &rest) {
+                // A union's lower file: copied up by opening it for writing, then changed.
+                Err(Error::ReadOnly(_)) if self.layer().getattr(&p)?.kind == Kind::File => {
+                    drop(self.open_with(&p, OpenOptions { write: true, ..Default::default() })?);
+                    self.layer().setattr(&p, &rest)?;
+                }
+                r => r?,
+            }
         }
         if rest.mtime.is_some()
             && let Some((g, _)) = self.inner().names[self.level].lock().get(&p)
@@ -509,7 +516,15 @@ impl LayerRef {
     }
 
     pub fn setxattr(&self, path: &str, name: &str, value: &[u8], flags: i32) -> Result<()> {
-        self.layer().setxattr(&norm(path)?, name, value, flags)
+        let p = norm(path)?;
+        match self.layer().setxattr(&p, name, value, flags) {
+            // A union's lower file: copied up by opening it for writing, then changed.
+            Err(Error::ReadOnly(_)) if self.layer().getattr(&p)?.kind == Kind::File => {
+                drop(self.open_with(&p, OpenOptions { write: true, ..Default::default() })?);
+                self.layer().setxattr(&p, name, value, flags)
+            }
+            r => r,
+        }
     }
 
     pub fn listxattr(&self, path: &str) -> Result<Vec<String>> {

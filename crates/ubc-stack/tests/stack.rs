@@ -244,6 +244,43 @@ fn union_copies_up_whites_out_and_merges() {
     assert!(matches!(u.open("../etc/passwd"), Err(Error::Invalid(_))));
 }
 
+/// Metadata changes of lower entries copy them up — a file with its data, a directory, a
+/// symbolic link and a FIFO as they are — and leave the lower directory untouched; a moved
+/// lower link leaves a whiteout; a second name for a lower file reaches the copied-up file.
+#[test]
+fn union_copies_up_on_metadata_changes_links_and_special_files() {
+    use std::os::unix::fs::PermissionsExt;
+    let fx = fixture();
+    let upper = fx._tmp.path().join("upper");
+    std::fs::create_dir(&upper).unwrap();
+    std::fs::write(fx.data.join("f"), b"lower data").unwrap();
+    std::fs::create_dir(fx.data.join("d")).unwrap();
+    std::os::unix::fs::symlink("f", fx.data.join("l")).unwrap();
+    rustix::fs::mknodat(rustix::fs::CWD, fx.data.join("p"), rustix::fs::FileType::Fifo, 0o644.into(), 0).unwrap();
+    let s = Stack::open(&format!("dir:{} | union:upper={}", fx.data.display(), upper.display()), cache()).unwrap();
+    let u = s.top();
+    let mode = |set: u32| ubc_stack::SetAttr { mode: Some(set), ..Default::default() };
+    for (p, m) in [("f", 0o600), ("d", 0o700), ("p", 0o600)] {
+        u.setattr(p, &mode(m)).unwrap();
+        assert_eq!(u.getattr(p).unwrap().mode, m, "{p}: the union shows the change");
+        assert_eq!(std::fs::symlink_metadata(upper.join(p)).unwrap().permissions().mode() & 0o7777, m, "{p} copied up");
+        assert_ne!(std::fs::symlink_metadata(fx.data.join(p)).unwrap().permissions().mode() & 0o7777, m, "{p} below");
+    }
+    assert_eq!(std::fs::read(upper.join("f")).unwrap(), b"lower data", "the file came up with its data");
+    u.rename("l", "l2").unwrap();
+    assert_eq!(u.readlink("l2").unwrap(), "f");
+    assert!(matches!(u.getattr("l"), Err(Error::NotFound(_))), "a whiteout hides the lower link");
+    assert!(fx.data.join("l").symlink_metadata().is_ok(), "the lower link stays");
+    u.link("f", "f2").unwrap();
+    let g = u.open_with("f2", ubc_stack::OpenOptions { write: true, ..Default::default() }).unwrap();
+    g.write_at(b"UPPER", 0).unwrap();
+    g.sync().unwrap();
+    let mut b = [0u8; 10];
+    u.open("f").unwrap().read_exact_at(&mut b, 0).unwrap();
+    assert_eq!(&b, b"UPPER data", "both names are one file");
+    assert_eq!(std::fs::read(fx.data.join("f")).unwrap(), b"lower data");
+}
+
 /// Writers and readers on different layers of one file at once — threads and a mapping —
 /// never see a byte no write produced, and the final contents match the model.
 #[test]

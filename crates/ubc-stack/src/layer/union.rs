@@ -107,6 +107,34 @@ impl Union {
         Ok(())
     }
 
+    /// Copy up what has no data: a lower directory (made in the upper directory, not its
+    /// entries: the two merge), symbolic link, FIFO, socket or device node, with its mode,
+    /// times and (where this process may) owner. A regular file needs its data copied
+    /// through the stack (`copy_up`): refused here with [`Error::ReadOnly`], which the stack
+    /// answers by opening the file for writing.
+    fn copy_up_meta(&self, path: &str) -> Result<()> {
+        if self.in_upper(path).is_some() {
+            return Ok(());
+        }
+        let a = self.in_lower(path).ok_or_else(|| Error::NotFound(path.into()))?;
+        self.upper_parents(path)?;
+        match a.kind {
+            Kind::File => return Err(Error::ReadOnly(format!("{path} (copy it up by opening it for writing first)"))),
+            Kind::Dir => self.upper.mkdir(path, a.mode)?,
+            Kind::Symlink => self.upper.symlink(&self.lower.readlink(path)?, path)?,
+            k => self.upper.mknod(path, k, a.mode, a.rdev)?,
+        }
+        let times = SetAttr { atime: Some(a.atime), mtime: Some(a.mtime), ..Default::default() };
+        if a.kind != Kind::Symlink {
+            self.upper.setattr(path, &SetAttr { mode: Some(a.mode), ..times })?;
+        }
+        match self.upper.setattr(path, &SetAttr { uid: Some(a.uid), gid: Some(a.gid), ..Default::default() }) {
+            Ok(()) => Ok(()),
+            Err(Error::Io { source, .. }) if source.raw_os_error() == Some(libc::EPERM) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Copy a lower file up (data read through the stack below, so it is current).
     fn copy_up(&self, path: &str, below: &dyn Below) -> Result<()> {
         let attr = self.lower.getattr(path)?;
@@ -166,9 +194,7 @@ impl Layer for Union {
         self.in_lower(path).ok_or_else(|| Error::NotFound(path.into()))
     }
     fn setattr(&self, path: &str, set: &SetAttr) -> Result<()> {
-        if self.in_upper(path).is_none() {
-            return Err(Error::ReadOnly(format!("{path} (copy it up by opening it for writing first)")));
-        }
+        self.copy_up_meta(path)?;
         self.upper.setattr(path, set)
     }
     fn readdir(&self, path: &str) -> Result<Vec<DirEntry>> {
@@ -264,9 +290,11 @@ impl Layer for Union {
         if self.getattr(to).is_ok() {
             return Err(Error::Exists(to.into()));
         }
-        if self.in_upper(from).is_none() {
-            self.getattr(from)?;
-            return Err(Error::CrossDevice(format!("{from}: a lower file must be copied up before a link")));
+        match self.copy_up_meta(from) {
+            Err(Error::ReadOnly(_)) => {
+                return Err(Error::CrossDevice(format!("{from}: a lower file must be copied up before a link")));
+            }
+            r => r?,
         }
         self.upper_parents(to)?;
         self.clear_whiteout(to)?;
@@ -291,15 +319,11 @@ impl Layer for Union {
         self.lower.listxattr(path)
     }
     fn setxattr(&self, path: &str, name: &str, value: &[u8], flags: i32) -> Result<()> {
-        if self.in_upper(path).is_none() {
-            return Err(Error::ReadOnly(format!("{path} (copy it up by opening it for writing first)")));
-        }
+        self.copy_up_meta(path)?;
         self.upper.setxattr(path, name, value, flags)
     }
     fn removexattr(&self, path: &str, name: &str) -> Result<()> {
-        if self.in_upper(path).is_none() {
-            return Err(Error::ReadOnly(format!("{path} (copy it up by opening it for writing first)")));
-        }
+        self.copy_up_meta(path)?;
         self.upper.removexattr(path, name)
     }
     fn mkdir(&self, path: &str, mode: u32) -> Result<()> {
@@ -349,12 +373,16 @@ impl Layer for Union {
     fn rename(&self, from: &str, to: &str) -> Result<()> {
         let a = self.getattr(from)?;
         if self.in_upper(from).is_none() {
-            if a.kind != Kind::File {
-                return Err(Error::CrossDevice(format!("{from}: renaming a lower directory")));
+            match a.kind {
+                Kind::Dir => return Err(Error::CrossDevice(format!("{from}: renaming a lower directory"))),
+                Kind::File => {
+                    return Err(Error::Invalid(format!(
+                        "{from}: a lower file must be copied up before a rename (the stack does this)"
+                    )));
+                }
+                // A link or special file: copied up as it is (it has no data).
+                _ => self.copy_up_meta(from)?,
             }
-            return Err(Error::Invalid(format!(
-                "{from}: a lower file must be copied up before a rename (the stack does this)"
-            )));
         }
         if a.kind == Kind::Dir && self.in_lower(from).is_some() {
             return Err(Error::CrossDevice(format!("{from}: renaming a merged directory")));
