@@ -382,6 +382,9 @@ def symlinks(d):
         f.write("pointed at")
     r = [attempt(os.symlink, "target", f"{d}/link"), attempt(os.readlink, f"{d}/link"), lst(f"{d}/link")]
     r.append(attempt(lambda: open(f"{d}/link").read()))
+    r.append(attempt(os.utime, f"{d}/link", ns=(3 * 10**9, 4 * 10**9), follow_symlinks=False))
+    s = os.lstat(f"{d}/link")
+    r.append([s.st_atime_ns, s.st_mtime_ns, os.stat(f"{d}/target").st_mtime_ns == 4 * 10**9])
     r.append(attempt(os.symlink, "x", f"{d}/link"))
     r.append(attempt(os.unlink, f"{d}/link"))
     r.append(sorted(os.listdir(d)))
@@ -472,6 +475,9 @@ def chown_by_root(d):
     os.chmod(f"{d}/f", 0o6755)
     os.chown(f"{d}/f", 1235, -1)
     r.append(lst(f"{d}/f"))
+    os.symlink("f", f"{d}/link")
+    r.append(attempt(os.lchown, f"{d}/link", 4444, 5555))
+    r.append([lst(f"{d}/link"), lst(f"{d}/f")])
     return r
 
 

@@ -157,10 +157,11 @@ impl Layer for Dir {
                 .open(&p)
                 .map_err(|e| Error::io(path, e))?;
             let md = pinned.metadata().map_err(|e| Error::io(path, e))?;
-            // A link's owner is its own (lchown); its mode and times are not changed here.
-            let only_owner = set.mode.is_none() && set.mtime.is_none() && set.atime.is_none();
-            if md.file_type().is_symlink() && !only_owner {
-                return Err(Error::Invalid(format!("{path}: is a symbolic link (not followed)")));
+            // A link's owner and times are its own (lchown, lutimes); Linux has no mode of a
+            // link to change (chmod follows links, so the kernel never asks).
+            let link = md.file_type().is_symlink();
+            if link && set.mode.is_some() {
+                return Err(Error::NotSupported(format!("{path}: the mode of a symbolic link")));
             }
             use std::os::fd::AsRawFd;
             let via = PathBuf::from(format!("/proc/self/fd/{}", pinned.as_raw_fd()));
@@ -178,8 +179,15 @@ impl Layer for Dir {
             if set.mtime.is_some() || set.atime.is_some() {
                 let ts =
                     rustix::fs::Timestamps { last_access: timespec(set.atime), last_modification: timespec(set.mtime) };
-                rustix::fs::utimensat(rustix::fs::CWD, &via, &ts, rustix::fs::AtFlags::empty())
-                    .map_err(|e| Error::io(path, e.into()))?;
+                // /proc/self/fd/N of a link's O_PATH descriptor would be followed to the link's
+                // target: a link's times are set by name without following it (its parents
+                // were checked above).
+                let r = if link {
+                    rustix::fs::utimensat(rustix::fs::CWD, &p, &ts, rustix::fs::AtFlags::SYMLINK_NOFOLLOW)
+                } else {
+                    rustix::fs::utimensat(rustix::fs::CWD, &via, &ts, rustix::fs::AtFlags::empty())
+                };
+                r.map_err(|e| Error::io(path, e.into()))?;
             }
         }
         if let Some(size) = set.size {
