@@ -269,7 +269,7 @@ pub unsafe extern "C" fn ubc_open(
             &s.stack,
             layer,
             path,
-            OpenOptions { write, create: flags & UBC_CREAT != 0, truncate, ..Default::default() },
+            OpenOptions::new().write(write).create(flags & UBC_CREAT != 0).truncate(truncate),
         )?;
         Ok(Box::into_raw(Box::new(ubc_file { file })))
     })

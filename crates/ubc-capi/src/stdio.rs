@@ -337,8 +337,7 @@ pub unsafe extern "C" fn ubc_fopen(
             "a+" => (true, true, true, false, true, true),
             _ => return Err(Fail::inval(format!("fopen {path}: bad mode {mode:?}"))),
         };
-        let file =
-            open_file(&s.stack, -1, path, OpenOptions { write: writable, create, truncate, ..Default::default() })?;
+        let file = open_file(&s.stack, -1, path, OpenOptions::new().write(writable).create(create).truncate(truncate))?;
         let mut st = Box::new(UbcStdio {
             ptr: std::ptr::null_mut(),
             rend: std::ptr::null_mut(),

@@ -56,6 +56,7 @@ fn kind_name(k: ubc_stack::Kind) -> &'static str {
         ubc_stack::Kind::Socket => "socket",
         ubc_stack::Kind::CharDevice => "chardev",
         ubc_stack::Kind::BlockDevice => "blockdev",
+        _ => "unknown",
     }
 }
 
@@ -241,7 +242,7 @@ impl RawLayer {
 
     #[pyo3(signature = (path, write = false, create = false, truncate = false))]
     fn open(&self, py: Python<'_>, path: String, write: bool, create: bool, truncate: bool) -> PyResult<NativeFile> {
-        let opts = ubc_stack::OpenOptions { write, create, truncate, ..Default::default() };
+        let opts = ubc_stack::OpenOptions::new().write(write).create(create).truncate(truncate);
         let l = self.inner.clone();
         let f = py.detach(|| l.open_with(&path, opts)).map_err(err)?;
         Ok(NativeFile { inner: Mutex::new(Some(Arc::new(f))), writable: write })

@@ -323,6 +323,7 @@ struct RangeLock {
 
 /// A lock that conflicts with one asked for (`F_GETLK`).
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct LockConflict {
     /// The conflicting lock's bytes, in the asker's layer when it was taken there, else the
     /// asked range.

@@ -74,8 +74,10 @@ impl StackBuilder {
     }
 }
 
-/// Options for [`LayerRef::open_with`].
+/// Options for [`LayerRef::open_with`], built as `OpenOptions::new().write(true).create(true)`
+/// (fields may be added: build it with the methods, read its fields).
 #[derive(Clone, Copy, Debug, Default)]
+#[non_exhaustive]
 pub struct OpenOptions {
     pub write: bool,
     /// Create the file if it does not exist (`O_CREAT`).
@@ -86,6 +88,34 @@ pub struct OpenOptions {
     pub exclusive: bool,
     /// With `create`: the new file's permission bits (default `0o644`), set as it is made.
     pub mode: Option<u32>,
+}
+
+impl OpenOptions {
+    /// Read-only, no creation: what [`LayerRef::open`] uses.
+    pub fn new() -> OpenOptions {
+        OpenOptions::default()
+    }
+    pub fn write(mut self, on: bool) -> OpenOptions {
+        self.write = on;
+        self
+    }
+    pub fn create(mut self, on: bool) -> OpenOptions {
+        self.create = on;
+        self
+    }
+    pub fn truncate(mut self, on: bool) -> OpenOptions {
+        self.truncate = on;
+        self
+    }
+    pub fn exclusive(mut self, on: bool) -> OpenOptions {
+        self.exclusive = on;
+        self
+    }
+    /// The permission bits of a file this open creates.
+    pub fn mode(mut self, mode: u32) -> OpenOptions {
+        self.mode = Some(mode);
+        self
+    }
 }
 
 impl Stack {

@@ -93,14 +93,8 @@ fn paths_with_dotdot_or_nul_are_refused_by_every_call_of_every_layer() {
                 for p in BAD_PATHS {
                     let w = format!("{spec} layer {level} path {p:?}");
                     invalid(l.getattr(p), &format!("{w}: getattr"));
-                    invalid(
-                        l.setattr(p, &SetAttr { mode: Some(0o600), ..Default::default() }),
-                        &format!("{w}: setattr"),
-                    );
-                    invalid(
-                        l.setattr(p, &SetAttr { size: Some(0), ..Default::default() }),
-                        &format!("{w}: setattr size"),
-                    );
+                    invalid(l.setattr(p, &SetAttr::new().with_mode(0o600)), &format!("{w}: setattr"));
+                    invalid(l.setattr(p, &SetAttr::new().with_size(0)), &format!("{w}: setattr size"));
                     invalid(l.readdir(p), &format!("{w}: readdir"));
                     invalid(l.mkdir(p), &format!("{w}: mkdir"));
                     invalid(l.remove(p), &format!("{w}: remove"));
@@ -109,10 +103,7 @@ fn paths_with_dotdot_or_nul_are_refused_by_every_call_of_every_layer() {
                     invalid(l.rename("ok", p), &format!("{w}: rename to"));
                     invalid(l.open(p), &format!("{w}: open"));
                     invalid(l.create(p), &format!("{w}: create"));
-                    invalid(
-                        l.open_with(p, OpenOptions { write: true, create: true, ..Default::default() }),
-                        &format!("{w}: open_with"),
-                    );
+                    invalid(l.open_with(p, OpenOptions::new().write(true).create(true)), &format!("{w}: open_with"));
                 }
             }
         }

@@ -1230,7 +1230,7 @@ fn checker_rejects_lost_synced_data_and_garbage() {
             _ => {
                 // A newer commit the journal does not know: a write and a sync nobody logged.
                 let s = fresh_stack(kind, dir, true);
-                let f = s.top().open_with("f", ubc_stack::OpenOptions { write: true, ..Default::default() }).unwrap();
+                let f = s.top().open_with("f", ubc_stack::OpenOptions::new().write(true)).unwrap();
                 f.write_at(b"unlogged", 100).unwrap();
                 f.sync().unwrap();
                 drop(f);

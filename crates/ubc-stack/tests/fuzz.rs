@@ -150,7 +150,7 @@ fn env_over(bottom: Bottom, bytes: &[u8], sparse: Option<u64>, upper: &str) -> E
 }
 
 fn rw() -> OpenOptions {
-    OpenOptions { write: true, ..Default::default() }
+    OpenOptions::new().write(true)
 }
 
 // ------------------------------------------------------------------ zstd: the format, per docs

@@ -70,7 +70,7 @@ fn stack(fx: &Fx, at: At, faults: &Arc<Injector>, cache: ubc::Cache) -> Stack {
 }
 
 fn rw() -> OpenOptions {
-    OpenOptions { write: true, ..Default::default() }
+    OpenOptions::new().write(true)
 }
 
 fn cache() -> ubc::Cache {

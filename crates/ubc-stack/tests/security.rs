@@ -158,8 +158,8 @@ fn neither_dir_nor_union_can_be_led_outside_their_directories() {
     for spec in &specs {
         let s = Stack::open(spec, cache()).unwrap();
         let top = s.top();
-        let rw = OpenOptions { write: true, ..Default::default() };
-        let rwc = OpenOptions { write: true, create: true, ..Default::default() };
+        let rw = OpenOptions::new().write(true);
+        let rwc = OpenOptions::new().write(true).create(true);
         let paths = [
             "../outside/secret",
             "d/../../outside/secret",
@@ -187,8 +187,8 @@ fn neither_dir_nor_union_can_be_led_outside_their_directories() {
                 let _ = f.sync();
             }
             let _ = top.create(p);
-            let _ = top.setattr(p, &SetAttr { mode: Some(0o666), ..Default::default() });
-            let _ = top.setattr(p, &SetAttr { size: Some(0), ..Default::default() });
+            let _ = top.setattr(p, &SetAttr::new().with_mode(0o666));
+            let _ = top.setattr(p, &SetAttr::new().with_size(0));
             let _ = top.mkdir(&format!("{p}x"));
             if let Ok(list) = top.readdir(p) {
                 assert!(!list.iter().any(|e| e.name == "secret"), "{what}: listed the outside directory");

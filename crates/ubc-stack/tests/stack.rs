@@ -99,8 +99,7 @@ fn a_restore_at_the_bottom_is_what_the_top_and_its_mapping_show_next() {
     let old = pattern(7, 64 * 1024);
     top.write_at(&old, 0).unwrap();
     top.sync().unwrap();
-    let bottom =
-        s.layer(0).unwrap().open_with("r.bin", ubc_stack::OpenOptions { write: true, ..Default::default() }).unwrap();
+    let bottom = s.layer(0).unwrap().open_with("r.bin", ubc_stack::OpenOptions::new().write(true)).unwrap();
     let backup = read_all(&bottom);
 
     let new = pattern(9, 64 * 1024);
@@ -230,7 +229,7 @@ fn union_copies_up_whites_out_and_merges() {
     std::fs::write(fx.data.join("gone.txt"), b"remove me").unwrap();
     let s = Stack::open(&format!("dir:{} | union:upper={}", fx.data.display(), upper.display()), cache()).unwrap();
     let u = s.top();
-    let f = u.open_with("lower.txt", ubc_stack::OpenOptions { write: true, ..Default::default() }).unwrap();
+    let f = u.open_with("lower.txt", ubc_stack::OpenOptions::new().write(true)).unwrap();
     f.write_at(b"FROM", 0).unwrap();
     f.sync().unwrap();
     assert_eq!(std::fs::read(fx.data.join("lower.txt")).unwrap(), b"from below", "lower untouched");
@@ -259,7 +258,7 @@ fn union_copies_up_on_metadata_changes_links_and_special_files() {
     rustix::fs::mknodat(rustix::fs::CWD, fx.data.join("p"), rustix::fs::FileType::Fifo, 0o644.into(), 0).unwrap();
     let s = Stack::open(&format!("dir:{} | union:upper={}", fx.data.display(), upper.display()), cache()).unwrap();
     let u = s.top();
-    let mode = |set: u32| ubc_stack::SetAttr { mode: Some(set), ..Default::default() };
+    let mode = |set: u32| ubc_stack::SetAttr::new().with_mode(set);
     for (p, m) in [("f", 0o600), ("d", 0o700), ("p", 0o600)] {
         u.setattr(p, &mode(m)).unwrap();
         assert_eq!(u.getattr(p).unwrap().mode, m, "{p}: the union shows the change");
@@ -272,7 +271,7 @@ fn union_copies_up_on_metadata_changes_links_and_special_files() {
     assert!(matches!(u.getattr("l"), Err(Error::NotFound(_))), "a whiteout hides the lower link");
     assert!(fx.data.join("l").symlink_metadata().is_ok(), "the lower link stays");
     u.link("f", "f2").unwrap();
-    let g = u.open_with("f2", ubc_stack::OpenOptions { write: true, ..Default::default() }).unwrap();
+    let g = u.open_with("f2", ubc_stack::OpenOptions::new().write(true)).unwrap();
     g.write_at(b"UPPER", 0).unwrap();
     g.sync().unwrap();
     let mut b = [0u8; 10];
@@ -296,9 +295,7 @@ fn concurrent_layers_never_show_a_byte_no_write_produced() {
     top.sync().unwrap();
     // The bottom writer owns blocks 0..4: it captures their ciphertext for value 1, so that
     // writing it back through the bottom layer sets them to 1 again.
-    let bottom = Arc::new(
-        s.layer(0).unwrap().open_with("m", ubc_stack::OpenOptions { write: true, ..Default::default() }).unwrap(),
-    );
+    let bottom = Arc::new(s.layer(0).unwrap().open_with("m", ubc_stack::OpenOptions::new().write(true)).unwrap());
     let stored = |b: usize| ubc_stack::encrypt::HEADER_LEN + b as u64 * ubc_stack::encrypt::STORED_BLOCK;
     let mut captured = Vec::new();
     for b in 0..4 {
@@ -523,8 +520,7 @@ fn mappings_see_writes_through_other_layers_when_they_return() {
     let top = s.top().create("w.bin").unwrap();
     let n = 64 * 1024;
     top.write_at(&pattern(1, n), 0).unwrap();
-    let bottom =
-        s.layer(0).unwrap().open_with("w.bin", ubc_stack::OpenOptions { write: true, ..Default::default() }).unwrap();
+    let bottom = s.layer(0).unwrap().open_with("w.bin", ubc_stack::OpenOptions::new().write(true)).unwrap();
     let stored_len = bottom.len().unwrap();
     let low = bottom.map(0..stored_len, ubc::Access::ReadOnly, ubc::Sharing::Shared).unwrap();
     let high = top.map(0..n as u64, ubc::Access::ReadOnly, ubc::Sharing::Shared).unwrap();

@@ -76,7 +76,7 @@ fn run(spec_tail: &str, ops: Vec<Op>) {
     let s = Stack::open(&spec, ubc::Cache::new(32 << 20).unwrap()).unwrap();
     let n = s.depth();
     let top = s.top().create("f").unwrap();
-    let rw = OpenOptions { write: true, ..Default::default() };
+    let rw = OpenOptions::new().write(true);
     let bottom = s.layer(0).unwrap().open_with("f", rw).unwrap();
     let mut model: Vec<u8> = Vec::new();
     let mut backups: Vec<(Vec<u8>, Vec<u8>)> = Vec::new(); // (stored bytes, cleartext)

@@ -38,6 +38,7 @@ pub fn run(a: Args) -> Result<()> {
                 Kind::Socket => 's',
                 Kind::CharDevice => 'c',
                 Kind::BlockDevice => 'b',
+                _ => '?',
             };
             println!("{k} {:04o} {:>12} {name}", at.mode & 0o7777, at.size);
         } else {

@@ -34,6 +34,7 @@ pub fn kind_name(k: Kind) -> &'static str {
         Kind::Socket => "socket",
         Kind::CharDevice => "character device",
         Kind::BlockDevice => "block device",
+        _ => "unknown kind",
     }
 }
 

@@ -160,7 +160,7 @@ fn one_copy(stack: &Stack, cache: &Cache) -> Result<()> {
 /// (b) A store through a shared mapping is what `read_at` returns next, with no msync.
 fn store_then_read(stack: &Stack) -> Result<()> {
     let name = "notes.txt";
-    let f = stack.top().open_with(name, ubc_stack::OpenOptions { write: true, ..Default::default() }).input(name)?;
+    let f = stack.top().open_with(name, ubc_stack::OpenOptions::new().write(true)).input(name)?;
     let mut m = f.map(0..4096, Access::ReadWrite, Sharing::Shared).input(name)?;
     let mut old = [0u8; 16];
     f.read_exact_at(&mut old, 0).input(name)?;

@@ -29,6 +29,7 @@ use std::time::SystemTime;
 
 /// What kind of object a name refers to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Kind {
     File,
     Dir,
@@ -72,6 +73,7 @@ impl Kind {
 
 /// How [`Layer::rename_with`] treats an existing `to`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Rename {
     /// Replace it (`rename(2)`).
     Replace,
@@ -84,6 +86,7 @@ pub enum Rename {
 /// File attributes. Grouped as the paper's cache manager groups them: `kind` and `ino`
 /// never change; `mode`, owner and links sometimes; `size` and the times often.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Attr {
     pub kind: Kind,
     /// The store's number for the file, stable for its life (the host's inode number on
@@ -110,8 +113,37 @@ pub struct Attr {
     pub dev: u64,
 }
 
-/// Changes for [`Layer::setattr`]; `None` leaves a field alone.
+impl Attr {
+    /// The attributes of a new object of `kind`, numbered `ino` in store `dev`: owned by
+    /// this process's user and group, one link (two for a directory), times now. For
+    /// layers outside this crate, which set the rest by field.
+    pub fn new(kind: Kind, dev: u64, ino: u64, mode: u32, size: u64) -> Attr {
+        let now = SystemTime::now();
+        // SAFETY: geteuid and getegid take no arguments and always succeed.
+        let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+        let nlink = if kind == Kind::Dir { 2 } else { 1 };
+        Attr {
+            kind,
+            ino,
+            mode,
+            size,
+            mtime: now,
+            atime: now,
+            ctime: now,
+            uid,
+            gid,
+            nlink,
+            blocks: size.div_ceil(512),
+            rdev: 0,
+            dev,
+        }
+    }
+}
+
+/// Changes for [`Layer::setattr`]; `None` leaves a field alone. Built as
+/// `SetAttr::new().with_mode(0o600)` (fields may be added).
 #[derive(Clone, Debug, Default)]
+#[non_exhaustive]
 pub struct SetAttr {
     pub size: Option<u64>,
     pub mode: Option<u32>,
@@ -122,6 +154,32 @@ pub struct SetAttr {
 }
 
 impl SetAttr {
+    /// No change.
+    pub fn new() -> SetAttr {
+        SetAttr::default()
+    }
+    pub fn with_size(mut self, size: u64) -> SetAttr {
+        self.size = Some(size);
+        self
+    }
+    pub fn with_mode(mut self, mode: u32) -> SetAttr {
+        self.mode = Some(mode);
+        self
+    }
+    /// Owner and group; `None` leaves either alone.
+    pub fn with_owner(mut self, uid: Option<u32>, gid: Option<u32>) -> SetAttr {
+        (self.uid, self.gid) = (uid, gid);
+        self
+    }
+    pub fn with_mtime(mut self, t: SystemTime) -> SetAttr {
+        self.mtime = Some(t);
+        self
+    }
+    pub fn with_atime(mut self, t: SystemTime) -> SetAttr {
+        self.atime = Some(t);
+        self
+    }
+
     /// Whether anything besides the size is to change.
     pub fn changes_metadata(&self) -> bool {
         self.mode.is_some() || self.uid.is_some() || self.gid.is_some() || self.mtime.is_some() || self.atime.is_some()
@@ -130,11 +188,18 @@ impl SetAttr {
 
 /// One directory entry.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DirEntry {
     pub name: String,
     pub kind: Kind,
     /// The entry's [`Attr::ino`].
     pub ino: u64,
+}
+
+impl DirEntry {
+    pub fn new(name: String, kind: Kind, ino: u64) -> DirEntry {
+        DirEntry { name, kind, ino }
+    }
 }
 
 /// What a layer gives for an open file.

@@ -29,7 +29,9 @@ pub(super) fn file_attr(ino: u64, a: &Attr) -> FileAttr {
 /// The attributes of a file reached through an open handle only, its name gone: the size
 /// is the file's, no name links to it, the rest is what the handle last saw.
 pub(super) fn unlinked_file_attr(last: &Attr, size: u64) -> Attr {
-    Attr { size, nlink: 0, ..last.clone() }
+    let mut a = last.clone();
+    (a.size, a.nlink) = (size, 0);
+    a
 }
 
 pub(super) fn file_type(k: Kind) -> FileType {
@@ -41,6 +43,8 @@ pub(super) fn file_type(k: Kind) -> FileType {
         Kind::Socket => FileType::Socket,
         Kind::CharDevice => FileType::CharDevice,
         Kind::BlockDevice => FileType::BlockDevice,
+        // A kind this mount does not know yet: shown as a regular file.
+        _ => FileType::RegularFile,
     }
 }
 

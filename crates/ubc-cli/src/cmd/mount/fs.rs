@@ -171,7 +171,7 @@ impl LayerFs {
         if (req.uid(), req.gid()) == (uid, gid) || uid != 0 {
             return Ok(());
         }
-        let set = SetAttr { uid: Some(req.uid()), gid: Some(req.gid()), ..Default::default() };
+        let set = SetAttr::new().with_owner(Some(req.uid()), Some(req.gid()));
         self.layer.setattr(path, &set).map_err(|e| errno(&e))
     }
 
@@ -195,7 +195,7 @@ impl LayerFs {
         let k = kills(a.mode);
         if k != 0 {
             let mode = a.mode & !k & 0o7777;
-            if self.layer.setattr(&p, &SetAttr { mode: Some(mode), ..Default::default() }).is_ok() {
+            if self.layer.setattr(&p, &SetAttr::new().with_mode(mode)).is_ok() {
                 h.last.lock().unwrap().mode = mode;
             }
         }
@@ -291,14 +291,10 @@ impl Filesystem for LayerFs {
             let _pass = self.gate.enter()?;
             let path = self.path(ino);
             let h = fh.and_then(|f| self.handle(f).ok());
-            let mut set = SetAttr {
-                mode: mode.map(|m| m & 0o7777),
-                uid,
-                gid,
-                atime: atime.map(attr::time),
-                mtime: mtime.map(attr::time),
-                ..Default::default()
-            };
+            let mut set = SetAttr::new().with_owner(uid, gid);
+            set.mode = mode.map(|m| m & 0o7777);
+            set.atime = atime.map(attr::time);
+            set.mtime = mtime.map(attr::time);
             if let Some(s) = size {
                 match (&h, &path) {
                     (Some(h), _) => {
@@ -336,7 +332,7 @@ impl Filesystem for LayerFs {
             self.layer.mkdir(&p).map_err(|e| errno(&e))?;
             let m = mode & !umask & 0o7777;
             if m != 0o755 {
-                self.layer.setattr(&p, &SetAttr { mode: Some(m), ..Default::default() }).map_err(|e| errno(&e))?;
+                self.layer.setattr(&p, &SetAttr::new().with_mode(m)).map_err(|e| errno(&e))?;
             }
             self.give_to_requester(req, &p)?;
             self.entry(&p)
@@ -407,8 +403,7 @@ impl Filesystem for LayerFs {
             let perm = mode & !umask & 0o7777;
             if kind == ubc_stack::Kind::File {
                 // mknod(S_IFREG) makes an empty regular file.
-                let opts =
-                    OpenOptions { write: true, create: true, exclusive: true, mode: Some(perm), ..Default::default() };
+                let opts = OpenOptions::new().write(true).create(true).exclusive(true).mode(perm);
                 drop(self.layer.open_with(&p, opts).map_err(|e| errno(&e))?);
             } else {
                 self.layer.mknod(&p, kind, perm, rdev as u64).map_err(|e| errno(&e))?;
@@ -531,10 +526,8 @@ impl Filesystem for LayerFs {
             let write = flags.0 & libc::O_ACCMODE != libc::O_RDONLY;
             let _pass = if write { Some(self.gate.enter()?) } else { None };
             let truncate = write && flags.0 & libc::O_TRUNC != 0;
-            let f = self
-                .layer
-                .open_with(&p, OpenOptions { write, truncate, ..Default::default() })
-                .map_err(|e| errno(&e))?;
+            let f =
+                self.layer.open_with(&p, OpenOptions::new().write(write).truncate(truncate)).map_err(|e| errno(&e))?;
             let (_, a) = self.stat_attr(&p)?;
             Ok(self.add_handle(f, flags.0 & libc::O_APPEND != 0, process_of(req.pid()), a))
         })();
@@ -557,13 +550,12 @@ impl Filesystem for LayerFs {
         let r = (|| {
             let _pass = self.gate.enter()?;
             let p = join(&self.path(parent)?, name)?;
-            let opts = OpenOptions {
-                write: true,
-                create: true,
-                truncate: flags & libc::O_TRUNC != 0,
-                exclusive: flags & libc::O_EXCL != 0,
-                mode: Some(mode & !umask & 0o7777),
-            };
+            let opts = OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(flags & libc::O_TRUNC != 0)
+                .exclusive(flags & libc::O_EXCL != 0)
+                .mode(mode & !umask & 0o7777);
             let f = self.layer.open_with(&p, opts).map_err(|e| errno(&e))?;
             self.give_to_requester(req, &p)?;
             let a = self.layer.getattr(&p).map_err(|e| errno(&e))?;
