@@ -32,6 +32,10 @@ use super::*;
 /// Streams remembered per object (confirmed ones and candidates).
 const STREAMS: usize = 8;
 
+/// Table lookups (misses and marked pages of the object) after which a stream not used is
+/// over for misses (a marked page still finds it).
+const STALE: u64 = 256;
+
 /// One stream of an object: where it goes next and its last window.
 #[derive(Clone, Copy, Debug, Default)]
 struct Stream {
@@ -58,11 +62,17 @@ pub(crate) struct Streams {
 }
 
 impl Streams {
-    /// The stream a miss at `page` continues, if any.
+    /// The stream a miss at `page` continues, if any. A stream not used for `STALE` table
+    /// lookups is over: its window no longer says where a reader is (the last window of a
+    /// finished sequential pass would otherwise catch random misses for ever after).
     fn continuing(&mut self, page: u64) -> Option<&mut Stream> {
         self.clock += 1;
         let now = self.clock;
-        let st = self.s.iter_mut().filter(|s| s.live && s.lo <= page && page <= s.hi).max_by_key(|s| s.size)?;
+        let st = self
+            .s
+            .iter_mut()
+            .filter(|s| s.live && now - s.used <= STALE && s.lo <= page && page <= s.hi)
+            .max_by_key(|s| s.size)?;
         st.used = now;
         Some(st)
     }
