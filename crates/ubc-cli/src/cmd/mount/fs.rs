@@ -104,8 +104,8 @@ impl LayerFs {
         h.sync().map_err(|e| errno(&e))
     }
 
-    fn add_handle(&self, file: ubc_stack::File, append: bool, pid: u32) -> FileHandle {
-        FileHandle(self.handles.add(file, append, pid))
+    fn add_handle(&self, file: ubc_stack::File, ino: u64, append: bool, pid: u32) -> FileHandle {
+        FileHandle(self.handles.add(file, ino, append, pid))
     }
 
     fn open_flags(&self) -> FopenFlags {
@@ -152,12 +152,14 @@ impl Filesystem for LayerFs {
         }
     }
 
+    /// A file removed (or renamed over) while open has no path, and the kernel's `fstat`
+    /// of it comes without a file handle: its attributes come from a handle open on the inode.
     fn getattr(&self, _req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
         let r = match self.path(ino).and_then(|p| self.stat(&p)) {
             Ok(a) => Ok(a),
-            Err(e) => match fh.map(|f| self.handle(f)) {
-                Some(Ok(h)) => self.stat_handle(ino.0, &h),
-                _ => Err(e),
+            Err(e) => match fh.and_then(|f| self.handle(f).ok()).or_else(|| self.handles.of_ino(ino.0)) {
+                Some(h) => self.stat_handle(ino.0, &h),
+                None => Err(e),
             },
         };
         match r {
@@ -187,7 +189,9 @@ impl Filesystem for LayerFs {
         let r = (|| {
             let _pass = self.gate.enter()?;
             let path = self.path(ino);
-            let h = fh.and_then(|f| self.handle(f).ok());
+            // Without a path (removed while open), a handle on the inode answers.
+            let h =
+                fh.and_then(|f| self.handle(f).ok()).or_else(|| path.is_err().then(|| self.handles.of_ino(ino.0))?);
             let mut set = SetAttr {
                 size: None,
                 mode: mode.map(|m| m & 0o7777),
@@ -286,7 +290,7 @@ impl Filesystem for LayerFs {
             let _pass = if write { Some(self.gate.enter()?) } else { None };
             let truncate = write && flags.0 & libc::O_TRUNC != 0;
             let f = self.layer.open_with(&p, OpenOptions { write, create: false, truncate }).map_err(|e| errno(&e))?;
-            Ok(self.add_handle(f, flags.0 & libc::O_APPEND != 0, process_of(req.pid())))
+            Ok(self.add_handle(f, ino.0, flags.0 & libc::O_APPEND != 0, process_of(req.pid())))
         })();
         match r {
             Ok(fh) => reply.opened(fh, self.open_flags()),
@@ -318,7 +322,8 @@ impl Filesystem for LayerFs {
                 let _ = self.layer.setattr(&p, &SetAttr { mode: Some(m), ..Default::default() });
             }
             let a = self.stat(&p)?;
-            Ok((a, self.add_handle(f, flags & libc::O_APPEND != 0, process_of(req.pid()))))
+            let fh = self.add_handle(f, a.ino.0, flags & libc::O_APPEND != 0, process_of(req.pid()));
+            Ok((a, fh))
         })();
         match r {
             Ok((a, fh)) => reply.created(&self.ttl, &a, Generation(0), fh, self.open_flags()),
