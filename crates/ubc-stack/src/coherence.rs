@@ -388,6 +388,13 @@ impl<F: Actions> Group<F> {
         self.domains.read().len()
     }
 
+    /// Take the domains out, bottom first, leaving none: for closing the group, whose
+    /// closer drops them top first (see `stack.rs`, `Inner::drop_domains`). => nobody uses
+    /// the group any more.
+    pub(crate) fn take_domains(&self) -> Vec<Arc<Domain<F>>> {
+        std::mem::take(&mut *self.domains.write())
+    }
+
     /// Add the domain at `index` (domains are added bottom-up, each once) and return it, or
     /// the one already there. => domain `index - 1` exists.
     pub(crate) fn add_domain(

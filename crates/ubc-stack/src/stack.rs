@@ -483,18 +483,24 @@ impl Inner {
         self.drop_domains(&group, 0);
     }
 
-    /// Drop the cached pages of domains `from..` of `group`, top first, and forget their
-    /// objects: empty and unreachable, each is freed when its last handle closes. Best
-    /// effort: an object that keeps pages (a failed write-back) stays cached, forgotten,
-    /// until the cache drops it (`max_cached_files`). => nobody uses the group.
+    /// Close the domains of `group`, top first, dropping the cached pages of domains
+    /// `from..` and forgetting their objects: empty and unreachable, each is freed as its
+    /// last handle closes. Each domain is closed before the one below it is emptied: closing
+    /// it may drop its layer's pager, whose last reads (or a read-ahead it started) may
+    /// still fill pages below — emptied next, so nothing of a closed file stays cached
+    /// above domain `from`. Best effort: an object that keeps pages (a failed write-back)
+    /// stays cached, forgotten, until the cache drops it (`max_cached_files`). => nobody
+    /// uses the group; its data is below domain `from` (flushed) or not wanted (removed).
     fn drop_domains(&self, group: &Group, from: usize) {
-        for d in (from..group.depth()).rev() {
-            if let Some(dom) = group.domain(d) {
-                let _ = dom.file.invalidate(ALL, ubc::Length::Keep);
-                if let Some(id) = dom.file.identity() {
-                    self.cache.forget(&id);
-                }
+        let mut doms = group.take_domains();
+        while doms.len() > from {
+            let dom = doms.pop().expect("not empty");
+            let _ = dom.file.invalidate(ALL, ubc::Length::Keep);
+            if let Some(id) = dom.file.identity() {
+                self.cache.forget(&id);
             }
+            // The group held the last handle on it (its files and the pager above are gone).
+            drop(dom);
         }
     }
 

@@ -110,9 +110,8 @@ fn a_released_file_reopened_after_a_write_below_reads_the_new_bytes() {
     let _s = serial();
     let tmp = tempfile::tempdir().unwrap();
     let spec = common::layered_spec(tmp.path(), "aead | zstd");
-    // No read-ahead: a read-ahead still running at the release would fill an upper object
-    // after its pages were dropped, and that object (forgotten: never served again) would
-    // stay among the cache's closed objects, blurring the count of descriptors.
+    // No read-ahead: a read-ahead job that has just filled its pages still holds its object
+    // (and memfd) for a moment after the release, which would blur the count taken at once.
     let cache = ubc::Cache::builder().budget(16 << 20).max_cached_files(CACHED).readahead(0, 0).build().unwrap();
     let stack = Stack::open(&spec, cache).unwrap();
     stack.set_idle_files(0);
