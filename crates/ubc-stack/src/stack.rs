@@ -108,9 +108,11 @@ struct Inner {
 
 /// The default size of the pool of idle files for `layers`: a quarter of the soft open-file
 /// limit, divided by the descriptors one group holds (a memfd per domain and the stored
-/// file's descriptor), at least 16. Another quarter goes to the cache's closed objects
-/// (`ubc::CacheBuilder::max_cached_files`, by default a quarter of the limit, at most two
-/// descriptors each) and the rest stays for open files and everything else.
+/// file's descriptor), at least 16. The cache drops closed objects while it holds more
+/// than a quarter of the limit in objects, open or closed (`max_cached_files`'s default;
+/// the pool's count among them), and a closed one holds at most two descriptors: idle
+/// files then hold at most three quarters of the limit, and the rest stays for open files
+/// and everything else.
 fn default_idle_files(layers: &[Arc<dyn Layer>]) -> usize {
     let nofile = rustix::process::getrlimit(rustix::process::Resource::Nofile).current.unwrap_or(1024);
     let per_group = 2 + layers.iter().filter(|l| l.is_general()).count();

@@ -80,11 +80,11 @@ fn many_files_through_dir_aead_zstd_keep_descriptors_bounded() {
     let spec = common::layered_spec(tmp.path(), "aead | zstd");
     {
         let stack = Stack::open(&spec, cache()).unwrap();
-        many_files_stay_bounded(&stack, 600);
+        many_files_stay_bounded(&stack, 300);
     }
     // And on disk, through a fresh stack.
     let stack = Stack::open(&spec, cache()).unwrap();
-    for i in (0..600).step_by(37) {
+    for i in (0..300).step_by(37) {
         let f = stack.top().open(&format!("f{i}")).unwrap();
         let mut got = vec![0; f.len().unwrap() as usize];
         f.read_exact_at(&mut got, 0).unwrap();
@@ -100,7 +100,7 @@ fn many_files_through_a_union_keep_descriptors_bounded() {
     std::fs::create_dir(&upper).unwrap();
     let spec = common::layered_spec(tmp.path(), &format!("union:upper={} | aead | zstd", upper.display()));
     let stack = Stack::open(&spec, cache()).unwrap();
-    many_files_stay_bounded(&stack, 400);
+    many_files_stay_bounded(&stack, 200);
 }
 
 /// A file released from the pool, then written through the bottom layer, then opened
