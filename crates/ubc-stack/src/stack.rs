@@ -14,14 +14,19 @@
 //! quarter of the soft `RLIMIT_NOFILE` divided by the descriptors a group holds (at least
 //! 16), settable with [`Stack::set_idle_files`] (`ubc mount --idle-files`).
 //!
-//! A group leaving the pool is **released**: its upper domains are flushed down
-//! ([`Group::flush_above`]: dirty pages and layer metadata — an aead header, a zstd commit —
-//! reach the stored bytes), their cached pages are dropped and their objects forgotten
-//! ([`ubc::Cache::forget`]), and the group's handles are closed. The upper objects, empty,
-//! are then freed by the cache with their memfds and their pagers' handles on the layers
-//! below; the stored file's object (domain 0) stays cached like any closed file, within the
-//! cache's `max_cached_files` (written back and dropped beyond it). Opens of a file whose
-//! group is being released wait until it is done.
+//! A group leaving the pool is **released**: what its upper domains hold that is not below
+//! yet is flushed down (`Group::flush_dirty_above`: dirty pages and layer metadata — an
+//! aead header, a zstd commit — reach the stored bytes; a file synced at its close, as the
+//! mount does, has nothing to flush), then its domains are closed top first, each upper
+//! one emptied of its cached pages and its object forgotten ([`ubc::Cache::forget`]). The
+//! upper objects, empty, are freed by the cache with their memfds and their pagers'
+//! handles on the layers below; the stored file's object (domain 0) stays cached like any
+//! closed file, within the cache's `max_cached_files` (written back and dropped beyond
+//! it). Opens of a file whose group is being released wait until it is done, and so does
+//! [`Stack::sync_all`]. If the flush fails, nothing is dropped: the group goes back to the
+//! pool with its dirty data, for a later sync to write or report (data is never dropped
+//! to respect the limit). A read-ahead job finishing just then holds its object (and
+//! memfd) until it returns.
 //!
 //! Why it stays coherent: domain 0 is the stored bytes and every write, through any layer,
 //! goes down through its one cache object, so a cached domain-0 object is never stale. An
