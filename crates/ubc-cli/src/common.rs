@@ -22,7 +22,17 @@ pub struct StackArgs {
 impl StackArgs {
     /// Open the stack and pick the layer.
     pub fn open(&self) -> Result<(Stack, LayerRef)> {
-        let cache = ubc::Cache::new(self.budget << 20).map_err(|e| Fail::usage("--budget", e.to_string()))?;
+        self.open_caching(None)
+    }
+
+    /// [`StackArgs::open`] with a cache keeping at most `cached_files` closed files (see
+    /// `ubc::CacheBuilder::max_cached_files`; None: its default).
+    pub fn open_caching(&self, cached_files: Option<usize>) -> Result<(Stack, LayerRef)> {
+        let mut b = ubc::Cache::builder().budget(self.budget << 20);
+        if let Some(n) = cached_files {
+            b = b.max_cached_files(n);
+        }
+        let cache = b.build().map_err(|e| Fail::usage("--budget", e.to_string()))?;
         let stack = Stack::open(&self.stack, cache).map_err(|e| {
             // A missing directory or key file is named by the error; anything else by the spec.
             let path = crate::error::error_path(&e).unwrap_or(&self.stack).to_string();

@@ -896,3 +896,136 @@ fn lazy_unmount_ends_the_daemon_also_with_a_file_held_open() {
         assert_eq!(std::fs::read(t.path().join("data/f")).unwrap(), expect, "hold={hold}");
     }
 }
+
+/// The daemon's descriptors: how many, and those of deleted files other than the cache's
+/// memfds (which are always "deleted").
+fn fds_of(pid: i32) -> (usize, Vec<String>) {
+    let mut n = 0;
+    let mut deleted = Vec::new();
+    for e in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().flatten() {
+        n += 1;
+        if let Ok(l) = std::fs::read_link(e.path()) {
+            let l = l.to_string_lossy().into_owned();
+            if l.ends_with("(deleted)") && !l.starts_with("/memfd:") {
+                deleted.push(l);
+            }
+        }
+    }
+    (n, deleted)
+}
+
+/// The bytes of test file `i`: distinct, a few hundred bytes to a few KiB.
+fn numbered(i: usize) -> Vec<u8> {
+    format!("file {i} of many\n").repeat(1 + i % 300).into_bytes()
+}
+
+/// Far more files than the pool of idle files go through `dir | aead | zstd`: the daemon's
+/// descriptors stay within the pool's and the cache's share (each file used to keep about
+/// four open for good — until EMFILE), it unmounts with exit 0, and a fresh mount reads
+/// every file back.
+#[test]
+fn more_files_than_the_pool_keep_the_daemons_descriptors_bounded() {
+    if !fuse_available() {
+        return;
+    }
+    const N: usize = 2000;
+    const POOL: usize = 64;
+    let (t, spec, mnt) = stack_dir(" | aead:keyfile=KEY | zstd");
+    let limits = ["--budget", "16", "--idle-files", "64", "--cached-files", "64"];
+    let mut d = Daemon::start(&spec, &[(2, &mnt)], &limits, &t.path().join("err"));
+    std::fs::write(mnt.join("warmup"), b"starts the cache's threads").unwrap();
+    let base = fds_of(d.pid()).0;
+    // The pool's groups (4 descriptors each), the cache's closed objects (2 each), and
+    // room for files whose RELEASE the kernel has not sent yet.
+    let bound = base + POOL * 4 + 64 * 2 + 64;
+    let mut peak = base;
+    let mut check = |when: &str| {
+        peak = peak.max(fds_of(d.pid()).0);
+        assert!(peak <= bound, "{when}: the daemon holds {peak} descriptors (bound {bound}, {base} at the start)");
+    };
+    for i in 0..N {
+        let dir = mnt.join(format!("d{}", i / 100));
+        if i % 100 == 0 {
+            std::fs::create_dir(&dir).unwrap();
+        }
+        std::fs::write(dir.join(format!("f{i}")), numbered(i)).unwrap();
+        if i % 3 == 0 {
+            // Reopen one written long ago (released by now).
+            let j = i / 2;
+            assert!(std::fs::read(mnt.join(format!("d{}/f{j}", j / 100))).unwrap() == numbered(j), "f{j}");
+        }
+        if i % 50 == 0 {
+            check(&format!("after {i} files"));
+        }
+    }
+    for i in 0..N {
+        assert!(std::fs::read(mnt.join(format!("d{}/f{i}", i / 100))).unwrap() == numbered(i), "f{i}");
+        if i % 50 == 0 {
+            check("reading back");
+        }
+    }
+    eprintln!("peak {peak} descriptors (start {base}, bound {bound})");
+    d.unmount();
+
+    let mut d = Daemon::start(&spec, &[(2, &mnt)], &["--budget", "16"], &t.path().join("err2"));
+    for i in 0..N {
+        assert!(std::fs::read(mnt.join(format!("d{}/f{i}", i / 100))).unwrap() == numbered(i), "fresh mount: f{i}");
+    }
+    d.unmount();
+}
+
+/// A file removed while open — or renamed over — keeps working through its descriptor:
+/// write, `fstat` (the size), truncate, read back. At its last close nothing of it is left:
+/// no host file, and no descriptor of a deleted file in the daemon.
+#[test]
+fn a_file_removed_or_renamed_over_while_open_works_until_closed_and_leaves_nothing() {
+    if !fuse_available() {
+        return;
+    }
+    let (t, spec, mnt) = stack_dir(" | aead:keyfile=KEY | zstd");
+    let mut d = Daemon::start(&spec, &[(2, &mnt)], &[], &t.path().join("err"));
+    let path = mnt.join("doomed");
+    let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
+    f.write_all_at(b"before the unlink", 0).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert!(!path.exists());
+    let data = sample(10_000);
+    f.write_all_at(&data, 0).unwrap();
+    assert_eq!(f.metadata().unwrap().len(), 10_000, "fstat of the removed file");
+    f.set_len(12_000).unwrap();
+    assert_eq!(f.metadata().unwrap().len(), 12_000, "fstat after ftruncate");
+    let mut back = vec![0; 12_000];
+    assert_eq!(read_full(&f, &mut back, 0), 12_000);
+    assert!(back[..10_000] == data[..] && back[10_000..].iter().all(|&b| b == 0));
+    f.sync_all().unwrap();
+
+    // Renamed over while open: the open file keeps its own bytes; the name gets the new ones.
+    std::fs::write(mnt.join("victim"), b"the old victim").unwrap();
+    std::fs::write(mnt.join("winner"), b"the winner").unwrap();
+    let v = std::fs::OpenOptions::new().read(true).write(true).open(mnt.join("victim")).unwrap();
+    std::fs::rename(mnt.join("winner"), mnt.join("victim")).unwrap();
+    v.write_all_at(b"THE", 0).unwrap();
+    assert_eq!(v.metadata().unwrap().len(), 14, "fstat of the renamed-over file");
+    let mut old = vec![0; 14];
+    assert_eq!(read_full(&v, &mut old, 0), 14);
+    assert_eq!(old, b"THE old victim");
+    assert_eq!(std::fs::read(mnt.join("victim")).unwrap(), b"the winner");
+
+    assert!(!fds_of(d.pid()).1.is_empty(), "the open files hold their deleted host files");
+    drop(f);
+    drop(v);
+    // RELEASE comes after close returns: wait for the daemon to have closed both.
+    let start = Instant::now();
+    while !fds_of(d.pid()).1.is_empty() {
+        assert!(start.elapsed() < Duration::from_secs(30), "left open: {:?}", fds_of(d.pid()).1);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut host: Vec<String> = std::fs::read_dir(t.path().join("data"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    host.sort();
+    assert_eq!(host, ["victim"], "only the file renamed in is left on the host");
+    assert_eq!(std::fs::read(mnt.join("victim")).unwrap(), b"the winner");
+    d.unmount();
+}

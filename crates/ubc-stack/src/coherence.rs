@@ -51,6 +51,10 @@
 //! actions. An operation holds its domain's token lock shared for its duration; actions on
 //! a domain take it exclusively, so no operation on that domain is in flight. Operations
 //! never take the file lock while holding a token lock; pagers never take either.
+//! The stack's table of groups (`stack.rs`, `Inner::groups`) is taken with none of these
+//! held and nothing is taken under it; waiting for a group's release (an open of a file
+//! whose previous group is being closed, or `sync_all`) holds no lock either: the release
+//! flushes that group, so it ranks like the file lock (`ubc::order::Rank::STACK`).
 
 use crate::sync::{Condvar, Mutex, RwLock, RwLockWriteGuard};
 use std::ops::Range;
@@ -463,6 +467,13 @@ impl<F: Actions> Group<F> {
 
     pub(crate) fn depth(&self) -> usize {
         self.domains.read().len()
+    }
+
+    /// Take the domains out, bottom first, leaving none: for closing the group, whose
+    /// closer drops them top first (see `stack.rs`, `Inner::drop_domains`). => nobody uses
+    /// the group any more.
+    pub(crate) fn take_domains(&self) -> Vec<Arc<Domain<F>>> {
+        std::mem::take(&mut *self.domains.write())
     }
 
     /// Add the domain at `index` (domains are added bottom-up, each once) and return it, or
@@ -904,6 +915,19 @@ impl<F: Actions> Group<F> {
     /// Flush every domain above `d` down to it (for `sync` at `d`: data written through
     /// upper layers is part of the file at `d`). => no permit held by the caller.
     pub(crate) fn flush_above(&self, d: usize) -> crate::error::Result<()> {
+        self.flush_above_as(d, false)
+    }
+
+    /// [`Group::flush_above`] of only what is not below yet: domains above `d` with nothing
+    /// dirty (nor a writable mapping) — and nothing pushed into them from above — are not
+    /// pushed (a zstd push is a commit and a sync of every store below). For closing a
+    /// group whose files were synced already: its state is then the same as after a
+    /// `flush_above`. => no permit held by the caller.
+    pub(crate) fn flush_dirty_above(&self, d: usize) -> crate::error::Result<()> {
+        self.flush_above_as(d, true)
+    }
+
+    fn flush_above_as(&self, d: usize, only_dirty: bool) -> crate::error::Result<()> {
         if self.disabled {
             return Ok(());
         }
@@ -913,6 +937,10 @@ impl<F: Actions> Group<F> {
         for e in (d + 1..doms.len()).rev() {
             let mut t = doms[e].tokens.write();
             pushed |= !t.dirty.is_empty() || t.sticky.iter().any(|s| s.write);
+            if only_dirty && !pushed {
+                // Nothing here, nor above (pushed into here), that the domain below lacks.
+                continue;
+            }
             // Metadata too: syncing d must make what was written above part of the file
             // at d (an aead length only in memory would otherwise be missing).
             doms[e].push_down(&[ALL])?;

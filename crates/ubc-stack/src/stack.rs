@@ -1,15 +1,54 @@
 //! Stacks: an ordered set of layers over one cache, every layer reachable, every file kept
 //! coherent across layers by the cache manager ([`crate::coherence`]).
+//!
+//! ## Open files and the pool of idle files
+//!
+//! A file reached through the stack has a coherence group (its domains: one cache object
+//! per layer that names the bytes its own way). The group holds a read-only handle on each
+//! domain's object, and each object holds descriptors: its memfd, and for a host file the
+//! host descriptor — about `2 + general layers` descriptors per file (4 for
+//! `dir | aead | zstd`). A group is *in use* while an open [`File`], a [`Mapping`] or an
+//! operation in progress holds it. When the last one lets go, the group stays open in a
+//! bounded LRU **pool of idle files**, so that reopening a recently closed file costs no
+//! open of every layer. The pool holds at most [`Stack::idle_files`] groups: by default a
+//! quarter of the soft `RLIMIT_NOFILE` divided by the descriptors a group holds (at least
+//! 16), settable with [`Stack::set_idle_files`] (`ubc mount --idle-files`).
+//!
+//! A group leaving the pool is **released**: what its upper domains hold that is not below
+//! yet is flushed down (`Group::flush_dirty_above`: dirty pages and layer metadata — an
+//! aead header, a zstd commit — reach the stored bytes; a file synced at its close, as the
+//! mount does, has nothing to flush), then its domains are closed top first, each upper
+//! one emptied of its cached pages and its object forgotten ([`ubc::Cache::forget`]). The
+//! upper objects, empty, are freed by the cache with their memfds and their pagers'
+//! handles on the layers below; the stored file's object (domain 0) stays cached like any
+//! closed file, within the cache's `max_cached_files` (written back and dropped beyond
+//! it). Opens of a file whose group is being released wait until it is done, and so does
+//! [`Stack::sync_all`]. If the flush fails, nothing is dropped: the group goes back to the
+//! pool with its dirty data, for a later sync to write or report (data is never dropped
+//! to respect the limit). A read-ahead job finishing just then holds its object (and
+//! memfd) until it returns.
+//!
+//! Why it stays coherent: domain 0 is the stored bytes and every write, through any layer,
+//! goes down through its one cache object, so a cached domain-0 object is never stale. An
+//! upper domain's pages are only valid while its group's tokens track them; the release
+//! drops them and forgets the objects, so a group made later for the same file starts its
+//! upper domains from the current stored bytes — never from pages cached before a write
+//! made through another layer in between.
+//!
+//! A file removed (or renamed over) while open is *detached*: its group leaves the table,
+//! its open handles keep working (read, write, length, truncate, map) on the unlinked
+//! data, and at the last close every domain's pages are dropped and the group closed at
+//! once (no pool), so no descriptor of the deleted file outlives its last close.
 
 use crate::coherence::{ALL, CoherenceStats, Counters, Group, Mode};
 pub use crate::coherence::{Coherence, LockConflict, LockKind, LockWait};
 use crate::error::{Error, Result};
 use crate::layer::{Attr, Below, DirEntry, Kind, Layer, Opened, Rename, SetAttr, norm};
-use parking_lot::Mutex;
-use std::collections::HashMap;
+use parking_lot::{Condvar, Mutex};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Weak};
 
 /// What identifies a file's group: the bottom store's identity (the file token).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -19,18 +58,50 @@ enum GroupKey {
     Path(usize, String),
 }
 
-/// A layer's name cache: the file a path names, once opened through the stack — its group
-/// and domain, whose cached object knows the length as this layer sees it. It spares a
-/// `getattr` of a general layer (whose size is the cleartext length) from opening the file
-/// again. Attributes themselves are read from the layer every time (the often-changing
-/// group — size, times — is most of them); entries are dropped, in every layer at once, when
-/// a name is removed, renamed, created or changed (the paper's tag-and-broadcast).
-type Named = (Arc<Group>, usize);
+/// A layer's name cache: the file a path names, once opened through the stack — its group's
+/// key and its domain, whose cached object knows the length as this layer sees it. It
+/// spares a `getattr` of a general layer (whose size is the cleartext length) from opening
+/// the file again while its group is open (in use or in the pool); the key does not keep
+/// the group open. Attributes themselves are read from the layer every time (the
+/// often-changing group — size, times — is most of them); entries are dropped, in every
+/// layer at once, when a name is removed, renamed, created or changed (the paper's
+/// tag-and-broadcast).
+type Named = (GroupKey, usize);
+
+/// A group in the table, and who holds it.
+struct Slot {
+    group: Arc<Group>,
+    /// [`Use`]s of it: open files, mappings, operations in progress.
+    users: usize,
+    /// Its place in [`Groups::idle`] while nobody uses it.
+    idle: Option<u64>,
+}
+
+/// The stack's open groups (see the module docs: the pool of idle files).
+#[derive(Default)]
+struct Groups {
+    /// Every open group of a file that has a name, by the file's key: in use or idle.
+    live: HashMap<GroupKey, Slot>,
+    /// Groups of files removed or renamed over while in use, by the group's address: they
+    /// are closed at their last use.
+    detached: HashMap<usize, Slot>,
+    /// The idle groups of `live`, least recently used first (by stamp).
+    idle: BTreeMap<u64, GroupKey>,
+    next_stamp: u64,
+    /// Keys whose group is being released: opens of them wait until it is closed.
+    releasing: HashSet<GroupKey>,
+}
 
 struct Inner {
     cache: ubc::Cache,
     layers: Vec<Arc<dyn Layer>>,
-    groups: Mutex<HashMap<GroupKey, Arc<Group>>>,
+    /// Lock order: taken with no other lock of the stack, the cache or a group held, and
+    /// nothing is waited for under it but `released` (which gives it up while waiting).
+    groups: Mutex<Groups>,
+    /// Notified when a group's release ends (its key leaves `Groups::releasing`).
+    released: Condvar,
+    /// Most idle groups kept open (see the module docs).
+    idle_files: AtomicUsize,
     counters: Arc<Counters>,
     coherence: Coherence,
     /// Per layer: path → the opened file (see [`Named`]).
@@ -38,6 +109,19 @@ struct Inner {
     name_hits: AtomicU64,
     name_invalidations: AtomicU64,
     next_owner: AtomicU64,
+}
+
+/// The default size of the pool of idle files for `layers`: a quarter of the soft open-file
+/// limit, divided by the descriptors one group holds (a memfd per domain and the stored
+/// file's descriptor), at least 16. The cache drops closed objects while it holds more
+/// than a quarter of the limit in objects, open or closed (`max_cached_files`'s default;
+/// the pool's count among them), and a closed one holds at most two descriptors: idle
+/// files then hold at most three quarters of the limit, and the rest stays for open files
+/// and everything else.
+fn default_idle_files(layers: &[Arc<dyn Layer>]) -> usize {
+    let nofile = rustix::process::getrlimit(rustix::process::Resource::Nofile).current.unwrap_or(1024);
+    let per_group = 2 + layers.iter().filter(|l| l.is_general()).count();
+    (nofile as usize / 4 / per_group).max(16)
 }
 
 /// A stack of layers over one cache. Cheap to clone (shared).
@@ -167,11 +251,14 @@ impl Stack {
             }
         }
         let names = layers.iter().map(|_| Mutex::new(HashMap::new())).collect();
+        let idle_files = AtomicUsize::new(default_idle_files(&layers));
         Ok(Stack {
             inner: Arc::new(Inner {
                 cache,
                 layers,
-                groups: Mutex::new(HashMap::new()),
+                groups: Mutex::new(Groups::default()),
+                released: Condvar::new(),
+                idle_files,
                 counters: Arc::new(Counters::default()),
                 coherence,
                 names,
@@ -225,12 +312,39 @@ impl Stack {
     }
 
     /// Write every dirty page of every file down through the stack and sync the stores.
+    /// Releases of idle files in progress are waited for first (they flush their files).
     pub fn sync_all(&self) -> Result<()> {
-        let groups: Vec<Arc<Group>> = self.inner.groups.lock().values().cloned().collect();
+        let groups: Vec<Arc<Group>> = {
+            let mut g = self.inner.groups.lock();
+            while !g.releasing.is_empty() {
+                ubc::order::check_wait(ubc::order::Rank::STACK);
+                self.inner.released.wait(&mut g);
+            }
+            g.live.values().map(|s| s.group.clone()).collect()
+        };
         for g in groups {
             g.flush_above(0)?;
         }
         Ok(self.inner.cache.sync_all()?)
+    }
+
+    /// Most idle files (closed, neither open nor mapped) kept open in the pool: see the
+    /// module docs.
+    pub fn idle_files(&self) -> usize {
+        self.inner.idle_files.load(Relaxed)
+    }
+
+    /// Set the size of the pool of idle files (at least 0: then every file is released at
+    /// its last close). Files beyond it are released at the next close.
+    pub fn set_idle_files(&self, n: usize) {
+        self.inner.idle_files.store(n, Relaxed);
+    }
+
+    /// Open groups: (in use, idle in the pool, detached and still in use). For diagnostics
+    /// and tests.
+    pub fn open_files(&self) -> (usize, usize, usize) {
+        let g = self.inner.groups.lock();
+        (g.live.len() - g.idle.len(), g.idle.len(), g.detached.len())
     }
 }
 
@@ -243,20 +357,202 @@ impl Stack {
 /// effort: errors have nobody to go to.
 impl Drop for Inner {
     fn drop(&mut self) {
-        let groups: Vec<Arc<Group>> = self.groups.lock().values().cloned().collect();
+        let groups: Vec<Arc<Group>> = self.groups.get_mut().live.values().map(|s| s.group.clone()).collect();
         for g in groups {
             let _ = g.flush_above(0);
         }
     }
 }
 
+/// A hold on a group (an open file, a mapping, an operation in progress): while one exists
+/// the group is in use and stays open; the last one's drop puts it in the pool of idle
+/// files (or closes it, if the file was removed). Derefs to the group.
+struct Use {
+    inner: Weak<Inner>,
+    key: GroupKey,
+    group: Arc<Group>,
+}
+
+impl std::ops::Deref for Use {
+    type Target = Group;
+    fn deref(&self) -> &Group {
+        &self.group
+    }
+}
+
+impl Use {
+    /// Another hold on the same group. => `self` holds it (so its slot exists).
+    fn again(&self) -> Use {
+        if let Some(inner) = self.inner.upgrade() {
+            let mut g = inner.groups.lock();
+            if let Some(s) = Groups::slot_of(&mut g, &self.key, &self.group) {
+                s.users += 1;
+            }
+        }
+        Use { inner: self.inner.clone(), key: self.key.clone(), group: self.group.clone() }
+    }
+}
+
+impl Drop for Use {
+    fn drop(&mut self) {
+        if let Some(inner) = self.inner.upgrade() {
+            inner.put(&self.key, &self.group);
+        }
+    }
+}
+
+impl Groups {
+    /// The slot of `group` (under `key`, or detached).
+    fn slot_of<'a>(g: &'a mut Groups, key: &GroupKey, group: &Arc<Group>) -> Option<&'a mut Slot> {
+        let addr = Arc::as_ptr(group) as usize;
+        match g.live.get_mut(key) {
+            Some(s) if Arc::ptr_eq(&s.group, group) => Some(s),
+            _ => g.detached.get_mut(&addr),
+        }
+    }
+}
+
 impl Inner {
+    /// A hold on the group of the file `key` names, made if there is none. Waits while a
+    /// previous group of the file is being released (it must be flushed and closed before
+    /// a new one opens upper domains of the file). => no lock held (see `groups`).
+    fn take(self: &Arc<Self>, key: GroupKey) -> Use {
+        let mut g = self.groups.lock();
+        while g.releasing.contains(&key) {
+            // The release works on the cache (`ubc::order`: the stack's rank).
+            ubc::order::check_wait(ubc::order::Rank::STACK);
+            self.released.wait(&mut g);
+        }
+        let g = &mut *g;
+        let slot = g.live.entry(key.clone()).or_insert_with(|| Slot {
+            group: Arc::new(Group::new(self.counters.clone(), self.coherence)),
+            users: 0,
+            idle: None,
+        });
+        if let Some(stamp) = slot.idle.take() {
+            g.idle.remove(&stamp);
+        }
+        slot.users += 1;
+        Use { inner: Arc::downgrade(self), key, group: slot.group.clone() }
+    }
+
+    /// A hold on the group of `key` if it is open and not being released (the name cache:
+    /// a miss just opens the file).
+    fn take_open(self: &Arc<Self>, key: &GroupKey) -> Option<Use> {
+        let mut g = self.groups.lock();
+        let g = &mut *g;
+        let slot = g.live.get_mut(key)?;
+        if let Some(stamp) = slot.idle.take() {
+            g.idle.remove(&stamp);
+        }
+        slot.users += 1;
+        Some(Use { inner: Arc::downgrade(self), key: key.clone(), group: slot.group.clone() })
+    }
+
+    /// A hold on `group` ends: at its last, the group goes to the pool (and the least
+    /// recently used beyond the pool's size are released), or, detached, is closed.
+    fn put(&self, key: &GroupKey, group: &Arc<Group>) {
+        let mut victims = Vec::new();
+        let mut gone = None;
+        {
+            let mut g = self.groups.lock();
+            let g = &mut *g;
+            let Some(slot) = Groups::slot_of(g, key, group) else { return };
+            slot.users -= 1;
+            if slot.users > 0 {
+                return;
+            }
+            if g.live.get(key).is_some_and(|s| Arc::ptr_eq(&s.group, group)) {
+                let stamp = g.next_stamp;
+                g.next_stamp += 1;
+                g.live.get_mut(key).expect("just found").idle = Some(stamp);
+                g.idle.insert(stamp, key.clone());
+                let max = self.idle_files.load(Relaxed);
+                while g.idle.len() > max {
+                    let (_, k) = g.idle.pop_first().expect("not empty");
+                    let s = g.live.remove(&k).expect("idle groups are live");
+                    g.releasing.insert(k.clone());
+                    victims.push((k, s.group));
+                }
+            } else {
+                gone = g.detached.remove(&(Arc::as_ptr(group) as usize));
+            }
+        }
+        for (k, grp) in victims {
+            self.release(k, grp);
+        }
+        if let Some(s) = gone {
+            self.close_detached(s.group);
+        }
+    }
+
+    /// Release an idle group that left the pool: flush its upper domains down, drop and
+    /// forget their objects (see the module docs for why), close its handles. On a flush
+    /// error nothing is dropped: the group goes back to the pool (its dirty data stays for
+    /// a later sync to write or report). => `key` is in `releasing`; no lock held.
+    fn release(&self, key: GroupKey, group: Arc<Group>) {
+        // Flushing works on the cache: no cache lock may be held here (`ubc::order`).
+        ubc::order::check_wait(ubc::order::Rank::STACK);
+        let flushed = match self.coherence {
+            Coherence::Off => (1..group.depth())
+                .rev()
+                .try_for_each(|d| group.domain(d).map_or(Ok(()), |dom| dom.file.sync()).map_err(Error::from)),
+            _ => group.flush_dirty_above(0),
+        };
+        if flushed.is_err() {
+            let mut g = self.groups.lock();
+            let g = &mut *g;
+            let stamp = g.next_stamp;
+            g.next_stamp += 1;
+            g.idle.insert(stamp, key.clone());
+            g.live.insert(key.clone(), Slot { group, users: 0, idle: Some(stamp) });
+            g.releasing.remove(&key);
+            self.released.notify_all();
+            return;
+        }
+        self.drop_domains(&group, 1);
+        // Closed before the key is free again, so that no pager of it (whose drop may still
+        // write) outlives the start of a new group of the file.
+        drop(group);
+        self.groups.lock().releasing.remove(&key);
+        self.released.notify_all();
+    }
+
+    /// Close the group of a removed file at its last use: its data is gone, so every
+    /// domain's pages are dropped, the stored file's included, and their objects freed
+    /// with their descriptors as the group's handles close.
+    fn close_detached(&self, group: Arc<Group>) {
+        ubc::order::check_wait(ubc::order::Rank::STACK);
+        self.drop_domains(&group, 0);
+    }
+
+    /// Close the domains of `group`, top first, dropping the cached pages of domains
+    /// `from..` and forgetting their objects: empty and unreachable, each is freed as its
+    /// last handle closes. Each domain is closed before the one below it is emptied: closing
+    /// it may drop its layer's pager, whose last reads (or a read-ahead it started) may
+    /// still fill pages below — emptied next, so nothing of a closed file stays cached
+    /// above domain `from`. Best effort: an object that keeps pages (a failed write-back)
+    /// stays cached, forgotten, until the cache drops it (`max_cached_files`). => nobody
+    /// uses the group; its data is below domain `from` (flushed) or not wanted (removed).
+    fn drop_domains(&self, group: &Group, from: usize) {
+        let mut doms = group.take_domains();
+        while doms.len() > from {
+            let dom = doms.pop().expect("not empty");
+            let _ = dom.file.invalidate(ALL, ubc::Length::Keep);
+            if let Some(id) = dom.file.identity() {
+                self.cache.forget(&id);
+            }
+            // The group held the last handle on it (its files and the pager above are gone).
+            drop(dom);
+        }
+    }
+
     /// Open the data of `path` at `level`: the file's group, its domain there, and a handle.
     /// The name cache of `level` and of every level below that the open passed through
     /// learns the file, so that a `getattr` at any of them reads the cached length.
     fn open_node(self: &Arc<Self>, level: usize, path: &str, writable: bool) -> Result<Node> {
         let node = self.open_node_at(level, path, writable)?;
-        self.names[level].lock().insert(path.to_string(), (node.group.clone(), node.domain));
+        self.names[level].lock().insert(path.to_string(), (node.group.key.clone(), node.domain));
         Ok(node)
     }
 
@@ -273,12 +569,7 @@ impl Inner {
                     Some(i) => GroupKey::Data(i),
                     None => GroupKey::Path(level, path.to_string()),
                 };
-                let group = self
-                    .groups
-                    .lock()
-                    .entry(key)
-                    .or_insert_with(|| Arc::new(Group::new(self.counters.clone(), self.coherence)))
-                    .clone();
+                let group = self.take(key);
                 group.add_domain(0, || Ok((file.reopen(ubc::Access::ReadOnly)?, None)))?;
                 Ok(Node { file, group, domain: 0 })
             }
@@ -333,19 +624,20 @@ impl Inner {
     /// The file token of `path` as seen at `level`, if it is a regular file whose only name
     /// this is (its data goes with the name). Opens it: never a FIFO, which would wait for
     /// a writer.
-    fn group_of(self: &Arc<Self>, level: usize, path: &str) -> Option<(Arc<Group>, Option<ubc::Identity>)> {
+    fn group_of(self: &Arc<Self>, level: usize, path: &str) -> Option<(Use, Option<ubc::Identity>)> {
         let a = self.layers[level].getattr(path).ok()?;
         if a.kind != Kind::File || a.nlink > 1 {
             return None;
         }
         let node = self.open_node(level, path, false).ok()?;
-        Some((node.group.clone(), node.file.identity()))
+        let id = node.file.identity();
+        Some((node.group, id))
     }
 }
 
 struct Node {
     file: ubc::File,
-    group: Arc<Group>,
+    group: Use,
     domain: usize,
 }
 
@@ -412,9 +704,12 @@ impl LayerRef {
         }
         // The length is the cache's when the file is cached (dirty pages and pending
         // truncates count, and a write through another layer is pushed down first); a
-        // general layer's length exists only in the opened file.
+        // general layer's length exists only in the opened file. The name cache names the
+        // group; a group released since is not reopened for a store layer (the store's
+        // size is then the truth: nothing of it is cached above).
         let named = self.inner().names[self.level].lock().get(&p).cloned();
-        let group = match named.and_then(|(g, d)| Some((g.domain(d)?, g, d))) {
+        let held = named.and_then(|(k, d)| Some((self.inner().take_open(&k)?, d)));
+        let group = match held.and_then(|(g, d)| Some((g.domain(d)?, g, d))) {
             Some((dom, g, d)) => {
                 self.inner().name_hits.fetch_add(1, Relaxed);
                 a.size = {
@@ -426,13 +721,16 @@ impl LayerRef {
             None if self.layer().is_general() || self.level_is_above_general() => {
                 let f = self.open_with(&p, OpenOptions::default())?;
                 a.size = f.len()?;
-                Some(f.group.clone())
+                if let Some(m) = f.group.modified() {
+                    (a.mtime, a.ctime) = (a.mtime.max(m), a.ctime.max(m));
+                }
+                None
             }
             None => None,
         };
         // Data written but not yet written back has moved the times already (POSIX), though
         // the store's own clock moves only at writeback.
-        if let Some(m) = group.and_then(|g| g.modified()) {
+        if let Some(m) = group.as_ref().and_then(|g| g.modified()) {
             a.mtime = a.mtime.max(m);
             a.ctime = a.ctime.max(m);
         }
@@ -461,10 +759,11 @@ impl LayerRef {
                 r => r?,
             }
         }
-        if rest.mtime.is_some()
-            && let Some((g, _)) = self.inner().names[self.level].lock().get(&p)
-        {
-            g.forget_modified();
+        if rest.mtime.is_some() {
+            let named = self.inner().names[self.level].lock().get(&p).cloned();
+            if let Some(g) = named.and_then(|(k, _)| self.inner().take_open(&k)) {
+                g.forget_modified();
+            }
         }
         // The name still names the same file: the name caches stay.
         Ok(())
@@ -565,9 +864,16 @@ impl LayerRef {
         self.layer().removexattr(&norm(path)?, name)
     }
 
-    fn forget_group(&self, g: &Arc<Group>, id: Option<ubc::Identity>) {
+    /// The file of `g` is gone (removed, or renamed over): detach its group from the key —
+    /// a new file reusing the identity gets a new group — and forget its objects; the
+    /// group is closed at its last use. => `g` holds the group.
+    fn forget_group(&self, g: &Use, id: Option<ubc::Identity>) {
         let mut groups = self.inner().groups.lock();
-        groups.retain(|_, x| !Arc::ptr_eq(x, g));
+        if groups.live.get(&g.key).is_some_and(|s| Arc::ptr_eq(&s.group, &g.group)) {
+            let slot = groups.live.remove(&g.key).expect("just found");
+            debug_assert!(slot.idle.is_none(), "g holds it");
+            groups.detached.insert(Arc::as_ptr(&g.group) as usize, slot);
+        }
         drop(groups);
         for d in 0..g.depth() {
             if let Some(dom) = g.domain(d)
@@ -648,11 +954,11 @@ impl LayerRef {
         let f = File {
             inner: node.file,
             dom,
-            group: node.group,
             domain: node.domain,
             owner: self.inner().next_owner.fetch_add(1, Relaxed),
             path: p,
             level: self.level,
+            group: node.group,
         };
         if opts.truncate && opts.write {
             f.set_len(0)?;
@@ -675,15 +981,18 @@ impl LockOwner {
 }
 
 /// A file opened at one layer of a stack. Positional calls are thread-safe and coherent
-/// with every other layer's view of the same file, mappings included.
+/// with every other layer's view of the same file, mappings included. It keeps working
+/// after its name is removed (or renamed over); its data goes at its last close.
 pub struct File {
     inner: ubc::File,
-    group: Arc<Group>,
     dom: Arc<crate::coherence::Domain>,
     domain: usize,
     owner: u64,
     path: String,
     level: usize,
+    /// Last: dropped after the handles above, so that a release at this last use finds
+    /// them closed and the objects are freed with the group.
+    group: Use,
 }
 
 fn span(offset: u64, len: usize) -> Result<Range<u64>> {
@@ -785,7 +1094,7 @@ impl File {
             .acquire(&self.dom, self.domain, range.clone(), mode)
             .and_then(|_p| self.inner.map(range.clone(), access, sharing));
         match m {
-            Ok(m) => Ok(Mapping { inner: Some(m), group: self.group.clone(), domain: self.domain, id }),
+            Ok(m) => Ok(Mapping { inner: Some(m), group: self.group.again(), domain: self.domain, id }),
             Err(e) => {
                 self.group.unmap(self.domain, id);
                 Err(e.into())
@@ -860,7 +1169,8 @@ impl std::fmt::Debug for File {
 /// A memory mapping of a stack file (see [`File::map`]).
 pub struct Mapping {
     inner: Option<ubc::Mapping>,
-    group: Arc<Group>,
+    /// Keeps the group in use while mapped (dropped after the unmap).
+    group: Use,
     domain: usize,
     id: u64,
 }

@@ -206,8 +206,8 @@ impl LayerFs {
         h.sync().map_err(|e| errno(&e))
     }
 
-    fn add_handle(&self, file: ubc_stack::File, append: bool, pid: u32, attr: ubc_stack::Attr) -> FileHandle {
-        FileHandle(self.handles.add(file, append, pid, attr))
+    fn add_handle(&self, file: ubc_stack::File, ino: u64, append: bool, pid: u32, attr: ubc_stack::Attr) -> FileHandle {
+        FileHandle(self.handles.add(file, ino, append, pid, attr))
     }
 
     fn open_flags(&self) -> FopenFlags {
@@ -258,10 +258,18 @@ impl Filesystem for LayerFs {
         }
     }
 
+    /// A file removed (or renamed over) while open has no path, and the kernel's `fstat`
+    /// of it comes without a file handle: its attributes come from a handle open on the inode.
     fn getattr(&self, _req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
-        let r = match fh.map(|f| self.handle(f)) {
-            Some(Ok(h)) => self.stat_handle(ino.0, &h),
-            _ => self.stat_node(ino),
+        let r = match fh.and_then(|f| self.handle(f).ok()) {
+            Some(h) => self.stat_handle(ino.0, &h),
+            None => match self.stat_node(ino) {
+                Ok(a) => Ok(a),
+                Err(e) => match self.handles.of_ino(ino.0) {
+                    Some(h) => self.stat_handle(ino.0, &h),
+                    None => Err(e),
+                },
+            },
         };
         match r {
             Ok(a) => reply.attr(&self.ttl, &a),
@@ -290,7 +298,9 @@ impl Filesystem for LayerFs {
         let r = (|| {
             let _pass = self.gate.enter()?;
             let path = self.path(ino);
-            let h = fh.and_then(|f| self.handle(f).ok());
+            // Without a path (removed while open), a handle on the inode answers.
+            let h =
+                fh.and_then(|f| self.handle(f).ok()).or_else(|| path.is_err().then(|| self.handles.of_ino(ino.0))?);
             let mut set = SetAttr::new().with_owner(uid, gid);
             set.mode = mode.map(|m| m & 0o7777);
             set.atime = atime.map(attr::time);
@@ -529,7 +539,7 @@ impl Filesystem for LayerFs {
             let f =
                 self.layer.open_with(&p, OpenOptions::new().write(write).truncate(truncate)).map_err(|e| errno(&e))?;
             let (_, a) = self.stat_attr(&p)?;
-            Ok(self.add_handle(f, flags.0 & libc::O_APPEND != 0, process_of(req.pid()), a))
+            Ok(self.add_handle(f, ino.0, flags.0 & libc::O_APPEND != 0, process_of(req.pid()), a))
         })();
         match r {
             Ok(fh) => reply.opened(fh, self.open_flags()),
@@ -560,7 +570,7 @@ impl Filesystem for LayerFs {
             self.give_to_requester(req, &p)?;
             let a = self.layer.getattr(&p).map_err(|e| errno(&e))?;
             let ino = self.inodes.lock().unwrap().node(&p, (a.dev, a.ino), true);
-            let fh = self.add_handle(f, flags & libc::O_APPEND != 0, process_of(req.pid()), a.clone());
+            let fh = self.add_handle(f, ino, flags & libc::O_APPEND != 0, process_of(req.pid()), a.clone());
             Ok((attr::file_attr(ino, &a), fh))
         })();
         match r {

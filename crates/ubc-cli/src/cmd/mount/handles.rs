@@ -11,6 +11,9 @@ pub(super) struct Handle {
     pub(super) append: bool,
     /// The process (thread group) that opened it: only its `close` waits for a sync.
     pub(super) pid: u32,
+    /// The inode number the file was opened by (the kernel keeps using it after the name
+    /// is removed).
+    pub(super) ino: u64,
     /// Written (or resized) through this handle since its last successful sync.
     written: AtomicBool,
     /// The file's attributes when last seen by name: what `fstat` shows (with the current
@@ -53,12 +56,19 @@ impl Handles {
         Handles { open: Mutex::new(HashMap::new()), next: AtomicU64::new(1) }
     }
 
-    /// Enter an open of `file` by process `pid`; its handle number.
-    pub(super) fn add(&self, file: ubc_stack::File, append: bool, pid: u32, attr: ubc_stack::Attr) -> u64 {
+    /// Enter an open of `file` (inode `ino`, attributes `attr`) by process `pid`; its
+    /// handle number.
+    pub(super) fn add(&self, file: ubc_stack::File, ino: u64, append: bool, pid: u32, attr: ubc_stack::Attr) -> u64 {
         let fh = self.next.fetch_add(1, Relaxed);
-        let h = Handle { file, append, pid, written: AtomicBool::new(false), last: Mutex::new(attr) };
+        let h = Handle { file, append, pid, ino, written: AtomicBool::new(false), last: Mutex::new(attr) };
         self.open.lock().unwrap().insert(fh, Arc::new(h));
         fh
+    }
+
+    /// An open handle of inode `ino`, if any: a file removed while open has no path left,
+    /// and the kernel asks for its attributes (`fstat`) by inode alone.
+    pub(super) fn of_ino(&self, ino: u64) -> Option<Arc<Handle>> {
+        self.open.lock().unwrap().values().find(|h| h.ino == ino).cloned()
     }
 
     pub(super) fn get(&self, fh: u64) -> Option<Arc<Handle>> {

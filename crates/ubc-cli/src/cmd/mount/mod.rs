@@ -48,6 +48,16 @@
 //!   after a second's grace, the shutdown above runs as if signalled. With nothing open
 //!   the kernel ends the sessions itself and this is the first case.
 //!
+//! # Descriptors
+//!
+//! Every file used through a mount holds descriptors while open (its host file and a memfd
+//! per layer object): closed files stay open only within the stack's pool of idle files
+//! (`--idle-files`, see `ubc_stack::stack`) and the cache's closed objects
+//! (`max_cached_files`, a quarter of the open-file limit), so a tree of any size can be
+//! copied in. A file removed or renamed over while open keeps working through its open
+//! descriptors (`fstat` included) and is gone, with every descriptor of it, at its last
+//! close.
+//!
 //! SIGKILL loses only what was not synced (`fsync`, the opener's `close`, or the shutdown):
 //! what a crash of the stack keeps is documented in docs/guarantees.md, section 2. Stores
 //! through a shared mapping reach the stack when the kernel writes the mapping back
@@ -104,6 +114,16 @@ pub struct Args {
     /// Cache budget in MiB
     #[arg(long, value_name = "MiB", default_value_t = 64)]
     budget: u64,
+    /// Closed files kept open (every layer's object of the file) for a quick reopen; beyond
+    /// them the least recently used are flushed down and closed. Default: a quarter of the
+    /// open-file limit divided by the descriptors a file holds (2 + general layers)
+    #[arg(long, value_name = "N")]
+    idle_files: Option<usize>,
+    /// Closed files the cache keeps (with their pages; the stored file's descriptor and a
+    /// memfd each); beyond them the least recently closed are written back and dropped.
+    /// Default: a quarter of the open-file limit
+    #[arg(long, value_name = "N")]
+    cached_files: Option<usize>,
     /// At shutdown, give up syncing after this many seconds: what is still dirty is listed
     /// and the command exits 75
     #[arg(long, value_name = "SECONDS", default_value_t = 60)]
@@ -131,7 +151,10 @@ pub fn run(a: Args) -> Result<()> {
     // and one thread takes the signals.
     let signals = Signals::block();
     let sa = StackArgs { stack: a.stack.clone(), layer: None, budget: a.budget };
-    let (stack, _) = sa.open()?;
+    let (stack, _) = sa.open_caching(a.cached_files)?;
+    if let Some(n) = a.idle_files {
+        stack.set_idle_files(n);
+    }
     let mut layers = Vec::new();
     for (n, mp) in &ats {
         let layer = stack.layer(*n).map_err(|_| {
