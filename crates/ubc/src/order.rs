@@ -41,6 +41,11 @@
 //!   their deadline, and what they do to make progress themselves (reclaim, writeback) obeys
 //!   the rule above. A writer inside a pager call is never throttled (`PagerScope`).
 //!
+//! Leaf mutexes are not ranked: held for a lookup or an update, with nothing acquired or
+//! waited for under them, they cannot close a cycle. Such are an object's read-ahead stream
+//! table (`Object::ra_streams`: taken on a miss or a marked page, released before any
+//! read-ahead is queued, reserved or reclaimed) and the wake-up mutexes.
+//!
 //! In debug builds (tests) every acquisition and wait is checked against a per-thread stack
 //! of held ranks, and an out-of-order one panics with both ranks: the checker turns a
 //! deadlock that needs an unlucky schedule into a failure on the first run that takes the

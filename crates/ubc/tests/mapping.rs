@@ -601,3 +601,29 @@ fn stores_through_a_mapping_racing_read_ahead_and_cleaning_all_reach_the_file() 
         assert_same(&got, &want, &format!("round {round}: stores through a mapping, read back"));
     }
 }
+
+#[test]
+fn random_faults_read_one_page_each() {
+    // Random touches of a mapping follow the read path's rule: one page per random miss
+    // (a fault used to fill 16 pages wherever it hit).
+    let cache = Cache::builder().budget(64 << 20).build().unwrap();
+    let size = 8 << 20;
+    let pager = RecordingPager::with_data(size, 10);
+    let f = cache.open(pager.clone(), Access::ReadOnly).unwrap();
+    let m = f.map(0..size as u64, Access::ReadOnly, Sharing::Shared).unwrap();
+    let pages = size as u64 / PS as u64;
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut touched = std::collections::HashSet::new();
+    while touched.len() < 400 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let p = 1 + x % (pages - 1);
+        let off = (p as usize) * PS + 123;
+        assert_eq!(m[off], byte_at(10, off as u64), "page {p}");
+        touched.insert(p);
+    }
+    let read = pager.bytes_requested() / PS as u64;
+    println!("{read} pages read for {} touched; {:?}", touched.len(), cache.stats().totals);
+    assert!(read * 100 <= touched.len() as u64 * 105, "{read} pages read for {} touched", touched.len());
+}

@@ -186,3 +186,57 @@ fn readahead_off_reads_only_what_is_asked() {
     read_seq(&f, 7, 0, size as u64, 4096);
     assert_eq!(f.stats().readahead_pages, 0);
 }
+
+/// The pages of `1..pages` in a fixed pseudo-random order (Fisher-Yates, xorshift).
+fn shuffled_pages(pages: u64, seed: u64) -> Vec<u64> {
+    let mut v: Vec<u64> = (1..pages).collect();
+    let mut x = seed | 1;
+    for i in (1..v.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    v
+}
+
+#[test]
+fn random_reads_of_a_mostly_resident_file_read_one_page_per_miss() {
+    // Every page once, in random order: as the file fills, the pages before a miss are more
+    // and more often cached — the trace a sequential stream leaves, which must not pass for
+    // one (issue 19: a full cache read 5.5 pages per random miss).
+    let size = 8 << 20;
+    let pager = RecordingPager::with_data(size, 8);
+    let cache = cache();
+    let f = cache.open(pager.clone(), Access::ReadOnly).unwrap();
+    let mut b = vec![0u8; 4096];
+    for p in shuffled_pages(size as u64 / 4096, 0x51ed) {
+        f.read_exact_at(&mut b, p * 4096).unwrap();
+        assert_same(&b, &pattern(8, p * 4096, 4096), "random read");
+    }
+    let st = f.stats();
+    println!("{st:?}");
+    assert!(st.readahead_pages * 20 <= st.misses, "read ahead on random misses: {st:?}");
+    let reqs = pager.requests();
+    let single = reqs.iter().filter(|r| r.1 == 4096).count();
+    assert!(single * 20 >= reqs.len() * 19, "{single} of {} requests were the page asked for", reqs.len());
+}
+
+#[test]
+fn a_stream_starting_mid_file_is_found_by_its_second_read() {
+    let size = 8 << 20;
+    let pager = RecordingPager::with_data(size, 9);
+    let cache = cache();
+    let f = cache.open(pager.clone(), Access::ReadOnly).unwrap();
+    // A few random reads first (candidates in the stream table), then one stream from 3 MiB.
+    let mut b = vec![0u8; 4096];
+    for p in [100u64, 1700, 40, 900] {
+        f.read_exact_at(&mut b, p * 4096).unwrap();
+    }
+    read_seq(&f, 9, 3 << 20, 4 << 20, 4096);
+    let st = f.stats();
+    let pages = (4u64 << 20) / 4096;
+    println!("{st:?}");
+    assert!(st.readahead_pages >= pages * 9 / 10, "the stream was read ahead: {st:?}");
+    assert!(st.misses < pages / 20, "demand misses {} of {pages}", st.misses);
+}

@@ -9,6 +9,7 @@ pub mod seq;
 pub mod stack;
 pub mod table1;
 pub mod tlpi;
+pub mod ws;
 pub mod zipf;
 
 use crate::report::Record;
@@ -43,5 +44,6 @@ pub fn all() -> Vec<(&'static str, BenchFn)> {
         ("stack", stack::run as BenchFn),
         ("stack_randwrite", stack::run_randwrite as BenchFn),
         ("mach61", mach61::run as BenchFn),
+        ("ws", ws::run as BenchFn),
     ]
 }

@@ -8,6 +8,9 @@ use super::*;
 use crate::evict::{EvictAttempt, PageKey, PageProbe};
 use crate::object::Pass;
 
+/// Victims selected per hold of the policy lock.
+const LOCK_BATCH: u64 = 32;
+
 /// Dirty victims collected for writeback per reclaim round.
 const MAX_DIRTY_VICTIMS: usize = 1024;
 
@@ -22,12 +25,20 @@ impl CacheCore {
         for _round in 0..4 {
             let mut probe = Prober { core: self, objects: HashMap::new(), dirty: Vec::new() };
             let mut victims = Vec::new();
-            {
+            // The policy lock is taken per batch of `LOCK_BATCH` victims, not for the whole
+            // round: a fill publishing its pages (`publish_filled` inserts under this lock)
+            // waits for one batch at most, never for the page daemon's whole refill.
+            let mut dry = false;
+            while !dry && (victims.len() as u64) < want - freed {
+                let goal = victims.len() + (want - freed - victims.len() as u64).min(LOCK_BATCH) as usize;
                 let mut pol = self.res.policy.lock();
-                while (victims.len() as u64) < want - freed {
+                while victims.len() < goal {
                     match pol.select_victim(&mut probe) {
                         Some(k) => victims.push(k),
-                        None => break,
+                        None => {
+                            dry = true;
+                            break;
+                        }
                     }
                 }
             }

@@ -14,8 +14,11 @@
 //!   every mapping, find its stores, and punch it, without a store slipping in between.
 //! * every fill maps its pages into the object's mappings before they become valid, and a
 //!   new mapping maps every resident page at once: resident pages never trap.
-//! * a fault on a page that is not resident fills a cluster (16 pages, doubling on
-//!   sequential faults up to 256) through the ordinary read path, maps it, wakes.
+//! * a fault on a page that is not resident fills it through the ordinary read path, maps
+//!   it, wakes. A fault right after the mapping's previous one fills a cluster (16 pages,
+//!   doubling on each further sequential fault up to 256); any other fills the one page, and
+//!   read-ahead decides by the object's streams as for a `read` (`object/readahead.rs`):
+//!   random faults read one page each, as random reads do.
 //! * a fault past the end of the file, or a pager error, poisons the page in that mapping:
 //!   the access gets SIGBUS (EFAULT for a kernel access), like the kernel's own mmap.
 
@@ -32,7 +35,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 
-/// First fault-around cluster, and its largest size after sequential faults (pages).
+/// Fault-around cluster after a sequential fault, and its largest size (pages). A fault not
+/// right after the previous one reads its page alone.
 const CLUSTER_INIT: u64 = 16;
 const CLUSTER_MAX: u64 = 256;
 
@@ -428,14 +432,16 @@ impl MapService {
             self.poison(k, &m, addr, sys);
             return;
         }
-        // Fault-around, growing on sequential faults like read-ahead.
+        // Fault-around only on sequential faults, growing like read-ahead; a random fault
+        // reads its page alone (reading 16 pages for one touched made each random miss cost
+        // 16 reads, and pushed 15 useful pages out of a full cache).
         let last = if minor {
             page
         } else {
             let c = if m.next.load(Relaxed) == page {
-                (m.cluster.load(Relaxed) * 2).min(CLUSTER_MAX)
+                (m.cluster.load(Relaxed) * 2).clamp(CLUSTER_INIT, CLUSTER_MAX)
             } else {
-                CLUSTER_INIT
+                1
             };
             m.cluster.store(c, Relaxed);
             (page + c - 1).min(end - 1)

@@ -33,7 +33,6 @@ use crate::pager::{Fill, Identity, Pager};
 use crate::resources::{DirtyWriter, Resources};
 use crate::stats::{Counters, Stats, bump};
 use parking_lot::{Mutex, RwLock};
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
 use std::sync::{Arc, OnceLock, Weak};
 
@@ -89,8 +88,8 @@ pub(crate) struct Object {
     pub(crate) id: u64,
     /// Ourselves, for handing work to I/O threads.
     pub(crate) me: Weak<Object>,
-    /// Read-ahead windows in flight: marker page → window size (see `readahead.rs`).
-    pub(crate) ra_windows: Mutex<HashMap<u64, u64>>,
+    /// Read-ahead streams of this object (see `readahead.rs`); a leaf lock.
+    pub(crate) ra_streams: Mutex<readahead::Streams>,
     pub(crate) res: Arc<Resources>,
     pager: RwLock<Arc<dyn Pager>>,
     pub(crate) table: PageTable,
@@ -143,7 +142,7 @@ impl Object {
         Ok(Arc::new_cyclic(|me| Object {
             id,
             me: me.clone(),
-            ra_windows: Mutex::new(HashMap::new()),
+            ra_streams: Mutex::new(readahead::Streams::default()),
             table: PageTable::new(1 << res.geo.chunk_shift),
             key,
             name: pager.describe(),

@@ -181,12 +181,6 @@ impl PageState {
         Snapshot(self.load())
     }
 
-    /// Valid contents (may be pinned, dirty, under writeback).
-    #[inline]
-    pub(crate) fn is_valid(&self) -> bool {
-        self.load() & VALID != 0
-    }
-
     /// May be mapped into a user mapping: valid, and not carrying the read-ahead mark (its
     /// first touch through a mapping must trap, so that the fault handler queues the next
     /// window; whoever pins the page clears the mark).
