@@ -1321,7 +1321,7 @@ fn checker_takes_a_block_written_back_part_way_through_a_mapped_store() {
         // stack, so that an aead block is sealed as the cache would have sealed it).
         let store = |at: u64, bytes: &[u8]| {
             let s = fresh_stack(kind, dir, false);
-            let f = s.top().open_with("f", ubc_stack::OpenOptions { write: true, ..Default::default() }).unwrap();
+            let f = s.top().open_with("f", ubc_stack::OpenOptions::new().write(true)).unwrap();
             f.write_at(bytes, at).unwrap();
             f.sync().unwrap();
         };
