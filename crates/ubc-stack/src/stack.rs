@@ -709,30 +709,24 @@ impl LayerRef {
         // size is then the truth: nothing of it is cached above).
         let named = self.inner().names[self.level].lock().get(&p).cloned();
         let held = named.and_then(|(k, d)| Some((self.inner().take_open(&k)?, d)));
-        let group = match held.and_then(|(g, d)| Some((g.domain(d)?, g, d))) {
+        // Data written but not yet written back has moved the times already (POSIX), though
+        // the store's own clock moves only at writeback: the group knows when.
+        let modified = match held.and_then(|(g, d)| Some((g.domain(d)?, g, d))) {
             Some((dom, g, d)) => {
                 self.inner().name_hits.fetch_add(1, Relaxed);
-                a.size = {
-                    let _p = g.acquire(&dom, d, ALL, Mode::Read)?;
-                    dom.file.len()?
-                };
-                Some(g)
+                let _p = g.acquire(&dom, d, ALL, Mode::Read)?;
+                a.size = dom.file.len()?;
+                g.modified()
             }
             None if self.layer().is_general() || self.level_is_above_general() => {
                 let f = self.open_with(&p, OpenOptions::default())?;
                 a.size = f.len()?;
-                if let Some(m) = f.group.modified() {
-                    (a.mtime, a.ctime) = (a.mtime.max(m), a.ctime.max(m));
-                }
-                None
+                f.group.modified()
             }
             None => None,
         };
-        // Data written but not yet written back has moved the times already (POSIX), though
-        // the store's own clock moves only at writeback.
-        if let Some(m) = group.as_ref().and_then(|g| g.modified()) {
-            a.mtime = a.mtime.max(m);
-            a.ctime = a.ctime.max(m);
+        if let Some(m) = modified {
+            (a.mtime, a.ctime) = (a.mtime.max(m), a.ctime.max(m));
         }
         Ok(a)
     }
@@ -750,14 +744,7 @@ impl LayerRef {
         }
         let rest = SetAttr { size: None, ..set.clone() };
         if rest.changes_metadata() {
-            match self.layer().setattr(&p, &rest) {
-                // A union's lower file: copied up by opening it for writing, then changed.
-                Err(Error::ReadOnly(_)) if self.layer().getattr(&p)?.kind == Kind::File => {
-                    drop(self.open_with(&p, OpenOptions { write: true, ..Default::default() })?);
-                    self.layer().setattr(&p, &rest)?;
-                }
-                r => r?,
-            }
+            self.with_copy_up(&p, || self.layer().setattr(&p, &rest))?;
         }
         if rest.mtime.is_some() {
             let named = self.inner().names[self.level].lock().get(&p).cloned();
@@ -778,6 +765,21 @@ impl LayerRef {
         self.layer().mkdir(&p, 0o755)?;
         self.inner().invalidate_names(&p);
         Ok(())
+    }
+
+    /// `op` on this layer; when the layer answers that the regular file `p` must first be
+    /// copied up (a union: `ReadOnly` from a metadata change of a lower file, `CrossDevice`
+    /// from a link or rename of one), the file is copied up by opening it for writing — its
+    /// data comes through the stack, current in every layer — and `op` runs again. On a
+    /// layer that is really read-only the open fails the same way.
+    fn with_copy_up<T>(&self, p: &str, op: impl Fn() -> Result<T>) -> Result<T> {
+        match op() {
+            Err(Error::ReadOnly(_) | Error::CrossDevice(_)) if self.layer().getattr(p)?.kind == Kind::File => {
+                drop(self.open_with(p, OpenOptions::new().write(true))?);
+                op()
+            }
+            r => r,
+        }
     }
 
     /// Remove a file. Cached lookups of it in every layer go at once, and its cached data
@@ -821,13 +823,7 @@ impl LayerRef {
     /// Give the file `from` the second name `to`. A union's lower file is copied up first.
     pub fn link(&self, from: &str, to: &str) -> Result<()> {
         let (f, t) = (not_root(norm(from)?, "link")?, not_root(norm(to)?, "replace")?);
-        match self.layer().link(&f, &t) {
-            Err(Error::CrossDevice(_)) if self.layer().getattr(&f)?.kind == Kind::File => {
-                drop(self.open_with(&f, OpenOptions { write: true, ..Default::default() })?);
-                self.layer().link(&f, &t)?;
-            }
-            r => r?,
-        }
+        self.with_copy_up(&f, || self.layer().link(&f, &t))?;
         self.inner().invalidate_names(&t);
         Ok(())
     }
@@ -846,14 +842,7 @@ impl LayerRef {
 
     pub fn setxattr(&self, path: &str, name: &str, value: &[u8], flags: i32) -> Result<()> {
         let p = norm(path)?;
-        match self.layer().setxattr(&p, name, value, flags) {
-            // A union's lower file: copied up by opening it for writing, then changed.
-            Err(Error::ReadOnly(_)) if self.layer().getattr(&p)?.kind == Kind::File => {
-                drop(self.open_with(&p, OpenOptions { write: true, ..Default::default() })?);
-                self.layer().setxattr(&p, name, value, flags)
-            }
-            r => r,
-        }
+        self.with_copy_up(&p, || self.layer().setxattr(&p, name, value, flags))
     }
 
     pub fn listxattr(&self, path: &str) -> Result<Vec<String>> {
@@ -903,16 +892,9 @@ impl LayerRef {
     /// [`LayerRef::rename`] with `renameat2(2)`'s modes ([`Rename`]).
     pub fn rename_with(&self, from: &str, to: &str, how: Rename) -> Result<()> {
         let (f, t) = (not_root(norm(from)?, "rename")?, not_root(norm(to)?, "replace")?);
-        if self.layer().spec().starts_with("union:")
-            && let Ok(a) = self.layer().getattr(&f)
-            && a.kind == Kind::File
-        {
-            // Copy a lower file up first: the union renames only upper files.
-            drop(self.open_with(&f, OpenOptions { write: true, ..Default::default() })?);
-        }
         // Exchanged or kept, the file at `to` lives on under a name: only a replaced one goes.
         let replaced = if how == Rename::Replace { self.inner().group_of(self.level, &t) } else { None };
-        self.layer().rename_with(&f, &t, how)?;
+        self.with_copy_up(&f, || self.layer().rename_with(&f, &t, how))?;
         self.inner().invalidate_names(&f);
         self.inner().invalidate_names(&t);
         if let Some((g, id)) = replaced {
@@ -1037,14 +1019,7 @@ impl File {
     pub fn append(&self, buf: &[u8]) -> Result<(u64, usize)> {
         let _one = self.group.appending.lock();
         let at = self.len()?;
-        let mut n = 0;
-        while n < buf.len() {
-            match self.write_at(&buf[n..], at + n as u64)? {
-                0 => break,
-                k => n += k,
-            }
-        }
-        Ok((at, n))
+        Ok((at, self.write_at(buf, at)?))
     }
 
     /// Length as this layer sees it (data written through layers above included).

@@ -636,17 +636,7 @@ impl Filesystem for LayerFs {
                     Err(e) => Err(errno(&e)),
                 }
             } else {
-                let mut n = 0;
-                loop {
-                    if n == data.len() {
-                        break Ok(n as u32);
-                    }
-                    match h.file.write_at(&data[n..], offset + n as u64) {
-                        Ok(0) => break Err(Errno::EIO),
-                        Ok(k) => n += k,
-                        Err(e) => break Err(errno(&e)),
-                    }
-                }
+                write_all(&h.file, data, offset).map(|()| data.len() as u32)
             };
             h.mark_written();
             if r.is_ok() {
@@ -736,16 +726,17 @@ impl Filesystem for LayerFs {
                     let mut at = offset;
                     while at < end.min(size) {
                         let n = (end.min(size) - at).min(zeros.len() as u64) as usize;
-                        at += h.file.write_at(&zeros[..n], at)? as u64;
+                        write_all(&h.file, &zeros[..n], at)?;
+                        at += n as u64;
                     }
                 }
                 if !keep && end > size {
-                    h.file.set_len(end)?;
+                    h.file.set_len(end).map_err(|e| errno(&e))?;
                 }
                 Ok(())
             })();
             h.mark_written();
-            r.map_err(|e: ubc_stack::Error| errno(&e))
+            r
         })();
         match r {
             Ok(()) => reply.ok(),
@@ -779,14 +770,11 @@ impl Filesystem for LayerFs {
             let r = (|| {
                 while done < len {
                     let want = (len - done).min(buf.len() as u64) as usize;
-                    let n = src.file.read_at(&mut buf[..want], offset_in + done)?;
+                    let n = src.file.read_at(&mut buf[..want], offset_in + done).map_err(|e| errno(&e))?;
                     if n == 0 {
                         break;
                     }
-                    let mut w = 0;
-                    while w < n {
-                        w += dst.file.write_at(&buf[w..n], offset_out + done + w as u64)?;
-                    }
+                    write_all(&dst.file, &buf[..n], offset_out + done)?;
                     done += n as u64;
                 }
                 Ok(())
@@ -795,7 +783,7 @@ impl Filesystem for LayerFs {
             match r {
                 Ok(()) => Ok(done as u32),
                 Err(_) if done > 0 => Ok(done as u32),
-                Err(e) => Err(errno(&e)),
+                Err(e) => Err(e),
             }
         })();
         match r {
@@ -930,6 +918,17 @@ impl Filesystem for LayerFs {
         }
         // Not over a host directory: a nominal, empty-looking 1 TiB.
         reply.statfs(1 << 28, 1 << 28, 1 << 28, 1 << 20, 1 << 20, 4096, 255, 4096)
+    }
+}
+
+/// Write all of `buf` at `at`. `File::write_at` writes it all or stops only at an error; a
+/// short count (an error after some bytes) is EIO here, since FUSE replies carry no partial
+/// result with an error.
+fn write_all(f: &ubc_stack::File, buf: &[u8], at: u64) -> Result<()> {
+    match f.write_at(buf, at) {
+        Ok(n) if n == buf.len() => Ok(()),
+        Ok(_) => Err(Errno::EIO),
+        Err(e) => Err(errno(&e)),
     }
 }
 
