@@ -375,11 +375,8 @@ impl Layer for Union {
         if self.in_upper(from).is_none() {
             match a.kind {
                 Kind::Dir => return Err(Error::CrossDevice(format!("{from}: renaming a lower directory"))),
-                Kind::File => {
-                    return Err(Error::Invalid(format!(
-                        "{from}: a lower file must be copied up before a rename (the stack does this)"
-                    )));
-                }
+                // Its data comes up through the stack (which answers CrossDevice so).
+                Kind::File => return Err(Error::CrossDevice(format!("{from}: a lower file must be copied up first"))),
                 // A link or special file: copied up as it is (it has no data).
                 _ => self.copy_up_meta(from)?,
             }
