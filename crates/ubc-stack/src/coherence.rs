@@ -337,6 +337,13 @@ pub struct LockConflict {
 }
 
 impl RangeLock {
+    /// Whether this lock keeps `owner` from a lock (`exclusive` or shared) on bytes `r` of
+    /// domain `d` (`lower`: `r` in domain-0 bytes): another owner's, overlapping, and one of
+    /// the two exclusive.
+    fn blocks(&self, owner: u64, exclusive: bool, d: usize, r: &Range<u64>, lower: &[Range<u64>]) -> bool {
+        self.owner != owner && (self.exclusive || exclusive) && self.meets(d, r, lower)
+    }
+
     /// Whether this lock covers any of bytes `r` of domain `d` (`lower`: `r` in domain-0
     /// bytes). Locks of one layer compare in its own bytes, exactly; across layers they
     /// compare in the stored bytes, where a general layer's range grows to whole blocks
@@ -975,7 +982,7 @@ impl<F: Actions> Group<F> {
         let lower = self.lock_range(d, r.clone());
         let mut l = self.locks.lock();
         loop {
-            let conflict = l.iter().any(|x| x.owner != owner && (x.exclusive || exclusive) && x.meets(d, &r, &lower));
+            let conflict = l.iter().any(|x| x.blocks(owner, exclusive, d, &r, &lower));
             if !conflict {
                 carve(&mut l, owner, d, &r);
                 l.push(RangeLock { owner, pid, domain: d, range: r, lower, exclusive });
@@ -996,12 +1003,10 @@ impl<F: Actions> Group<F> {
         let exclusive = kind == LockKind::Exclusive;
         let lower = self.lock_range(d, r.clone());
         let l = self.locks.lock();
-        l.iter().find(|x| x.owner != owner && (x.exclusive || exclusive) && x.meets(d, &r, &lower)).map(|x| {
-            LockConflict {
-                range: if x.domain == d { x.range.clone() } else { r },
-                kind: if x.exclusive { LockKind::Exclusive } else { LockKind::Shared },
-                pid: x.pid,
-            }
+        l.iter().find(|x| x.blocks(owner, exclusive, d, &r, &lower)).map(|x| LockConflict {
+            range: if x.domain == d { x.range.clone() } else { r },
+            kind: if x.exclusive { LockKind::Exclusive } else { LockKind::Shared },
+            pid: x.pid,
         })
     }
 

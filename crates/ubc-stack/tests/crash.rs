@@ -1226,6 +1226,25 @@ fn regression_aead_length_survives_a_close_without_sync() {
     assert!(got == want);
 }
 
+/// A directory with file `f` of 20,000 bytes (`payload(1, …)`) written and synced through
+/// `kind`, journaled as the crash writer journals; the journal stays open for more records.
+fn synced_fixture(kind: &Kind) -> (tempfile::TempDir, Journal) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    std::fs::create_dir(dir.join("data")).unwrap();
+    Key::generate().write_file(&dir.join("key")).unwrap();
+    let s = Stack::open(&spec(kind, dir), ubc::Cache::new(16 << 20).unwrap()).unwrap();
+    let mut j = Journal::create(&dir.join("journal"));
+    j.log(&Rec::Create("f".into()));
+    let f = s.top().create("f").unwrap();
+    j.log(&Rec::Write { f: "f".into(), off: 0, len: 20000, seed: 1, map: false });
+    f.write_at(&payload(1, 20000), 0).unwrap();
+    j.log(&Rec::Sync(Some("f".into())));
+    f.sync().unwrap();
+    j.log(&Rec::Synced(Some("f".into())));
+    (tmp, j)
+}
+
 /// The checker is not vacuous: after a journaled write and sync it accepts the files as they
 /// are, and it rejects a changed synced byte (garbage), a cut-off synced tail (lost data), a
 /// damaged aead block nobody wrote since the sync, and a zstd commit the journal knows
@@ -1233,21 +1252,9 @@ fn regression_aead_length_survives_a_close_without_sync() {
 #[test]
 fn checker_rejects_lost_synced_data_and_garbage() {
     for kind in STACKS.iter().filter(|k| ["dir", "dir|aead", "dir|zstd"].contains(&k.name)) {
-        let tmp = tempfile::tempdir().unwrap();
+        let (tmp, journal) = synced_fixture(kind);
+        drop(journal);
         let dir = tmp.path();
-        std::fs::create_dir(dir.join("data")).unwrap();
-        Key::generate().write_file(&dir.join("key")).unwrap();
-        {
-            let s = Stack::open(&spec(kind, dir), ubc::Cache::new(16 << 20).unwrap()).unwrap();
-            let mut j = Journal::create(&dir.join("journal"));
-            j.log(&Rec::Create("f".into()));
-            let f = s.top().create("f").unwrap();
-            j.log(&Rec::Write { f: "f".into(), off: 0, len: 20000, seed: 1, map: false });
-            f.write_at(&payload(1, 20000), 0).unwrap();
-            j.log(&Rec::Sync(Some("f".into())));
-            f.sync().unwrap();
-            j.log(&Rec::Synced(Some("f".into())));
-        }
         let host = dir.join("data").join("f");
         let good = std::fs::read(&host).unwrap();
         check(kind, dir, &mut Tally::default())
@@ -1299,24 +1306,12 @@ fn checker_takes_a_block_written_back_part_way_through_a_mapped_store() {
         return;
     }
     for kind in STACKS.iter().filter(|k| ["dir", "dir|aead"].contains(&k.name)) {
-        let tmp = tempfile::tempdir().unwrap();
+        let (tmp, mut j) = synced_fixture(kind);
         let dir = tmp.path();
-        std::fs::create_dir(dir.join("data")).unwrap();
-        Key::generate().write_file(&dir.join("key")).unwrap();
         let (off, len) = (2649u64, 10002u64);
         let new = payload(2, len as usize);
-        {
-            let s = Stack::open(&spec(kind, dir), ubc::Cache::new(16 << 20).unwrap()).unwrap();
-            let mut j = Journal::create(&dir.join("journal"));
-            j.log(&Rec::Create("f".into()));
-            let f = s.top().create("f").unwrap();
-            j.log(&Rec::Write { f: "f".into(), off: 0, len: 20000, seed: 1, map: false });
-            f.write_at(&payload(1, 20000), 0).unwrap();
-            j.log(&Rec::Sync(Some("f".into())));
-            f.sync().unwrap();
-            j.log(&Rec::Synced(Some("f".into())));
-            j.log(&Rec::Write { f: "f".into(), off, len, seed: 2, map: true });
-        }
+        j.log(&Rec::Write { f: "f".into(), off, len, seed: 2, map: true });
+        drop(j);
         // What reached the store: the copy's body, not its head (written through a fresh
         // stack, so that an aead block is sealed as the cache would have sealed it).
         let store = |at: u64, bytes: &[u8]| {

@@ -22,6 +22,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::time::Instant;
+use ubc_evict::sim::SplitMix64 as Rng;
 
 #[derive(Parser)]
 #[command(about = "random file operations checked against a model")]
@@ -42,22 +43,6 @@ struct Args {
     /// Check the whole file every this many operations.
     #[arg(long, default_value_t = 500)]
     full_every: u64,
-}
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        // splitmix64: every seed, 0 included, gives a full-period stream.
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
 }
 
 /// Which operation, for the counts in the summary.
@@ -291,6 +276,9 @@ impl Fsx {
 }
 
 fn run(a: Args) -> R<String> {
+    if a.max_size < 4096 || a.full_every == 0 {
+        return Err("--max-size must be at least 4096 and --full-every at least 1".into());
+    }
     let f = OpenOptions::new()
         .read(true)
         .write(true)
@@ -316,12 +304,21 @@ fn run(a: Args) -> R<String> {
         paths.push(o.clone());
     }
     let src_path = a.file.with_extension("fsx-src");
-    let mut rng = Rng(a.seed ^ 0x5eed);
-    let src_bytes: Vec<u8> = (0..a.max_size / 2).map(|_| rng.next() as u8).collect();
+    let mut rng = Rng::new(a.seed ^ 0x5eed);
+    let src_bytes: Vec<u8> = (0..a.max_size / 2).map(|_| rng.next_u64() as u8).collect();
     std::fs::write(&src_path, &src_bytes).map_err(|e| format!("write {}: {e}", src_path.display()))?;
     let src = File::open(&src_path).map_err(|e| format!("open {}: {e}", src_path.display()))?;
-    let mut x =
-        Fsx { paths, files, model: Vec::new(), src, src_bytes, rng: Rng(a.seed), max: a.max_size, op: 0, seed: a.seed };
+    let mut x = Fsx {
+        paths,
+        files,
+        model: Vec::new(),
+        src,
+        src_bytes,
+        rng: Rng::new(a.seed),
+        max: a.max_size,
+        op: 0,
+        seed: a.seed,
+    };
     let mut counts = [0u64; NAMES.len()];
     let started = Instant::now();
     for op in 0..a.ops {
