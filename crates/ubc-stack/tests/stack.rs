@@ -541,3 +541,109 @@ fn mappings_see_writes_through_other_layers_when_they_return() {
     assert!(high[..] == want[..], "the cleartext mapping lags the bottom write");
     drop((low, high));
 }
+
+#[test]
+fn names_as_long_as_a_mount_allows_work_however_long_the_store_s_own_path_is() {
+    // A mount hands the stack paths of up to PATH_MAX bytes below its mount point; the
+    // store's directory adds its own path in front. Joined, the host path passes PATH_MAX
+    // (the kernel then says ENAMETOOLONG where its own file system would not): every
+    // operation must reach the name relative to the store's directory instead.
+    let tmp = tempfile::tempdir().unwrap();
+    let mut data = tmp.path().to_path_buf();
+    for c in ["d", "e", "f", "g", "h"] {
+        data.push(c.repeat(200));
+    }
+    std::fs::create_dir_all(&data).unwrap();
+    let keyfile = tmp.path().join("key");
+    Key::generate().write_file(&keyfile).unwrap();
+    for tail in ["", " | zstd", &format!(" | aead:keyfile={}", keyfile.display())] {
+        let sub = format!("s{}", tail.len());
+        std::fs::create_dir(data.join(&sub)).unwrap();
+        let s = Stack::open(&format!("dir:{}{tail}", data.join(&sub).display()), cache()).unwrap();
+        let top = s.top();
+        // 3,600 bytes of directories: with the store's path in front, over 4,600.
+        let mut dir = String::new();
+        for i in 0..18 {
+            if !dir.is_empty() {
+                dir.push('/');
+            }
+            dir.push_str(&format!("{i:02}{}", "n".repeat(198)));
+            top.mkdir(&dir).unwrap_or_else(|e| panic!("{tail}: mkdir at {} bytes: {e}", dir.len()));
+        }
+        assert!(data.join(&sub).join(&dir).as_os_str().len() > 4096);
+        let file = format!("{dir}/file");
+        let f = top.create(&file).unwrap();
+        f.write_at(b"deep data", 0).unwrap();
+        f.sync().unwrap();
+        drop(f);
+        assert_eq!(top.getattr(&file).unwrap().size, 9, "{tail}");
+        top.setattr(&file, &ubc_stack::SetAttr::new().with_mode(0o600)).unwrap();
+        assert_eq!(top.getattr(&file).unwrap().mode, 0o600, "{tail}");
+        top.symlink("file", &format!("{dir}/link")).unwrap();
+        assert_eq!(top.readlink(&format!("{dir}/link")).unwrap(), "file");
+        top.link(&file, &format!("{dir}/hard")).unwrap();
+        assert_eq!(top.getattr(&file).unwrap().nlink, 2, "{tail}");
+        top.rename(&format!("{dir}/hard"), &format!("{dir}/moved")).unwrap();
+        let names: Vec<String> = top.readdir(&dir).unwrap().into_iter().map(|e| e.name).collect();
+        assert_eq!(names, ["file", "link", "moved"], "{tail}");
+        if tail.is_empty() {
+            top.setxattr(&file, "user.deep", b"v", 0).unwrap();
+            assert_eq!(top.getxattr(&file, "user.deep").unwrap(), b"v");
+            assert_eq!(top.listxattr(&file).unwrap(), ["user.deep"]);
+            top.removexattr(&file, "user.deep").unwrap();
+        }
+        let mut buf = [0u8; 9];
+        top.open(&format!("{dir}/moved")).unwrap().read_exact_at(&mut buf, 0).unwrap();
+        assert_eq!(&buf, b"deep data", "{tail}");
+        for n in ["file", "link", "moved"] {
+            top.remove(&format!("{dir}/{n}")).unwrap();
+        }
+        while !dir.is_empty() {
+            top.rmdir(&dir).unwrap();
+            dir.truncate(dir.rfind('/').unwrap_or(0));
+        }
+        assert!(top.readdir("").unwrap().is_empty(), "{tail}");
+    }
+}
+
+#[test]
+fn a_file_created_and_synced_unwritten_leaves_its_stored_file_untouched() {
+    // A close changes nothing on any file system: no ctime moves. Before, the zstd and aead
+    // layers wrote a header for an empty file at its first sync (the mount's close), so the
+    // file's ctime moved after a failed ftruncate (pjdfstest's ftruncate::unchanged_ctime_failed).
+    let fx = fixture();
+    for tail in [
+        " | zstd".to_string(),
+        format!(" | aead:keyfile={}", fx.keyfile.display()),
+        format!(" | aead:keyfile={} | zstd", fx.keyfile.display()),
+    ] {
+        let s = Stack::open(&format!("dir:{}{tail}", fx.data.display()), cache()).unwrap();
+        let f = s.top().create("empty").unwrap();
+        let host = fx.data.join("empty");
+        let before = std::fs::symlink_metadata(&host).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        f.sync().unwrap();
+        f.close().unwrap();
+        drop(f);
+        s.sync_all().unwrap();
+        let after = std::fs::symlink_metadata(&host).unwrap();
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!(
+            (after.len(), after.ctime(), after.ctime_nsec()),
+            (0, before.ctime(), before.ctime_nsec()),
+            "{tail}"
+        );
+        // Still an empty file through every layer, and one that takes writes.
+        drop(s);
+        let s = Stack::open(&format!("dir:{}{tail}", fx.data.display()), cache()).unwrap();
+        let f = s.top().open_with("empty", ubc_stack::OpenOptions::new().write(true)).unwrap();
+        assert_eq!(f.len().unwrap(), 0, "{tail}");
+        f.write_at(b"now", 0).unwrap();
+        f.sync().unwrap();
+        drop(f);
+        drop(s);
+        let s = Stack::open(&format!("dir:{}{tail}", fx.data.display()), cache()).unwrap();
+        assert_eq!(read_all(&s.top().open("empty").unwrap()), b"now", "{tail}");
+        s.top().remove("empty").unwrap();
+    }
+}

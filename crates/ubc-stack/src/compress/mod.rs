@@ -595,7 +595,11 @@ impl CompressPager {
         // Snapshot under the lock; protect what it references from reuse until we know.
         let (bytes, sb) = {
             let mut st = self.state.lock();
-            if !st.dirty && st.generation > 0 && st.uncertain.is_empty() {
+            // Nothing changed since the last commit, or since a never-committed (empty) file
+            // was opened: an empty lower file already is an empty compressed file, so a file
+            // created and closed unwritten stores nothing (and its ctime stays put, as on
+            // any file system where a close changes nothing).
+            if !st.dirty && st.uncertain.is_empty() {
                 return Ok(());
             }
             let generation = st.generation + 1;

@@ -360,7 +360,7 @@ impl EncryptPager {
         }
         let _scope = self.scope();
         let st = self.state.read();
-        if Self::header_stale(&st) {
+        if Self::header_due(&st) {
             self.flush_header(&st, Writer::Wait)?;
         }
         Ok(())
@@ -440,6 +440,14 @@ impl EncryptPager {
 
     fn header_stale(st: &State) -> bool {
         !st.header_on_store.load(SeqCst) || st.header_len.load(SeqCst) != st.len.load(SeqCst)
+    }
+
+    /// Whether a sync must write the header: it is stale, unless the file is new and still
+    /// empty — an empty lower file *is* an empty file (see [`EncryptPager::open`]), so a
+    /// file created and closed unwritten stores nothing and its ctime stays put. (The first
+    /// block written still puts a header on the store first: [`Self::first_header`].)
+    fn header_due(st: &State) -> bool {
+        Self::header_stale(st) && (st.header_on_store.load(SeqCst) || st.len.load(SeqCst) != 0)
     }
 
     /// Write the header if it is missing or its length is stale. => shared state lock held.
@@ -693,7 +701,7 @@ impl Pager for EncryptPager {
             st.len.store(len, SeqCst);
             self.write_header(&st)?;
             self.lower.set_len(slot(blocks(len))).map_err(ubc_io)?;
-        } else if Self::header_stale(&st) {
+        } else if Self::header_due(&st) {
             self.write_header(&st)?;
         }
         Ok(())
@@ -704,7 +712,7 @@ impl Pager for EncryptPager {
     fn sync(&self) -> io::Result<()> {
         if self.writable {
             let st = self.state.read();
-            if Self::header_stale(&st) {
+            if Self::header_due(&st) {
                 self.flush_header(&st, Writer::Wait)?;
             }
         }
