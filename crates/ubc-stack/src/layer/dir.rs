@@ -135,6 +135,8 @@ impl Dir {
 }
 
 /// A host file's metadata as the stack's attributes.
+// `struct stat`'s field types differ between architectures: the casts are not all no-ops.
+#[allow(clippy::unnecessary_cast)]
 pub(crate) fn attr_of(st: &rustix::fs::Stat) -> Attr {
     let at = |sec: i64, nsec: i64| {
         let d = std::time::Duration::new(sec.unsigned_abs(), nsec.clamp(0, 999_999_999) as u32);
