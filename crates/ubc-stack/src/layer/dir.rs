@@ -249,8 +249,8 @@ impl Layer for Dir {
         use rustix::fs::FileType;
         let d = self.open_beneath(path, libc::O_RDONLY | libc::O_DIRECTORY, 0)?;
         let mut out = Vec::new();
-        let mut entries = rustix::fs::Dir::read_from(&d).map_err(|e| io(path, e))?;
-        while let Some(e) = entries.next() {
+        let entries = rustix::fs::Dir::read_from(&d).map_err(|e| io(path, e))?;
+        for e in entries {
             let e = e.map_err(|e| io(path, e))?;
             let name = e.file_name().to_bytes();
             if name == b"." || name == b".." {
