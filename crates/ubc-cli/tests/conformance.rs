@@ -8,6 +8,9 @@
 //! that now passes, so the list stays the truth. It prints the per-stack pass counts
 //! (`docs/guarantees.md` quotes them).
 //!
+//! A second test runs pjdfstest, an independent POSIX suite, the same way: every case the host
+//! passes must pass on every stack.
+//!
 //! Needs root (to act as another user with `setpriv` and to give files away), `/dev/fuse`
 //! and `fusermount3`, and a `python3` that uid 65534 may run; skips, saying so, without them.
 
@@ -219,4 +222,132 @@ fn the_mount_answers_posix_calls_as_the_host_file_system_does() {
         unexpected_failures.join("\n"),
         unexpected_passes.join("\n")
     );
+}
+
+/// The pjdfstest binary (`cargo install pjdfstest`, which `./scripts/test` does): on PATH or
+/// in cargo's bin directory.
+fn pjdfstest() -> Option<PathBuf> {
+    let dirs = std::env::var_os("PATH").map(|p| std::env::split_paths(&p).collect::<Vec<_>>()).unwrap_or_default();
+    let home = std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo/bin"));
+    dirs.into_iter().chain(home).map(|d| d.join("pjdfstest")).find(|p| p.is_file())
+}
+
+/// The name of `user`'s primary group, if the user exists.
+fn primary_group(user: &str) -> Option<String> {
+    let out = Command::new("id").args(["-gn", user]).output().ok()?;
+    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// pjdfstest's verdict per test case in `root`: "ok", "FAILED" or "skipped".
+fn run_pjdfstest(bin: &Path, config: &Path, root: &Path, secondary: &Path) -> BTreeMap<String, String> {
+    let out = Command::new(bin)
+        .arg("-c")
+        .arg(config)
+        .arg("-p")
+        .arg(root)
+        .arg("-s")
+        .arg(secondary)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    let verdicts: BTreeMap<String, String> = text
+        .lines()
+        .filter_map(|l| {
+            let mut w = l.split_whitespace();
+            let (name, verdict) = (w.next()?, w.next()?);
+            (w.next().is_none() && name.contains("::") && matches!(verdict, "ok" | "FAILED" | "skipped"))
+                .then(|| (name.to_string(), verdict.to_string()))
+        })
+        .collect();
+    assert!(verdicts.len() > 300, "pjdfstest in {} reported {} cases:\n{text}", root.display(), verdicts.len());
+    verdicts
+}
+
+/// Cases the host passes that a FUSE mount cannot run, whatever the file system behind it.
+const PJDFSTEST_NOT_ON_FUSE: &[(&str, &str)] = &[(
+    "link::link_count_max",
+    "glibc's pathconf(_PC_LINK_MAX) knows no limit for FUSE's file system type, so the case skips itself",
+)];
+
+#[test]
+fn pjdfstest_passes_on_every_stack_what_it_passes_on_the_host() {
+    // An independent POSIX suite (pjdfstest, the Rust rewrite of the FreeBSD/Linux file
+    // system test suite: ~400 cases of chmod, chown, link, mkdir, mkfifo, mknod, open,
+    // rename, rmdir, symlink, truncate, unlink, utimensat, posix_fallocate with their
+    // errors), run on a directory of the host's file system and on a mount of every stack.
+    if can_run().is_none() {
+        return;
+    }
+    let Some(bin) = pjdfstest() else {
+        eprintln!("SKIP: pjdfstest is not installed (cargo install pjdfstest; ./scripts/test does)");
+        return;
+    };
+    // Two users to switch to; ./scripts/test adds the second.
+    let second = std::env::var("UBC_PJDFSTEST_USER").unwrap_or_else(|_| "ubc-pjd".into());
+    let (Some(g1), Some(g2)) = (primary_group("nobody"), primary_group(&second)) else {
+        eprintln!("SKIP: pjdfstest needs the users nobody and {second} (./scripts/test adds {second})");
+        return;
+    };
+    let t = tempfile::tempdir().unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(t.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let config = t.path().join("pjdfstest.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[features]\nposix_fallocate = {{}}\nutime_now = {{}}\nutimensat = {{}}\nrename_ctime = {{}}\n\n\
+             [settings]\nnaptime = 0.01\nallow_remount = false\n\n\
+             [dummy_auth]\nentries = [[\"nobody\", \"{g1}\"], [\"{second}\", \"{g2}\"]]\n"
+        ),
+    )
+    .unwrap();
+    // A second file system for the EXDEV cases: a directory on another device.
+    let secondary = tempfile::tempdir_in(if Path::new("/dev/shm").is_dir() { "/dev/shm" } else { "/run" }).unwrap();
+    let host = t.path().join("host");
+    std::fs::create_dir(&host).unwrap();
+    std::fs::set_permissions(&host, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let want = run_pjdfstest(&bin, &config, &host, secondary.path());
+    let host_ok: BTreeSet<&String> = want.iter().filter(|(_, v)| *v == "ok").map(|(k, _)| k).collect();
+    let key = t.path().join("key");
+    assert!(Command::new(env!("CARGO_BIN_EXE_ubc")).arg("keygen").arg(&key).status().unwrap().success());
+
+    let mut table = Vec::new();
+    let mut wrong = Vec::new();
+    for (name, tail) in STACKS {
+        let base = t.path().join(format!("pjd-{}", name.replace('|', "-")));
+        let (data, upper, mp) = (base.join("data"), base.join("upper"), base.join("mnt"));
+        for d in [&base, &data, &upper, &mp] {
+            std::fs::create_dir_all(d).unwrap();
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        let spec = format!(
+            "dir:{}{}",
+            data.display(),
+            tail.replace("KEY", &key.display().to_string()).replace("UPPER", &upper.display().to_string())
+        );
+        let m = Mount::start(&spec, name.matches('|').count(), &mp, &base.join("err"));
+        let got = run_pjdfstest(&bin, &config, &mp, secondary.path());
+        m.finish();
+        let mut passed = 0;
+        for case in &host_ok {
+            match got.get(*case).map(String::as_str) {
+                Some("ok") => passed += 1,
+                _ if PJDFSTEST_NOT_ON_FUSE.iter().any(|(c, _)| c == case) => {}
+                v => wrong.push(format!("{name}: {case}: {}", v.unwrap_or("not run"))),
+            }
+        }
+        let failed = got.values().filter(|v| *v == "FAILED").count();
+        table.push(format!("{name:>14}: {passed}/{} of the host's passes, {failed} failed", host_ok.len()));
+    }
+    println!(
+        "pjdfstest (host: {} passed, {} skipped; {} cannot run on FUSE)",
+        host_ok.len(),
+        want.values().filter(|v| *v == "skipped").count(),
+        PJDFSTEST_NOT_ON_FUSE.len()
+    );
+    for row in &table {
+        println!("{row}");
+    }
+    assert!(wrong.is_empty(), "cases the host passes and a stack does not:\n{}", wrong.join("\n"));
 }
