@@ -328,6 +328,52 @@ fn a_record_lock_through_one_mount_holds_against_another_process_through_another
     d.unmount();
 }
 
+/// `flock(2)` through two mounts of different layers: the kernel keeps flock locks per
+/// mount unless the file system takes them (`FUSE_FLOCK_LOCKS`); they must hold across
+/// mounts, convert, wake a blocked waiter at the holder's close, and never conflict with
+/// record locks (Linux).
+#[test]
+fn a_flock_through_one_mount_holds_against_another_process_through_another_mount() {
+    if !fuse_available() {
+        return;
+    }
+    let (_t, _, clear, stored, mut d) = clear_and_stored(&[]);
+    std::fs::write(clear.join("flocked"), sample(10_000)).unwrap();
+    let f = std::fs::File::open(clear.join("flocked")).unwrap();
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock(2) on a descriptor we own.
+    assert_eq!(unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) }, 0, "{}", std::io::Error::last_os_error());
+    let try_flock = "import fcntl, os, sys\nfd = os.open(sys.argv[1], os.O_RDONLY)\n\
+                     try:\n    fcntl.flock(fd, getattr(fcntl, sys.argv[2]) | fcntl.LOCK_NB)\nexcept BlockingIOError:\n    sys.exit(1)";
+    assert!(!python_ok(try_flock, &[&clear.join("flocked"), Path::new("LOCK_SH")]), "not held on the same mount");
+    assert!(!python_ok(try_flock, &[&stored.join("flocked"), Path::new("LOCK_SH")]), "not held across mounts");
+    // A record lock over the whole file is another kind of lock: granted.
+    let record =
+        "import fcntl, os, sys\nfd = os.open(sys.argv[1], os.O_RDWR)\nfcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)";
+    assert!(python_ok(record, &[&stored.join("flocked")]), "a record lock conflicted with a flock");
+    // Downgrade: sharers get in, an exclusive taker still does not.
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_SH) }, 0);
+    assert!(python_ok(try_flock, &[&stored.join("flocked"), Path::new("LOCK_SH")]), "a shared flock was refused");
+    assert!(!python_ok(try_flock, &[&stored.join("flocked"), Path::new("LOCK_EX")]), "an exclusive flock got in");
+    // A blocked waiter through the other mount is granted when the holder closes.
+    let wait = "import fcntl, os, sys\nfd = os.open(sys.argv[1], os.O_RDONLY)\nfcntl.flock(fd, fcntl.LOCK_EX)\nprint('got', flush=True)";
+    let mut waiter = Command::new("python3")
+        .arg("-c")
+        .arg(wait)
+        .arg(stored.join("flocked"))
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(waiter.try_wait().unwrap().is_none(), "the waiter did not wait");
+    drop(f);
+    let out = waiter.wait_with_output().unwrap();
+    assert!(out.status.success() && out.stdout == b"got\n", "the waiter was not granted the lock");
+    assert!(python_ok(try_flock, &[&clear.join("flocked"), Path::new("LOCK_EX")]), "a closed holder's lock stayed");
+    d.unmount();
+}
+
 /// `O_APPEND` writers through two mounts of different layers that show the same bytes: the
 /// kernel orders appends within one mount only (its inode lock), so the stack must make
 /// reading the end and writing there one step; no record may be lost or overwritten.

@@ -300,6 +300,11 @@ pub(crate) struct Group<F = ubc::File> {
     /// Advisory byte-range locks, in domain-0 bytes.
     locks: Mutex<Vec<RangeLock>>,
     locks_cv: Condvar,
+    /// BSD `flock(2)` locks: `(owner, exclusive)`, each on the whole file in every layer at
+    /// once, held by an open file description. Apart from the record locks above: on Linux
+    /// the two kinds never conflict with each other.
+    flocks: Mutex<Vec<(u64, bool)>>,
+    flocks_cv: Condvar,
     /// When the file's data last changed through the stack (the attribute group's often
     /// changing part). POSIX moves `mtime` and `ctime` at the write; a store moves its own
     /// only when the cache writes back, later. `None` after a time was set explicitly.
@@ -447,6 +452,8 @@ impl<F: Actions> Group<F> {
             disabled,
             locks: Mutex::new(Vec::new()),
             locks_cv: Condvar::new(),
+            flocks: Mutex::new(Vec::new()),
+            flocks_cv: Condvar::new(),
             modified: Mutex::new(None),
             appending: Mutex::new(()),
         }
@@ -1023,6 +1030,38 @@ impl<F: Actions> Group<F> {
         l.retain(|x| x.owner != owner);
         self.locks_cv.notify_all();
     }
+
+    /// Take or convert `owner`'s `flock(2)` lock on the whole file: shared locks of any
+    /// number of owners, or one exclusive. A conversion replaces the owner's lock (as on
+    /// Linux, where it is not atomic: another waiter may get in between). With
+    /// [`LockWait::Block`], blocks until granted; else returns `false` on conflict.
+    pub(crate) fn flock(&self, owner: u64, kind: LockKind, wait: LockWait) -> bool {
+        let exclusive = kind == LockKind::Exclusive;
+        let mut l = self.flocks.lock();
+        // Converting releases the old lock first (flock(2): "may be ... not atomic").
+        if l.iter().any(|&(o, _)| o == owner) {
+            l.retain(|&(o, _)| o != owner);
+            self.flocks_cv.notify_all();
+        }
+        loop {
+            if !l.iter().any(|&(_, x)| x || exclusive) {
+                l.push((owner, exclusive));
+                return true;
+            }
+            if wait == LockWait::Try {
+                return false;
+            }
+            self.flocks_cv.wait(&mut l);
+        }
+    }
+
+    /// Release `owner`'s `flock(2)` lock, if it holds one (`LOCK_UN`, or its open file
+    /// description closed).
+    pub(crate) fn funlock(&self, owner: u64) {
+        let mut l = self.flocks.lock();
+        l.retain(|&(o, _)| o != owner);
+        self.flocks_cv.notify_all();
+    }
 }
 
 #[cfg(test)]
@@ -1046,6 +1085,33 @@ mod tests {
         assert_eq!(g.test_lock(a, 0, 10..20, LockKind::Exclusive), None, "an owner never conflicts with itself");
         g.unlock_all(a);
         assert!(g.lock(b, 0, 0, 0..40, LockKind::Exclusive, LockWait::Try));
+    }
+
+    #[test]
+    fn flock_locks_share_exclude_convert_and_ignore_record_locks() {
+        let g = Group::new(Arc::new(Counters::default()), Coherence::Kept);
+        let (a, b, c) = (1, 2, 3);
+        assert!(g.flock(a, LockKind::Shared, LockWait::Try));
+        assert!(g.flock(b, LockKind::Shared, LockWait::Try), "shared locks share");
+        assert!(!g.flock(c, LockKind::Exclusive, LockWait::Try), "an exclusive one waits for both");
+        assert!(!g.flock(a, LockKind::Exclusive, LockWait::Try), "a conversion waits for the other sharer");
+        // The failed conversion let go of a's shared lock (Linux converts by unlocking first).
+        g.funlock(b);
+        assert!(g.flock(c, LockKind::Exclusive, LockWait::Try));
+        // Record locks and flock locks never conflict (Linux).
+        assert!(g.lock(a, 1, 0, 0..u64::MAX, LockKind::Exclusive, LockWait::Try));
+        assert!(!g.flock(a, LockKind::Shared, LockWait::Try), "c's exclusive flock still holds");
+        g.funlock(c);
+        assert!(g.flock(b, LockKind::Exclusive, LockWait::Try), "a record lock does not block a flock");
+        g.unlock_all(b);
+        assert!(!g.flock(a, LockKind::Shared, LockWait::Try), "dropping b's record locks keeps its flock");
+        // A blocked waiter is woken by the release.
+        let g = Arc::new(g);
+        let g2 = g.clone();
+        let t = std::thread::spawn(move || g2.flock(a, LockKind::Shared, LockWait::Block));
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        g.funlock(b);
+        assert!(t.join().unwrap());
     }
 
     #[test]

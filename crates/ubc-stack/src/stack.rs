@@ -1109,6 +1109,21 @@ impl File {
         self.group.unlock_all(owner.key())
     }
 
+    /// Take or convert a BSD `flock(2)` lock on the whole file for `owner` (an open file
+    /// description, as a FUSE request names it). It holds against the `flock` locks of
+    /// every layer's handles of the file, and never against record locks ([`File::lock`],
+    /// [`File::lock_as`]): on Linux the two kinds do not interact. Returns whether the lock
+    /// was taken (always true with `Block`); a held lock is converted, not stacked.
+    pub fn flock_as(&self, owner: LockOwner, kind: LockKind, wait: LockWait) -> bool {
+        self.group.flock(owner.key(), kind, wait)
+    }
+
+    /// Release `owner`'s `flock(2)` lock on this file (`LOCK_UN`, or the open file
+    /// description closed).
+    pub fn funlock_as(&self, owner: LockOwner) {
+        self.group.funlock(owner.key())
+    }
+
     /// Release this handle's locks overlapping `range`.
     pub fn unlock(&self, range: Range<u64>) {
         self.group.unlock(self.owner, self.domain, range)

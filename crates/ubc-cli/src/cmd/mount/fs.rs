@@ -243,10 +243,10 @@ impl Filesystem for LayerFs {
             // Shared mmap of direct-I/O files (Linux >= 6.6); without it MAP_SHARED gives ENODEV.
             let _ = config.add_capabilities(InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP);
         }
-        // POSIX record locks (and OFD locks) come here, to the stack's one lock table per
-        // file, so that a lock through one mount conflicts with one through another. flock(2)
-        // stays with the kernel (per mount): fuser does not tell its requests from fcntl's.
-        let _ = config.add_capabilities(InitFlags::FUSE_POSIX_LOCKS);
+        // POSIX record locks, OFD locks and flock(2) locks come here, to the stack's one lock
+        // table per file, so that a lock through one mount conflicts with one through
+        // another (flock requests are told apart by the patched fuser: vendor/fuser/PATCH.md).
+        let _ = config.add_capabilities(InitFlags::FUSE_POSIX_LOCKS | InitFlags::FUSE_FLOCK_LOCKS);
         Ok(())
     }
 
@@ -677,7 +677,10 @@ impl Filesystem for LayerFs {
         reply: ReplyEmpty,
     ) {
         let h = self.handles.remove(fh.0);
+        // `lock_owner` comes with FUSE_RELEASE_FLOCK_UNLOCK: the open file description that
+        // held flock locks is gone.
         if let (Some(h), Some(o)) = (&h, lock_owner) {
+            h.file.funlock_as(ubc_stack::LockOwner(o.0));
             h.file.unlock_owner(ubc_stack::LockOwner(o.0));
         }
         match h.map(|h| Self::sync(&h)) {
@@ -859,6 +862,50 @@ impl Filesystem for LayerFs {
                     return reply.error(Errno::EINTR);
                 }
                 if h.file.lock_as(owner, pid, range.clone(), kind, LockWait::Try) {
+                    return reply.ok();
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        });
+    }
+
+    /// `flock(2)`: whole-file locks of an open file description, held in the stack's lock
+    /// table like record locks (so they hold across mounts and layers) but never in
+    /// conflict with them. A blocking request waits on a thread of its own, as in `setlk`.
+    fn flock(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        lock_owner: LockOwner,
+        typ: i32,
+        _pid: u32,
+        sleep: bool,
+        reply: ReplyEmpty,
+    ) {
+        let h = match self.handle(fh) {
+            Ok(h) => h,
+            Err(e) => return reply.error(e),
+        };
+        let owner = ubc_stack::LockOwner(lock_owner.0);
+        if typ == libc::F_UNLCK {
+            h.file.funlock_as(owner);
+            return reply.ok();
+        }
+        let Some(kind) = lock_kind(typ) else { return reply.error(Errno::EINVAL) };
+        if h.file.flock_as(owner, kind, LockWait::Try) {
+            return reply.ok();
+        }
+        if !sleep {
+            return reply.error(Errno::EWOULDBLOCK);
+        }
+        let handles = self.handles.clone();
+        std::thread::spawn(move || {
+            loop {
+                if handles.get(fh.0).is_none() {
+                    return reply.error(Errno::EINTR);
+                }
+                if h.file.flock_as(owner, kind, LockWait::Try) {
                     return reply.ok();
                 }
                 std::thread::sleep(Duration::from_millis(5));
