@@ -361,6 +361,32 @@ def rename_noreplace_and_exchange(d):
     return r
 
 
+def raw_readdir(path):
+    """Name -> d_ino of every entry readdir(3) returns, `.` and `..` included (os.scandir
+    leaves those out, and `ls -i` stats them instead of showing d_ino)."""
+    import ctypes
+
+    class Dirent(ctypes.Structure):  # glibc's struct dirent on 64-bit Linux
+        _fields_ = [("d_ino", ctypes.c_uint64), ("d_off", ctypes.c_int64), ("d_reclen", ctypes.c_ushort),
+                    ("d_type", ctypes.c_ubyte), ("d_name", ctypes.c_char * 256)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.opendir.restype = ctypes.c_void_p
+    libc.opendir.argtypes = [ctypes.c_char_p]
+    libc.readdir.restype = ctypes.POINTER(Dirent)
+    libc.readdir.argtypes = [ctypes.c_void_p]
+    libc.closedir.argtypes = [ctypes.c_void_p]
+    dp = libc.opendir(os.fsencode(path))
+    out = {}
+    while True:
+        e = libc.readdir(dp)
+        if not e:
+            break
+        out[e.contents.d_name.decode()] = e.contents.d_ino
+    libc.closedir(dp)
+    return out
+
+
 @case("both")
 def inode_numbers_stay(d):
     with open(f"{d}/f", "w") as f:
@@ -371,7 +397,11 @@ def inode_numbers_stay(d):
     os.rename(f"{d}/f", f"{d}/sub/g")
     c = os.stat(f"{d}/sub/g").st_ino
     names = {e.name: e.inode() for e in os.scandir(f"{d}/sub")}
-    return [a == b, a == c, names.get("g") == c, os.stat(d).st_ino != a]
+    # readdir's `.` and `..` (scandir leaves them out): the directory's and its parent's.
+    os.mkdir(f"{d}/sub/deep")
+    dots = raw_readdir(f"{d}/sub/deep")
+    up = [dots.get(".") == os.stat(f"{d}/sub/deep").st_ino, dots.get("..") == os.stat(f"{d}/sub").st_ino]
+    return [a == b, a == c, names.get("g") == c, os.stat(d).st_ino != a, up]
 
 
 @case("both")

@@ -917,9 +917,14 @@ impl Filesystem for LayerFs {
         let r = (|| {
             let p = self.path(ino)?;
             let entries = self.layer.readdir(&p).map_err(|e| errno(&e))?;
-            let mut all =
-                vec![(ino.0, FileType::Directory, ".".to_string()), (1, FileType::Directory, "..".to_string())];
             let inodes = self.inodes.lock().unwrap();
+            // `..`: the parent's node (the kernel looked it up to reach this directory); the
+            // root's parent is the root itself (node 1), as on the host's file systems.
+            let parent = p.rfind('/').map_or("", |i| &p[..i]);
+            let mut all = vec![
+                (ino.0, FileType::Directory, ".".to_string()),
+                (inodes.known(parent).unwrap_or(1), FileType::Directory, "..".to_string()),
+            ];
             for e in entries {
                 // The node id where the name is known, else the store's number (the d_ino a
                 // later lookup will show, unless that number is taken).
