@@ -1040,6 +1040,37 @@ impl File {
         Ok(r?)
     }
 
+    /// Make bytes `range` read as zeros, keeping the length (`fallocate(PUNCH_HOLE)`):
+    /// deallocated in the store where this layer's bytes are the stored ones (`dir`, and
+    /// layers sharing its file), zeros written elsewhere (see [`ubc::File::punch_hole`]).
+    /// Every other layer sees it as a write.
+    pub fn punch_hole(&self, range: Range<u64>) -> Result<()> {
+        let _p = self.group.acquire(&self.dom, self.domain, range.clone(), Mode::Write)?;
+        let r = self.inner.punch_hole(range);
+        self.group.note_modified();
+        Ok(r?)
+    }
+
+    /// Reserve the store's space for bytes `range` where this layer's bytes are the stored
+    /// ones (`fallocate` without changing the length; see [`ubc::File::allocate`]). A
+    /// general layer's store is reserved by its own writes, not ahead.
+    pub fn allocate(&self, range: Range<u64>) -> Result<()> {
+        Ok(self.inner.allocate(range)?)
+    }
+
+    /// `lseek(SEEK_DATA)` in this layer's bytes (see [`ubc::File::seek_data`]); data
+    /// written through other layers counts.
+    pub fn seek_data(&self, offset: u64) -> Result<Option<u64>> {
+        let _p = self.group.acquire(&self.dom, self.domain, ALL, Mode::Read)?;
+        Ok(self.inner.seek_data(offset)?)
+    }
+
+    /// `lseek(SEEK_HOLE)` in this layer's bytes (see [`ubc::File::seek_hole`]).
+    pub fn seek_hole(&self, offset: u64) -> Result<Option<u64>> {
+        let _p = self.group.acquire(&self.dom, self.domain, ALL, Mode::Read)?;
+        Ok(self.inner.seek_hole(offset)?)
+    }
+
     /// Data written through layers above this one is pushed down, then everything reaches
     /// the store and is made durable (through every layer below).
     pub fn sync(&self) -> Result<()> {

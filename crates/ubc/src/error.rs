@@ -83,6 +83,9 @@ pub enum PagerOp {
     Len,
     SetLen,
     Sync,
+    Punch,
+    Allocate,
+    Seek,
 }
 
 impl std::fmt::Display for PagerOp {
@@ -93,6 +96,9 @@ impl std::fmt::Display for PagerOp {
             PagerOp::Len => "getting length",
             PagerOp::SetLen => "setting length",
             PagerOp::Sync => "syncing",
+            PagerOp::Punch => "punching a hole",
+            PagerOp::Allocate => "reserving space",
+            PagerOp::Seek => "seeking data or holes",
         })
     }
 }

@@ -120,6 +120,35 @@ impl File {
         self.live_writable()?.set_len(len)
     }
 
+    /// Make bytes `range` read as zeros, keeping the length (`fallocate(PUNCH_HOLE |
+    /// KEEP_SIZE)`): their whole pages leave the cache and every mapping and are
+    /// deallocated in the store where the pager can ([`Pager::punch`](crate::Pager::punch));
+    /// else, and at the partial pages of the edges, zeros are written.
+    pub fn punch_hole(&self, range: std::ops::Range<u64>) -> Result<()> {
+        self.live_writable()?.punch_hole(range.start, range.end)
+    }
+
+    /// Reserve the store's space for bytes `range`, so that writing them back cannot fail
+    /// for want of space where the store can promise that ([`Pager::allocate`](crate::Pager::allocate));
+    /// the length does not change (`fallocate(KEEP_SIZE)`; extend with [`File::set_len`]).
+    pub fn allocate(&self, range: std::ops::Range<u64>) -> Result<()> {
+        self.live_writable()?.allocate(range.start, range.end)
+    }
+
+    /// `lseek(SEEK_DATA)` from `offset`: the next byte of data, or `None` (`ENXIO`) if
+    /// `offset` is at or past the end or no data follows it. Cached pages that differ from
+    /// the store (dirty ones) are data; holes come from the store
+    /// ([`Pager::seek`](crate::Pager::seek)) — a store that knows none makes every byte data.
+    pub fn seek_data(&self, offset: u64) -> Result<Option<u64>> {
+        self.live()?.seek(offset, crate::Seek::Data)
+    }
+
+    /// `lseek(SEEK_HOLE)` from `offset`: the next byte in a hole, the end of the file being
+    /// one; `None` (`ENXIO`) if `offset` is at or past the end. See [`File::seek_data`].
+    pub fn seek_hole(&self, offset: u64) -> Result<Option<u64>> {
+        self.live()?.seek(offset, crate::Seek::Hole)
+    }
+
     /// Write every dirty page to the pager, then make it durable (the pager's sync). On error
     /// the pages stay dirty (a later `sync` retries) and the error is returned.
     ///

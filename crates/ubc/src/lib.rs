@@ -54,7 +54,7 @@ pub use mapping::Mapping;
 pub use memfd::Sharing;
 pub use object::Length;
 pub use pager::file::Access;
-pub use pager::{Fill, Identity, IoMode, Pager};
+pub use pager::{Fill, Identity, IoMode, Pager, Seek};
 pub use stats::{CacheStats, Stats};
 
 /// The README's examples are compiled and run as doctests.

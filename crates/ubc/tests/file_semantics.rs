@@ -240,3 +240,94 @@ fn file_pager_reads_existing_data_directly() {
     assert!(b[10..].iter().all(|&x| x == 0), "past EOF reads as zero");
     assert_eq!(p.get_pages(8192, &mut b).unwrap(), ubc::Fill::Hole);
 }
+
+/// Host `st_blocks` of `path`.
+fn host_blocks(path: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).unwrap().blocks()
+}
+
+#[test]
+fn a_punched_hole_reads_zeros_everywhere_and_frees_the_host_file_s_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sparse");
+    let cache = small_cache(8 << 20);
+    let f = cache.create_path(&path).unwrap();
+    f.write_at(&vec![0xa5u8; 1 << 20], 0).unwrap();
+    f.sync().unwrap();
+    let before = host_blocks(&path);
+    let m = f.map(0..1 << 20, Access::ReadWrite, ubc::Sharing::Shared).unwrap();
+    // Dirty pages inside the hole-to-be: dropped unwritten, never stored after the punch.
+    f.write_at(&[0x11u8; 8192], 409600).unwrap();
+    f.punch_hole(10_000..900_000).unwrap();
+    assert_eq!(f.len().unwrap(), 1 << 20, "a punch keeps the length");
+    let mut all = vec![0u8; 1 << 20];
+    f.read_exact_at(&mut all, 0).unwrap();
+    assert!(all[..10_000].iter().all(|&b| b == 0xa5), "the head is kept");
+    assert!(all[10_000..900_000].iter().all(|&b| b == 0), "the hole reads zeros");
+    assert!(all[900_000..].iter().all(|&b| b == 0xa5), "the tail is kept");
+    assert_eq!(&m[..], &all[..], "the mapping shows the same");
+    f.sync().unwrap();
+    assert!(
+        host_blocks(&path) < before * 3 / 4,
+        "the host file's blocks were freed: {} of {before}",
+        host_blocks(&path)
+    );
+    assert_eq!(std::fs::read(&path).unwrap(), all, "the host file holds the same bytes");
+    // Holes as lseek sees them: whole pages 12288..897024 are a hole in the host file.
+    assert_eq!(f.seek_hole(0).unwrap(), Some(12288));
+    assert_eq!(f.seek_data(12288).unwrap(), Some(897024));
+    assert_eq!(f.seek_data(1 << 20).unwrap(), None, "at the end: ENXIO");
+    // A dirty page in the hole is data before it is written back, and the rest stays a hole.
+    f.write_at(b"x", 300_000).unwrap();
+    assert_eq!(f.seek_data(12288).unwrap(), Some(299_008));
+    assert_eq!(f.seek_hole(299_008).unwrap(), Some(303_104));
+    f.sync().unwrap();
+    // So is a page stored to through the mapping, before anything else noticed the store.
+    let mut m = m;
+    m[200_000] = 9;
+    assert_eq!(f.seek_data(12288).unwrap(), Some(196_608));
+    drop(m);
+    // Growing by set_len leaves a hole past the old end.
+    f.set_len(4 << 20).unwrap();
+    assert_eq!(f.seek_hole(1 << 20).unwrap(), Some(1 << 20));
+    assert_eq!(f.seek_data((1 << 20) + 1).unwrap(), None);
+}
+
+#[test]
+fn a_punch_racing_a_writeback_never_lets_old_bytes_back_into_the_store() {
+    // The writeback of dirty pages in flight while their range is punched must not store
+    // them after the punch: the store would hold bytes the cache says are zeros.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("race");
+    let cache = small_cache(8 << 20);
+    let f = Arc::new(cache.create_path(&path).unwrap());
+    for round in 0..100u8 {
+        f.write_at(&vec![round | 1; 256 << 10], 0).unwrap();
+        let g = f.clone();
+        let t = std::thread::spawn(move || g.sync().unwrap());
+        f.punch_hole(0..256 << 10).unwrap();
+        t.join().unwrap();
+        f.sync().unwrap();
+        let stored = std::fs::read(&path).unwrap();
+        assert!(stored.iter().all(|&b| b == 0), "round {round}: old bytes in the store after the punch");
+        let mut back = vec![1u8; 256 << 10];
+        f.read_exact_at(&mut back, 0).unwrap();
+        assert!(back.iter().all(|&b| b == 0), "round {round}: old bytes in the cache after the punch");
+    }
+}
+
+#[test]
+fn a_punch_through_a_pager_that_cannot_writes_zeros() {
+    let cache = small_cache(1 << 20);
+    let f = cache.open(Arc::new(MemPager::new()), Access::ReadWrite).unwrap();
+    f.write_at(&[7u8; 20_000], 0).unwrap();
+    f.punch_hole(100..19_000).unwrap();
+    let mut all = vec![1u8; 20_000];
+    f.read_exact_at(&mut all, 0).unwrap();
+    assert!(all[..100].iter().all(|&b| b == 7) && all[19_000..].iter().all(|&b| b == 7));
+    assert!(all[100..19_000].iter().all(|&b| b == 0));
+    // A store that knows no holes: everything before the end is data.
+    assert_eq!(f.seek_data(5000).unwrap(), Some(5000));
+    assert_eq!(f.seek_hole(5000).unwrap(), Some(20_000));
+}

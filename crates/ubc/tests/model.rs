@@ -22,6 +22,12 @@ enum Op {
         len: usize,
     },
     SetLen(u64),
+    /// Punch a hole (`fallocate(PUNCH_HOLE | KEEP_SIZE)`), then check `seek_data` and
+    /// `seek_hole` from its start against the model.
+    Punch {
+        off: u64,
+        len: u64,
+    },
     Sync,
     EvictAll,
     WindowMut {
@@ -59,6 +65,7 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (0..SPAN, 1..20_000usize, any::<u8>()).prop_map(|(off, len, seed)| Op::Write { off, len, seed }),
         4 => (0..SPAN + 5000, 0..20_000usize).prop_map(|(off, len)| Op::Read { off, len }),
         1 => (0..SPAN).prop_map(Op::SetLen),
+        1 => (0..SPAN, 1..40_000u64).prop_map(|(off, len)| Op::Punch { off, len }),
         1 => Just(Op::Sync),
         1 => Just(Op::EvictAll),
         1 => (0..SPAN, 1..9000usize, any::<u8>()).prop_map(|(off, len, seed)| Op::WindowMut { off, len, seed }),
@@ -148,6 +155,30 @@ fn run(ops: Vec<Op>, budget_pages: u64, window: usize) {
                 } else {
                     assert!(failing);
                     model.resize(l as usize, 0); // the cache's length changed anyway
+                }
+            }
+            Op::Punch { off, len } => {
+                // With writes failing, a punch may stop half-way (it falls back to writing
+                // zeros): only a healthy pager's punch is checked.
+                if failing {
+                    continue;
+                }
+                f.punch_hole(off..off + len).unwrap();
+                let end = ((off + len) as usize).min(model.len());
+                if (off as usize) < end {
+                    model[off as usize..end].fill(0);
+                }
+                let n = model.len() as u64;
+                match f.seek_data(off).unwrap() {
+                    None => assert!(off >= n || model[off as usize..].iter().all(|&b| b == 0), "no data after {off}"),
+                    Some(d) => assert!(
+                        d >= off && d < n && model[off as usize..d as usize].iter().all(|&b| b == 0),
+                        "seek_data({off}) = {d} skipped data"
+                    ),
+                }
+                match f.seek_hole(off).unwrap() {
+                    None => assert!(off >= n, "seek_hole({off}) = None inside the file ({n})"),
+                    Some(h) => assert!(h >= off && (h == n || model[h as usize] == 0), "seek_hole({off}) = {h}"),
                 }
             }
             Op::Sync => {

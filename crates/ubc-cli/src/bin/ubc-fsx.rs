@@ -3,7 +3,7 @@
 //!
 //! One file is driven with writes, stores through a shared mapping, truncations, hole
 //! punches, `copy_file_range` from a second file, reads, loads through a mapping, `fsync`,
-//! close-and-reopen and `stat`, chosen at random from a seed; every result is checked
+//! close-and-reopen and `stat` (with `SEEK_DATA`/`SEEK_HOLE`), chosen at random from a seed; every result is checked
 //! against an in-memory model of what the file must hold: the size after every operation,
 //! the bytes an operation touched right after it, the whole file every `--full-every`
 //! operations and at the end. With `--other PATH` (the same file reached through another
@@ -109,6 +109,36 @@ impl Fsx {
             ));
         }
         Ok(())
+    }
+
+    /// `lseek(SEEK_DATA)` and `lseek(SEEK_HOLE)` from `off` agree with the model: bytes
+    /// skipped to reach data are zeros, and none is nonzero if no data follows; a hole
+    /// starts with a zero byte (or at the end); at or past the end both are ENXIO. (A file
+    /// system may call zeros data: only what the model rules out is an error.)
+    fn check_seek(&self, fd: i32, off: u64) -> R<()> {
+        let n = self.model.len() as u64;
+        let seek = |whence| {
+            // SAFETY: lseek takes the descriptor and integers.
+            let r = unsafe { libc::lseek(fd, off as i64, whence) };
+            if r < 0 { Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0)) } else { Ok(r as u64) }
+        };
+        let (data, hole) = (seek(libc::SEEK_DATA), seek(libc::SEEK_HOLE));
+        if off >= n {
+            if data != Err(libc::ENXIO) || hole != Err(libc::ENXIO) {
+                return self.fail(format!("seek at {off} past the end {n}: data {data:?}, hole {hole:?} (ENXIO due)"));
+            }
+            return Ok(());
+        }
+        let zeros = |a: u64, b: u64| self.model[a as usize..b as usize].iter().all(|&x| x == 0);
+        match data {
+            Err(libc::ENXIO) if zeros(off, n) => {}
+            Ok(d) if d >= off && d < n && zeros(off, d) => {}
+            r => return self.fail(format!("SEEK_DATA from {off} gave {r:?}: skipped nonzero bytes (size {n})")),
+        }
+        match hole {
+            Ok(h) if h >= off && (h == n || (h < n && self.model[h as usize] == 0)) => Ok(()),
+            r => self.fail(format!("SEEK_HOLE from {off} gave {r:?}: not a zero byte nor the end (size {n})")),
+        }
     }
 
     fn grow(&mut self, end: usize) {
@@ -269,6 +299,9 @@ impl Fsx {
                 if size != self.model.len() as u64 {
                     return self.fail(format!("stat size {size}, model {}", self.model.len()));
                 }
+                // With the stat, SEEK_DATA and SEEK_HOLE from an offset drawn without the
+                // generator (recorded seeds replay the same operations).
+                self.check_seek(fd, self.op.wrapping_mul(7919) % (size + 2048))?;
                 Ok((0, 0))
             }
         }

@@ -665,6 +665,37 @@ def fallocate_modes(d):
 
 
 @case("both")
+def punched_holes_free_space_and_seek_finds_them(d):
+    # A hole punched in a synced file frees its blocks; SEEK_DATA / SEEK_HOLE find it, a
+    # dirty page inside it is data before any sync, and a file grown by ftruncate has a
+    # hole at its end.
+    keep_size, punch_hole = 1, 2
+    fd = os.open(f"{d}/f", os.O_CREAT | os.O_RDWR, 0o644)
+    os.pwrite(fd, b"a" * (1 << 20), 0)
+    os.fsync(fd)
+    before = os.fstat(fd).st_blocks
+    r = [attempt(fallocate, fd, punch_hole | keep_size, 65536, 512 * 1024)]
+    os.fsync(fd)
+    r.append(os.fstat(fd).st_blocks < before * 3 // 4)
+
+    def seek(off, whence):
+        try:
+            return os.lseek(fd, off, whence)
+        except OSError as e:
+            return ename(e)
+
+    r.append([seek(o, os.SEEK_DATA) for o in (0, 65536, 600000, 1 << 20)])
+    r.append([seek(o, os.SEEK_HOLE) for o in (0, 65536, 600000, (1 << 20) - 1)])
+    r.append([os.pread(fd, 8, 65532).hex(), os.pread(fd, 4, 65536 + 512 * 1024 - 2).hex()])
+    os.pwrite(fd, b"z", 300000)
+    r.append([seek(65536, os.SEEK_DATA), seek(300000, os.SEEK_HOLE)])
+    os.ftruncate(fd, 4 << 20)
+    r.append([seek((1 << 20) + 10, os.SEEK_DATA), seek(1 << 20, os.SEEK_HOLE)])
+    os.close(fd)
+    return r
+
+
+@case("both")
 def readdir_lists_what_was_made(d):
     for i in range(50):
         with open(f"{d}/f{i:02}", "w") as f:

@@ -6,6 +6,7 @@
 //! * `readahead.rs` — sequential detection and asynchronous read-ahead;
 //! * `write.rs` — the write path and writable windows;
 //! * `truncate.rs` — `set_len`, dropping pages, invalidation;
+//! * `holes.rs` — punching holes, reserving space, finding data and holes;
 //! * `writeback.rs` — writing dirty pages to the pager, `clean`, `sync`;
 //! * `evict.rs` — releasing pages the replacement policy took;
 //! * `mapped.rs` — what memory mappings need (found stores, fault pins).
@@ -38,6 +39,7 @@ use std::sync::{Arc, OnceLock, Weak};
 
 mod evict;
 mod fill;
+mod holes;
 mod mapped;
 mod readahead;
 mod truncate;

@@ -51,7 +51,7 @@
 //! calls at once. The kernel cannot invalidate pages that another process has mapped and
 //! dirtied; like any cache, ubc is not coherent with outside writers of the file.
 
-use super::{Fill, Identity, IoMode, Pager};
+use super::{Fill, Identity, IoMode, Pager, Seek};
 use rustix::fs::{Advice, AtFlags, Mode, OFlags, StatxFlags};
 use std::alloc::Layout;
 use std::fs::{File, OpenOptions};
@@ -413,6 +413,47 @@ impl Pager for FilePager {
 
     fn identity(&self) -> Option<Identity> {
         Some(Identity::HostFile { dev: self.dev, ino: self.ino })
+    }
+
+    fn can_punch(&self) -> bool {
+        self.access == Access::ReadWrite
+    }
+
+    fn punch(&self, offset: u64, len: u64) -> io::Result<bool> {
+        let mode = rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE;
+        match rustix::fs::fallocate(&self.file, mode, offset, len) {
+            Ok(()) => Ok(true),
+            // The host file system cannot punch: the cache writes zeros instead.
+            Err(rustix::io::Errno::OPNOTSUPP | rustix::io::Errno::NOSYS) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
+        match rustix::fs::fallocate(&self.file, rustix::fs::FallocateFlags::KEEP_SIZE, offset, len) {
+            // A file system that cannot reserve (tmpfs before 3.5, some FUSE ones) allocates
+            // at write time, as posix_fallocate's emulation would; nothing is promised then.
+            Ok(()) | Err(rustix::io::Errno::OPNOTSUPP | rustix::io::Errno::NOSYS) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn seek(&self, offset: u64, what: Seek) -> io::Result<Option<u64>> {
+        let whence = match what {
+            Seek::Data => rustix::fs::SeekFrom::Data(offset),
+            Seek::Hole => rustix::fs::SeekFrom::Hole(offset),
+        };
+        // The pager's transfers are positional, so the file position is nobody's; lseek
+        // returns the offset it computed even when seeks race. ENXIO: no data (or `offset`
+        // past the end).
+        match rustix::fs::seek(&self.file, whence) {
+            Ok(at) => Ok(Some(at)),
+            Err(rustix::io::Errno::NXIO) => match what {
+                Seek::Data => Ok(None),
+                Seek::Hole => Ok(Some(offset.max(self.len()?))),
+            },
+            Err(e) => Err(e.into()),
+        }
     }
 
     fn is_writable(&self) -> bool {

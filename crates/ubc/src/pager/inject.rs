@@ -257,6 +257,24 @@ impl Pager for InjectingPager {
     fn io_mode(&self) -> IoMode {
         self.inner.io_mode()
     }
+    fn can_punch(&self) -> bool {
+        self.inner.can_punch()
+    }
+    fn punch(&self, offset: u64, len: u64) -> io::Result<bool> {
+        match self.faults.check(&self.faults.put_errno) {
+            None => self.inner.punch(offset, len),
+            Some(e) => Err(err(e)),
+        }
+    }
+    fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
+        match self.faults.check(&self.faults.put_errno) {
+            None => self.inner.allocate(offset, len),
+            Some(e) => Err(err(e)),
+        }
+    }
+    fn seek(&self, offset: u64, what: super::Seek) -> io::Result<Option<u64>> {
+        self.inner.seek(offset, what)
+    }
     fn depth(&self) -> u32 {
         // A wrapper is at its inner pager's depth: the lock order (`order.rs`) ranks its
         // calls by it, and a wrapped layer reporting 0 would break that order.

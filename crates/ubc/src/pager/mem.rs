@@ -1,7 +1,7 @@
 //! The memory pager: Mach's default pager for anonymous memory. Data that was never
 //! written is a hole and reads as zeros without I/O; written data is kept in memory.
 
-use super::{Fill, IoMode, Pager};
+use super::{Fill, IoMode, Pager, Seek};
 use parking_lot::RwLock;
 use std::collections::BTreeMap;
 use std::io;
@@ -95,6 +95,59 @@ impl Pager for MemPager {
 
     fn describe(&self) -> String {
         "memory".to_string()
+    }
+
+    fn can_punch(&self) -> bool {
+        true
+    }
+
+    /// Whole blocks in the range become holes again; partial blocks at its edges are
+    /// zeroed.
+    fn punch(&self, offset: u64, len: u64) -> io::Result<bool> {
+        let mut store = self.inner.write();
+        let end = offset.saturating_add(len);
+        let (first, last) = (offset.div_ceil(BLOCK), end / BLOCK);
+        for (&b, block) in store.blocks.range_mut(offset / BLOCK..end.div_ceil(BLOCK)) {
+            let (bstart, bend) = (b * BLOCK, (b + 1) * BLOCK);
+            if b < first || b >= last {
+                let (from, to) = (offset.max(bstart), end.min(bend));
+                block[(from - bstart) as usize..(to - bstart) as usize].fill(0);
+            }
+        }
+        if first < last {
+            let tail = store.blocks.split_off(&last);
+            store.blocks.split_off(&first);
+            store.blocks.extend(tail);
+        }
+        Ok(true)
+    }
+
+    /// Holes are the blocks never written (or punched), and everything past the end.
+    fn seek(&self, offset: u64, what: Seek) -> io::Result<Option<u64>> {
+        let store = self.inner.read();
+        if offset >= store.len {
+            return Ok(match what {
+                Seek::Data => None,
+                Seek::Hole => Some(offset),
+            });
+        }
+        let b = offset / BLOCK;
+        Ok(match what {
+            Seek::Data => {
+                store.blocks.range(b..).next().map(|(&d, _)| (d * BLOCK).max(offset)).filter(|&d| d < store.len)
+            }
+            Seek::Hole => {
+                // The first block at or after `b` not in the map.
+                let mut next = b;
+                for (&d, _) in store.blocks.range(b..) {
+                    if d != next {
+                        break;
+                    }
+                    next += 1;
+                }
+                Some((next * BLOCK).max(offset).min(store.len))
+            }
+        })
     }
 
     fn io_mode(&self) -> IoMode {

@@ -115,6 +115,52 @@ pub trait Pager: Send + Sync + 'static {
     fn io_mode(&self) -> IoMode {
         IoMode::Unknown
     }
+
+    /// Whether [`Pager::punch`] may deallocate: if not, the cache punches a hole by writing
+    /// zeros, and never calls it.
+    fn can_punch(&self) -> bool {
+        false
+    }
+
+    /// Deallocate bytes `offset..offset+len` of the store, which then read as zeros
+    /// (`fallocate(PUNCH_HOLE | KEEP_SIZE)`); the length does not change. Returns `false`,
+    /// having done nothing, if the store turns out unable to (the cache then writes zeros).
+    /// The cache calls it only if [`Pager::can_punch`], with whole pages, with no
+    /// writeback of the range in flight.
+    fn punch(&self, offset: u64, len: u64) -> io::Result<bool> {
+        let _ = (offset, len);
+        Ok(false)
+    }
+
+    /// Reserve space for bytes `offset..offset+len` so that writing them later cannot fail
+    /// for want of space (`fallocate(KEEP_SIZE)`: the length does not change; the cache
+    /// extends it itself). A store that allocates nothing ahead does nothing.
+    fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
+        let _ = (offset, len);
+        Ok(())
+    }
+
+    /// Where the store's data and holes lie (`lseek(SEEK_DATA / SEEK_HOLE)`) from `offset`
+    /// on: with [`Seek::Data`], the first offset at or after `offset` that holds data, or
+    /// `None` if none does before the store's end; with [`Seek::Hole`], the first offset at
+    /// or after `offset` in a hole, the store's end counting as one. A store that does not
+    /// know its holes reports everything before its end as data (the default).
+    fn seek(&self, offset: u64, what: Seek) -> io::Result<Option<u64>> {
+        let len = self.len()?;
+        Ok(match what {
+            Seek::Data => (offset < len).then_some(offset),
+            Seek::Hole => Some(offset.max(len)),
+        })
+    }
+}
+
+/// What [`Pager::seek`] and [`File::seek`](crate::File::seek) look for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Seek {
+    /// The next byte that holds data (`SEEK_DATA`).
+    Data,
+    /// The next byte in a hole (`SEEK_HOLE`); the end of the file is one.
+    Hole,
 }
 
 /// Marks the current thread, for its lifetime, as working for a pager of the given depth

@@ -11,7 +11,7 @@ use super::inodes::Inodes;
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags, KernelConfig,
     LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry,
-    ReplyLock, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+    ReplyLock, ReplyLseek, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
@@ -724,7 +724,10 @@ impl Filesystem for LayerFs {
             };
             let size = h.file.len().map_err(|e| errno(&e))?;
             let r = (|| {
-                if zero && offset < size {
+                if mode & libc::FALLOC_FL_PUNCH_HOLE != 0 {
+                    // Deallocated in the store where the layer's bytes are the stored ones.
+                    h.file.punch_hole(offset..end).map_err(|e| errno(&e))?;
+                } else if zero && offset < size {
                     let zeros = vec![0u8; 1 << 20];
                     let mut at = offset;
                     while at < end.min(size) {
@@ -732,6 +735,10 @@ impl Filesystem for LayerFs {
                         write_all(&h.file, &zeros[..n], at)?;
                         at += n as u64;
                     }
+                }
+                if !zero {
+                    // Reserve first: a full store fails here (ENOSPC), before the length moves.
+                    h.file.allocate(offset..end).map_err(|e| errno(&e))?;
                 }
                 if !keep && end > size {
                     h.file.set_len(end).map_err(|e| errno(&e))?;
@@ -743,6 +750,29 @@ impl Filesystem for LayerFs {
         })();
         match r {
             Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    /// `lseek(2)` with `SEEK_DATA` / `SEEK_HOLE` (the kernel answers the other kinds
+    /// itself): holes as the stack's cache and the store know them (see
+    /// `ubc::File::seek`); `ENXIO` at or past the end, or when no data follows.
+    fn lseek(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, offset: i64, whence: i32, reply: ReplyLseek) {
+        let r = (|| {
+            let h = self.handle(fh)?;
+            let offset = u64::try_from(offset).map_err(|_| Errno::ENXIO)?;
+            let found = match whence {
+                libc::SEEK_DATA => h.file.seek_data(offset),
+                libc::SEEK_HOLE => h.file.seek_hole(offset),
+                _ => return Err(Errno::EINVAL),
+            };
+            match found.map_err(|e| errno(&e))? {
+                Some(at) => Ok(at as i64),
+                None => Err(Errno::ENXIO),
+            }
+        })();
+        match r {
+            Ok(at) => reply.offset(at),
             Err(e) => reply.error(e),
         }
     }
