@@ -1,5 +1,6 @@
 //! Extended attributes through the aead layer: stored encrypted under keyed-hash names in
-//! the layer below, authenticated on every read (docs/formats.md, "Extended attributes").
+//! the layer below, authenticated on every read (docs/formats.md, "Extended attributes below
+//! the encryption layer").
 
 use std::path::{Path, PathBuf};
 use ubc_stack::encrypt::xattr::STORED_PREFIX;

@@ -21,7 +21,8 @@
 //!   aead header, hence no file id): a value copied to another file by someone with store
 //!   access authenticates there (documented in docs/formats.md).
 //!
-//! The exact bytes are in `docs/formats.md`, "Extended attributes".
+//! The exact bytes are in `docs/formats.md`, "Extended attributes below the encryption
+//! layer".
 
 use super::{AuthError, Failure, Key, NONCE_LEN, TAG_LEN, random};
 use blake2::Blake2bMac;

@@ -155,7 +155,8 @@ impl Layer for Aead {
         Ok(Opened::Wrap)
     }
     // Extended attributes: one stored attribute per cleartext one, under a keyed hash of
-    // the name, the name and value sealed (docs/formats.md, "Extended attributes").
+    // the name, the name and value sealed (docs/formats.md, "Extended attributes below the
+    // encryption layer").
     fn getxattr(&self, path: &str, name: &str) -> Result<Vec<u8>> {
         let stored = self.stored_name(path, name)?;
         let (n, v) = self.open_stored(path, &stored)?;
