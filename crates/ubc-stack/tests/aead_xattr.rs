@@ -266,3 +266,41 @@ fn another_stack_with_the_key_reads_them_and_another_key_fails() {
         assert!(matches!(auth_of(&e), AuthError::Xattr { failure: Failure::BadTag }), "{tail}");
     }
 }
+
+#[test]
+fn a_union_over_aead_shows_the_lower_attributes_and_copies_them_up() {
+    let fx = fixture();
+    let upper = fx._tmp.path().join("upper");
+    std::fs::create_dir(&upper).unwrap();
+    {
+        let s = stack(&fx, &fx.keyfile, "");
+        for f in ["f", "g"] {
+            file(&s, f);
+            s.top().setxattr(f, "user.low", b"from below", 0).unwrap();
+        }
+        s.top().mkdir("d").unwrap();
+        s.top().setxattr("d", "user.dirlow", b"dir below", 0).unwrap();
+        s.top().setattr("g", &ubc_stack::SetAttr::new().with_mode(0o444)).unwrap();
+    }
+    let s = stack(&fx, &fx.keyfile, &format!(" | union:upper={}", upper.display()));
+    let top = s.top();
+    assert_eq!(top.getxattr("f", "user.low").unwrap(), b"from below");
+    assert_eq!(top.listxattr("f").unwrap(), ["user.low"]);
+    // Copied up by an attribute change: the lower attributes come along, decrypted (the
+    // upper directory is the union's cleartext store).
+    top.setxattr("f", "user.up", b"new", 0).unwrap();
+    assert_eq!(sorted(top.listxattr("f").unwrap()), ["user.low", "user.up"]);
+    assert_eq!(top.getxattr("f", "user.low").unwrap(), b"from below");
+    assert_eq!(raw(&upper.join("f")).len(), 2);
+    // Copied up by a write, read-only mode and all; and a directory by a chmod.
+    let h = s.top().open_with("g", ubc_stack::OpenOptions::new().write(true)).unwrap();
+    h.write_at(b"D", 0).unwrap();
+    h.sync().unwrap();
+    drop(h);
+    assert!(upper.join("g").exists());
+    assert_eq!(top.getxattr("g", "user.low").unwrap(), b"from below");
+    top.setattr("d", &ubc_stack::SetAttr::new().with_mode(0o555)).unwrap();
+    assert!(upper.join("d").exists());
+    assert_eq!(top.getxattr("d", "user.dirlow").unwrap(), b"dir below");
+    assert_eq!(top.getattr("d").unwrap().mode, 0o555);
+}
