@@ -30,8 +30,9 @@ pub enum Error {
     NotEmpty(String),
     #[error("{0}: read-only layer")]
     ReadOnly(String),
-    /// The layer cannot do this (a hard link in a memory tree, extended attributes through
-    /// an encryption layer, which would show them in the clear).
+    /// The layer cannot do this (a hard link in a memory tree, a `system.*` extended
+    /// attribute such as an ACL through an encryption layer, which the kernel could not
+    /// enforce from an encrypted value).
     #[error("{0}: not supported by this layer")]
     NotSupported(String),
     /// A move the layer cannot make in one step (a union's lower directory): callers copy.

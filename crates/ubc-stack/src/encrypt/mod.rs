@@ -56,6 +56,7 @@
 //! store.
 
 mod key;
+pub mod xattr;
 
 pub use key::{ARGON2_M_COST_KIB, ARGON2_P_COST, ARGON2_T_COST, Key};
 
@@ -134,6 +135,9 @@ pub enum AuthError {
     /// Block `index` (cleartext bytes `index * 4096 ..`) failed.
     #[error("aead block {index}: {failure}")]
     Block { index: u64, failure: Failure },
+    /// A stored extended attribute's value failed (see [`xattr`]).
+    #[error("aead extended attribute: {failure}")]
+    Xattr { failure: Failure },
 }
 
 impl AuthError {

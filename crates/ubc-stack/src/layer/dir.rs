@@ -10,7 +10,7 @@
 //! is reachable however long the root's own path is — `root/path` could pass `PATH_MAX`
 //! and fail with `ENAMETOOLONG` where the host file system would not. An operation on a
 //! name resolves its parent directory beneath the root (no symbolic link followed, see
-//! [`Dir::open_beneath`]) and acts on the last component with the `*at` call.
+//! `Dir::open_beneath`) and acts on the last component with the `*at` call.
 
 use super::{Attr, Below, DirEntry, Kind, Layer, Opened, Rename, SetAttr};
 use crate::error::{Error, Result};

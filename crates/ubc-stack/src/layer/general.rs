@@ -6,7 +6,8 @@
 use super::{Below, Layer, Opened};
 use crate::coherence::{ALL, Translate};
 use crate::compress::{CompressOptions, CompressPager};
-use crate::encrypt::{EncryptPager, Key};
+use crate::encrypt::xattr::{self, XattrCrypt};
+use crate::encrypt::{AuthError, EncryptPager, Failure, Key};
 use crate::error::{Error, Result};
 use std::ops::Range;
 use std::sync::Arc;
@@ -64,17 +65,45 @@ impl Layer for Zstd {
     }
 }
 
-/// `aead`: XChaCha20-Poly1305 per 4 KiB block.
+/// `aead`: XChaCha20-Poly1305 per 4 KiB block; extended attributes sealed one by one
+/// ([`crate::encrypt::xattr`]).
 pub struct Aead {
     lower: Arc<dyn Layer>,
     key: Arc<Key>,
     key_source: String,
+    xattrs: XattrCrypt,
 }
 
 impl Aead {
     /// `key_source` is how the spec names the key (never the key itself).
     pub fn new(lower: Arc<dyn Layer>, key: Arc<Key>, key_source: String) -> Aead {
-        Aead { lower, key, key_source }
+        let xattrs = XattrCrypt::new(key.clone());
+        Aead { lower, key, key_source, xattrs }
+    }
+
+    /// The stored name of cleartext attribute `name` of `path`, or the error the host gives
+    /// for a name it would not store: `ERANGE` past `XATTR_NAME_MAX` (the kernel's answer
+    /// before a request reaches a mount; the stored name is short and would not fail), and
+    /// `EOPNOTSUPP` outside `user.`/`trusted.`/`security.` (`system.*` holds ACLs and the
+    /// like, which the kernel enforces from the value and so cannot be encrypted).
+    fn stored_name(&self, path: &str, name: &str) -> Result<String> {
+        if name.len() > xattr::NAME_MAX {
+            return Err(Error::io(path, std::io::Error::from_raw_os_error(libc::ERANGE)));
+        }
+        if !xattr::storable(name) {
+            return Err(Error::NotSupported(format!(
+                "{path}: extended attribute {name:?} through an encryption layer (only user., trusted. and security. names are stored, encrypted)"
+            )));
+        }
+        Ok(self.xattrs.stored_name(name))
+    }
+
+    /// Read and open the stored attribute `stored` of `path`: its cleartext name and value.
+    /// An authentication failure is an `Io` error of kind `InvalidData` carrying
+    /// [`AuthError`] (EIO through a mount), never a value.
+    fn open_stored(&self, path: &str, stored: &str) -> Result<(String, Vec<u8>)> {
+        let sealed = self.lower.getxattr(path, stored)?;
+        self.xattrs.open(stored, &sealed).map_err(|e| Error::io(path, e.into()))
     }
 }
 
@@ -125,19 +154,47 @@ impl Layer for Aead {
     fn open(&self, _path: &str, _access: ubc::Access, _below: &dyn Below) -> Result<Opened> {
         Ok(Opened::Wrap)
     }
-    // Extended attributes would reach the store in the clear (names and values): refused,
-    // not passed down, until they are encrypted like data (docs/formats.md).
-    fn getxattr(&self, path: &str, _name: &str) -> Result<Vec<u8>> {
-        Err(Error::NotSupported(format!("{path}: extended attributes through an encryption layer")))
+    // Extended attributes: one stored attribute per cleartext one, under a keyed hash of
+    // the name, the name and value sealed (docs/formats.md, "Extended attributes below the
+    // encryption layer").
+    fn getxattr(&self, path: &str, name: &str) -> Result<Vec<u8>> {
+        let stored = self.stored_name(path, name)?;
+        let (n, v) = self.open_stored(path, &stored)?;
+        if n != name {
+            // Authentic, but sealed for another name under the same hash: only a hash
+            // collision (or a bug) gets here. Never answer with another name's value.
+            return Err(Error::io(path, AuthError::Xattr { failure: Failure::BadTag }.into()));
+        }
+        Ok(v)
     }
-    fn setxattr(&self, path: &str, _name: &str, _value: &[u8], _flags: i32) -> Result<()> {
-        Err(Error::NotSupported(format!("{path}: extended attributes through an encryption layer")))
+    fn setxattr(&self, path: &str, name: &str, value: &[u8], flags: i32) -> Result<()> {
+        let stored = self.stored_name(path, name)?;
+        let sealed = self.xattrs.seal(&stored, name, value).map_err(|e| Error::io(path, e))?;
+        // XATTR_CREATE/XATTR_REPLACE apply to the stored name, which stands one to one for
+        // the cleartext name: EEXIST/ENODATA come from the store as on the host.
+        self.lower.setxattr(path, &stored, &sealed, flags)
     }
     fn listxattr(&self, path: &str) -> Result<Vec<String>> {
-        Err(Error::NotSupported(format!("{path}: extended attributes through an encryption layer")))
+        let mut names = Vec::new();
+        for stored in self.lower.listxattr(path)? {
+            // Attributes without the prefix were not written through this layer: not shown.
+            if !stored.starts_with(xattr::STORED_PREFIX) {
+                continue;
+            }
+            match self.open_stored(path, &stored) {
+                Ok((n, _)) => names.push(n),
+                // Removed between the listing and the read: gone, as a later listing says.
+                Err(Error::Io { source, .. }) if source.raw_os_error() == Some(libc::ENODATA) => {}
+                // A stored value that fails authentication fails the listing: hiding it
+                // would hide the tampering.
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(names)
     }
-    fn removexattr(&self, path: &str, _name: &str) -> Result<()> {
-        Err(Error::NotSupported(format!("{path}: extended attributes through an encryption layer")))
+    fn removexattr(&self, path: &str, name: &str) -> Result<()> {
+        let stored = self.stored_name(path, name)?;
+        self.lower.removexattr(path, &stored)
     }
     fn wrap(&self, path: &str, lower: ubc::File) -> Result<(Arc<dyn ubc::Pager>, Arc<dyn Translate>)> {
         let p = Arc::new(EncryptPager::open(lower, self.key.clone()).map_err(|e| Error::io(path, e))?);

@@ -107,9 +107,38 @@ impl Union {
         Ok(())
     }
 
+    /// Copy `path`'s extended attributes from the layer below to `to` in the upper
+    /// directory: a copy-up keeps them, as overlayfs's does (through an aead layer below,
+    /// they arrive decrypted, like the data). A lower layer without extended attributes
+    /// has none to copy; one the upper directory refuses this process (`EOPNOTSUPP`,
+    /// `EPERM`: a namespace it does not store or a privilege it lacks) stays behind, as an
+    /// owner does; one that fails below (an aead authentication error) fails the copy-up.
+    /// => `to` exists in the upper directory and this process may write it.
+    fn copy_up_xattrs(&self, path: &str, to: &str) -> Result<()> {
+        let names = match self.lower.listxattr(path) {
+            Ok(n) => n,
+            Err(Error::NotSupported(_)) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        for n in names {
+            let v = match self.lower.getxattr(path, &n) {
+                Ok(v) => v,
+                // Removed since the listing: nothing to copy.
+                Err(e) if e.errno() == libc::ENODATA => continue,
+                Err(e) => return Err(e),
+            };
+            match self.upper.setxattr(to, &n, &v, 0) {
+                Ok(()) => {}
+                Err(e) if matches!(e.errno(), libc::EOPNOTSUPP | libc::EPERM) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
     /// Copy up what has no data: a lower directory (made in the upper directory, not its
     /// entries: the two merge), symbolic link, FIFO, socket or device node, with its mode,
-    /// times and (where this process may) owner. A regular file needs its data copied
+    /// times, extended attributes and (where this process may) owner. A regular file needs its data copied
     /// through the stack (`copy_up`): refused here with [`Error::ReadOnly`], which the stack
     /// answers by opening the file for writing.
     fn copy_up_meta(&self, path: &str) -> Result<()> {
@@ -120,10 +149,12 @@ impl Union {
         self.upper_parents(path)?;
         match a.kind {
             Kind::File => return Err(Error::ReadOnly(format!("{path} (copy it up by opening it for writing first)"))),
-            Kind::Dir => self.upper.mkdir(path, a.mode)?,
+            // Owner-writable until its attributes are copied; the mode is set just after.
+            Kind::Dir => self.upper.mkdir(path, 0o700)?,
             Kind::Symlink => self.upper.symlink(&self.lower.readlink(path)?, path)?,
             k => self.upper.mknod(path, k, a.mode, a.rdev)?,
         }
+        self.copy_up_xattrs(path, path)?;
         let times = SetAttr { atime: Some(a.atime), mtime: Some(a.mtime), ..Default::default() };
         if a.kind != Kind::Symlink {
             self.upper.setattr(path, &SetAttr { mode: Some(a.mode), ..times })?;
@@ -162,6 +193,9 @@ impl Union {
             out.write_all(&buf[..n]).map_err(|e| Error::io(path, e))?;
             off += n as u64;
         }
+        // Before the mode (a read-only lower file's copy must still take them) and the sync
+        // (one sync makes data and attributes durable).
+        self.copy_up_xattrs(path, &tmp)?;
         out.sync_all().map_err(|e| Error::io(path, e))?;
         drop(out);
         self.upper.setattr(
