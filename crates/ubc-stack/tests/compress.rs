@@ -738,6 +738,11 @@ enum Op {
         kind: u8,
     },
     SetLen(usize),
+    /// Punch a hole through the cache (whole chunks leave the index), then check the seeks.
+    Punch {
+        off: usize,
+        len: usize,
+    },
     Sync,
     /// Drop every handle and the cache (no explicit sync), reopen.
     Reopen,
@@ -751,6 +756,7 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         6 => (0usize..400_000, 1usize..150_000, any::<u64>(), 0u8..3).prop_map(|(off, len, seed, kind)| Op::Write { off, len, seed, kind }),
         2 => (0usize..500_000).prop_map(Op::SetLen),
+        2 => (0usize..400_000, 1usize..200_000).prop_map(|(off, len)| Op::Punch { off, len }),
         2 => Just(Op::Sync),
         1 => Just(Op::Reopen),
         2 => any::<bool>().prop_map(|lower_sync| Op::Crash { lower_sync }),
@@ -787,6 +793,24 @@ proptest! {
                 Op::SetLen(n) => {
                     env.upper.set_len(n as u64).unwrap();
                     model.resize(n, 0);
+                }
+                Op::Punch { off, len } => {
+                    env.upper.punch_hole(off as u64..(off + len) as u64).unwrap();
+                    let end = (off + len).min(model.len());
+                    if off < end {
+                        model[off..end].fill(0);
+                    }
+                    let n = model.len();
+                    match env.upper.seek_data(off as u64).unwrap() {
+                        None => prop_assert!(off >= n || model[off..].iter().all(|&b| b == 0), "no data after {}", off),
+                        Some(d) => prop_assert!(d as usize >= off && (d as usize) < n
+                            && model[off..d as usize].iter().all(|&b| b == 0), "seek_data({}) = {} skipped data", off, d),
+                    }
+                    match env.upper.seek_hole(off as u64).unwrap() {
+                        None => prop_assert!(off >= n),
+                        Some(h) => prop_assert!(h as usize >= off && (h as usize == n || model[h as usize] == 0),
+                            "seek_hole({}) = {}", off, h),
+                    }
                 }
                 Op::Sync => {
                     env.upper.sync().unwrap();

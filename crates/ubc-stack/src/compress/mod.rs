@@ -46,7 +46,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashSet};
 use std::io;
 use std::sync::atomic::{AtomicU32, Ordering::*};
-use ubc::{Fill, Identity, IoMode, Pager};
+use ubc::{Fill, Identity, IoMode, Pager, Seek};
 
 /// Options for a new compressed file. For an existing file the chunk size stored in its
 /// superblock wins.
@@ -881,6 +881,65 @@ impl Pager for CompressPager {
     fn identity(&self) -> Option<Identity> {
         let id = self.lower.identity()?;
         Some(Identity::Named { kind: "zstd", name: format!("{:?}", Some(id)) })
+    }
+
+    fn can_punch(&self) -> bool {
+        self.writable
+    }
+
+    /// Chunks the range covers whole (or up to the end of the file) become holes — out of
+    /// the index, their extents freed once no commit references them; the parts of chunks
+    /// at its edges are zeroed by rewriting those chunks. Bytes past the end are zeros
+    /// already.
+    fn punch(&self, offset: u64, len: u64) -> io::Result<bool> {
+        let shift = self.chunk_shift.load(Relaxed);
+        let cs = 1u64 << shift;
+        let file_len = self.state.lock().len;
+        let end = offset.saturating_add(len).min(file_len);
+        if offset >= end {
+            return Ok(true);
+        }
+        for chunk in (offset >> shift)..=((end - 1) >> shift) {
+            let cstart = chunk << shift;
+            let (from, to) = (offset.max(cstart), end.min(cstart + cs));
+            if from == cstart && (to == cstart + cs || to == file_len) {
+                let mut st = self.state.lock();
+                if st.index.contains_key(&chunk) {
+                    st.install(chunk, None);
+                }
+            } else if self.state.lock().index.contains_key(&chunk) {
+                let (at, n) = ((from - cstart) as usize, (to - from) as usize);
+                self.update_chunk(chunk, &|_| true, 0, &mut |b| b[at..at + n].fill(0))?;
+            }
+        }
+        Ok(true)
+    }
+
+    /// Holes are the chunks not in the index (never written, punched, or all zeros), and
+    /// everything past the end.
+    fn seek(&self, offset: u64, what: Seek) -> io::Result<Option<u64>> {
+        let shift = self.chunk_shift.load(Relaxed);
+        let st = self.state.lock();
+        if offset >= st.len {
+            return Ok(match what {
+                Seek::Data => None,
+                Seek::Hole => Some(offset),
+            });
+        }
+        let c = offset >> shift;
+        Ok(match what {
+            Seek::Data => st.index.range(c..).next().map(|(&k, _)| (k << shift).max(offset)).filter(|&d| d < st.len),
+            Seek::Hole => {
+                let mut next = c;
+                for (&k, _) in st.index.range(c..) {
+                    if k != next {
+                        break;
+                    }
+                    next += 1;
+                }
+                Some((next << shift).max(offset).min(st.len))
+            }
+        })
     }
 
     fn is_writable(&self) -> bool {
