@@ -374,6 +374,53 @@ fn a_flock_through_one_mount_holds_against_another_process_through_another_mount
     d.unmount();
 }
 
+/// A process waiting for a lock (`flock`, `F_SETLKW`) that gets a signal is interrupted with
+/// `EINTR`, as on a local file system: `flock -w`'s timeout and `alarm()` around `F_SETLKW`
+/// rely on it. (Without FUSE_INTERRUPT it waited, unkillable but by SIGKILL, until the
+/// holder let go.)
+#[test]
+fn a_signal_interrupts_a_process_waiting_for_a_lock() {
+    if !fuse_available() {
+        return;
+    }
+    let (_t, _, clear, stored, mut d) = clear_and_stored(&[]);
+    std::fs::write(clear.join("held"), sample(1000)).unwrap();
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(clear.join("held")).unwrap();
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock(2) on a descriptor we own.
+    assert_eq!(unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) }, 0);
+    // SAFETY: F_SETLK reads the flock struct we pass, which lives across the call.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = libc::F_WRLCK as i16;
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::fcntl(f.as_raw_fd(), libc::F_SETLK, &fl) }, 0);
+    for call in ["fcntl.flock(fd, fcntl.LOCK_EX)", "fcntl.lockf(fd, fcntl.LOCK_EX)"] {
+        let code = format!(
+            "import fcntl, os, signal, sys\nfd = os.open(sys.argv[1], os.O_RDWR)\n\
+             def timeout(*a):\n    raise TimeoutError\nsignal.signal(signal.SIGALRM, timeout)\nsignal.alarm(1)\n\
+             try:\n    {call}\n    sys.exit(2)\nexcept TimeoutError:\n    sys.exit(0)"
+        );
+        let mut waiter = Command::new("python3").arg("-c").arg(&code).arg(stored.join("held")).spawn().unwrap();
+        // The lock is held all along: only the interrupt can end the wait.
+        let start = Instant::now();
+        let status = loop {
+            if let Some(st) = waiter.try_wait().unwrap() {
+                break Some(st);
+            }
+            if start.elapsed() > Duration::from_secs(20) {
+                // Not waited for: a process killed inside a lock request it sent stays until
+                // the daemon answers, which it does when `f` lets go (as the test unwinds).
+                let _ = waiter.kill();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert!(status.is_some_and(|s| s.code() == Some(0)), "{call}: not interrupted by its alarm: {status:?}");
+    }
+    drop(f);
+    d.unmount();
+}
+
 /// `O_APPEND` writers through two mounts of different layers that show the same bytes: the
 /// kernel orders appends within one mount only (its inode lock), so the stack must make
 /// reading the end and writing there one step; no record may be lost or overwritten.

@@ -902,6 +902,18 @@ pub trait Filesystem: Send + Sync + 'static {
         reply.error(Errno::ENOSYS);
     }
 
+    /// The request `unique` (see [`Request::unique`]) was interrupted: the process that
+    /// made it got a signal. A file system that can end such a request early (a lock wait)
+    /// replies to it with `EINTR`; others let it finish. The interrupt may come before the
+    /// request itself. Returns whether interrupts are handled: `false` (the default) refuses
+    /// it with `ENOSYS`, and the kernel sends no more.
+    ///
+    /// (ubc patch: fuser 0.18 refused every interrupt.)
+    fn interrupt(&self, unique: RequestId) -> bool {
+        let _ = unique;
+        false
+    }
+
     /// Acquire, convert or release a BSD `flock(2)` lock on the whole file
     /// (`F_RDLCK` for `LOCK_SH`, `F_WRLCK` for `LOCK_EX`, `F_UNLCK` for `LOCK_UN`; `sleep`
     /// unless `LOCK_NB`). The kernel sends these only if [`Filesystem::init`] added

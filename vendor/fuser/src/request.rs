@@ -114,8 +114,12 @@ impl<'a> RequestWithSender<'a> {
                 return Err(Errno::EIO);
             }
 
-            ll::Operation::Interrupt(_) => {
-                // TODO: handle FUSE_INTERRUPT
+            ll::Operation::Interrupt(x) => {
+                // (ubc patch) The file system hears of it; an interrupt takes no reply unless
+                // it is refused (ENOSYS: the kernel sends no more).
+                if filesystem.interrupt(x.unique()) {
+                    return Ok(None);
+                }
                 return Err(Errno::ENOSYS);
             }
 

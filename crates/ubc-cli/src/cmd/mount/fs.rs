@@ -8,6 +8,7 @@ use super::attr;
 use super::gate::Gate;
 use super::handles::{Handle, Handles};
 use super::inodes::Inodes;
+use super::waits::{self, Interrupts};
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags, KernelConfig,
     LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry,
@@ -31,6 +32,8 @@ pub(super) struct LayerFs {
     inodes: Mutex<Inodes>,
     handles: Arc<Handles>,
     gate: Arc<Gate>,
+    /// Requests the kernel interrupted, for the lock waits (`waits`).
+    interrupts: Arc<Interrupts>,
 }
 
 type Result<T> = std::result::Result<T, Errno>;
@@ -93,6 +96,7 @@ impl LayerFs {
             inodes: Mutex::new(Inodes::new()),
             handles,
             gate,
+            interrupts: Arc::default(),
         }
     }
 
@@ -858,7 +862,7 @@ impl Filesystem for LayerFs {
     /// through it). The wait ends when the lock is granted or the handle is released.
     fn setlk(
         &self,
-        _req: &Request,
+        req: &Request,
         _ino: INodeNo,
         fh: FileHandle,
         lock_owner: LockOwner,
@@ -885,18 +889,8 @@ impl Filesystem for LayerFs {
         if !sleep {
             return reply.error(Errno::EAGAIN);
         }
-        let handles = self.handles.clone();
-        std::thread::spawn(move || {
-            loop {
-                if handles.get(fh.0).is_none() {
-                    return reply.error(Errno::EINTR);
-                }
-                if h.file.lock_as(owner, pid, range.clone(), kind, LockWait::Try) {
-                    return reply.ok();
-                }
-                std::thread::sleep(Duration::from_millis(5));
-            }
-        });
+        let take = move || h.file.lock_as(owner, pid, range.clone(), kind, LockWait::Try);
+        waits::wait_for(self.handles.clone(), self.interrupts.clone(), fh.0, req.unique().0, take, reply);
     }
 
     /// `flock(2)`: whole-file locks of an open file description, held in the stack's lock
@@ -904,7 +898,7 @@ impl Filesystem for LayerFs {
     /// conflict with them. A blocking request waits on a thread of its own, as in `setlk`.
     fn flock(
         &self,
-        _req: &Request,
+        req: &Request,
         _ino: INodeNo,
         fh: FileHandle,
         lock_owner: LockOwner,
@@ -929,18 +923,15 @@ impl Filesystem for LayerFs {
         if !sleep {
             return reply.error(Errno::EWOULDBLOCK);
         }
-        let handles = self.handles.clone();
-        std::thread::spawn(move || {
-            loop {
-                if handles.get(fh.0).is_none() {
-                    return reply.error(Errno::EINTR);
-                }
-                if h.file.flock_as(owner, kind, LockWait::Try) {
-                    return reply.ok();
-                }
-                std::thread::sleep(Duration::from_millis(5));
-            }
-        });
+        let take = move || h.file.flock_as(owner, kind, LockWait::Try);
+        waits::wait_for(self.handles.clone(), self.interrupts.clone(), fh.0, req.unique().0, take, reply);
+    }
+
+    /// The kernel interrupted a request (its process got a signal): a lock wait ends with
+    /// `EINTR` (`waits`); anything else finishes as it would have.
+    fn interrupt(&self, unique: fuser::RequestId) -> bool {
+        self.interrupts.note(unique.0);
+        true
     }
 
     fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {

@@ -69,12 +69,15 @@
 //! * `fs`: the FUSE request handlers of one mount (one layer), over
 //!   * `inodes` and `handles`: the mount's inode table and open-file table,
 //!   * `attr`: stack metadata as FUSE attributes;
+//! * `waits`: lock requests that wait (`F_SETLKW`, `flock`), until granted, released or
+//!   interrupted;
 //! * `gate`: what changes pass through and the shutdown closes;
 //! * `shutdown`: signals, the final sync and its deadline, the lazy unmount, exit statuses.
 //!
-//! Imports go one way: `fs` uses the tables, `attr` and `gate`; `shutdown` uses `gate` and
-//! `handles` (to name the files not synced); nothing uses `fs` or `shutdown` but this
-//! module, and the tables, `attr` and `gate` use none of the others.
+//! Imports go one way: `fs` uses the tables, `attr`, `gate` and `waits`; `waits` and
+//! `shutdown` use `handles` (`shutdown` also `gate`, to name the files not synced); nothing
+//! uses `fs` or `shutdown` but this module, and the tables, `attr` and `gate` use none of
+//! the others.
 
 mod attr;
 mod fs;
@@ -82,6 +85,7 @@ mod gate;
 mod handles;
 mod inodes;
 mod shutdown;
+mod waits;
 
 use crate::common::StackArgs;
 use crate::error::{EX_IOERR, EX_UNAVAILABLE, Fail, Result};
