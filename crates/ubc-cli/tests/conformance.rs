@@ -120,6 +120,23 @@ impl Mount {
         m
     }
 
+    /// Mount the top of stack `name` (`tail` from [`STACKS`]) over `base/data` (union upper
+    /// `base/upper`, key file `key`) at `base/mnt`, every directory open to uid 65534.
+    fn stack(base: &Path, name: &str, tail: &str, key: &Path) -> (Mount, PathBuf) {
+        use std::os::unix::fs::PermissionsExt;
+        let (data, upper, mp) = (base.join("data"), base.join("upper"), base.join("mnt"));
+        for d in [base, &data, &upper, &mp] {
+            std::fs::create_dir_all(d).unwrap();
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        let spec = format!(
+            "dir:{}{}",
+            data.display(),
+            tail.replace("KEY", &key.display().to_string()).replace("UPPER", &upper.display().to_string())
+        );
+        (Mount::start(&spec, name.matches('|').count(), &mp, &base.join("err")), mp)
+    }
+
     /// Unmount; the daemon must exit 0.
     fn finish(mut self) {
         let st = Command::new("fusermount3").arg("-u").arg(&self.mp).status().unwrap();
@@ -180,18 +197,7 @@ fn the_mount_answers_posix_calls_as_the_host_file_system_does() {
     let mut unexpected_passes = Vec::new();
     let mut table = Vec::new();
     for (name, tail) in STACKS {
-        let base = t.path().join(name.replace('|', "-"));
-        let (data, upper, mp) = (base.join("data"), base.join("upper"), base.join("mnt"));
-        for d in [&base, &data, &upper, &mp] {
-            std::fs::create_dir_all(d).unwrap();
-            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
-        }
-        let spec = format!(
-            "dir:{}{}",
-            data.display(),
-            tail.replace("KEY", &key.display().to_string()).replace("UPPER", &upper.display().to_string())
-        );
-        let m = Mount::start(&spec, name.matches('|').count(), &mp, &base.join("err"));
+        let (m, mp) = Mount::stack(&t.path().join(name.replace('|', "-")), name, tail, &key);
         let got = run_all(&py, &mp);
         m.finish();
         let mut passed = 0;
@@ -315,18 +321,7 @@ fn pjdfstest_passes_on_every_stack_what_it_passes_on_the_host() {
     let mut table = Vec::new();
     let mut wrong = Vec::new();
     for (name, tail) in STACKS {
-        let base = t.path().join(format!("pjd-{}", name.replace('|', "-")));
-        let (data, upper, mp) = (base.join("data"), base.join("upper"), base.join("mnt"));
-        for d in [&base, &data, &upper, &mp] {
-            std::fs::create_dir_all(d).unwrap();
-            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
-        }
-        let spec = format!(
-            "dir:{}{}",
-            data.display(),
-            tail.replace("KEY", &key.display().to_string()).replace("UPPER", &upper.display().to_string())
-        );
-        let m = Mount::start(&spec, name.matches('|').count(), &mp, &base.join("err"));
+        let (m, mp) = Mount::stack(&t.path().join(format!("pjd-{}", name.replace('|', "-"))), name, tail, &key);
         let got = run_pjdfstest(&bin, &config, &mp, secondary.path());
         m.finish();
         let mut passed = 0;
