@@ -700,11 +700,13 @@ impl Filesystem for LayerFs {
         }
     }
 
-    /// `fallocate(2)`. The cache keeps no block map, so space is not reserved ahead (a full
-    /// store still fails at writeback, reported at `fsync`); the modes' effects on size and
-    /// content are the kernel's: plain and `ZERO_RANGE` extend the file unless `KEEP_SIZE`,
-    /// `PUNCH_HOLE` (which needs `KEEP_SIZE`) and `ZERO_RANGE` make the range read as zeros.
-    /// `COLLAPSE_RANGE`, `INSERT_RANGE` and `UNSHARE_RANGE`: EOPNOTSUPP.
+    /// `fallocate(2)`, with the kernel's effects on size and content: plain and `ZERO_RANGE`
+    /// extend the file unless `KEEP_SIZE`; `PUNCH_HOLE` (which needs `KEEP_SIZE`) and
+    /// `ZERO_RANGE` make the range read as zeros. Plain mode reserves the store's space
+    /// where the layer's bytes are the stored ones (`ubc_stack::File::allocate`: a full
+    /// store fails here); `PUNCH_HOLE` deallocates where the layer can
+    /// (`ubc_stack::File::punch_hole`). `COLLAPSE_RANGE`, `INSERT_RANGE` and
+    /// `UNSHARE_RANGE`: EOPNOTSUPP.
     fn fallocate(
         &self,
         _req: &Request,
@@ -760,7 +762,7 @@ impl Filesystem for LayerFs {
 
     /// `lseek(2)` with `SEEK_DATA` / `SEEK_HOLE` (the kernel answers the other kinds
     /// itself): holes as the stack's cache and the store know them (see
-    /// `ubc::File::seek`); `ENXIO` at or past the end, or when no data follows.
+    /// `ubc::File::seek_data`); `ENXIO` at or past the end, or when no data follows.
     fn lseek(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, offset: i64, whence: i32, reply: ReplyLseek) {
         let r = (|| {
             let h = self.handle(fh)?;
@@ -859,7 +861,8 @@ impl Filesystem for LayerFs {
 
     /// `F_SETLK`, and `F_SETLKW` (`sleep`): a waiting lock is waited for on a thread of its
     /// own, so that this mount goes on serving (the unlock that ends the wait may come
-    /// through it). The wait ends when the lock is granted or the handle is released.
+    /// through it). The wait ends when the lock is granted, the handle is released or the
+    /// request is interrupted (`waits`).
     fn setlk(
         &self,
         req: &Request,
