@@ -154,7 +154,7 @@ pub trait Pager: Send + Sync + 'static {
     }
 }
 
-/// What [`Pager::seek`] and [`File::seek`](crate::File::seek) look for.
+/// What [`Pager::seek`] looks for ([`File::seek_data`](crate::File::seek_data) and [`File::seek_hole`](crate::File::seek_hole) ask for each).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Seek {
     /// The next byte that holds data (`SEEK_DATA`).
