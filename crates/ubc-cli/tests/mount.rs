@@ -421,43 +421,6 @@ fn a_signal_interrupts_a_process_waiting_for_a_lock() {
     d.unmount();
 }
 
-/// A mapping on one mount shows a write made through another mount of the stack at once
-/// (the other mounts' kernel caches are invalidated, `cmd/mount/peers.rs`): before, the
-/// mapping kept its kernel's stale page for good. Stores through a mapping on one mount
-/// reach the other's mappings at `msync`.
-#[test]
-fn a_mapping_on_one_mount_sees_writes_through_another_mount() {
-    if !fuse_available() {
-        return;
-    }
-    let (t, spec, mnt) = stack_dir(" | aead:keyfile=KEY | zstd | null");
-    let mnt2 = t.path().join("mnt2");
-    let mut d = Daemon::start(&spec, &[(3, &mnt), (2, &mnt2)], &[], &t.path().join("err"));
-    let code = "import mmap, os, sys, time\n\
-                a, b = sys.argv[1], sys.argv[2]\n\
-                open(a, 'wb').write(b'x' * 8192)\n\
-                m = mmap.mmap(os.open(a, os.O_RDONLY), 8192, mmap.MAP_SHARED, mmap.PROT_READ)\n\
-                assert m[100:104] == b'xxxx'\n\
-                w = os.open(b, os.O_RDWR)\n\
-                def seen(at, v):\n\
-                \x20   t = time.time()\n\
-                \x20   while m[at:at + 4] != v and time.time() - t < 10: time.sleep(0.001)\n\
-                \x20   return m[at:at + 4] == v\n\
-                for v in [b'AAAA', b'BBBB']:\n\
-                \x20   os.pwrite(w, v, 100)\n\
-                \x20   assert seen(100, v), ('write', v, m[100:104])\n\
-                os.ftruncate(w, 4096)\n\
-                os.ftruncate(w, 8192)\n\
-                assert seen(4096, bytes(4)), ('truncate', m[4096:4100])\n\
-                mb = mmap.mmap(os.open(b, os.O_RDWR), 8192, mmap.MAP_SHARED)\n\
-                mb[200:204] = b'MMMM'\n\
-                mb.flush()\n\
-                assert seen(200, b'MMMM'), ('mapped store', m[200:204])";
-    let out = Command::new("python3").arg("-c").arg(code).arg(mnt.join("f")).arg(mnt2.join("f")).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    d.unmount();
-}
-
 /// `O_APPEND` writers through two mounts of different layers that show the same bytes: the
 /// kernel orders appends within one mount only (its inode lock), so the stack must make
 /// reading the end and writing there one step; no record may be lost or overwritten.

@@ -8,7 +8,6 @@ use super::attr;
 use super::gate::Gate;
 use super::handles::{Handle, Handles};
 use super::inodes::Inodes;
-use super::peers::Peers;
 use super::waits::{self, Interrupts};
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags, KernelConfig,
@@ -30,14 +29,11 @@ pub(super) struct LayerFs {
     /// The host directory under the bottom layer, if it is one: `statfs` reports its file
     /// system.
     statfs_dir: Option<PathBuf>,
-    inodes: Arc<Mutex<Inodes>>,
+    inodes: Mutex<Inodes>,
     handles: Arc<Handles>,
     gate: Arc<Gate>,
     /// Requests the kernel interrupted, for the lock waits (`waits`).
     interrupts: Arc<Interrupts>,
-    /// The daemon's mounts (this one is number `me`), told of changes made through this one.
-    peers: Arc<Peers>,
-    me: usize,
 }
 
 type Result<T> = std::result::Result<T, Errno>;
@@ -91,40 +87,17 @@ impl LayerFs {
         statfs_dir: Option<PathBuf>,
         gate: Arc<Gate>,
         handles: Arc<Handles>,
-        peers: Arc<Peers>,
-        me: usize,
     ) -> LayerFs {
         LayerFs {
             layer,
             kernel_cache,
             ttl: if kernel_cache { Duration::from_secs(1) } else { Duration::ZERO },
             statfs_dir,
-            inodes: Arc::new(Mutex::new(Inodes::new())),
+            inodes: Mutex::new(Inodes::new()),
             handles,
             gate,
             interrupts: Arc::default(),
-            peers,
-            me,
         }
-    }
-
-    /// The inode table, for the other mounts' invalidations (`peers`).
-    pub(super) fn inodes(&self) -> Arc<Mutex<Inodes>> {
-        self.inodes.clone()
-    }
-
-    /// Data of node `ino` changed through this mount (a write, a resize, stores written
-    /// back): the other mounts drop their kernel's pages of it (`peers`).
-    fn changed(&self, ino: u64) {
-        if let Some(key) = self.inodes.lock().unwrap().key_of(ino) {
-            self.peers.changed(self.me, key);
-        }
-    }
-
-    /// `h.mark_written()`, and the other mounts told (see [`LayerFs::changed`]).
-    fn written(&self, h: &Handle) {
-        h.mark_written();
-        self.changed(h.ino);
     }
 
     fn path(&self, ino: INodeNo) -> Result<String> {
@@ -340,7 +313,7 @@ impl Filesystem for LayerFs {
                 match (&h, &path) {
                     (Some(h), _) => {
                         let r = h.file.set_len(s);
-                        self.written(h);
+                        h.mark_written();
                         r.map_err(|e| errno(&e))?
                     }
                     (None, Ok(_)) => set.size = Some(s),
@@ -351,9 +324,6 @@ impl Filesystem for LayerFs {
                 Ok(p) => {
                     if set.size.is_some() || set.changes_metadata() {
                         self.layer.setattr(p, &set).map_err(|e| errno(&e))?;
-                        if set.size.is_some() {
-                            self.changed(ino.0);
-                        }
                     }
                     match self.stat(p) {
                         Ok(a) => Ok(a),
@@ -672,7 +642,7 @@ impl Filesystem for LayerFs {
             } else {
                 write_all(&h.file, data, offset).map(|()| data.len() as u32)
             };
-            self.written(&h);
+            h.mark_written();
             if r.is_ok() {
                 self.kill_setid(req, ino, &h);
             }
@@ -781,7 +751,7 @@ impl Filesystem for LayerFs {
                 }
                 Ok(())
             })();
-            self.written(&h);
+            h.mark_written();
             r
         })();
         match r {
@@ -848,7 +818,7 @@ impl Filesystem for LayerFs {
                 }
                 Ok(())
             })();
-            self.written(&dst);
+            dst.mark_written();
             match r {
                 Ok(()) => Ok(done as u32),
                 Err(_) if done > 0 => Ok(done as u32),

@@ -22,7 +22,7 @@ use std::collections::HashMap;
 const PRIVATE: u64 = 1 << 56;
 
 /// A store's name for a file: (device, inode number).
-pub(super) type Key = (u64, u64);
+type Key = (u64, u64);
 
 struct Node {
     key: Option<Key>,
@@ -87,16 +87,6 @@ impl Inodes {
             self.nodes.get_mut(&id).expect("bound").lookups += 1;
         }
         id
-    }
-
-    /// The node id of the file `key`, if the table knows it (no reference counted).
-    pub(super) fn node_of(&self, key: Key) -> Option<u64> {
-        self.by_key.get(&key).copied()
-    }
-
-    /// The store key of node `id`, if it has one (the root has none).
-    pub(super) fn key_of(&self, id: u64) -> Option<Key> {
-        self.nodes.get(&id).and_then(|n| n.key)
     }
 
     /// The node id `path` has now, if the table knows it (no reference counted).

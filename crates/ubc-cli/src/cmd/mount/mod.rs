@@ -68,15 +68,13 @@
 //! * this module: the command's options, the mounts' setup, and the wait for what ends it;
 //! * `fs`: the FUSE request handlers of one mount (one layer), over
 //!   * `inodes` and `handles`: the mount's inode table and open-file table,
-//!   * `attr`: stack metadata as FUSE attributes,
-//!   * `peers`: the other mounts, whose kernel caches a change through this one invalidates;
+//!   * `attr`: stack metadata as FUSE attributes;
 //! * `waits`: lock requests that wait (`F_SETLKW`, `flock`), until granted, released or
 //!   interrupted;
 //! * `gate`: what changes pass through and the shutdown closes;
 //! * `shutdown`: signals, the final sync and its deadline, the lazy unmount, exit statuses.
 //!
-//! Imports go one way: `fs` uses the tables, `attr`, `gate`, `peers` and `waits` (`peers`
-//! uses `inodes`); `waits` and
+//! Imports go one way: `fs` uses the tables, `attr`, `gate` and `waits`; `waits` and
 //! `shutdown` use `handles` (`shutdown` also `gate`, to name the files not synced); nothing
 //! uses `fs` or `shutdown` but this module, and the tables, `attr` and `gate` use none of
 //! the others.
@@ -86,7 +84,6 @@ mod fs;
 mod gate;
 mod handles;
 mod inodes;
-mod peers;
 mod shutdown;
 mod waits;
 
@@ -184,19 +181,9 @@ pub fn run(a: Args) -> Result<()> {
     let mut unmounters: Vec<SessionUnmounter> = Vec::new();
     // Each mount's id in the mount table, if it was found.
     let mut ids: Vec<Option<u64>> = Vec::new();
-    let peers = peers::Peers::new();
-    for (me, (layer, mp)) in layers.into_iter().enumerate() {
+    for (layer, mp) in layers {
         let handles = Arc::new(Handles::new());
-        let fs = LayerFs::new(
-            layer,
-            a.kernel_cache,
-            statfs_dir.clone(),
-            daemon.gate.clone(),
-            handles.clone(),
-            peers.clone(),
-            me,
-        );
-        let inodes = fs.inodes();
+        let fs = LayerFs::new(layer, a.kernel_cache, statfs_dir.clone(), daemon.gate.clone(), handles.clone());
         let mut config = Config::default();
         config.mount_options = vec![
             MountOption::FSName("ubc".into()),
@@ -224,7 +211,6 @@ pub fn run(a: Args) -> Result<()> {
             }
         };
         unmounters.push(session.unmount_callable());
-        peers.register(me, inodes, session.notifier());
         let id = mounts::ubc_ids(&canon).into_iter().filter(|i| !before.contains(i)).max();
         let connection = mounts::table().into_iter().find(|m| Some(m.id) == id).map(|m| m.minor);
         daemon.add_mount(mp.clone(), canon, handles, connection);
