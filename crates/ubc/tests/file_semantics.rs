@@ -317,17 +317,55 @@ fn a_punch_racing_a_writeback_never_lets_old_bytes_back_into_the_store() {
     }
 }
 
+/// A store that cannot punch holes nor tell where they are (the trait's defaults): memory
+/// underneath.
+struct NoHoles(MemPager);
+
+impl Pager for NoHoles {
+    fn get_pages(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<ubc::Fill> {
+        self.0.get_pages(offset, buf)
+    }
+    fn put_pages(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        self.0.put_pages(offset, data)
+    }
+    fn len(&self) -> std::io::Result<u64> {
+        self.0.len()
+    }
+    fn set_len(&self, len: u64) -> std::io::Result<()> {
+        self.0.set_len(len)
+    }
+    fn sync(&self) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn describe(&self) -> String {
+        "memory without holes".into()
+    }
+}
+
 #[test]
-fn a_punch_through_a_pager_that_cannot_writes_zeros() {
-    let cache = small_cache(1 << 20);
-    let f = cache.open(Arc::new(MemPager::new()), Access::ReadWrite).unwrap();
-    f.write_at(&[7u8; 20_000], 0).unwrap();
-    f.punch_hole(100..19_000).unwrap();
-    let mut all = vec![1u8; 20_000];
-    f.read_exact_at(&mut all, 0).unwrap();
-    assert!(all[..100].iter().all(|&b| b == 7) && all[19_000..].iter().all(|&b| b == 7));
-    assert!(all[100..19_000].iter().all(|&b| b == 0));
-    // A store that knows no holes: everything before the end is data.
-    assert_eq!(f.seek_data(5000).unwrap(), Some(5000));
-    assert_eq!(f.seek_hole(5000).unwrap(), Some(20_000));
+fn a_punch_writes_zeros_where_the_store_cannot_punch_and_frees_blocks_where_it_can() {
+    for punches in [false, true] {
+        let cache = small_cache(1 << 20);
+        let mem = Arc::new(MemPager::new());
+        let pager: Arc<dyn Pager> = if punches { mem.clone() } else { Arc::new(NoHoles(MemPager::new())) };
+        let f = cache.open(pager, Access::ReadWrite).unwrap();
+        f.write_at(&[7u8; 20_000], 0).unwrap();
+        f.sync().unwrap();
+        f.punch_hole(100..19_000).unwrap();
+        let mut all = vec![1u8; 20_000];
+        f.read_exact_at(&mut all, 0).unwrap();
+        assert!(all[..100].iter().all(|&b| b == 7) && all[19_000..].iter().all(|&b| b == 7));
+        assert!(all[100..19_000].iter().all(|&b| b == 0));
+        f.sync().unwrap();
+        if punches {
+            // Pages 1..4 (4096..16384) are holes in the store; the edges were written.
+            assert_eq!(mem.stored_bytes(), 2 * 4096);
+            assert_eq!(f.seek_data(5000).unwrap(), Some(16384));
+            assert_eq!(f.seek_hole(5000).unwrap(), Some(5000));
+        } else {
+            // A store that knows no holes: everything before the end is data.
+            assert_eq!(f.seek_data(5000).unwrap(), Some(5000));
+            assert_eq!(f.seek_hole(5000).unwrap(), Some(20_000));
+        }
+    }
 }
