@@ -920,26 +920,8 @@ impl Pager for CompressPager {
     fn seek(&self, offset: u64, what: Seek) -> io::Result<Option<u64>> {
         let shift = self.chunk_shift.load(Relaxed);
         let st = self.state.lock();
-        if offset >= st.len {
-            return Ok(match what {
-                Seek::Data => None,
-                Seek::Hole => Some(offset),
-            });
-        }
-        let c = offset >> shift;
-        Ok(match what {
-            Seek::Data => st.index.range(c..).next().map(|(&k, _)| (k << shift).max(offset)).filter(|&d| d < st.len),
-            Seek::Hole => {
-                let mut next = c;
-                for (&k, _) in st.index.range(c..) {
-                    if k != next {
-                        break;
-                    }
-                    next += 1;
-                }
-                Some((next << shift).max(offset).min(st.len))
-            }
-        })
+        let present = st.index.range(offset >> shift..).map(|(&c, _)| c);
+        Ok(ubc::pager::seek_blocks(present, shift, st.len, offset, what))
     }
 
     fn is_writable(&self) -> bool {

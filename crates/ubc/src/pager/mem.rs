@@ -125,29 +125,8 @@ impl Pager for MemPager {
     /// Holes are the blocks never written (or punched), and everything past the end.
     fn seek(&self, offset: u64, what: Seek) -> io::Result<Option<u64>> {
         let store = self.inner.read();
-        if offset >= store.len {
-            return Ok(match what {
-                Seek::Data => None,
-                Seek::Hole => Some(offset),
-            });
-        }
-        let b = offset / BLOCK;
-        Ok(match what {
-            Seek::Data => {
-                store.blocks.range(b..).next().map(|(&d, _)| (d * BLOCK).max(offset)).filter(|&d| d < store.len)
-            }
-            Seek::Hole => {
-                // The first block at or after `b` not in the map.
-                let mut next = b;
-                for (&d, _) in store.blocks.range(b..) {
-                    if d != next {
-                        break;
-                    }
-                    next += 1;
-                }
-                Some((next * BLOCK).max(offset).min(store.len))
-            }
-        })
+        let present = store.blocks.range(offset / BLOCK..).map(|(&b, _)| b);
+        Ok(super::seek_blocks(present, BLOCK.trailing_zeros(), store.len, offset, what))
     }
 
     fn io_mode(&self) -> IoMode {

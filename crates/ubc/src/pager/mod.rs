@@ -163,6 +163,40 @@ pub enum Seek {
     Hole,
 }
 
+/// [`Pager::seek`] for a store that keeps data in blocks of `1 << shift` bytes and knows
+/// which are present (absent blocks are holes): `present` lists, in ascending order, the
+/// present blocks from `offset`'s on; `len` is the store's length (past it all is hole).
+pub fn seek_blocks(
+    present: impl IntoIterator<Item = u64>,
+    shift: u32,
+    len: u64,
+    offset: u64,
+    what: Seek,
+) -> Option<u64> {
+    if offset >= len {
+        return match what {
+            Seek::Data => None,
+            Seek::Hole => Some(offset),
+        };
+    }
+    let first = offset >> shift;
+    let mut present = present.into_iter();
+    match what {
+        Seek::Data => present.next().map(|b| (b << shift).max(offset)).filter(|&d| d < len),
+        Seek::Hole => {
+            // The first block at or after `first` that is not present.
+            let mut next = first;
+            for b in present {
+                if b != next {
+                    break;
+                }
+                next += 1;
+            }
+            Some((next << shift).max(offset).min(len))
+        }
+    }
+}
+
 /// Marks the current thread, for its lifetime, as working for a pager of the given depth
 /// (see [`Pager::depth`]): the cache enters one around every pager
 /// call it makes, and a layer enters one itself when it holds its own locks and uses its
