@@ -184,7 +184,7 @@ impl Layer for Aead {
             match self.open_stored(path, &stored) {
                 Ok((n, _)) => names.push(n),
                 // Removed between the listing and the read: gone, as a later listing says.
-                Err(Error::Io { source, .. }) if source.raw_os_error() == Some(libc::ENODATA) => {}
+                Err(e) if e.errno() == libc::ENODATA => {}
                 // A stored value that fails authentication fails the listing: hiding it
                 // would hide the tampering.
                 Err(e) => return Err(e),
