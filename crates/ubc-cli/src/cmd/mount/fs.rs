@@ -100,6 +100,27 @@ impl LayerFs {
         }
     }
 
+    /// A lock request: granted at once if `take` succeeds; else `busy` (`EAGAIN` for a
+    /// record lock, `EWOULDBLOCK` for flock) without `sleep`, or a wait on a thread of its
+    /// own (`waits`) until granted, released or interrupted.
+    fn lock_or_wait(
+        &self,
+        req: &Request,
+        fh: FileHandle,
+        sleep: bool,
+        busy: Errno,
+        mut take: impl FnMut() -> bool + Send + 'static,
+        reply: ReplyEmpty,
+    ) {
+        if take() {
+            reply.ok()
+        } else if !sleep {
+            reply.error(busy)
+        } else {
+            waits::wait_for(self.handles.clone(), self.interrupts.clone(), fh.0, req.unique().0, take, reply)
+        }
+    }
+
     fn path(&self, ino: INodeNo) -> Result<String> {
         self.inodes.lock().unwrap().path(ino.0).ok_or(Errno::ENOENT)
     }
@@ -722,28 +743,23 @@ impl Filesystem for LayerFs {
             let h = self.handle(fh)?;
             let end = offset.checked_add(length).filter(|&e| e <= i64::MAX as u64).ok_or(Errno::EFBIG)?;
             let keep = mode & libc::FALLOC_FL_KEEP_SIZE != 0;
-            let zero = match mode & !libc::FALLOC_FL_KEEP_SIZE {
-                0 => false,
-                libc::FALLOC_FL_PUNCH_HOLE if keep => true,
-                libc::FALLOC_FL_ZERO_RANGE => true,
+            // What each mode does to the range: read as zeros, and keep space reserved.
+            // ZERO_RANGE is both, as on ext4 (a punch, then the space allocated again).
+            let (zero, reserve) = match mode & !libc::FALLOC_FL_KEEP_SIZE {
+                0 => (false, true),
+                libc::FALLOC_FL_PUNCH_HOLE if keep => (true, false),
+                libc::FALLOC_FL_ZERO_RANGE => (true, true),
                 _ => return Err(Errno::EOPNOTSUPP),
             };
             let size = h.file.len().map_err(|e| errno(&e))?;
             let r = (|| {
-                if mode & libc::FALLOC_FL_PUNCH_HOLE != 0 {
-                    // Deallocated in the store where the layer's bytes are the stored ones.
+                if zero {
+                    // Deallocated in the store where the layer can, zeros written elsewhere;
+                    // clipped at the length.
                     h.file.punch_hole(offset..end).map_err(|e| errno(&e))?;
-                } else if zero && offset < size {
-                    let zeros = vec![0u8; 1 << 20];
-                    let mut at = offset;
-                    while at < end.min(size) {
-                        let n = (end.min(size) - at).min(zeros.len() as u64) as usize;
-                        write_all(&h.file, &zeros[..n], at)?;
-                        at += n as u64;
-                    }
                 }
-                if !zero {
-                    // Reserve first: a full store fails here (ENOSPC), before the length moves.
+                if reserve {
+                    // Before the length moves: a full store fails here (ENOSPC).
                     h.file.allocate(offset..end).map_err(|e| errno(&e))?;
                 }
                 if !keep && end > size {
@@ -886,14 +902,8 @@ impl Filesystem for LayerFs {
             return reply.ok();
         }
         let Some(kind) = lock_kind(typ) else { return reply.error(Errno::EINVAL) };
-        if h.file.lock_as(owner, pid, range.clone(), kind, LockWait::Try) {
-            return reply.ok();
-        }
-        if !sleep {
-            return reply.error(Errno::EAGAIN);
-        }
         let take = move || h.file.lock_as(owner, pid, range.clone(), kind, LockWait::Try);
-        waits::wait_for(self.handles.clone(), self.interrupts.clone(), fh.0, req.unique().0, take, reply);
+        self.lock_or_wait(req, fh, sleep, Errno::EAGAIN, take, reply);
     }
 
     /// `flock(2)`: whole-file locks of an open file description, held in the stack's lock
@@ -920,14 +930,8 @@ impl Filesystem for LayerFs {
             return reply.ok();
         }
         let Some(kind) = lock_kind(typ) else { return reply.error(Errno::EINVAL) };
-        if h.file.flock_as(owner, kind, LockWait::Try) {
-            return reply.ok();
-        }
-        if !sleep {
-            return reply.error(Errno::EWOULDBLOCK);
-        }
         let take = move || h.file.flock_as(owner, kind, LockWait::Try);
-        waits::wait_for(self.handles.clone(), self.interrupts.clone(), fh.0, req.unique().0, take, reply);
+        self.lock_or_wait(req, fh, sleep, Errno::EWOULDBLOCK, take, reply);
     }
 
     /// The kernel interrupted a request (its process got a signal): a lock wait ends with
