@@ -596,16 +596,18 @@ fn read_full(f: &std::fs::File, buf: &mut [u8], off: u64) -> usize {
 }
 
 #[test]
-fn kernel_cache_mode_round_trips() {
+fn direct_mode_round_trips() {
     if !fuse_available() {
         return;
     }
-    let (_t, _, clear, stored, mut d) = clear_and_stored(&["--kernel-cache"]);
+    let (_t, _, clear, stored, mut d) = clear_and_stored(&["--cache", "direct"]);
     let data = sample(100_000);
     std::fs::write(clear.join("k"), &data).unwrap();
     assert_eq!(std::fs::read(clear.join("k")).unwrap(), data);
-    // A re-open through the other mount sees the stored file (close-to-open).
     assert!(!contains(&std::fs::read(stored.join("k")).unwrap(), b"the quick brown fox"));
+    // Without the kernel's cache, a write through one mount is read through the other at once.
+    std::fs::write(clear.join("k"), b"short").unwrap();
+    assert!(std::fs::read(stored.join("k")).unwrap().len() < 1000);
     d.unmount();
 }
 
@@ -1120,5 +1122,132 @@ fn a_file_removed_or_renamed_over_while_open_works_until_closed_and_leaves_nothi
     host.sort();
     assert_eq!(host, ["victim"], "only the file renamed in is left on the host");
     assert_eq!(std::fs::read(mnt.join("victim")).unwrap(), b"the winner");
+    d.unmount();
+}
+
+/// A shared read-only mapping of `len` bytes of `f`.
+struct Mapped {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Mapped {
+    fn new(f: &std::fs::File, len: usize) -> Mapped {
+        use std::os::fd::AsRawFd;
+        // SAFETY: a fresh shared read-only mapping of an open file; checked for failure.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, f.as_raw_fd(), 0) };
+        assert_ne!(p, libc::MAP_FAILED, "mmap: {}", std::io::Error::last_os_error());
+        Mapped { ptr: p as *mut u8, len }
+    }
+
+    /// The mapped bytes now (volatile loads: another process changes them under us).
+    fn bytes(&self, range: std::ops::Range<usize>) -> Vec<u8> {
+        assert!(range.end <= self.len);
+        // SAFETY: in bounds of a live mapping; volatile because the file changes behind it.
+        range.map(|i| unsafe { std::ptr::read_volatile(self.ptr.add(i)) }).collect()
+    }
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        // SAFETY: unmapping the mapping made in `new`, once.
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+    }
+}
+
+/// Poll `f` until it returns true (at most `limit`); how long that took, or None.
+fn within(limit: Duration, mut f: impl FnMut() -> bool) -> Option<Duration> {
+    let start = Instant::now();
+    loop {
+        if f() {
+            return Some(start.elapsed());
+        }
+        if start.elapsed() > limit {
+            return None;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+/// The kernel caches pages, attributes and names of every mount (`--cache kernel`, the
+/// default), and each is dropped when the file changes through any other mount or layer:
+/// a mapping and a cached read through one mount see a write through another mount of
+/// another layer, its size, a rename, a removal and a chmod, at once; and the stored
+/// layer's mount, read after a write at the top, shows exactly the bytes on disk.
+#[test]
+fn kernel_caches_of_every_mount_follow_changes_through_the_others() {
+    if !fuse_available() {
+        return;
+    }
+    let (t, spec, _) = stack_dir(" | aead:keyfile=KEY | zstd | null");
+    let (m2, m3, m0) = (t.path().join("m2"), t.path().join("m3"), t.path().join("m0"));
+    for d in [&m2, &m3, &m0] {
+        std::fs::create_dir(d).unwrap();
+    }
+    let mut d = Daemon::start(&spec, &[(2, &m2), (3, &m3), (0, &m0)], &[], &t.path().join("err"));
+    let len = 1 << 20;
+    let data = sample(len);
+    std::fs::write(m2.join("f"), &data).unwrap();
+
+    // Mapped and read (cached) through m2.
+    let f2 = std::fs::File::open(m2.join("f")).unwrap();
+    let map = Mapped::new(&f2, len);
+    assert_eq!(map.bytes(0..len), data);
+    let mut buf = vec![0u8; len];
+    assert_eq!(read_full(&f2, &mut buf, 0), len);
+    let mut lat = Vec::new();
+    for round in 0..20u32 {
+        // A write through m3 (the null layer above: the same cleartext domain) ...
+        let at = (round as usize * 40_961) % (len - 64);
+        let new: Vec<u8> = format!("round {round:>5} through m3 ").into_bytes();
+        let w = std::fs::OpenOptions::new().write(true).open(m3.join("f")).unwrap();
+        w.write_all_at(&new, at as u64).unwrap();
+        let t0 = Instant::now();
+        // ... is seen by the mapping and by a read through m2's open file.
+        let seen = within(Duration::from_secs(5), || map.bytes(at..at + new.len()) == new);
+        assert!(seen.is_some(), "round {round}: the mapping through m2 never saw the write through m3");
+        lat.push(t0.elapsed());
+        let mut b = vec![0u8; new.len()];
+        f2.read_exact_at(&mut b, at as u64).unwrap();
+        assert_eq!(b, new, "round {round}: a read through m2 after the write through m3");
+    }
+    lat.sort();
+    eprintln!("mapping saw a write through another mount after: median {:?}, max {:?}", lat[lat.len() / 2], lat[lat.len() - 1]);
+
+    // A size change through m3: m2's stat and reads follow at once.
+    let w = std::fs::OpenOptions::new().write(true).open(m3.join("f")).unwrap();
+    w.set_len(len as u64 + 5000).unwrap();
+    w.write_all_at(b"tail", len as u64 + 4000).unwrap();
+    assert_eq!(std::fs::metadata(m2.join("f")).unwrap().len(), len as u64 + 5000);
+    let mut b = [0u8; 4];
+    f2.read_exact_at(&mut b, len as u64 + 4000).unwrap();
+    assert_eq!(&b, b"tail");
+    w.set_len(1000).unwrap();
+    assert_eq!(std::fs::metadata(m2.join("f")).unwrap().len(), 1000);
+    assert_eq!(read_full(&f2, &mut buf, 0), 1000);
+    drop((map, w));
+
+    // The stored layer's mount, after a write at the top and an fsync, shows the bytes on
+    // disk (its kernel had cached the older ciphertext).
+    let before = std::fs::read(m0.join("f")).unwrap();
+    let w = std::fs::OpenOptions::new().write(true).open(m2.join("f")).unwrap();
+    w.write_all_at(&sample(300_000), 0).unwrap();
+    w.sync_all().unwrap();
+    let on_disk = std::fs::read(t.path().join("data/f")).unwrap();
+    assert_ne!(before, on_disk);
+    assert_eq!(std::fs::read(m0.join("f")).unwrap(), on_disk);
+
+    // Names and attributes: looked up (cached for 60 s) through m2, changed through m3.
+    std::fs::write(m2.join("g"), b"gee").unwrap();
+    assert_eq!(std::fs::read(m2.join("g")).unwrap(), b"gee");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(m3.join("g"), std::fs::Permissions::from_mode(0o640)).unwrap();
+    assert_eq!(std::fs::metadata(m2.join("g")).unwrap().permissions().mode() & 0o777, 0o640);
+    std::fs::rename(m3.join("g"), m3.join("h")).unwrap();
+    assert!(!m2.join("g").exists(), "a name renamed away through m3 is gone through m2");
+    assert_eq!(std::fs::read(m2.join("h")).unwrap(), b"gee");
+    std::fs::remove_file(m3.join("h")).unwrap();
+    assert!(!m2.join("h").exists(), "a name removed through m3 is gone through m2");
+    drop((f2, w));
     d.unmount();
 }

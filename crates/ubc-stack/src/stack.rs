@@ -109,7 +109,53 @@ struct Inner {
     name_hits: AtomicU64,
     name_invalidations: AtomicU64,
     next_owner: AtomicU64,
+    /// Told of every change to a file's bytes in any domain ([`Stack::watch`]).
+    watcher: std::sync::OnceLock<ChangeWatcher>,
 }
+
+/// A change to the bytes of a file in one domain of the stack (see [`Stack::watch`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Change {
+    /// The stored file, as its store names it ([`Attr::dev`] and [`Attr::ino`] of the file
+    /// at every layer of a host directory's stack).
+    pub file: ubc::Identity,
+    /// The domain whose bytes changed: 0 for the stored bytes, one more for each general
+    /// layer (compression, encryption) up to it; see [`LayerRef::domain`].
+    pub domain: usize,
+    /// The bytes that changed, in the domain's own naming; reaching `u64::MAX`: the length
+    /// changed too.
+    pub range: Range<u64>,
+    /// Made *in* this domain — a write, resize or punch through a layer of it, or stores
+    /// through a mapping of it — so the layers above show new bytes too. Otherwise it is
+    /// data (or a general layer's metadata) written back into it from the domain above:
+    /// what the layers above show did not change.
+    pub direct: bool,
+}
+
+thread_local! {
+    /// The domain a stack `File` operation in progress on this thread changes directly,
+    /// so that the watcher can tell it from the write-back it may cause below.
+    static DIRECT: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// Marks the thread as changing domain `d` directly until dropped (see [`Change::direct`]).
+struct Direct(Option<usize>);
+
+impl Direct {
+    fn enter(d: usize) -> Direct {
+        Direct(DIRECT.with(|c| c.replace(Some(d))))
+    }
+}
+
+impl Drop for Direct {
+    fn drop(&mut self) {
+        DIRECT.with(|c| c.set(self.0));
+    }
+}
+
+/// What [`Stack::watch`] calls.
+pub type ChangeWatcher = Arc<dyn Fn(&Change) + Send + Sync>;
 
 /// The default size of the pool of idle files for `layers`: a quarter of the soft open-file
 /// limit, divided by the descriptors one group holds (a memfd per domain and the stored
@@ -265,8 +311,22 @@ impl Stack {
                 name_hits: AtomicU64::new(0),
                 name_invalidations: AtomicU64::new(0),
                 next_owner: AtomicU64::new(1),
+                watcher: std::sync::OnceLock::new(),
             }),
         })
+    }
+
+    /// Have `watcher` told of every change to a stored file's bytes or length in any domain
+    /// of this stack: writes, resizes and punched holes through any layer — the writing
+    /// layer's domain, then each domain below as the data is written back into it — and
+    /// stores through mappings when found (see [`ubc::File::watch`]). A change in domain
+    /// `d` changes what every layer whose domain is above `d` shows too (whole files: a
+    /// general layer may rename every byte); it is told once, for `d`. Files of stores
+    /// without an identity (memory) are not told. The watcher runs on the changing thread,
+    /// maybe with cache locks held: it must queue the news and return, never call the stack
+    /// or the cache. One per stack; false if one is set already (it stays).
+    pub fn watch(&self, watcher: ChangeWatcher) -> bool {
+        self.inner.watcher.set(watcher).is_ok()
     }
 
     /// Number of layers.
@@ -570,7 +630,8 @@ impl Inner {
                     None => GroupKey::Path(level, path.to_string()),
                 };
                 let group = self.take(key);
-                group.add_domain(0, || Ok((file.reopen(ubc::Access::ReadOnly)?, None)))?;
+                let dom = group.add_domain(0, || Ok((file.reopen(ubc::Access::ReadOnly)?, None)))?;
+                self.watch_domain(&group.key, &dom.file, 0);
                 Ok(Node { file, group, domain: 0 })
             }
             Opened::Lower => {
@@ -604,6 +665,7 @@ impl Inner {
                     let acc = if lw { ubc::Access::ReadWrite } else { ubc::Access::ReadOnly };
                     Ok((cache.open(pager, acc)?, Some(xlate)))
                 })?;
+                self.watch_domain(&lower.group.key, &dom.file, idx);
                 let file = dom.file.reopen(access).map_err(|e| match e {
                     ubc::Error::ReadOnly => Error::ReadOnly(path.into()),
                     e => e.into(),
@@ -611,6 +673,23 @@ impl Inner {
                 Ok(Node { file, group: lower.group, domain: idx })
             }
         }
+    }
+
+    /// Have the stack's watcher, once set, told of changes to `file`, domain `domain` of
+    /// the group `key` (its stored file's identity names it). Does nothing if the file is watched
+    /// already (it was opened before: same file, same domain) or its store has no identity.
+    fn watch_domain(self: &Arc<Self>, key: &GroupKey, file: &ubc::File, domain: usize) {
+        let GroupKey::Data(id) = key else { return };
+        let id = id.clone();
+        let inner = Arc::downgrade(self);
+        file.watch(Arc::new(move |range, mapped| {
+            if let Some(i) = inner.upgrade()
+                && let Some(w) = i.watcher.get()
+            {
+                let direct = mapped || DIRECT.with(|c| c.get()) == Some(domain);
+                w(&Change { file: id.clone(), domain, range, direct });
+            }
+        }));
     }
 
     fn invalidate_names(&self, path: &str) {
@@ -680,6 +759,13 @@ impl LayerRef {
     /// Index of this layer (0 is the bottom).
     pub fn index(&self) -> usize {
         self.level
+    }
+
+    /// The domain this layer's files live in: the number of general layers (compression,
+    /// encryption) from the bottom up to this one; a simply named layer (null, union) shares
+    /// the one below. What [`Change::domain`] counts.
+    pub fn domain(&self) -> usize {
+        self.stack.inner.layers[1..=self.level].iter().filter(|l| l.is_general()).count()
     }
 
     /// This layer's spec.
@@ -1007,6 +1093,7 @@ impl File {
 
     pub fn write_at(&self, buf: &[u8], offset: u64) -> Result<usize> {
         let _p = self.group.acquire(&self.dom, self.domain, span(offset, buf.len())?, Mode::Write)?;
+        let _d = Direct::enter(self.domain);
         let r = self.inner.write_at(buf, offset);
         self.group.note_modified();
         Ok(r?)
@@ -1035,6 +1122,7 @@ impl File {
     pub fn set_len(&self, len: u64) -> Result<()> {
         let cur = self.inner.len()?;
         let _p = self.group.acquire(&self.dom, self.domain, cur.min(len)..u64::MAX, Mode::Write)?;
+        let _d = Direct::enter(self.domain);
         let r = self.inner.set_len(len);
         self.group.note_modified();
         Ok(r?)
@@ -1046,6 +1134,7 @@ impl File {
     /// Every other layer sees it as a write.
     pub fn punch_hole(&self, range: Range<u64>) -> Result<()> {
         let _p = self.group.acquire(&self.dom, self.domain, range.clone(), Mode::Write)?;
+        let _d = Direct::enter(self.domain);
         let r = self.inner.punch_hole(range);
         self.group.note_modified();
         Ok(r?)

@@ -100,7 +100,11 @@ impl File {
     /// Write all of `buf` at `offset`, extending the file if it ends before. Returns
     /// `buf.len()`, or fewer bytes if an error stopped it after some were written.
     pub fn write_at(&self, buf: &[u8], offset: u64) -> Result<usize> {
-        self.live_writable()?.write(buf, offset)
+        let o = self.live_writable()?;
+        let r = o.write(buf, offset);
+        // Told on failure too: some bytes may have gone in.
+        o.changed(offset..offset.saturating_add(buf.len() as u64), false);
+        r
     }
 
     /// Length of the file in bytes.
@@ -117,7 +121,11 @@ impl File {
     /// last page is zeroed, so a later extension reads zeros. Waits for anyone holding a
     /// window on the dropped pages — do not truncate under your own window.
     pub fn set_len(&self, len: u64) -> Result<()> {
-        self.live_writable()?.set_len(len)
+        let o = self.live_writable()?;
+        let old = o.len();
+        let r = o.set_len(len);
+        o.changed(old.min(len)..u64::MAX, false);
+        r
     }
 
     /// Make bytes `range` read as zeros, keeping the length (`fallocate(PUNCH_HOLE |
@@ -125,7 +133,10 @@ impl File {
     /// deallocated in the store where the pager can ([`Pager::punch`](crate::Pager::punch));
     /// else, and at the partial pages of the edges, zeros are written.
     pub fn punch_hole(&self, range: std::ops::Range<u64>) -> Result<()> {
-        self.live_writable()?.punch_hole(range.start, range.end)
+        let o = self.live_writable()?;
+        let r = o.punch_hole(range.start, range.end);
+        o.changed(range, false);
+        r
     }
 
     /// Reserve the store's space for bytes `range`, so that writing them back cannot fail
@@ -182,6 +193,19 @@ impl File {
     /// mapping racing the drop may be lost; writers through this cache wait.
     pub fn invalidate(&self, range: std::ops::Range<u64>, length: Length) -> Result<()> {
         self.live()?.invalidate(range.start, range.end, length)
+    }
+
+    /// Have `watcher` told of every change to this file's bytes or length, through any
+    /// handle of it: a write or window store (its byte range), a resize (from the shorter
+    /// length to `u64::MAX`), a punched hole, stores through a mapping (the pages found
+    /// written, when a scan finds them: a sync, a clean, the flusher, an unmap). It is
+    /// called after the change, on the changing thread, possibly with the file's locks
+    /// held: it must return quickly and never call into the cache (queue the news for
+    /// another thread). It is not told of invalidations ([`File::invalidate`]: the pager's
+    /// data changed underneath, which its owner knows). One watcher per file, for as long
+    /// as the cache keeps the file; returns false if one is set already (it stays).
+    pub fn watch(&self, watcher: crate::Watcher) -> bool {
+        self.obj.set_watcher(watcher)
     }
 
     /// Close the handle: later calls on it fail with [`Error::Closed`]. Like `close(2)`,
@@ -421,6 +445,7 @@ impl Drop for WindowMut<'_> {
     fn drop(&mut self) {
         if let Some(c) = self.chunk {
             self.obj.unlock_range_written(c, self.offset, self.offset + self.len as u64);
+            self.obj.changed(self.offset..self.offset + self.len as u64, false);
         }
         self.size.take();
     }

@@ -57,6 +57,10 @@ pub use pager::file::Access;
 pub use pager::{Fill, Identity, IoMode, Pager, Seek};
 pub use stats::{CacheStats, Stats};
 
+/// Told of the byte ranges of a file that changed, and whether by stores through a
+/// mapping (see [`File::watch`]).
+pub type Watcher = std::sync::Arc<dyn Fn(std::ops::Range<u64>, bool) + Send + Sync>;
+
 /// The README's examples are compiled and run as doctests.
 #[doc = include_str!("../../../README.md")]
 #[cfg(doctest)]

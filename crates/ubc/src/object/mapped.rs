@@ -72,6 +72,9 @@ impl Object {
             }
         }
         crate::map::dedup_pages(&mut found);
+        if let (Some(lo), Some(hi)) = (found.iter().min(), found.iter().max()) {
+            self.changed(lo << ps..(hi + 1) << ps, true);
+        }
         self.mark_found_dirty(&found)
     }
 

@@ -135,6 +135,8 @@ pub(crate) struct Object {
     scan_lock: Mutex<()>,
     /// Writeback failures, reported to every handle once (see `errseq.rs`).
     pub(crate) wb_errors: crate::errseq::WbErrors,
+    /// Told of every change to the bytes or the length (see [`crate::File::watch`]).
+    watcher: OnceLock<crate::Watcher>,
 }
 
 impl Object {
@@ -164,7 +166,24 @@ impl Object {
             nmaps: AtomicUsize::new(0),
             scan_lock: Mutex::new(()),
             wb_errors: Default::default(),
+            watcher: OnceLock::new(),
         }))
+    }
+
+    /// Tell the watcher, if any, that bytes `range` (or, reaching `u64::MAX`, the length)
+    /// changed (`mapped`: by stores through a mapping). Called after the change, maybe with
+    /// locks of the object held: the watcher must not block or call back into the cache.
+    pub(crate) fn changed(&self, range: std::ops::Range<u64>, mapped: bool) {
+        if let Some(w) = self.watcher.get()
+            && range.start < range.end
+        {
+            w(range, mapped);
+        }
+    }
+
+    /// Set the watcher; false if one was set already (it stays).
+    pub(crate) fn set_watcher(&self, w: crate::Watcher) -> bool {
+        self.watcher.set(w).is_ok()
     }
 
     pub(crate) fn pager(&self) -> Arc<dyn Pager> {

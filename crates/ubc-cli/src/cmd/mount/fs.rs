@@ -8,6 +8,7 @@ use super::attr;
 use super::gate::Gate;
 use super::handles::{Handle, Handles};
 use super::inodes::Inodes;
+use super::kernels::{Kernels, Origin};
 use super::waits::{self, Interrupts};
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags, KernelConfig,
@@ -20,16 +21,28 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 use ubc_stack::{LayerRef, LockKind, LockWait, OpenOptions, Rename, SetAttr};
 
+/// How the kernel caches what a mount serves.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Caching {
+    /// The kernel keeps file pages (`FOPEN_KEEP_CACHE`) and is told when they change
+    /// (`kernels`); else every read and write goes to the stack (`FOPEN_DIRECT_IO`).
+    pub(super) data: bool,
+    /// How long the kernel may keep attributes and names without asking.
+    pub(super) ttl: Duration,
+}
+
 pub(super) struct LayerFs {
     layer: LayerRef,
-    /// Keep the kernel page cache (no direct I/O) and let the kernel cache attributes and
-    /// entries for `ttl`.
-    kernel_cache: bool,
+    /// This mount's number among the daemon's mounts (`kernels`).
+    id: usize,
+    caching: Caching,
     ttl: Duration,
     /// The host directory under the bottom layer, if it is one: `statfs` reports its file
     /// system.
     statfs_dir: Option<PathBuf>,
-    inodes: Mutex<Inodes>,
+    inodes: Arc<Mutex<Inodes>>,
+    /// Every mount's kernel, told of changes made through this one.
+    kernels: Arc<Kernels>,
     handles: Arc<Handles>,
     gate: Arc<Gate>,
     /// Requests the kernel interrupted, for the lock waits (`waits`).
@@ -81,19 +94,25 @@ fn process_of(tid: u32) -> u32 {
 }
 
 impl LayerFs {
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
         layer: LayerRef,
-        kernel_cache: bool,
+        id: usize,
+        caching: Caching,
         statfs_dir: Option<PathBuf>,
         gate: Arc<Gate>,
         handles: Arc<Handles>,
+        inodes: Arc<Mutex<Inodes>>,
+        kernels: Arc<Kernels>,
     ) -> LayerFs {
         LayerFs {
             layer,
-            kernel_cache,
-            ttl: if kernel_cache { Duration::from_secs(1) } else { Duration::ZERO },
+            id,
+            caching,
+            ttl: caching.ttl,
             statfs_dir,
-            inodes: Mutex::new(Inodes::new()),
+            inodes,
+            kernels,
             handles,
             gate,
             interrupts: Arc::default(),
@@ -227,17 +246,38 @@ impl LayerFs {
     }
 
     /// Sync through `h`, as `flush`, `release` and `fsync` do.
-    fn sync(h: &Handle) -> Result<()> {
-        h.sync().map_err(|e| errno(&e))
+    fn sync(&self, h: &Handle) -> Result<()> {
+        let r = h.sync().map_err(|e| errno(&e));
+        // Written back into the domains below: their mounts' kernels drop the old bytes
+        // before the fsync (or close) returns.
+        self.kernels.wait_told();
+        r
     }
 
-    fn add_handle(&self, file: ubc_stack::File, ino: u64, append: bool, pid: u32, attr: ubc_stack::Attr) -> FileHandle {
-        FileHandle(self.handles.add(file, ino, append, pid, attr))
+    /// Enter an open; its handle and the open flags for the kernel. Appends bypass the
+    /// kernel's page cache: they go to the end as the stack knows it (another mount may
+    /// have appended since the kernel last saw the length), which the kernel, placing them
+    /// at its own idea of the end, would cache at the wrong offset.
+    fn add_handle(
+        &self,
+        file: ubc_stack::File,
+        ino: u64,
+        append: bool,
+        pid: u32,
+        attr: ubc_stack::Attr,
+    ) -> (FileHandle, FopenFlags) {
+        let cached = self.caching.data && !append;
+        let flags = if cached { FopenFlags::FOPEN_KEEP_CACHE } else { FopenFlags::FOPEN_DIRECT_IO };
+        (FileHandle(self.handles.add(file, ino, append, cached, pid, attr)), flags)
     }
 
-    fn open_flags(&self) -> FopenFlags {
-        if self.kernel_cache { FopenFlags::empty() } else { FopenFlags::FOPEN_DIRECT_IO }
+    /// Tell the other mounts' kernels that the entry `name` of `parent` changed (removed,
+    /// replaced or made), and with it the directory's attributes.
+    fn entry_changed(&self, parent: &str, name: &OsStr) {
+        self.kernels.entry_changed(self.id, parent, name);
+        self.kernels.attr_changed(self.id, parent);
     }
+
 
     /// `unlink` and `rmdir`: `remove` the entry `name` of `parent` from the layer, then
     /// forget its inode numbers (those under it too).
@@ -250,11 +290,14 @@ impl LayerFs {
     ) {
         let r = (|| {
             let _pass = self.gate.enter()?;
-            let p = join(&self.path(parent)?, name)?;
+            let dir = self.path(parent)?;
+            let p = join(&dir, name)?;
             remove(&p).map_err(|e| errno(&e))?;
             self.inodes.lock().unwrap().remove(&p);
+            self.entry_changed(&dir, name);
             Ok(())
         })();
+        self.kernels.wait_told();
         match r {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
@@ -264,10 +307,18 @@ impl LayerFs {
 
 impl Filesystem for LayerFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
-        if !self.kernel_cache {
-            // Shared mmap of direct-I/O files (Linux >= 6.6); without it MAP_SHARED gives ENODEV.
-            let _ = config.add_capabilities(InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP);
+        // Shared mmap of direct-I/O files (Linux >= 6.6; appends are direct even with the
+        // kernel's cache on); without it MAP_SHARED of them gives ENODEV.
+        let _ = config.add_capabilities(InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP);
+        // Lookups and readdirs of one directory at once (they only read the layer), and,
+        // while the kernel caches, symlink targets (a link's target never changes: a new
+        // one is a new inode, whose entry the other mounts are told of).
+        let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
+        if self.caching.data {
+            let _ = config.add_capabilities(InitFlags::FUSE_CACHE_SYMLINKS);
         }
+        // Read-ahead of up to 1 MiB a request (the kernel's own limit caps it).
+        let _ = config.set_max_readahead(1 << 20);
         // POSIX record locks, OFD locks and flock(2) locks come here, to the stack's one lock
         // table per file, so that a lock through one mount conflicts with one through
         // another (flock requests are told apart by the patched fuser: vendor/fuser/PATCH.md).
@@ -326,6 +377,8 @@ impl Filesystem for LayerFs {
             // Without a path (removed while open), a handle on the inode answers.
             let h =
                 fh.and_then(|f| self.handle(f).ok()).or_else(|| path.is_err().then(|| self.handles.of_ino(ino.0))?);
+            // A truncation through this mount: its kernel cuts its own pages.
+            let _origin = (self.caching.data && size.is_some()).then(|| Origin::enter(self.id));
             let mut set = SetAttr::new().with_owner(uid, gid);
             set.mode = mode.map(|m| m & 0o7777);
             set.atime = atime.map(attr::time);
@@ -346,6 +399,7 @@ impl Filesystem for LayerFs {
                     if set.size.is_some() || set.changes_metadata() {
                         self.layer.setattr(p, &set).map_err(|e| errno(&e))?;
                     }
+                    self.kernels.attr_changed(self.id, p);
                     match self.stat(p) {
                         Ok(a) => Ok(a),
                         Err(e) => h.map_or(Err(e), |h| self.stat_handle(ino.0, &h)),
@@ -354,6 +408,7 @@ impl Filesystem for LayerFs {
                 Err(e) => h.map_or(Err(*e), |h| self.stat_handle(ino.0, &h)),
             }
         })();
+        self.kernels.wait_told();
         match r {
             Ok(a) => reply.attr(&self.ttl, &a),
             Err(e) => reply.error(e),
@@ -363,8 +418,10 @@ impl Filesystem for LayerFs {
     fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, reply: ReplyEntry) {
         let r = (|| {
             let _pass = self.gate.enter()?;
-            let p = join(&self.path(parent)?, name)?;
+            let dir = self.path(parent)?;
+            let p = join(&dir, name)?;
             self.layer.mkdir(&p).map_err(|e| errno(&e))?;
+            self.entry_changed(&dir, name);
             let m = mode & !umask & 0o7777;
             if m != 0o755 {
                 self.layer.setattr(&p, &SetAttr::new().with_mode(m)).map_err(|e| errno(&e))?;
@@ -372,6 +429,7 @@ impl Filesystem for LayerFs {
             self.give_to_requester(req, &p)?;
             self.entry(&p)
         })();
+        self.kernels.wait_told();
         match r {
             Ok(a) => reply.entry(&self.ttl, &a, Generation(0)),
             Err(e) => reply.error(e),
@@ -400,12 +458,15 @@ impl Filesystem for LayerFs {
     fn symlink(&self, req: &Request, parent: INodeNo, link_name: &OsStr, target: &Path, reply: ReplyEntry) {
         let r = (|| {
             let _pass = self.gate.enter()?;
-            let p = join(&self.path(parent)?, link_name)?;
+            let dir = self.path(parent)?;
+            let p = join(&dir, link_name)?;
             let t = target.to_str().ok_or(Errno::EINVAL)?;
             self.layer.symlink(t, &p).map_err(|e| errno(&e))?;
+            self.entry_changed(&dir, link_name);
             self.give_to_requester(req, &p)?;
             self.entry(&p)
         })();
+        self.kernels.wait_told();
         match r {
             Ok(a) => reply.entry(&self.ttl, &a, Generation(0)),
             Err(e) => reply.error(e),
@@ -416,14 +477,18 @@ impl Filesystem for LayerFs {
         let r = (|| {
             let _pass = self.gate.enter()?;
             let from = self.path(ino)?;
-            let to = join(&self.path(newparent)?, newname)?;
+            let dir = self.path(newparent)?;
+            let to = join(&dir, newname)?;
             self.layer.link(&from, &to).map_err(|e| match e {
                 // link(2) on a file system that cannot: EPERM.
                 ubc_stack::Error::NotSupported(_) => Errno::EPERM,
                 e => errno(&e),
             })?;
+            self.entry_changed(&dir, newname);
+            self.kernels.attr_changed(self.id, &from);
             self.entry(&to)
         })();
+        self.kernels.wait_told();
         match r {
             Ok(a) => reply.entry(&self.ttl, &a, Generation(0)),
             Err(e) => reply.error(e),
@@ -433,7 +498,8 @@ impl Filesystem for LayerFs {
     fn mknod(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, rdev: u32, reply: ReplyEntry) {
         let r = (|| {
             let _pass = self.gate.enter()?;
-            let p = join(&self.path(parent)?, name)?;
+            let dir = self.path(parent)?;
+            let p = join(&dir, name)?;
             let kind = ubc_stack::Kind::of_mode(mode).ok_or(Errno::EINVAL)?;
             let perm = mode & !umask & 0o7777;
             if kind == ubc_stack::Kind::File {
@@ -443,9 +509,11 @@ impl Filesystem for LayerFs {
             } else {
                 self.layer.mknod(&p, kind, perm, rdev as u64).map_err(|e| errno(&e))?;
             }
+            self.entry_changed(&dir, name);
             self.give_to_requester(req, &p)?;
             self.entry(&p)
         })();
+        self.kernels.wait_told();
         match r {
             Ok(a) => reply.entry(&self.ttl, &a, Generation(0)),
             Err(e) => reply.error(e),
@@ -466,8 +534,11 @@ impl Filesystem for LayerFs {
             let _pass = self.gate.enter()?;
             let p = self.path(ino)?;
             let n = name.to_str().ok_or(Errno::EINVAL)?;
-            self.layer.setxattr(&p, n, value, flags).map_err(|e| errno(&e))
+            self.layer.setxattr(&p, n, value, flags).map_err(|e| errno(&e))?;
+            self.kernels.attr_changed(self.id, &p);
+            Ok(())
         })();
+        self.kernels.wait_told();
         match r {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
@@ -506,8 +577,11 @@ impl Filesystem for LayerFs {
             let _pass = self.gate.enter()?;
             let p = self.path(ino)?;
             let n = name.to_str().ok_or(Errno::ENODATA)?;
-            self.layer.removexattr(&p, n).map_err(|e| errno(&e))
+            self.layer.removexattr(&p, n).map_err(|e| errno(&e))?;
+            self.kernels.attr_changed(self.id, &p);
+            Ok(())
         })();
+        self.kernels.wait_told();
         match r {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
@@ -526,8 +600,9 @@ impl Filesystem for LayerFs {
     ) {
         let r = (|| {
             let _pass = self.gate.enter()?;
-            let from = join(&self.path(parent)?, name)?;
-            let to = join(&self.path(newparent)?, newname)?;
+            let (from_dir, to_dir) = (self.path(parent)?, self.path(newparent)?);
+            let from = join(&from_dir, name)?;
+            let to = join(&to_dir, newname)?;
             let how = if flags.contains(RenameFlags::RENAME_WHITEOUT) {
                 return Err(Errno::EINVAL);
             } else if flags.contains(RenameFlags::RENAME_EXCHANGE) {
@@ -542,13 +617,20 @@ impl Filesystem for LayerFs {
                 ubc_stack::Error::NotSupported(_) => Errno::EINVAL,
                 e => errno(&e),
             })?;
-            let mut inodes = self.inodes.lock().unwrap();
-            match how {
-                Rename::Exchange => inodes.exchange(&from, &to),
-                _ => inodes.rename(&from, &to),
+            {
+                let mut inodes = self.inodes.lock().unwrap();
+                match how {
+                    Rename::Exchange => inodes.exchange(&from, &to),
+                    _ => inodes.rename(&from, &to),
+                }
             }
+            self.entry_changed(&from_dir, name);
+            self.entry_changed(&to_dir, newname);
+            // The moved file's ctime (and a directory's `..`).
+            self.kernels.attr_changed(self.id, &to);
             Ok(())
         })();
+        self.kernels.wait_told();
         match r {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
@@ -566,8 +648,9 @@ impl Filesystem for LayerFs {
             let (_, a) = self.stat_attr(&p)?;
             Ok(self.add_handle(f, ino.0, flags.0 & libc::O_APPEND != 0, process_of(req.pid()), a))
         })();
+        self.kernels.wait_told();
         match r {
-            Ok(fh) => reply.opened(fh, self.open_flags()),
+            Ok((fh, flags)) => reply.opened(fh, flags),
             Err(e) => reply.error(e),
         }
     }
@@ -584,7 +667,8 @@ impl Filesystem for LayerFs {
     ) {
         let r = (|| {
             let _pass = self.gate.enter()?;
-            let p = join(&self.path(parent)?, name)?;
+            let parent_path = self.path(parent)?;
+            let p = join(&parent_path, name)?;
             let opts = OpenOptions::new()
                 .write(true)
                 .create(true)
@@ -595,11 +679,13 @@ impl Filesystem for LayerFs {
             self.give_to_requester(req, &p)?;
             let a = self.layer.getattr(&p).map_err(|e| errno(&e))?;
             let ino = self.inodes.lock().unwrap().node(&p, (a.dev, a.ino), true);
-            let fh = self.add_handle(f, ino, flags & libc::O_APPEND != 0, process_of(req.pid()), a.clone());
-            Ok((attr::file_attr(ino, &a), fh))
+            let (fh, open) = self.add_handle(f, ino, flags & libc::O_APPEND != 0, process_of(req.pid()), a.clone());
+            self.entry_changed(&parent_path, name);
+            Ok((attr::file_attr(ino, &a), fh, open))
         })();
+        self.kernels.wait_told();
         match r {
-            Ok((a, fh)) => reply.created(&self.ttl, &a, Generation(0), fh, self.open_flags()),
+            Ok((a, fh, open)) => reply.created(&self.ttl, &a, Generation(0), fh, open),
             Err(e) => reply.error(e),
         }
     }
@@ -642,7 +728,7 @@ impl Filesystem for LayerFs {
         fh: FileHandle,
         offset: u64,
         data: &[u8],
-        _write_flags: WriteFlags,
+        write_flags: WriteFlags,
         _flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
@@ -652,6 +738,10 @@ impl Filesystem for LayerFs {
             // shutdown's sync starts, so it reaches the disk.
             let _pass = self.gate.enter()?;
             let h = self.handle(fh)?;
+            // The kernel copied the bytes into its page cache (or writes back its own dirty
+            // pages: a store through a mapping): not news to it.
+            let own = h.cached || write_flags.contains(WriteFlags::FUSE_WRITE_CACHE);
+            let _origin = own.then(|| Origin::enter(self.id));
             // O_APPEND: at the end as the stack knows it (the kernel's idea of the size may be
             // stale: other mounts), read and written in one step against other appenders.
             let r = if h.append {
@@ -669,6 +759,7 @@ impl Filesystem for LayerFs {
             }
             r
         })();
+        self.kernels.wait_told();
         match r {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(e),
@@ -684,7 +775,7 @@ impl Filesystem for LayerFs {
         if let Ok(h) = self.handle(fh) {
             h.file.unlock_owner(ubc_stack::LockOwner(lock_owner.0));
         }
-        let r = self.handle(fh).and_then(|h| if h.pid == process_of(req.pid()) { Self::sync(&h) } else { Ok(()) });
+        let r = self.handle(fh).and_then(|h| if h.pid == process_of(req.pid()) { self.sync(&h) } else { Ok(()) });
         match r {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
@@ -708,14 +799,14 @@ impl Filesystem for LayerFs {
             h.file.funlock_as(ubc_stack::LockOwner(o.0));
             h.file.unlock_owner(ubc_stack::LockOwner(o.0));
         }
-        match h.map(|h| Self::sync(&h)) {
+        match h.map(|h| self.sync(&h)) {
             Some(Err(e)) => reply.error(e),
             _ => reply.ok(),
         }
     }
 
     fn fsync(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
-        match self.handle(fh).and_then(|h| Self::sync(&h)) {
+        match self.handle(fh).and_then(|h| self.sync(&h)) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
         }
@@ -767,6 +858,7 @@ impl Filesystem for LayerFs {
                 }
                 Ok(())
             })();
+        self.kernels.wait_told();
             h.mark_written();
             r
         })();
@@ -834,6 +926,7 @@ impl Filesystem for LayerFs {
                 }
                 Ok(())
             })();
+        self.kernels.wait_told();
             dst.mark_written();
             match r {
                 Ok(()) => Ok(done as u32),

@@ -14,6 +14,9 @@ pub(super) struct Handle {
     /// The inode number the file was opened by (the kernel keeps using it after the name
     /// is removed).
     pub(super) ino: u64,
+    /// The kernel caches this open's data (no `FOPEN_DIRECT_IO`): it copies writes through
+    /// it into its page cache, so they need not invalidate it (`kernels`).
+    pub(super) cached: bool,
     /// Written (or resized) through this handle since its last successful sync.
     written: AtomicBool,
     /// The file's attributes when last seen by name: what `fstat` shows (with the current
@@ -56,11 +59,19 @@ impl Handles {
         Handles { open: Mutex::new(HashMap::new()), next: AtomicU64::new(1) }
     }
 
-    /// Enter an open of `file` (inode `ino`, attributes `attr`) by process `pid`; its
-    /// handle number.
-    pub(super) fn add(&self, file: ubc_stack::File, ino: u64, append: bool, pid: u32, attr: ubc_stack::Attr) -> u64 {
+    /// Enter an open of `file` (inode `ino`, attributes `attr`) by process `pid`, `cached`
+    /// by the kernel or not; its handle number.
+    pub(super) fn add(
+        &self,
+        file: ubc_stack::File,
+        ino: u64,
+        append: bool,
+        cached: bool,
+        pid: u32,
+        attr: ubc_stack::Attr,
+    ) -> u64 {
         let fh = self.next.fetch_add(1, Relaxed);
-        let h = Handle { file, append, pid, ino, written: AtomicBool::new(false), last: Mutex::new(attr) };
+        let h = Handle { file, append, cached, pid, ino, written: AtomicBool::new(false), last: Mutex::new(attr) };
         self.open.lock().unwrap().insert(fh, Arc::new(h));
         fh
     }

@@ -94,6 +94,11 @@ impl Inodes {
         self.by_path.get(path).copied()
     }
 
+    /// The node id of the file the store knows as `key`, if the kernel may hold it.
+    pub(super) fn of_key(&self, key: Key) -> Option<u64> {
+        self.by_key.get(&key).copied()
+    }
+
     /// A path of node `id` (any of its names), if it has one.
     pub(super) fn path(&self, id: u64) -> Option<String> {
         self.nodes.get(&id).and_then(|n| n.paths.first().cloned())

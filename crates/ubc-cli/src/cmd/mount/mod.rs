@@ -84,12 +84,15 @@ mod fs;
 mod gate;
 mod handles;
 mod inodes;
+mod kernels;
 mod shutdown;
 mod waits;
 
 use crate::common::StackArgs;
 use crate::error::{EX_IOERR, EX_UNAVAILABLE, Fail, Result};
-use fs::LayerFs;
+use fs::{Caching, LayerFs};
+use inodes::Inodes;
+use kernels::Kernels;
 use fuser::{Config, MountOption, Session, SessionUnmounter};
 use handles::Handles;
 use shutdown::{Daemon, Event, Sessions, Signals};
@@ -106,10 +109,23 @@ pub struct Args {
     /// Serve layer N at MOUNTPOINT (repeatable; 0 is the bottom layer)
     #[arg(long = "at", value_name = "LAYER:MOUNTPOINT", required = true)]
     at: Vec<String>,
-    /// Keep the kernel page cache (no direct I/O). Writes through one mount are then seen
-    /// through another only after a re-open there: cross-mount invalidation is not done
-    #[arg(long)]
-    kernel_cache: bool,
+    /// What the kernel caches: `kernel` — file pages, attributes and names, each dropped
+    /// when it changes through any mount or layer of the stack; `direct` — nothing (every
+    /// read, write and stat goes to the stack: one copy of the data, at a round trip per
+    /// call). Stacks over memory stores are always `direct` (their files carry no identity
+    /// to match changes by)
+    #[arg(long, value_name = "MODE", default_value = "kernel", value_parser = ["kernel", "direct"])]
+    cache: String,
+    /// With `--cache kernel`: how long the kernel may keep attributes and names before it
+    /// asks again. Changes through ubc reach it at once; this bounds how long a change made
+    /// to the store behind ubc's back stays unseen
+    #[arg(long, value_name = "SECONDS", default_value_t = 60.0)]
+    attr_timeout: f64,
+    /// Request threads per mount (each with its own /dev/fuse descriptor). Default: the
+    /// number of cores, at least 4 — a request may wait on the store (a sync at close), and
+    /// the others must go on
+    #[arg(long, value_name = "N")]
+    threads: Option<usize>,
     /// Let other users in (FUSE `allow_other`; non-root mounters need `user_allow_other` in
     /// /etc/fuse.conf). The kernel then checks file modes (`default_permissions`, always on).
     /// Without it only the user who mounted can use the mounts — not even root
@@ -134,10 +150,10 @@ pub struct Args {
     sync_timeout: u64,
 }
 
-/// Request-loop threads per mount: a request stuck in the stack (a sync waiting on a slow
-/// store) does not hold up the others — a `close` by a forked child, a `stat` — nor
-/// the shutdown.
-const LOOP_THREADS: usize = 4;
+/// The fewest request threads a mount gets by default: a request stuck in the stack (a sync
+/// waiting on a slow store) must not hold up the others — a `close` by a forked child, a
+/// `stat` — nor the shutdown.
+const MIN_THREADS: usize = 4;
 
 fn parse_at(s: &str) -> Result<(usize, PathBuf)> {
     let bad = || Fail::usage(format!("--at {s}"), "expected LAYER:MOUNTPOINT, e.g. 2:/mnt/clear");
@@ -176,14 +192,41 @@ pub fn run(a: Args) -> Result<()> {
     }
     let statfs_dir = stack.layer(0).ok().and_then(|l| l.spec().strip_prefix("dir:").map(|p| PathBuf::from(p.trim())));
 
+    // Kernel caching needs files known by their store's identity (`kernels`): a stack over
+    // memory has none.
+    let identified = !stack.layer(0).map(|l| l.spec().starts_with("mem")).unwrap_or(true);
+    let caching = if a.cache == "kernel" && identified {
+        Caching { data: true, ttl: Duration::from_secs_f64(a.attr_timeout.max(0.0)) }
+    } else {
+        Caching { data: false, ttl: Duration::ZERO }
+    };
+    let (kernels, watcher) = Kernels::start();
+    if caching.data {
+        stack.watch(watcher);
+    }
+    let threads = a
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(MIN_THREADS, |n| n.get().max(MIN_THREADS)))
+        .max(1);
     let daemon = Arc::new(Daemon::new(stack));
     let (tx, rx) = mpsc::channel::<Event>();
     let mut unmounters: Vec<SessionUnmounter> = Vec::new();
     // Each mount's id in the mount table, if it was found.
     let mut ids: Vec<Option<u64>> = Vec::new();
-    for (layer, mp) in layers {
+    for (id, (layer, mp)) in layers.into_iter().enumerate() {
         let handles = Arc::new(Handles::new());
-        let fs = LayerFs::new(layer, a.kernel_cache, statfs_dir.clone(), daemon.gate.clone(), handles.clone());
+        let inodes = Arc::new(std::sync::Mutex::new(Inodes::new()));
+        let domain = layer.domain();
+        let fs = LayerFs::new(
+            layer,
+            id,
+            caching,
+            statfs_dir.clone(),
+            daemon.gate.clone(),
+            handles.clone(),
+            inodes.clone(),
+            kernels.clone(),
+        );
         let mut config = Config::default();
         config.mount_options = vec![
             MountOption::FSName("ubc".into()),
@@ -193,7 +236,11 @@ pub fn run(a: Args) -> Result<()> {
         if a.allow_other {
             config.acl = fuser::SessionACL::All;
         }
-        config.n_threads = Some(LOOP_THREADS);
+        config.n_threads = Some(threads);
+        // Each thread reads requests from its own clone of the session's /dev/fuse
+        // descriptor (FUSE_DEV_IOC_CLONE): the kernel hands a request to one waiting reader
+        // instead of waking all of them on one shared descriptor.
+        config.clone_fd = true;
         let canon = mp.canonicalize().unwrap_or_else(|_| mp.clone());
         let before = mounts::ubc_ids(&canon);
         let mut session = match Session::new(fs, &mp, &config) {
@@ -211,6 +258,7 @@ pub fn run(a: Args) -> Result<()> {
             }
         };
         unmounters.push(session.unmount_callable());
+        kernels.add(id, domain, session.notifier(), inodes);
         let id = mounts::ubc_ids(&canon).into_iter().filter(|i| !before.contains(i)).max();
         let connection = mounts::table().into_iter().find(|m| Some(m.id) == id).map(|m| m.minor);
         daemon.add_mount(mp.clone(), canon, handles, connection);

@@ -1,0 +1,242 @@
+//! The kernels' caches as caches of the stack: each mount's kernel keeps pages, attributes
+//! and names of the files it serves (long TTLs, `FOPEN_KEEP_CACHE`), and is told to drop
+//! them whenever they change through anything else — another mount of the stack, another
+//! layer, the write-back of a layer above into this one's bytes. The seeds' cache manager
+//! with the kernel as one more cache (Heidemann & Popek: a layer's cache is invalidated when
+//! a layer below writes the same file).
+//!
+//! News comes two ways:
+//!
+//! * **data** from the stack's watcher ([`ubc_stack::Stack::watch`]): bytes of a stored file
+//!   changed in domain `d`. A mount whose layer lives in domain `d` drops the pages of that
+//!   range (`FUSE_NOTIFY_INVAL_INODE`, which also drops the attributes: the length may have
+//!   moved) — unless the change is its own write, made by one of its request threads
+//!   through a kernel-cached handle (see [`Origin`]): its kernel put those bytes in its page
+//!   cache itself. A change *made in* domain `d` ([`ubc_stack::Change::direct`]) changes what
+//!   every layer above shows too, in bytes no translation can name in general (a
+//!   compressed chunk moves): mounts above drop the whole file. Write-back into `d` from
+//!   above changes nothing above.
+//! * **names and attributes** from the mounts' own request handlers: a name removed,
+//!   renamed or made (`FUSE_NOTIFY_INVAL_ENTRY` in every other mount that knows the parent
+//!   directory), attributes set (`FUSE_NOTIFY_INVAL_INODE` with no range: attributes only).
+//!
+//! Notices are sent by one thread of their own, never by the thread that made the change:
+//! the kernel's invalidation waits for locked pages, and a page stays locked while a read
+//! of it waits for a request thread — which may wait for the changing thread's locks.
+//! Nothing waits for this thread, so no cycle can form. The delay from a change to the
+//! notice is a channel hop (microseconds; measured in `tests/mount_coherence.rs`).
+//!
+//! Not covered, and why: changes made to the store by anything but this daemon (the
+//! host's own programs writing the directory under `dir:`) are seen when the attributes
+//! time out (`--attr-timeout`) and a changed length drops the pages, or at the next open
+//! of a file (`--keep-cache` off); a store through a shared mapping on a mount reaches the
+//! stack when the kernel writes the page back (`msync`, or its periodic write-back), and
+//! other mounts then.
+
+use super::inodes::Inodes;
+use fuser::{INodeNo, Notifier};
+use std::ffi::OsString;
+use std::ops::Range;
+use std::sync::{Arc, Condvar, Mutex, RwLock, mpsc};
+use std::time::{Duration, Instant};
+use ubc_stack::Change;
+
+/// One mount, as the notifier sees it.
+struct Mount {
+    id: usize,
+    /// The domain its layer's files live in ([`ubc_stack::LayerRef::domain`]).
+    domain: usize,
+    notifier: Notifier,
+    inodes: Arc<Mutex<Inodes>>,
+}
+
+enum News {
+    /// Bytes of a file changed; `origin`: the mount whose own request made the change
+    /// through a kernel-cached handle.
+    Data(Change, Option<usize>),
+    /// The entry `name` of directory `parent` (a path) was removed, replaced or made by
+    /// mount `origin`.
+    Entry { parent: String, name: OsString, origin: usize },
+    /// The attributes of `path` changed through mount `origin`.
+    Attr { path: String, origin: usize },
+}
+
+/// Every mount of the daemon, and the channel to the notifier thread.
+pub(super) struct Kernels {
+    mounts: RwLock<Vec<Mount>>,
+    queue: Queue,
+}
+
+/// The notifier's queue: news numbered in order, and how far the notifier has got.
+struct Queue {
+    /// The sender and the number of the last news sent (together: numbers follow the
+    /// order of the channel).
+    tx: Mutex<(mpsc::Sender<(u64, News)>, u64)>,
+    /// The number of the last news whose notices were sent.
+    done: Mutex<u64>,
+    done_cv: Condvar,
+}
+
+impl Queue {
+    fn send(&self, n: News) {
+        let mut tx = self.tx.lock().unwrap();
+        tx.1 += 1;
+        let seq = tx.1;
+        let _ = tx.0.send((seq, n));
+    }
+}
+
+thread_local! {
+    /// The mount whose request this thread is serving through a kernel-cached handle.
+    static ORIGIN: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// How long a request waits for the notices of its changes before it replies anyway
+/// (`Kernels::wait_told`).
+const TOLD_LIMIT: Duration = Duration::from_secs(1);
+
+/// Marks this thread as making mount `id`'s own change, while alive: its kernel already
+/// holds what the change writes (the kernel copies a write into its page cache before
+/// sending it, and truncates or punches its own pages).
+pub(super) struct Origin(Option<usize>);
+
+impl Origin {
+    pub(super) fn enter(id: usize) -> Origin {
+        Origin(ORIGIN.with(|c| c.replace(Some(id))))
+    }
+}
+
+impl Drop for Origin {
+    fn drop(&mut self) {
+        ORIGIN.with(|c| c.set(self.0));
+    }
+}
+
+impl Kernels {
+    /// The registry, with its notifier thread, and the watcher to give the stack.
+    pub(super) fn start() -> (Arc<Kernels>, ubc_stack::ChangeWatcher) {
+        let (tx, rx) = mpsc::channel::<(u64, News)>();
+        let queue = Queue { tx: Mutex::new((tx, 0)), done: Mutex::new(0), done_cv: Condvar::new() };
+        let k = Arc::new(Kernels { mounts: RwLock::new(Vec::new()), queue });
+        let weak = Arc::downgrade(&k);
+        std::thread::Builder::new()
+            .name("ubc-kernel-notify".into())
+            .spawn(move || {
+                while let Ok((seq, n)) = rx.recv() {
+                    let Some(k) = weak.upgrade() else { return };
+                    k.tell(n);
+                    *k.queue.done.lock().unwrap() = seq;
+                    k.queue.done_cv.notify_all();
+                }
+            })
+            .expect("spawn the notifier thread");
+        let weak = Arc::downgrade(&k);
+        let watcher: ubc_stack::ChangeWatcher = Arc::new(move |c: &Change| {
+            let origin = ORIGIN.with(|o| o.get());
+            if let Some(k) = weak.upgrade()
+                && k.mounts.read().unwrap().iter().any(|m| m.span(c, origin).is_some())
+            {
+                k.queue.send(News::Data(c.clone(), origin));
+            }
+        });
+        (k, watcher)
+    }
+
+    /// Wait until the notices for every change made so far are sent (at most
+    /// `TOLD_LIMIT`): a request that changed a file calls it before it replies, so that
+    /// when a program's write (rename, chmod, fsync …) returns, no mount's kernel still
+    /// holds what it replaced — the next read or stat anywhere sees it. Every change, not
+    /// only this thread's: the write-back an fsync starts may run on the cache's I/O
+    /// threads. Call it holding no lock of the stack or the cache.
+    ///
+    /// Why a limit: a notice waits for the pages it drops, and a page being read stays
+    /// locked until a request thread of that mount serves the read. If every request
+    /// thread of that mount were itself waiting here, none would serve it; after the limit
+    /// they reply, serve it, and the notice goes through — late, never deadlocked.
+    pub(super) fn wait_told(&self) {
+        let last = self.queue.tx.lock().unwrap().1;
+        let deadline = Instant::now() + TOLD_LIMIT;
+        let mut done = self.queue.done.lock().unwrap();
+        while *done < last {
+            let now = Instant::now();
+            if now >= deadline {
+                return;
+            }
+            done = self.queue.done_cv.wait_timeout(done, deadline - now).unwrap().0;
+        }
+    }
+
+    /// Register mount `id` (its layer's files in `domain`).
+    pub(super) fn add(&self, id: usize, domain: usize, notifier: Notifier, inodes: Arc<Mutex<Inodes>>) {
+        self.mounts.write().unwrap().push(Mount { id, domain, notifier, inodes });
+    }
+
+    fn send(&self, n: News) {
+        self.queue.send(n);
+    }
+
+    /// Mount `origin` removed, replaced or made the entry `name` of directory `parent`.
+    pub(super) fn entry_changed(&self, origin: usize, parent: &str, name: &std::ffi::OsStr) {
+        self.send(News::Entry { parent: parent.to_string(), name: name.to_os_string(), origin });
+    }
+
+    /// Mount `origin` changed the attributes of `path` (mode, owner, times, links).
+    pub(super) fn attr_changed(&self, origin: usize, path: &str) {
+        self.send(News::Attr { path: path.to_string(), origin });
+    }
+
+    /// Send the notices for `n` (on the notifier thread). A notice for a node the kernel
+    /// has forgotten fails with ENOENT, which is fine: it holds nothing of it.
+    fn tell(&self, n: News) {
+        let mounts = self.mounts.read().unwrap();
+        match n {
+            News::Data(c, origin) => {
+                let key = match &c.file {
+                    ubc::Identity::HostFile { dev, ino } => (*dev, *ino),
+                    _ => return,
+                };
+                for m in mounts.iter() {
+                    let Some(range) = m.span(&c, origin) else { continue };
+                    let Some(ino) = m.inodes.lock().unwrap().of_key(key) else { continue };
+                    let (off, len) = inval_range(&range);
+                    let _ = m.notifier.inval_inode(INodeNo(ino), off, len);
+                }
+            }
+            News::Entry { parent, name, origin } => {
+                for m in mounts.iter().filter(|m| m.id != origin) {
+                    let Some(dir) = m.inodes.lock().unwrap().known(&parent) else { continue };
+                    let _ = m.notifier.inval_entry(INodeNo(dir), &name);
+                }
+            }
+            News::Attr { path, origin } => {
+                for m in mounts.iter().filter(|m| m.id != origin) {
+                    let Some(ino) = m.inodes.lock().unwrap().known(&path) else { continue };
+                    let _ = m.notifier.inval_inode(INodeNo(ino), -1, 0);
+                }
+            }
+        }
+    }
+}
+
+impl Mount {
+    /// The bytes of the file this mount's kernel must drop for change `c` (made by a
+    /// request of mount `origin` through a kernel-cached handle): the range in its own
+    /// domain — unless it is its own write —, the whole file above a domain written
+    /// directly, nothing below (see the module docs).
+    fn span(&self, c: &Change, origin: Option<usize>) -> Option<Range<u64>> {
+        if self.domain == c.domain {
+            (!(c.direct && origin == Some(self.id))).then(|| c.range.clone())
+        } else if self.domain > c.domain && c.direct {
+            Some(0..u64::MAX)
+        } else {
+            None
+        }
+    }
+}
+
+/// `FUSE_NOTIFY_INVAL_INODE`'s (offset, length) for bytes `r`: a length of 0 reaches the
+/// end of the file.
+fn inval_range(r: &Range<u64>) -> (i64, i64) {
+    let off = r.start.min(i64::MAX as u64) as i64;
+    if r.end >= i64::MAX as u64 { (off, 0) } else { (off, (r.end - r.start) as i64) }
+}
