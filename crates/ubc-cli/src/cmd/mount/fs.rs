@@ -17,7 +17,7 @@ use fuser::{
 };
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime};
 use ubc_stack::{LayerRef, LockKind, LockWait, OpenOptions, Rename, SetAttr};
 
@@ -40,7 +40,7 @@ pub(super) struct LayerFs {
     /// The host directory under the bottom layer, if it is one: `statfs` reports its file
     /// system.
     statfs_dir: Option<PathBuf>,
-    inodes: Arc<Mutex<Inodes>>,
+    inodes: Arc<RwLock<Inodes>>,
     /// Every mount's kernel, told of changes made through this one.
     kernels: Arc<Kernels>,
     handles: Arc<Handles>,
@@ -102,7 +102,7 @@ impl LayerFs {
         statfs_dir: Option<PathBuf>,
         gate: Arc<Gate>,
         handles: Arc<Handles>,
-        inodes: Arc<Mutex<Inodes>>,
+        inodes: Arc<RwLock<Inodes>>,
         kernels: Arc<Kernels>,
     ) -> LayerFs {
         LayerFs {
@@ -141,7 +141,7 @@ impl LayerFs {
     }
 
     fn path(&self, ino: INodeNo) -> Result<String> {
-        self.inodes.lock().unwrap().path(ino.0).ok_or(Errno::ENOENT)
+        self.inodes.read().unwrap().path(ino.0).ok_or(Errno::ENOENT)
     }
 
     fn handle(&self, fh: FileHandle) -> Result<Arc<Handle>> {
@@ -158,7 +158,7 @@ impl LayerFs {
     fn gone(&self, path: &str, e: ubc_stack::Error) -> Errno {
         let n = errno(&e);
         if n == Errno::ENOENT {
-            self.inodes.lock().unwrap().remove(path);
+            self.inodes.write().unwrap().remove(path);
         }
         n
     }
@@ -166,7 +166,7 @@ impl LayerFs {
     /// Attributes of node `ino` by any of its names, the newest first (names found missing
     /// on the way are forgotten).
     fn stat_node(&self, ino: INodeNo) -> Result<FileAttr> {
-        let paths = self.inodes.lock().unwrap().paths(ino.0);
+        let paths = self.inodes.read().unwrap().paths(ino.0);
         let mut last = Errno::ENOENT;
         for p in paths {
             match self.stat(&p) {
@@ -181,13 +181,18 @@ impl LayerFs {
     /// holds one more reference to the node, until it sends FORGET.
     fn entry(&self, path: &str) -> Result<FileAttr> {
         let a = self.layer.getattr(path).map_err(|e| self.gone(path, e))?;
-        let ino = self.inodes.lock().unwrap().node(path, (a.dev, a.ino), true);
+        let ino = self.inodes.write().unwrap().node(path, (a.dev, a.ino), true);
         Ok(attr::file_attr(ino, &a))
     }
 
     fn stat_attr(&self, path: &str) -> Result<(u64, ubc_stack::Attr)> {
         let a = self.layer.getattr(path).map_err(|e| self.gone(path, e))?;
-        let ino = self.inodes.lock().unwrap().node(path, (a.dev, a.ino), false);
+        let key = (a.dev, a.ino);
+        let known = self.inodes.read().unwrap().current(path, key);
+        let ino = match known {
+            Some(ino) => ino,
+            None => self.inodes.write().unwrap().node(path, key, false),
+        };
         Ok((ino, a))
     }
 
@@ -293,7 +298,7 @@ impl LayerFs {
             let dir = self.path(parent)?;
             let p = join(&dir, name)?;
             remove(&p).map_err(|e| errno(&e))?;
-            self.inodes.lock().unwrap().remove(&p);
+            self.inodes.write().unwrap().remove(&p);
             self.entry_changed(&dir, name);
             Ok(())
         })();
@@ -316,6 +321,12 @@ impl Filesystem for LayerFs {
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
         if self.caching.data {
             let _ = config.add_capabilities(InitFlags::FUSE_CACHE_SYMLINKS);
+            // This daemon clears set-user/group-ID bits on writes (`kill_setid`) and the host
+            // does on chown, so the kernel need not check each file before each write: without
+            // it, every write(2) through the page cache costs a GETXATTR of
+            // "security.capability" first (`file_remove_privs`); with it the kernel sets
+            // SB_NOSEC and checks an inode once.
+            let _ = config.add_capabilities(InitFlags::FUSE_HANDLE_KILLPRIV_V2);
         }
         // Read-ahead of up to 1 MiB a request (the kernel's own limit caps it).
         let _ = config.set_max_readahead(1 << 20);
@@ -445,7 +456,7 @@ impl Filesystem for LayerFs {
     }
 
     fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
-        self.inodes.lock().unwrap().forget(ino.0, nlookup);
+        self.inodes.write().unwrap().forget(ino.0, nlookup);
     }
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
@@ -618,7 +629,7 @@ impl Filesystem for LayerFs {
                 e => errno(&e),
             })?;
             {
-                let mut inodes = self.inodes.lock().unwrap();
+                let mut inodes = self.inodes.write().unwrap();
                 match how {
                     Rename::Exchange => inodes.exchange(&from, &to),
                     _ => inodes.rename(&from, &to),
@@ -678,7 +689,7 @@ impl Filesystem for LayerFs {
             let f = self.layer.open_with(&p, opts).map_err(|e| errno(&e))?;
             self.give_to_requester(req, &p)?;
             let a = self.layer.getattr(&p).map_err(|e| errno(&e))?;
-            let ino = self.inodes.lock().unwrap().node(&p, (a.dev, a.ino), true);
+            let ino = self.inodes.write().unwrap().node(&p, (a.dev, a.ino), true);
             let (fh, open) = self.add_handle(f, ino, flags & libc::O_APPEND != 0, process_of(req.pid()), a.clone());
             self.entry_changed(&parent_path, name);
             Ok((attr::file_attr(ino, &a), fh, open))
@@ -1038,7 +1049,7 @@ impl Filesystem for LayerFs {
         let r = (|| {
             let p = self.path(ino)?;
             let entries = self.layer.readdir(&p).map_err(|e| errno(&e))?;
-            let inodes = self.inodes.lock().unwrap();
+            let inodes = self.inodes.read().unwrap();
             // `..`: the parent's node (the kernel looked it up to reach this directory); the
             // root's parent is the root itself (node 1), as on the host's file systems.
             let parent = p.rfind('/').map_or("", |i| &p[..i]);

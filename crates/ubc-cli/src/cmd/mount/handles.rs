@@ -48,15 +48,23 @@ impl Handle {
     }
 }
 
+/// Shards of the table: every read and write looks its handle up, from several request
+/// threads at once, so the table is split by handle number rather than behind one lock.
+const SHARDS: usize = 16;
+
 pub(super) struct Handles {
-    open: Mutex<HashMap<u64, Arc<Handle>>>,
+    open: [Mutex<HashMap<u64, Arc<Handle>>>; SHARDS],
     /// The next handle number: numbers start at 1 and are never reused.
     next: AtomicU64,
 }
 
 impl Handles {
     pub(super) fn new() -> Handles {
-        Handles { open: Mutex::new(HashMap::new()), next: AtomicU64::new(1) }
+        Handles { open: std::array::from_fn(|_| Mutex::new(HashMap::new())), next: AtomicU64::new(1) }
+    }
+
+    fn shard(&self, fh: u64) -> &Mutex<HashMap<u64, Arc<Handle>>> {
+        &self.open[fh as usize % SHARDS]
     }
 
     /// Enter an open of `file` (inode `ino`, attributes `attr`) by process `pid`, `cached`
@@ -72,26 +80,26 @@ impl Handles {
     ) -> u64 {
         let fh = self.next.fetch_add(1, Relaxed);
         let h = Handle { file, append, cached, pid, ino, written: AtomicBool::new(false), last: Mutex::new(attr) };
-        self.open.lock().unwrap().insert(fh, Arc::new(h));
+        self.shard(fh).lock().unwrap().insert(fh, Arc::new(h));
         fh
     }
 
     /// An open handle of inode `ino`, if any: a file removed while open has no path left,
     /// and the kernel asks for its attributes (`fstat`) by inode alone.
     pub(super) fn of_ino(&self, ino: u64) -> Option<Arc<Handle>> {
-        self.open.lock().unwrap().values().find(|h| h.ino == ino).cloned()
+        self.open.iter().find_map(|s| s.lock().unwrap().values().find(|h| h.ino == ino).cloned())
     }
 
     pub(super) fn get(&self, fh: u64) -> Option<Arc<Handle>> {
-        self.open.lock().unwrap().get(&fh).cloned()
+        self.shard(fh).lock().unwrap().get(&fh).cloned()
     }
 
     pub(super) fn remove(&self, fh: u64) -> Option<Arc<Handle>> {
-        self.open.lock().unwrap().remove(&fh)
+        self.shard(fh).lock().unwrap().remove(&fh)
     }
 
     /// Every open handle now.
     pub(super) fn all(&self) -> Vec<Arc<Handle>> {
-        self.open.lock().unwrap().values().cloned().collect()
+        self.open.iter().flat_map(|s| s.lock().unwrap().values().cloned().collect::<Vec<_>>()).collect()
     }
 }

@@ -89,6 +89,16 @@ impl Inodes {
         id
     }
 
+    /// The node id of `path` if the table knows it as the file `key` already: what
+    /// `node(path, key, false)` returns without changing anything (a read lock suffices).
+    pub(super) fn current(&self, path: &str, key: Key) -> Option<u64> {
+        if path.is_empty() {
+            return Some(1);
+        }
+        let id = self.by_path.get(path).copied()?;
+        self.nodes.get(&id).is_some_and(|n| n.key == Some(key)).then_some(id)
+    }
+
     /// The node id `path` has now, if the table knows it (no reference counted).
     pub(super) fn known(&self, path: &str) -> Option<u64> {
         self.by_path.get(path).copied()

@@ -47,7 +47,7 @@ struct Mount {
     /// The domain its layer's files live in ([`ubc_stack::LayerRef::domain`]).
     domain: usize,
     notifier: Notifier,
-    inodes: Arc<Mutex<Inodes>>,
+    inodes: Arc<RwLock<Inodes>>,
 }
 
 enum News {
@@ -167,7 +167,7 @@ impl Kernels {
     }
 
     /// Register mount `id` (its layer's files in `domain`).
-    pub(super) fn add(&self, id: usize, domain: usize, notifier: Notifier, inodes: Arc<Mutex<Inodes>>) {
+    pub(super) fn add(&self, id: usize, domain: usize, notifier: Notifier, inodes: Arc<RwLock<Inodes>>) {
         self.mounts.write().unwrap().push(Mount { id, domain, notifier, inodes });
     }
 
@@ -197,20 +197,20 @@ impl Kernels {
                 };
                 for m in mounts.iter() {
                     let Some(range) = m.span(&c, origin) else { continue };
-                    let Some(ino) = m.inodes.lock().unwrap().of_key(key) else { continue };
+                    let Some(ino) = m.inodes.read().unwrap().of_key(key) else { continue };
                     let (off, len) = inval_range(&range);
                     let _ = m.notifier.inval_inode(INodeNo(ino), off, len);
                 }
             }
             News::Entry { parent, name, origin } => {
                 for m in mounts.iter().filter(|m| m.id != origin) {
-                    let Some(dir) = m.inodes.lock().unwrap().known(&parent) else { continue };
+                    let Some(dir) = m.inodes.read().unwrap().known(&parent) else { continue };
                     let _ = m.notifier.inval_entry(INodeNo(dir), &name);
                 }
             }
             News::Attr { path, origin } => {
                 for m in mounts.iter().filter(|m| m.id != origin) {
-                    let Some(ino) = m.inodes.lock().unwrap().known(&path) else { continue };
+                    let Some(ino) = m.inodes.read().unwrap().known(&path) else { continue };
                     let _ = m.notifier.inval_inode(INodeNo(ino), -1, 0);
                 }
             }

@@ -215,7 +215,7 @@ pub fn run(a: Args) -> Result<()> {
     let mut ids: Vec<Option<u64>> = Vec::new();
     for (id, (layer, mp)) in layers.into_iter().enumerate() {
         let handles = Arc::new(Handles::new());
-        let inodes = Arc::new(std::sync::Mutex::new(Inodes::new()));
+        let inodes = Arc::new(std::sync::RwLock::new(Inodes::new()));
         let domain = layer.domain();
         let fs = LayerFs::new(
             layer,
