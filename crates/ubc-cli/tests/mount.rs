@@ -1214,7 +1214,11 @@ fn kernel_caches_of_every_mount_follow_changes_through_the_others() {
         assert_eq!(b, new, "round {round}: a read through m2 after the write through m3");
     }
     lat.sort();
-    eprintln!("mapping saw a write through another mount after: median {:?}, max {:?}", lat[lat.len() / 2], lat[lat.len() - 1]);
+    eprintln!(
+        "mapping saw a write through another mount after: median {:?}, max {:?}",
+        lat[lat.len() / 2],
+        lat[lat.len() - 1]
+    );
 
     // A size change through m3: m2's stat and reads follow at once.
     let w = std::fs::OpenOptions::new().write(true).open(m3.join("f")).unwrap();

@@ -39,5 +39,6 @@ pub use coherence::{CoherenceStats, Translate};
 pub use error::{Error, Result};
 pub use layer::{Attr, DirEntry, Kind, Layer, Rename, SetAttr};
 pub use stack::{
-    Change, ChangeWatcher, Coherence, File, LayerRef, LockConflict, LockKind, LockOwner, LockWait, Mapping, OpenOptions, Stack, StackBuilder,
+    Change, ChangeWatcher, Coherence, File, LayerRef, LockConflict, LockKind, LockOwner, LockWait, Mapping,
+    OpenOptions, Stack, StackBuilder,
 };

@@ -228,7 +228,8 @@ impl LayerFs {
     /// user but root) clears the set-user-ID bit, and the set-group-ID bit when group execute
     /// is set, as the kernel does for its own file systems (FUSE leaves it to the daemon
     /// when writes bypass the kernel's cache). Best effort: the write itself succeeded.
-    fn kill_setid(&self, req: &Request, ino: INodeNo, h: &Handle) {
+    /// A truncation by such a writer does the same (`h`: the handle it came through, if any).
+    fn kill_setid(&self, req: &Request, ino: INodeNo, h: Option<&Handle>) {
         let kills = |mode: u32| {
             let mut k = mode & libc::S_ISUID;
             if mode & libc::S_IXGRP != 0 {
@@ -236,7 +237,7 @@ impl LayerFs {
             }
             k
         };
-        if req.uid() == 0 || kills(h.last.lock().unwrap().mode) == 0 {
+        if req.uid() == 0 || h.is_some_and(|h| kills(h.last.lock().unwrap().mode) == 0) {
             return;
         }
         let Ok(p) = self.path(ino) else { return };
@@ -244,7 +245,9 @@ impl LayerFs {
         let k = kills(a.mode);
         if k != 0 {
             let mode = a.mode & !k & 0o7777;
-            if self.layer.setattr(&p, &SetAttr::new().with_mode(mode)).is_ok() {
+            if self.layer.setattr(&p, &SetAttr::new().with_mode(mode)).is_ok()
+                && let Some(h) = h
+            {
                 h.last.lock().unwrap().mode = mode;
             }
         }
@@ -282,7 +285,6 @@ impl LayerFs {
         self.kernels.entry_changed(self.id, parent, name);
         self.kernels.attr_changed(self.id, parent);
     }
-
 
     /// `unlink` and `rmdir`: `remove` the entry `name` of `parent` from the layer, then
     /// forget its inode numbers (those under it too).
@@ -366,7 +368,7 @@ impl Filesystem for LayerFs {
 
     fn setattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         mode: Option<u32>,
         uid: Option<u32>,
@@ -409,6 +411,11 @@ impl Filesystem for LayerFs {
                 Ok(p) => {
                     if set.size.is_some() || set.changes_metadata() {
                         self.layer.setattr(p, &set).map_err(|e| errno(&e))?;
+                    }
+                    // A truncation by a writer without privilege clears set-ID bits, as a
+                    // write does (the kernel leaves it to us: FUSE_HANDLE_KILLPRIV_V2).
+                    if size.is_some() && mode.is_none() {
+                        self.kill_setid(req, ino, h.as_deref());
                     }
                     self.kernels.attr_changed(self.id, p);
                     match self.stat(p) {
@@ -766,7 +773,7 @@ impl Filesystem for LayerFs {
             };
             h.mark_written();
             if r.is_ok() {
-                self.kill_setid(req, ino, &h);
+                self.kill_setid(req, ino, Some(&h));
             }
             r
         })();
@@ -869,7 +876,7 @@ impl Filesystem for LayerFs {
                 }
                 Ok(())
             })();
-        self.kernels.wait_told();
+            self.kernels.wait_told();
             h.mark_written();
             r
         })();
@@ -937,7 +944,7 @@ impl Filesystem for LayerFs {
                 }
                 Ok(())
             })();
-        self.kernels.wait_told();
+            self.kernels.wait_told();
             dst.mark_written();
             match r {
                 Ok(()) => Ok(done as u32),

@@ -2,19 +2,21 @@
 //! thread) per layer, all sharing the same `Stack`, so that unmodified programs see
 //! coherent data through every mount at once.
 //!
-//! Policy: files are opened with `FOPEN_DIRECT_IO` and attributes/entries are not cached
-//! by the kernel (TTL 0), so the kernel keeps no second copy and every read goes to the
-//! stack's one cache. Shared `mmap` of such files needs `FUSE_DIRECT_IO_ALLOW_MMAP`
-//! (Linux >= 6.6), which is requested at init; on older kernels shared mappings fail with
-//! ENODEV (private mappings work).
+//! Policy (`--cache kernel`, the default): the kernel caches file pages
+//! (`FOPEN_KEEP_CACHE`, write-through: every write reaches the stack before it returns),
+//! attributes and names (`--attr-timeout`, 60 s), and is told to drop each of them the
+//! moment it changes through anything else — another mount, another layer, the write-back
+//! of a layer above into a lower layer's bytes (`kernels`). Reads the kernel holds never
+//! reach the daemon. Appends (`O_APPEND`) are direct I/O: they go to the end as the stack
+//! knows it. `--cache direct` keeps nothing in the kernel (`FOPEN_DIRECT_IO`, TTL 0): one
+//! copy of the data, a round trip per call; shared `mmap` of such files needs
+//! `FUSE_DIRECT_IO_ALLOW_MMAP` (Linux >= 6.6, requested at init; older kernels: ENODEV).
+//! Stacks over memory stores are always direct (their files have no identity to match
+//! changes by).
 //!
-//! `--kernel-cache` keeps the kernel page cache (and 1 s attribute/entry TTLs) instead.
-//! Invalidation across mounts is NOT implemented: a write through one mount is seen
-//! through another only when that file is next opened there (close-to-open, the page
-//! cache is dropped at each open) or the attributes time out.
-//!
-//! Each mount runs four request threads, so that one request waiting on a slow store does
-//! not hold up the others. `close` (FLUSH) syncs the file — and reports write-back errors —
+//! Each mount runs `--threads` request threads (default: the cores, at least 4), each on
+//! its own clone of the session's `/dev/fuse` descriptor, so that one request waiting on a
+//! slow store does not hold up the others. `close` (FLUSH) syncs the file — and reports write-back errors —
 //! only when the process that opened it closes it; a close by anybody else (a forked child
 //! closing the descriptors it inherited, at exec or exit) returns at once, so a program
 //! that forks is never held up by a sync. The last close (RELEASE) syncs too, in the
@@ -74,7 +76,9 @@
 //! * `gate`: what changes pass through and the shutdown closes;
 //! * `shutdown`: signals, the final sync and its deadline, the lazy unmount, exit statuses.
 //!
-//! Imports go one way: `fs` uses the tables, `attr`, `gate` and `waits`; `waits` and
+//! * `kernels`: the kernels' caches kept coherent (the notifier thread);
+//!
+//! Imports go one way: `fs` uses the tables, `attr`, `gate`, `waits` and `kernels`; `waits` and
 //! `shutdown` use `handles` (`shutdown` also `gate`, to name the files not synced); nothing
 //! uses `fs` or `shutdown` but this module, and the tables, `attr` and `gate` use none of
 //! the others.
@@ -91,10 +95,10 @@ mod waits;
 use crate::common::StackArgs;
 use crate::error::{EX_IOERR, EX_UNAVAILABLE, Fail, Result};
 use fs::{Caching, LayerFs};
-use inodes::Inodes;
-use kernels::Kernels;
 use fuser::{Config, MountOption, Session, SessionUnmounter};
 use handles::Handles;
+use inodes::Inodes;
+use kernels::Kernels;
 use shutdown::{Daemon, Event, Sessions, Signals};
 use std::path::PathBuf;
 use std::sync::{Arc, mpsc};
