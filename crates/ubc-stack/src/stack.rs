@@ -1254,6 +1254,13 @@ impl File {
         self.inner.stats()
     }
 
+    /// Drop this layer's clean cached pages in `range`: the caller keeps a copy (see
+    /// [`ubc::File::drop_clean`]). The domains below keep theirs (a general layer's lower
+    /// bytes are not what the caller holds). Returns the pages dropped.
+    pub fn drop_clean(&self, range: Range<u64>) -> Result<u64> {
+        Ok(self.inner.drop_clean(range)?)
+    }
+
     /// The cache-level handle (no coherence: for diagnostics and tests).
     pub fn cache_file(&self) -> &ubc::File {
         &self.inner

@@ -195,6 +195,20 @@ impl File {
         self.live()?.invalidate(range.start, range.end, length)
     }
 
+    /// Drop the clean pages wholly inside bytes `range` (and the last page of the file, if
+    /// the range reaches the end) that nobody holds: the caller keeps a copy of them — the
+    /// kernel's page cache, which a FUSE read through a cached file just filled — so the
+    /// cache need not (exclusive caching: one copy in memory, not two). Dirty and held
+    /// pages stay; mapped ones leave the mappings as on eviction (they fault back in). A
+    /// later read fills dropped pages from the pager again. Returns the pages dropped.
+    pub fn drop_clean(&self, range: std::ops::Range<u64>) -> Result<u64> {
+        let o = self.live()?;
+        let ps = o.ps();
+        let from = range.start.div_ceil(1 << ps);
+        let to = if range.end >= o.len() { o.len().div_ceil(1 << ps) } else { range.end >> ps };
+        Ok(o.evict_clean_pages(from, to))
+    }
+
     /// Have `watcher` told of every change to this file's bytes or length, through any
     /// handle of it: a write or window store (its byte range), a resize (from the shorter
     /// length to `u64::MAX`), a punched hole, stores through a mapping (the pages found

@@ -81,12 +81,20 @@ impl Object {
 
     /// Evict every clean, unheld page (deactivation of a closed object). Returns pages freed.
     pub(crate) fn evict_clean(&self) -> u64 {
+        self.evict_clean_pages(0, u64::MAX)
+    }
+
+    /// Evict the clean, unheld pages among pages `[from, to)`. Returns pages freed.
+    pub(crate) fn evict_clean_pages(&self, from: u64, to: u64) -> u64 {
         let cs = self.res.geo.chunk_shift;
         let mut freed = 0;
-        self.table.for_each(0, u64::MAX, |chunk| {
+        if from >= to {
+            return 0;
+        }
+        self.table.for_each(from >> cs, ((to - 1) >> cs) + 1, |chunk| {
             let base = chunk.index << cs;
             let taken: Vec<u64> = (0..chunk.pages.len())
-                .filter(|&i| chunk.pages[i].try_lock_for_evict())
+                .filter(|&i| (from..to).contains(&(base + i as u64)) && chunk.pages[i].try_lock_for_evict())
                 .map(|i| base + i as u64)
                 .collect();
             if taken.is_empty() {

@@ -297,7 +297,7 @@ impl Object {
     }
 
     #[inline]
-    fn ps(&self) -> u32 {
+    pub(crate) fn ps(&self) -> u32 {
         self.res.geo.page_shift
     }
 

@@ -731,6 +731,11 @@ impl Filesystem for LayerFs {
                 n += k;
             }
             buf.truncate(n);
+            if h.cached {
+                // The kernel keeps these bytes now: ubc drops its clean copy (exclusive
+                // caching), so a file read through the mount is in memory once.
+                let _ = h.file.drop_clean(offset..offset + n as u64);
+            }
             Ok(buf)
         })();
         match r {
