@@ -1167,6 +1167,22 @@ impl File {
         Ok(self.inner.sync()?)
     }
 
+    /// Write the file's dirty data — through every layer — back into the store and wait
+    /// for it, without the store's own `sync` where the layers allow: what `close(2)` does
+    /// on a host file system that reports write-back errors at close (NFS). A failed write
+    /// into the store (`ENOSPC`, `EIO`) is returned, and the pages stay dirty. Every domain
+    /// holding dirty data is pushed down, top first, as for a read at the bottom; a layer
+    /// whose metadata can only follow durable data (zstd's commit) syncs as it is pushed
+    /// ([`Translate::flush_metadata`]), so through zstd this is a `sync`. Then the stored
+    /// bytes' pages are written. Durable only after [`File::sync`].
+    pub fn write_back(&self) -> Result<()> {
+        self.group.flush_dirty_above(0)?;
+        match self.group.domain(0) {
+            Some(d) => Ok(d.file.clean(0..u64::MAX)?),
+            None => Ok(()),
+        }
+    }
+
     /// Close the handle (see [`ubc::File::close`]): later calls fail, its byte-range locks
     /// are released, and a writeback failure of the file this handle has not been told
     /// about is returned (the handle is closed either way).

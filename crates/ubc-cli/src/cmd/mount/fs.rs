@@ -253,11 +253,19 @@ impl LayerFs {
         }
     }
 
-    /// Sync through `h`, as `flush`, `release` and `fsync` do.
+    /// Sync through `h`, as `fsync` does.
     fn sync(&self, h: &Handle) -> Result<()> {
         let r = h.sync().map_err(|e| errno(&e));
         // Written back into the domains below: their mounts' kernels drop the old bytes
-        // before the fsync (or close) returns.
+        // before the fsync returns.
+        self.kernels.wait_told();
+        r
+    }
+
+    /// Write back through `h`, as `flush` and `release` do.
+    fn write_back(&self, h: &Handle) -> Result<()> {
+        let r = h.write_back().map_err(|e| errno(&e));
+        // As for a sync: before the close returns.
         self.kernels.wait_told();
         r
     }
@@ -790,15 +798,16 @@ impl Filesystem for LayerFs {
     }
 
     /// Every `close` of a descriptor sends FLUSH, also a forked child's close of one it
-    /// inherited. Only the opener's close syncs (and reports write-back errors, as NFS
-    /// does); anybody else's returns at once, so that a program that forks (a shell, a
-    /// test harness) is never held up by a sync — which the last close (RELEASE) does anyway.
+    /// inherited. Only the opener's close writes back what it wrote (into the store, without
+    /// the store's fsync — durable at `fsync`, as on the host) and reports write-back errors,
+    /// as NFS does; anybody else's returns at once, so that a program that forks (a shell,
+    /// a test harness) is never held up — the last close (RELEASE) writes back anyway.
     fn flush(&self, req: &Request, _ino: INodeNo, fh: FileHandle, lock_owner: LockOwner, reply: ReplyEmpty) {
         // POSIX: closing any descriptor of a file drops the process's record locks on it.
         if let Ok(h) = self.handle(fh) {
             h.file.unlock_owner(ubc_stack::LockOwner(lock_owner.0));
         }
-        let r = self.handle(fh).and_then(|h| if h.pid == process_of(req.pid()) { self.sync(&h) } else { Ok(()) });
+        let r = self.handle(fh).and_then(|h| if h.pid == process_of(req.pid()) { self.write_back(&h) } else { Ok(()) });
         match r {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
@@ -822,7 +831,7 @@ impl Filesystem for LayerFs {
             h.file.funlock_as(ubc_stack::LockOwner(o.0));
             h.file.unlock_owner(ubc_stack::LockOwner(o.0));
         }
-        match h.map(|h| self.sync(&h)) {
+        match h.map(|h| self.write_back(&h)) {
             Some(Err(e)) => reply.error(e),
             _ => reply.ok(),
         }

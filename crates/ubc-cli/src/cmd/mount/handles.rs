@@ -36,6 +36,16 @@ impl Handle {
         self.written.load(SeqCst)
     }
 
+    /// Write back what was written through this handle (`ubc_stack::File::write_back`: into
+    /// the store, errors reported, not made durable) — what `close` does. Nothing for a
+    /// handle never written. The mark stays: the data is not synced.
+    pub(super) fn write_back(&self) -> ubc_stack::Result<()> {
+        if !self.written() {
+            return Ok(());
+        }
+        self.file.write_back()
+    }
+
     /// Sync the file. The mark is cleared first, so a write racing with the sync sets it
     /// again, and set again if the sync fails.
     pub(super) fn sync(&self) -> ubc_stack::Result<()> {

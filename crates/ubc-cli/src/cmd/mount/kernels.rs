@@ -174,18 +174,22 @@ impl Kernels {
         self.mounts.write().unwrap().push(Mount { id, domain, notifier, inodes });
     }
 
-    fn send(&self, n: News) {
-        self.queue.send(n);
+    /// Queue news of a mount's own name or attribute change, unless no other mount exists
+    /// to hear it (the common case of one mount: no notifier round trip).
+    fn send(&self, origin: usize, n: News) {
+        if self.mounts.read().unwrap().iter().any(|m| m.id != origin) {
+            self.queue.send(n);
+        }
     }
 
     /// Mount `origin` removed, replaced or made the entry `name` of directory `parent`.
     pub(super) fn entry_changed(&self, origin: usize, parent: &str, name: &std::ffi::OsStr) {
-        self.send(News::Entry { parent: parent.to_string(), name: name.to_os_string(), origin });
+        self.send(origin, News::Entry { parent: parent.to_string(), name: name.to_os_string(), origin });
     }
 
     /// Mount `origin` changed the attributes of `path` (mode, owner, times, links).
     pub(super) fn attr_changed(&self, origin: usize, path: &str) {
-        self.send(News::Attr { path: path.to_string(), origin });
+        self.send(origin, News::Attr { path: path.to_string(), origin });
     }
 
     /// Send the notices for `n` (on the notifier thread). A notice for a node the kernel

@@ -16,11 +16,13 @@
 //!
 //! Each mount runs `--threads` request threads (default: the cores, at least 4), each on
 //! its own clone of the session's `/dev/fuse` descriptor, so that one request waiting on a
-//! slow store does not hold up the others. `close` (FLUSH) syncs the file — and reports write-back errors —
-//! only when the process that opened it closes it; a close by anybody else (a forked child
+//! slow store does not hold up the others. `close` (FLUSH) writes back what was written
+//! through the file into the store (`ubc_stack::File::write_back`: no store fsync where the
+//! layers allow — `dir`, `aead`; through `zstd` it syncs), reporting write-back errors, only
+//! when the process that opened it closes it; a close by anybody else (a forked child
 //! closing the descriptors it inherited, at exec or exit) returns at once, so a program
-//! that forks is never held up by a sync. The last close (RELEASE) syncs too, in the
-//! background; `fsync` syncs.
+//! that forks is never held up by it. The last close (RELEASE) writes back too, in the
+//! background; `fsync` syncs (durable).
 //!
 //! # Shutdown
 //!
@@ -60,7 +62,8 @@
 //! descriptors (`fstat` included) and is gone, with every descriptor of it, at its last
 //! close.
 //!
-//! SIGKILL loses only what was not synced (`fsync`, the opener's `close`, or the shutdown):
+//! SIGKILL of the daemon loses only what was not written back (`fsync`, the opener's
+//! `close`, or the shutdown); a crash of the host, what was not synced (`fsync`):
 //! what a crash of the stack keeps is documented in docs/guarantees.md, section 2. Stores
 //! through a shared mapping reach the stack when the kernel writes the mapping back
 //! (`msync`); those not yet written back at the shutdown are not covered.
