@@ -649,3 +649,70 @@ fn a_file_created_and_synced_unwritten_leaves_its_stored_file_untouched() {
         s.top().remove("empty").unwrap();
     }
 }
+
+/// `Stack::watch` hears every change to a file's bytes in every domain: a write through
+/// the top layer in its own domain (direct), its write-back into each domain below (not
+/// direct: nothing above changed), a write through the bottom layer in domain 0 (direct:
+/// every layer above shows new bytes), and resizes (to `u64::MAX`).
+#[test]
+fn the_watcher_hears_every_change_in_every_domain_and_whether_it_was_made_there() {
+    let fx = fixture();
+    let stack = full_stack(&fx, cache());
+    let heard: Arc<std::sync::Mutex<Vec<ubc_stack::Change>>> = Arc::default();
+    let h = heard.clone();
+    assert!(stack.watch(Arc::new(move |c: &ubc_stack::Change| h.lock().unwrap().push(c.clone()))));
+    assert!(!stack.watch(Arc::new(|_: &ubc_stack::Change| {})), "one watcher per stack");
+    let (top, bottom) = (stack.top(), stack.layer(0).unwrap());
+    assert_eq!((bottom.domain(), stack.layer(1).unwrap().domain(), top.domain()), (0, 1, 2));
+
+    let f = top.create("w").unwrap();
+    let ident = f.cache_file().identity();
+    heard.lock().unwrap().clear();
+    f.write_at(b"hello", 10).unwrap();
+    let got = std::mem::take(&mut *heard.lock().unwrap());
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!((got[0].domain, got[0].range.clone(), got[0].direct), (2, 10..15, true));
+
+    f.sync().unwrap();
+    let got = std::mem::take(&mut *heard.lock().unwrap());
+    for d in [0, 1] {
+        assert!(got.iter().any(|c| c.domain == d && !c.direct), "no write-back into domain {d}: {got:?}");
+    }
+    assert!(got.iter().all(|c| !c.direct), "a sync makes no change in the domain it syncs: {got:?}");
+    // Every change names the stored file, whatever the domain.
+    let stored = bottom.open("w").unwrap().cache_file().identity().unwrap();
+    assert!(got.iter().all(|c| c.file == stored));
+    assert_ne!(ident, Some(stored.clone()), "the top domain's object is not the stored file");
+
+    let b = bottom.open_with("w", ubc_stack::OpenOptions::new().write(true)).unwrap();
+    b.write_at(b"x", 0).unwrap();
+    let got = std::mem::take(&mut *heard.lock().unwrap());
+    assert!(got.iter().any(|c| c.domain == 0 && c.direct && c.range == (0..1)), "{got:?}");
+
+    f.set_len(3).unwrap();
+    let got = std::mem::take(&mut *heard.lock().unwrap());
+    assert!(got.iter().any(|c| c.domain == 2 && c.direct && c.range.end == u64::MAX), "{got:?}");
+}
+
+/// `File::drop_clean` frees the clean pages the caller says it holds a copy of, keeps dirty
+/// ones, and the data reads the same afterwards (from the store again).
+#[test]
+fn drop_clean_frees_clean_pages_and_keeps_dirty_ones() {
+    let fx = fixture();
+    let c = cache();
+    let stack = Stack::open(&format!("dir:{}", fx.data.display()), c.clone()).unwrap();
+    let data: Vec<u8> = (0..1 << 20).map(|i: u32| (i * 7 % 251) as u8).collect();
+    let f = stack.top().create("d").unwrap();
+    f.write_at(&data, 0).unwrap();
+    f.sync().unwrap();
+    assert_eq!(read_all(&f), data);
+    let before = c.stats().totals.resident_bytes;
+    f.write_at(b"dirty", 4096 * 10).unwrap();
+    let dropped = f.drop_clean(0..1 << 20).unwrap();
+    assert!(dropped >= 200, "dropped {dropped} pages of 256");
+    let after = c.stats().totals.resident_bytes;
+    assert!(after + dropped * 4096 <= before + 4096, "resident {before} -> {after} after dropping {dropped} pages");
+    let mut want = data.clone();
+    want[4096 * 10..4096 * 10 + 5].copy_from_slice(b"dirty");
+    assert_eq!(read_all(&f), want, "the dirty page stayed and the rest came back from the store");
+}
