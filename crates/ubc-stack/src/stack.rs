@@ -701,12 +701,22 @@ impl Inner {
     }
 
     /// The file token of `path` as seen at `level`, if it is a regular file whose only name
-    /// this is (its data goes with the name). Opens it: never a FIFO, which would wait for
-    /// a writer.
+    /// this is (its data goes with the name), and the identity of a cache object of it to
+    /// forget with the group's. Over a host directory the token is found by the stored
+    /// file's key — (dev, ino), which `getattr` shows at every layer — without opening the
+    /// file: the group in use or idle, else a new empty one (nothing open, so nothing to
+    /// detach but the stored bytes' closed object, which the cache may keep; upper domains'
+    /// objects go when a group closes). Opening only to forget cost an open of every layer —
+    /// a header read through aead — per `unlink`. Other stores (memory) are opened to find
+    /// their key; never a FIFO, which would wait for a writer.
     fn group_of(self: &Arc<Self>, level: usize, path: &str) -> Option<(Use, Option<ubc::Identity>)> {
         let a = self.layers[level].getattr(path).ok()?;
         if a.kind != Kind::File || a.nlink > 1 {
             return None;
+        }
+        if self.layers[0].spec().starts_with("dir:") {
+            let id = ubc::Identity::HostFile { dev: a.dev, ino: a.ino };
+            return Some((self.take(GroupKey::Data(id.clone())), Some(id)));
         }
         let node = self.open_node(level, path, false).ok()?;
         let id = node.file.identity();
