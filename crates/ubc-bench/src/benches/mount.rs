@@ -38,7 +38,7 @@
 //!   fsync every 100, while another thread reads each record back as it arrives, checking
 //!   it; 20,000 records). Every step checks its result and the row fails loudly otherwise.
 //!
-//! Every child command and every workload has a timeout (300 s): a hung mount fails the
+//! Every child command and every workload has a timeout (300 s, `UBC_MOUNT_TIMEOUT`): a hung mount fails the
 //! benchmark with the daemon's threads' kernel stacks and its stderr, saved under
 //! `<scratch>/../mount-logs/`. The mounts are unmounted in a drop guard whatever happens.
 
@@ -53,7 +53,10 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 const BUDGET_MIB: u64 = 64;
-const TIMEOUT: Duration = Duration::from_secs(300);
+/// The limit on every child command and workload; `UBC_MOUNT_TIMEOUT` (seconds) overrides.
+fn timeout() -> Duration {
+    Duration::from_secs(std::env::var("UBC_MOUNT_TIMEOUT").ok().and_then(|v| v.parse().ok()).unwrap_or(300))
+}
 const STACKED_TAIL: &str = " | aead:keyfile=KEY | zstd";
 
 /// The running mounts, for the diagnosis of a hang: (name, daemon pid, stderr file).
@@ -107,6 +110,24 @@ fn diagnose(pid: u32) -> String {
     s
 }
 
+/// The processes of process group `pgid` (a command and the children it forked: fio runs
+/// each job in a process of its own).
+fn group_members(pgid: u32) -> Vec<u32> {
+    let mut v: Vec<u32> = std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|p| {
+            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+            // Fields after the command: state ppid pgrp ...
+            stat.rsplit_once(") ").and_then(|x| x.1.split_whitespace().nth(2)?.parse::<u32>().ok()) == Some(pgid)
+        })
+        .collect();
+    v.sort();
+    v
+}
+
 /// Fail loudly: the message, what every running mount is doing and the tail of its stderr,
 /// also saved under the logs directory.
 fn fail(msg: &str) -> ! {
@@ -130,10 +151,10 @@ fn within<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static)
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
         let _ = tx.send(r);
     });
-    match rx.recv_timeout(TIMEOUT) {
+    match rx.recv_timeout(timeout()) {
         Ok(Ok(v)) => v,
         Ok(Err(p)) => std::panic::resume_unwind(p),
-        Err(_) => fail(&format!("TIMEOUT: {what} did not finish in {} s (hung?)", TIMEOUT.as_secs())),
+        Err(_) => fail(&format!("TIMEOUT: {what} did not finish in {} s (hung?)", timeout().as_secs())),
     }
 }
 
@@ -143,7 +164,9 @@ fn run_cmd(what: &str, cmd: &mut Command, cwd: &Path) -> (f64, String) {
     let logs = logs_dir();
     let out_path = logs.join("cmd.stdout");
     let err_path = logs.join("cmd.stderr");
+    use std::os::unix::process::CommandExt;
     cmd.current_dir(cwd)
+        .process_group(0)
         .stdin(Stdio::null())
         .stdout(std::fs::File::create(&out_path).expect("stdout file"))
         .stderr(std::fs::File::create(&err_path).expect("stderr file"));
@@ -154,13 +177,16 @@ fn run_cmd(what: &str, cmd: &mut Command, cwd: &Path) -> (f64, String) {
     std::thread::spawn(move || {
         let _ = tx.send(child.wait());
     });
-    let status = match rx.recv_timeout(TIMEOUT) {
+    let status = match rx.recv_timeout(timeout()) {
         Ok(s) => s.expect("wait"),
         Err(_) => {
-            let d = diagnose(pid);
-            // SAFETY: plain kill of our own child.
-            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-            fail(&format!("TIMEOUT: {what} ({cmd:?}) ran over {} s; the command's threads:\n{d}", TIMEOUT.as_secs()))
+            let d: String = group_members(pid).into_iter().map(|p| format!("process {p}:\n{}", diagnose(p))).collect();
+            // SAFETY: plain kill of our own child's process group.
+            unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
+            fail(&format!(
+                "TIMEOUT: {what} ({cmd:?}) ran over {} s; the command's processes:\n{d}",
+                timeout().as_secs()
+            ))
         }
     };
     let secs = t.elapsed().as_secs_f64();
@@ -233,12 +259,12 @@ impl Mount {
             if let Some(st) = child.try_wait().expect("try_wait") {
                 break st;
             }
-            if t.elapsed() > TIMEOUT {
+            if t.elapsed() > timeout() {
                 self.child = Some(child);
                 fail(&format!(
                     "TIMEOUT: ubc mount {} did not exit within {} s of SIGTERM",
                     self.name,
-                    TIMEOUT.as_secs()
+                    timeout().as_secs()
                 ));
             }
             std::thread::sleep(Duration::from_millis(10));
