@@ -4,6 +4,7 @@
 pub mod cached;
 pub mod mach61;
 pub mod map;
+pub mod mount;
 pub mod policy;
 pub mod seq;
 pub mod stack;
@@ -45,5 +46,6 @@ pub fn all() -> Vec<(&'static str, BenchFn)> {
         ("stack_randwrite", stack::run_randwrite as BenchFn),
         ("mach61", mach61::run as BenchFn),
         ("ws", ws::run as BenchFn),
+        ("mount", mount::run as BenchFn),
     ]
 }
