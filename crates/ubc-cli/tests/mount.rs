@@ -1257,3 +1257,35 @@ fn kernel_caches_of_every_mount_follow_changes_through_the_others() {
     drop((f2, w));
     d.unmount();
 }
+
+/// Appends (`O_APPEND`: direct I/O, at the end as the stack knows it) are read at once
+/// through a kernel-cached descriptor of the same file on the same mount, and through
+/// another mount: records of 1,000 bytes straddle pages, so a page cached before an append
+/// filled the rest of it would show old bytes (zeros or a short read).
+#[test]
+fn appends_are_read_at_once_through_cached_descriptors_of_every_mount() {
+    if !fuse_available() {
+        return;
+    }
+    let (t, spec, mnt) = stack_dir(" | null");
+    let mnt2 = t.path().join("mnt2");
+    let mut d = Daemon::start(&spec, &[(0, &mnt), (1, &mnt2)], &[], &t.path().join("err"));
+    std::fs::write(mnt.join("log"), b"").unwrap();
+    let w = std::fs::OpenOptions::new().append(true).open(mnt.join("log")).unwrap();
+    let same = std::fs::File::open(mnt.join("log")).unwrap();
+    let other = std::fs::File::open(mnt2.join("log")).unwrap();
+    let mut model = Vec::new();
+    for i in 0..600 {
+        let rec: Vec<u8> = format!("{i:07},").repeat(125).into_bytes();
+        use std::io::Write;
+        (&w).write_all(&rec).unwrap();
+        model.extend_from_slice(&rec);
+        for (name, f) in [("the same mount", &same), ("the other mount", &other)] {
+            let mut got = vec![0u8; model.len() + 10];
+            let n = read_full(f, &mut got, 0);
+            assert!(n == model.len() && got[..n] == model[..], "append {i}: read through {name}: {n} bytes");
+        }
+    }
+    drop((w, same, other));
+    d.unmount();
+}

@@ -7,7 +7,7 @@
 //! `target/release/ubc mount … --budget 64` (the `ubc` binary next to this executable),
 //! started as a child process, waited for in `/proc/self/mountinfo`, and stopped with
 //! SIGTERM (the daemon syncs and must exit 0). Extra mount options come from the environment
-//! variable `UBC_MOUNT_ARGS` (split on whitespace, appended), e.g. `--kernel-cache`; every
+//! variable `UBC_MOUNT_ARGS` (split on whitespace, appended), e.g. `--cache direct`; every
 //! note says which were used.
 //!
 //! Rows (ratio > 1 means the mount is better):
@@ -858,7 +858,7 @@ pub fn run(ctx: &Ctx) -> Vec<Record> {
     let host_fs = host_fs_name(&host.dir);
     let note_side = |stacked: bool| {
         format!(
-            "{}; budget {BUDGET_MIB} MiB; host: {host_fs}; mount: FOPEN_DIRECT_IO, TTL 0, 4 request threads unless UBC_MOUNT_ARGS says otherwise",
+            "{}; budget {BUDGET_MIB} MiB; host: {host_fs}; mount defaults: --cache kernel (pages, attributes and names cached by the kernel, kept coherent), attr timeout 60 s, threads = max(cores, 4), unless UBC_MOUNT_ARGS says otherwise",
             mount_desc(stacked)
         )
     };

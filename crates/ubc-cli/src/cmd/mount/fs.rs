@@ -45,6 +45,10 @@ pub(super) struct LayerFs {
     kernels: Arc<Kernels>,
     handles: Arc<Handles>,
     gate: Arc<Gate>,
+    /// The kernel drops the cached pages a direct write overwrites (it granted
+    /// `FUSE_DIRECT_IO_ALLOW_MMAP`, Linux 6.6+, whose direct writes keep the page cache of
+    /// a mapped file coherent): a direct write through this mount is not news to it.
+    direct_write_drops_pages: bool,
     /// Requests the kernel interrupted, for the lock waits (`waits`).
     interrupts: Arc<Interrupts>,
 }
@@ -116,6 +120,7 @@ impl LayerFs {
             handles,
             gate,
             interrupts: Arc::default(),
+            direct_write_drops_pages: false,
         }
     }
 
@@ -324,7 +329,7 @@ impl Filesystem for LayerFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
         // Shared mmap of direct-I/O files (Linux >= 6.6; appends are direct even with the
         // kernel's cache on); without it MAP_SHARED of them gives ENODEV.
-        let _ = config.add_capabilities(InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP);
+        self.direct_write_drops_pages = config.add_capabilities(InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP).is_ok();
         // Lookups and readdirs of one directory at once (they only read the layer), and,
         // while the kernel caches, symlink targets (a link's target never changes: a new
         // one is a new inode, whose entry the other mounts are told of).
@@ -771,7 +776,11 @@ impl Filesystem for LayerFs {
             let h = self.handle(fh)?;
             // The kernel copied the bytes into its page cache (or writes back its own dirty
             // pages: a store through a mapping): not news to it.
-            let own = h.cached || write_flags.contains(WriteFlags::FUSE_WRITE_CACHE);
+            // A direct write drops the pages it overwrites from the kernel's cache by itself
+            // on kernels with FUSE_DIRECT_IO_ALLOW_MMAP (6.6+; `direct_write_drops_pages`).
+            let own = h.cached
+                || write_flags.contains(WriteFlags::FUSE_WRITE_CACHE)
+                || (h.append && self.direct_write_drops_pages);
             let _origin = own.then(|| Origin::enter(self.id));
             // O_APPEND: at the end as the stack knows it (the kernel's idea of the size may be
             // stale: other mounts), read and written in one step against other appenders.
