@@ -1243,7 +1243,19 @@ fn kernel_caches_of_every_mount_follow_changes_through_the_others() {
     assert_ne!(before, on_disk);
     assert_eq!(std::fs::read(m0.join("f")).unwrap(), on_disk);
 
-    // Names and attributes: looked up (cached for 60 s) through m2, changed through m3.
+    // Names and attributes: looked up and listed (cached for 60 s) through m2, changed
+    // through m3.
+    let list = |d: &Path| {
+        let mut v: Vec<String> =
+            std::fs::read_dir(d).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(list(&m2), ["f"]);
+    std::fs::write(m3.join("made"), b"m").unwrap();
+    assert_eq!(list(&m2), ["f", "made"], "a listing through m2 after a create through m3");
+    std::fs::remove_file(m3.join("made")).unwrap();
+    assert_eq!(list(&m2), ["f"], "a listing through m2 after a remove through m3");
     std::fs::write(m2.join("g"), b"gee").unwrap();
     assert_eq!(std::fs::read(m2.join("g")).unwrap(), b"gee");
     use std::os::unix::fs::PermissionsExt;

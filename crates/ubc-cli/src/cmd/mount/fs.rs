@@ -293,10 +293,9 @@ impl LayerFs {
     }
 
     /// Tell the other mounts' kernels that the entry `name` of `parent` changed (removed,
-    /// replaced or made), and with it the directory's attributes.
+    /// replaced or made), and with it the directory's attributes and listing.
     fn entry_changed(&self, parent: &str, name: &OsStr) {
         self.kernels.entry_changed(self.id, parent, name);
-        self.kernels.attr_changed(self.id, parent);
     }
 
     /// `unlink` and `rmdir`: `remove` the entry `name` of `parent` from the layer, then
@@ -1073,6 +1072,19 @@ impl Filesystem for LayerFs {
     fn interrupt(&self, unique: fuser::RequestId) -> bool {
         self.interrupts.note(unique.0);
         true
+    }
+
+    /// With the kernel's caches on, it keeps a directory's listing (`FOPEN_CACHE_DIR`, across
+    /// opens: `FOPEN_KEEP_CACHE`) until the directory changes: through this mount the kernel
+    /// drops it itself; a change through another reaches it as an invalidation of the
+    /// directory's pages (`kernels`), where the listing lives.
+    fn opendir(&self, _req: &Request, _ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        let flags = if self.caching.data {
+            FopenFlags::FOPEN_CACHE_DIR | FopenFlags::FOPEN_KEEP_CACHE
+        } else {
+            FopenFlags::empty()
+        };
+        reply.opened(FileHandle(0), flags)
     }
 
     fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {

@@ -18,7 +18,9 @@
 //!   above changes nothing above.
 //! * **names and attributes** from the mounts' own request handlers: a name removed,
 //!   renamed or made (`FUSE_NOTIFY_INVAL_ENTRY` in every other mount that knows the parent
-//!   directory), attributes set (`FUSE_NOTIFY_INVAL_INODE` with no range: attributes only).
+//!   directory, and `FUSE_NOTIFY_INVAL_INODE` of the directory: its attributes and its
+//!   cached listing, `FOPEN_CACHE_DIR`), attributes set (`FUSE_NOTIFY_INVAL_INODE` with no
+//!   range: attributes only).
 //!
 //! Notices are sent by one thread of their own, never by the thread that made the change:
 //! the kernel's invalidation waits for locked pages, and a page stays locked while a read
@@ -213,6 +215,9 @@ impl Kernels {
                 for m in mounts.iter().filter(|m| m.id != origin) {
                     let Some(dir) = m.inodes.read().unwrap().known(&parent) else { continue };
                     let _ = m.notifier.inval_entry(INodeNo(dir), &name);
+                    // The directory's attributes (mtime, links) and its cached listing, which
+                    // the kernel keeps in the directory's pages.
+                    let _ = m.notifier.inval_inode(INodeNo(dir), 0, 0);
                 }
             }
             News::Attr { path, origin } => {
