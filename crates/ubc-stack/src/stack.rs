@@ -1183,7 +1183,7 @@ impl File {
     /// into the store (`ENOSPC`, `EIO`) is returned, and the pages stay dirty. Every domain
     /// holding dirty data is pushed down, top first, as for a read at the bottom; a layer
     /// whose metadata can only follow durable data (zstd's commit) syncs as it is pushed
-    /// ([`Translate::flush_metadata`]), so through zstd this is a `sync`. Then the stored
+    /// ([`crate::Translate::flush_metadata`]), so through zstd this is a `sync`. Then the stored
     /// bytes' pages are written. Durable only after [`File::sync`].
     pub fn write_back(&self) -> Result<()> {
         self.group.flush_dirty_above(0)?;
