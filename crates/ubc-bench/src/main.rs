@@ -55,23 +55,6 @@ fn loadavg() -> String {
         .unwrap_or_default()
 }
 
-/// The file system holding `dir` (longest matching mount point): "ext4 on /dev/vda".
-fn file_system(dir: &std::path::Path) -> String {
-    let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
-    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    mounts
-        .lines()
-        .filter_map(|l| {
-            let (pre, post) = l.split_once(" - ")?;
-            let mp = pre.split_whitespace().nth(4)?;
-            let mut p = post.split_whitespace();
-            let (fs, src) = (p.next()?, p.next()?);
-            dir.starts_with(mp).then(|| (mp.len(), format!("{fs} on {src}")))
-        })
-        .max_by_key(|x| x.0)
-        .map_or_else(|| "unknown file system".into(), |x| x.1)
-}
-
 fn main() {
     // The memory-limited kernel baseline of `zipf_mixed` runs in a child process.
     if let Ok(spec) = std::env::var(benches::zipf::CHILD_ENV) {
@@ -103,7 +86,7 @@ fn main() {
     let m = format!(
         "{}; scratch files on {} ({}); load average {} at the start, {} at the end{}",
         machine(),
-        file_system(&dir),
+        util::file_system(&dir),
         dir.display(),
         load_start,
         loadavg(),

@@ -382,3 +382,20 @@ impl Drop for SharedMap {
         unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
     }
 }
+
+/// The file system holding `dir` (longest matching mount point): "ext4 on /dev/vda".
+pub fn file_system(dir: &Path) -> String {
+    let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    mounts
+        .lines()
+        .filter_map(|l| {
+            let (pre, post) = l.split_once(" - ")?;
+            let mp = pre.split_whitespace().nth(4)?;
+            let mut p = post.split_whitespace();
+            let (fs, src) = (p.next()?, p.next()?);
+            dir.starts_with(mp).then(|| (mp.len(), format!("{fs} on {src}")))
+        })
+        .max_by_key(|x| x.0)
+        .map_or_else(|| "unknown file system".into(), |x| x.1)
+}

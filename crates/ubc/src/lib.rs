@@ -52,14 +52,10 @@ pub use error::{Error, PagerOp, Result};
 pub use file::{File, Window, WindowMut};
 pub use mapping::Mapping;
 pub use memfd::Sharing;
-pub use object::Length;
+pub use object::{Length, Watcher};
 pub use pager::file::Access;
 pub use pager::{Fill, Identity, IoMode, Pager, Seek};
 pub use stats::{CacheStats, Stats};
-
-/// Told of the byte ranges of a file that changed, and whether by stores through a
-/// mapping (see [`File::watch`]).
-pub type Watcher = std::sync::Arc<dyn Fn(std::ops::Range<u64>, bool) + Send + Sync>;
 
 /// The README's examples are compiled and run as doctests.
 #[doc = include_str!("../../../README.md")]

@@ -855,7 +855,7 @@ pub fn run(ctx: &Ctx) -> Vec<Record> {
     let len = ctx.scale(256 * MIB, 64 * MIB);
     let fio_secs = ctx.scale(8, 3);
     let prog_runs = if ctx.quick { 1 } else { ctx.runs };
-    let host_fs = host_fs_name(&host.dir);
+    let host_fs = crate::util::file_system(&host.dir);
     let note_side = |stacked: bool| {
         format!(
             "{}; budget {BUDGET_MIB} MiB; host: {host_fs}; mount defaults: --cache kernel (pages, attributes and names cached by the kernel, kept coherent), attr timeout 60 s, threads = max(cores, 4), unless UBC_MOUNT_ARGS says otherwise",
@@ -939,12 +939,7 @@ pub fn run(ctx: &Ctx) -> Vec<Record> {
         });
     }
     for row in fio_rows(len, fio_secs) {
-        let mut s: [Vec<f64>; 3] = Default::default();
-        for _ in 0..ctx.runs {
-            for (i, side) in sides.iter().enumerate() {
-                s[i].push(fio_sample(&row, side, &cwd));
-            }
-        }
+        let s = per_side(ctx.runs, &sides, |side| fio_sample(&row, side, &cwd));
         let note = format!(
             "fio {} on {} MiB{}, file laid out and read once before",
             row.opts,
@@ -958,12 +953,7 @@ pub fn run(ctx: &Ctx) -> Vec<Record> {
     }
 
     let nsmall = ctx.scale(10_000, 2_000) as usize;
-    let mut s: [Vec<f64>; 3] = Default::default();
-    for _ in 0..ctx.runs {
-        for (i, side) in sides.iter().enumerate() {
-            s[i].push(nsmall as f64 / smallfiles(&side.dir, nsmall));
-        }
-    }
+    let s = per_side(ctx.runs, &sides, |side| nsmall as f64 / smallfiles(&side.dir, nsmall));
     push(
         "mount_smallfiles",
         "files/s",
@@ -975,12 +965,7 @@ pub fn run(ctx: &Ctx) -> Vec<Record> {
     );
 
     let nrec = ctx.scale(20_000, 5_000);
-    let mut s: [Vec<f64>; 3] = Default::default();
-    for _ in 0..ctx.runs {
-        for (i, side) in sides.iter().enumerate() {
-            s[i].push(nrec as f64 / append_read(&side.dir, nrec));
-        }
-    }
+    let s = per_side(ctx.runs, &sides, |side| nrec as f64 / append_read(&side.dir, nrec));
     push(
         "mount_append_read",
         "records/s",
@@ -1006,12 +991,7 @@ pub fn run(ctx: &Ctx) -> Vec<Record> {
             &cwd,
         );
         let tar_mib = std::fs::metadata(&tarball).map_or(0, |m| m.len() >> 20);
-        let mut s: [Vec<f64>; 3] = Default::default();
-        for _ in 0..prog_runs {
-            for (i, side) in sides.iter().enumerate() {
-                s[i].push(tree(side, &tarball, &src, &cwd));
-            }
-        }
+        let s = per_side(prog_runs, &sides, |side| tree(side, &tarball, &src, &cwd));
         push(
             "mount_tree",
             "s",
@@ -1028,12 +1008,7 @@ pub fn run(ctx: &Ctx) -> Vec<Record> {
     }
 
     let gitfiles = 300;
-    let mut s: [Vec<f64>; 3] = Default::default();
-    for _ in 0..prog_runs {
-        for (i, side) in sides.iter().enumerate() {
-            s[i].push(git(side, gitfiles, &cwd));
-        }
-    }
+    let s = per_side(prog_runs, &sides, |side| git(side, gitfiles, &cwd));
     push(
         "mount_git",
         "s",
@@ -1046,12 +1021,7 @@ pub fn run(ctx: &Ctx) -> Vec<Record> {
 
     let (n, u) = (ctx.scale(200_000, 50_000), ctx.scale(20_000, 5_000));
     for wal in [false, true] {
-        let mut s: [Vec<f64>; 3] = Default::default();
-        for _ in 0..prog_runs {
-            for (i, side) in sides.iter().enumerate() {
-                s[i].push(sqlite(side, wal, n, u, &cwd));
-            }
-        }
+        let s = per_side(prog_runs, &sides, |side| sqlite(side, wal, n, u, &cwd));
         push(
             if wal { "mount_sqlite_wal" } else { "mount_sqlite" },
             "s",
@@ -1070,18 +1040,13 @@ pub fn run(ctx: &Ctx) -> Vec<Record> {
     out
 }
 
-/// "ext4 on /dev/vda" for the directory (longest matching mount point).
-fn host_fs_name(dir: &Path) -> String {
-    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    mounts
-        .lines()
-        .filter_map(|l| {
-            let (pre, post) = l.split_once(" - ")?;
-            let mp = pre.split_whitespace().nth(4)?;
-            let mut p = post.split_whitespace();
-            let (fs, src) = (p.next()?, p.next()?);
-            dir.starts_with(mp).then(|| (mp.len(), format!("{fs} on {src}")))
-        })
-        .max_by_key(|x| x.0)
-        .map_or_else(|| "unknown file system".into(), |x| x.1)
+/// `runs` samples of `f` on each side (host, dir mount, stacked mount), in alternation.
+fn per_side(runs: usize, sides: &[Side], mut f: impl FnMut(&Side) -> f64) -> [Vec<f64>; 3] {
+    let mut s: [Vec<f64>; 3] = Default::default();
+    for _ in 0..runs {
+        for (i, side) in sides.iter().enumerate() {
+            s[i].push(f(side));
+        }
+    }
+    s
 }

@@ -86,6 +86,10 @@ impl ObjectKey {
     }
 }
 
+/// Told of the byte ranges of a file that changed, and whether by stores through a
+/// mapping (see [`crate::File::watch`]).
+pub type Watcher = std::sync::Arc<dyn Fn(std::ops::Range<u64>, bool) + Send + Sync>;
+
 pub(crate) struct Object {
     pub(crate) id: u64,
     /// Ourselves, for handing work to I/O threads.
@@ -136,7 +140,7 @@ pub(crate) struct Object {
     /// Writeback failures, reported to every handle once (see `errseq.rs`).
     pub(crate) wb_errors: crate::errseq::WbErrors,
     /// Told of every change to the bytes or the length (see [`crate::File::watch`]).
-    watcher: OnceLock<crate::Watcher>,
+    watcher: OnceLock<Watcher>,
 }
 
 impl Object {
@@ -182,7 +186,7 @@ impl Object {
     }
 
     /// Set the watcher; false if one was set already (it stays).
-    pub(crate) fn set_watcher(&self, w: crate::Watcher) -> bool {
+    pub(crate) fn set_watcher(&self, w: Watcher) -> bool {
         self.watcher.set(w).is_ok()
     }
 
