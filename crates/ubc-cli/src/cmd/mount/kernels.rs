@@ -42,7 +42,7 @@ use super::inodes::Inodes;
 use fuser::{INodeNo, Notifier};
 use std::ffi::OsString;
 use std::ops::Range;
-use std::sync::{Arc, Condvar, Mutex, RwLock, mpsc};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock, mpsc};
 use std::time::{Duration, Instant};
 use ubc_stack::Change;
 
@@ -68,7 +68,9 @@ enum News {
 
 /// Every mount of the daemon, and the channel to the notifier thread.
 pub(super) struct Kernels {
-    mounts: RwLock<Vec<Mount>>,
+    /// Set once, before any mount serves a request: read without a lock by the watcher
+    /// (on threads holding cache locks) and the notifier (while it waits for the kernel).
+    mounts: OnceLock<Vec<Mount>>,
     queue: Queue,
 }
 
@@ -122,7 +124,7 @@ impl Kernels {
     pub(super) fn start() -> (Arc<Kernels>, ubc_stack::ChangeWatcher) {
         let (tx, rx) = mpsc::channel::<(u64, News)>();
         let queue = Queue { tx: Mutex::new((tx, 0)), done: Mutex::new(0), done_cv: Condvar::new() };
-        let k = Arc::new(Kernels { mounts: RwLock::new(Vec::new()), queue });
+        let k = Arc::new(Kernels { mounts: OnceLock::new(), queue });
         let weak = Arc::downgrade(&k);
         std::thread::Builder::new()
             .name("ubc-kernel-notify".into())
@@ -139,7 +141,7 @@ impl Kernels {
         let watcher: ubc_stack::ChangeWatcher = Arc::new(move |c: &Change| {
             let origin = ORIGIN.with(|o| o.get());
             if let Some(k) = weak.upgrade()
-                && k.mounts.read().unwrap().iter().any(|m| m.span(c, origin).is_some())
+                && k.mounts().iter().any(|m| m.span(c, origin).is_some())
             {
                 k.queue.send(News::Data(c.clone(), origin));
             }
@@ -171,15 +173,22 @@ impl Kernels {
         }
     }
 
-    /// Register mount `id` (its layer's files in `domain`).
-    pub(super) fn add(&self, id: usize, domain: usize, notifier: Notifier, inodes: Arc<RwLock<Inodes>>) {
-        self.mounts.write().unwrap().push(Mount { id, domain, notifier, inodes });
+    /// Register every mount: `(id, domain its layer's files live in, notifier, inode table)`.
+    /// Once, before any of them serves a request.
+    pub(super) fn set_mounts(&self, mounts: Vec<(usize, usize, Notifier, Arc<RwLock<Inodes>>)>) {
+        let v =
+            mounts.into_iter().map(|(id, domain, notifier, inodes)| Mount { id, domain, notifier, inodes }).collect();
+        assert!(self.mounts.set(v).is_ok(), "the mounts are registered once");
+    }
+
+    fn mounts(&self) -> &[Mount] {
+        self.mounts.get().map_or(&[], |v| v)
     }
 
     /// Queue news of a mount's own name or attribute change, unless no other mount exists
     /// to hear it (the common case of one mount: no notifier round trip).
     fn send(&self, origin: usize, n: News) {
-        if self.mounts.read().unwrap().iter().any(|m| m.id != origin) {
+        if self.mounts().iter().any(|m| m.id != origin) {
             self.queue.send(n);
         }
     }
@@ -197,7 +206,7 @@ impl Kernels {
     /// Send the notices for `n` (on the notifier thread). A notice for a node the kernel
     /// has forgotten fails with ENOENT, which is fine: it holds nothing of it.
     fn tell(&self, n: News) {
-        let mounts = self.mounts.read().unwrap();
+        let mounts = self.mounts();
         match n {
             News::Data(c, origin) => {
                 let key = match &c.file {

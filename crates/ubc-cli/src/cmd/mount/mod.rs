@@ -220,6 +220,11 @@ pub fn run(a: Args) -> Result<()> {
     let mut unmounters: Vec<SessionUnmounter> = Vec::new();
     // Each mount's id in the mount table, if it was found.
     let mut ids: Vec<Option<u64>> = Vec::new();
+    // The sessions, mounted but not yet served, and what the notifier needs of each: every
+    // mount is registered before any serves a request, so the list never changes while
+    // requests run (the notifier and the stack's watcher read it without a lock).
+    let mut sessions_to_run = Vec::new();
+    let mut kernel_mounts = Vec::new();
     for (id, (layer, mp)) in layers.into_iter().enumerate() {
         let handles = Arc::new(Handles::new());
         let inodes = Arc::new(std::sync::RwLock::new(Inodes::new()));
@@ -265,11 +270,15 @@ pub fn run(a: Args) -> Result<()> {
             }
         };
         unmounters.push(session.unmount_callable());
-        kernels.add(id, domain, session.notifier(), inodes);
+        kernel_mounts.push((id, domain, session.notifier(), inodes));
         let id = mounts::ubc_ids(&canon).into_iter().filter(|i| !before.contains(i)).max();
         let connection = mounts::table().into_iter().find(|m| Some(m.id) == id).map(|m| m.minor);
         daemon.add_mount(mp.clone(), canon, handles, connection);
         ids.push(id);
+        sessions_to_run.push((session, mp));
+    }
+    kernels.set_mounts(kernel_mounts);
+    for (session, mp) in sessions_to_run {
         let name = format!("ubc-mount-{}", mp.display());
         let tx = tx.clone();
         std::thread::Builder::new()
