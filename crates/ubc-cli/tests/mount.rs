@@ -1301,3 +1301,83 @@ fn appends_are_read_at_once_through_cached_descriptors_of_every_mount() {
     drop((w, same, other));
     d.unmount();
 }
+
+/// One mount gets the kernel's write-back cache (`--cache writeback`, the default then):
+/// writes stay in the kernel until it sends them; `SEEK_DATA` finds bytes that are still
+/// there; a close puts them in the store (a SIGKILL after it loses nothing) with the
+/// modification time the kernel showed; appends of two writers never overwrite each other;
+/// and with two mounts `--cache writeback` is refused.
+#[test]
+fn one_mount_keeps_writes_in_the_kernel_and_a_close_puts_them_in_the_store_with_their_times() {
+    if !fuse_available() {
+        return;
+    }
+    let (t, spec, mnt) = stack_dir("");
+    let mut d = Daemon::start(&spec, &[(0, &mnt)], &[], &t.path().join("err"));
+    let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(mnt.join("w")).unwrap();
+    for k in 0..300u64 {
+        f.write_all_at(&record(k), k * REC as u64).unwrap();
+    }
+    let far = 10u64 << 20;
+    f.write_all_at(b"far", far).unwrap();
+    let seek = |off: u64, whence: i32| {
+        // SAFETY: lseek takes the descriptor and integers.
+        unsafe { libc::lseek(std::os::fd::AsRawFd::as_raw_fd(&f), off as i64, whence) }
+    };
+    // The bytes at `far` may be in the kernel only: the mount pulls them before it answers.
+    assert_eq!(seek(5 << 20, libc::SEEK_DATA), far as i64, "SEEK_DATA past the hole");
+    let hole = seek(0, libc::SEEK_HOLE);
+    assert!(hole >= 300 * REC as i64 && hole < (5 << 20), "SEEK_HOLE from 0: {hole}");
+    std::thread::sleep(Duration::from_millis(30));
+    f.write_all_at(&record(7), 7 * REC as u64).unwrap();
+    let shown = f.metadata().unwrap().modified().unwrap();
+    drop(f);
+    d.signal(libc::SIGKILL);
+    let _ = d.wait(Duration::from_secs(20));
+    assert!(Command::new("fusermount3").args(["-u", "-z"]).arg(&mnt).status().unwrap().success());
+    let host = t.path().join("data/w");
+    let got = std::fs::read(&host).unwrap();
+    let mut want: Vec<u8> = (0..300u64).flat_map(record).collect();
+    want.resize(far as usize, 0);
+    want.extend_from_slice(b"far");
+    assert!(got == want, "the closed file in the store (len {} vs {})", got.len(), want.len());
+    assert_eq!(std::fs::metadata(&host).unwrap().modified().unwrap(), shown, "the store's mtime");
+
+    // Two appenders (O_APPEND through the kernel's cache: it places them at its end).
+    let mut d = Daemon::start(&spec, &[(0, &mnt)], &[], &t.path().join("err2"));
+    let path = mnt.join("log");
+    let writers: Vec<_> = [0u64, 1000]
+        .into_iter()
+        .map(|base| {
+            let path = path.clone();
+            std::thread::spawn(move || {
+                let mut f = std::fs::OpenOptions::new().append(true).create(true).open(&path).unwrap();
+                for k in base..base + 400 {
+                    std::io::Write::write_all(&mut f, &record(k)).unwrap();
+                }
+            })
+        })
+        .collect();
+    for w in writers {
+        w.join().unwrap();
+    }
+    let log = std::fs::read(&path).unwrap();
+    assert_eq!(log.len(), 800 * REC, "appended bytes");
+    let mut seen: Vec<Vec<u8>> = log.chunks(REC).map(|c| c.to_vec()).collect();
+    seen.sort();
+    let mut want: Vec<Vec<u8>> = (0..400u64).chain(1000..1400).map(record).collect();
+    want.sort();
+    assert!(seen == want, "every appended record once, none overwritten");
+    d.unmount();
+
+    let out = ubc()
+        .args(["mount", "--stack", &spec, "--cache", "writeback"])
+        .arg("--at")
+        .arg(format!("0:{}", mnt.display()))
+        .arg("--at")
+        .arg(format!("0:{}", t.path().join("mnt2").display()))
+        .output()
+        .unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("needs one mount"), "{out:?}");
+    assert!(!is_mounted(&mnt));
+}

@@ -27,6 +27,11 @@ pub(super) struct Caching {
     /// The kernel keeps file pages (`FOPEN_KEEP_CACHE`) and is told when they change
     /// (`kernels`); else every read and write goes to the stack (`FOPEN_DIRECT_IO`).
     pub(super) data: bool,
+    /// With `data`: the kernel also keeps writes and sends them later
+    /// (`FUSE_WRITEBACK_CACHE`). Only for a daemon serving one mount: nothing else then
+    /// reads or writes the stack but this kernel, which holds the newest bytes and length
+    /// of every file it serves (see `mod.rs`).
+    pub(super) writeback: bool,
     /// How long the kernel may keep attributes and names without asking.
     pub(super) ttl: Duration,
 }
@@ -49,6 +54,8 @@ pub(super) struct LayerFs {
     /// `FUSE_DIRECT_IO_ALLOW_MMAP`, Linux 6.6+, whose direct writes keep the page cache of
     /// a mapped file coherent): a direct write through this mount is not news to it.
     direct_write_drops_pages: bool,
+    /// The kernel agreed to cache writes (`Caching::writeback`, granted at init).
+    writeback: bool,
     /// Requests the kernel interrupted, for the lock waits (`waits`).
     interrupts: Arc<Interrupts>,
 }
@@ -121,6 +128,7 @@ impl LayerFs {
             gate,
             interrupts: Arc::default(),
             direct_write_drops_pages: false,
+            writeback: false,
         }
     }
 
@@ -258,9 +266,21 @@ impl LayerFs {
         }
     }
 
+    /// Set the modification time the kernel's write-back cache sent for `h` and this mount
+    /// deferred (`setattr`): after the bytes went to the store, which stamped it with the
+    /// time of their write-back. Best effort, as the kernel's own time flush is.
+    fn set_deferred_mtime(&self, h: &Handle) {
+        if let Some(t) = h.take_mtime() {
+            let mut set = SetAttr::new();
+            set.mtime = Some(t);
+            let _ = self.layer.setattr(h.file.path(), &set);
+        }
+    }
+
     /// Sync through `h`, as `fsync` does.
     fn sync(&self, h: &Handle) -> Result<()> {
         let r = h.sync().map_err(|e| errno(&e));
+        self.set_deferred_mtime(h);
         // Written back into the domains below: their mounts' kernels drop the old bytes
         // before the fsync returns.
         self.kernels.wait_told();
@@ -270,26 +290,33 @@ impl LayerFs {
     /// Write back through `h`, as `flush` and `release` do.
     fn write_back(&self, h: &Handle) -> Result<()> {
         let r = h.write_back().map_err(|e| errno(&e));
+        self.set_deferred_mtime(h);
         // As for a sync: before the close returns.
         self.kernels.wait_told();
         r
     }
 
-    /// Enter an open; its handle and the open flags for the kernel. Appends bypass the
-    /// kernel's page cache: they go to the end as the stack knows it (another mount may
-    /// have appended since the kernel last saw the length), which the kernel, placing them
-    /// at its own idea of the end, would cache at the wrong offset.
+    /// Enter an open (for writing if `write`); its handle and the open flags for the
+    /// kernel. With a write-through cache appends bypass the kernel's page cache: they go
+    /// to the end as the stack knows it (another mount may have appended since the kernel
+    /// last saw the length), which the kernel, placing them at its own idea of the end,
+    /// would cache at the wrong offset. With the write-back cache the kernel's idea of the
+    /// end is the newest one (it is the only writer, and holds appends not sent yet): it
+    /// places appends itself, and they come here at their offsets.
     fn add_handle(
         &self,
         file: ubc_stack::File,
         ino: u64,
         append: bool,
+        write: bool,
         pid: u32,
         attr: ubc_stack::Attr,
     ) -> (FileHandle, FopenFlags) {
-        let cached = self.caching.data && !append;
+        let cached = self.caching.data && (!append || self.writeback);
+        let append = append && !cached;
+        let kernel_writes = cached && write && self.writeback;
         let flags = if cached { FopenFlags::FOPEN_KEEP_CACHE } else { FopenFlags::FOPEN_DIRECT_IO };
-        (FileHandle(self.handles.add(file, ino, append, cached, pid, attr)), flags)
+        (FileHandle(self.handles.add(file, ino, append, cached, kernel_writes, pid, attr)), flags)
     }
 
     /// Tell the other mounts' kernels that the entry `name` of `parent` changed (removed,
@@ -341,6 +368,15 @@ impl Filesystem for LayerFs {
             // "security.capability" first (`file_remove_privs`); with it the kernel sets
             // SB_NOSEC and checks an inode once.
             let _ = config.add_capabilities(InitFlags::FUSE_HANDLE_KILLPRIV_V2);
+            // Writes stay in the kernel's page cache until it writes them back (at close,
+            // fsync, memory pressure or its periodic write-back): a write(2) costs a copy,
+            // not a round trip. A kernel without it keeps the write-through cache.
+            if self.caching.writeback {
+                self.writeback = config.add_capabilities(InitFlags::FUSE_WRITEBACK_CACHE).is_ok();
+                if !self.writeback {
+                    eprintln!("ubc mount: the kernel has no write-back cache for FUSE: writes go through");
+                }
+            }
         }
         // Read-ahead of up to 1 MiB a request (the kernel's own limit caps it).
         let _ = config.set_max_readahead(1 << 20);
@@ -363,6 +399,11 @@ impl Filesystem for LayerFs {
     /// of it comes without a file handle: its attributes come from a handle open on the inode.
     fn getattr(&self, _req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
         let r = match fh.and_then(|f| self.handle(f).ok()) {
+            // With the kernel's write-back cache a write(2) asks for the attributes first
+            // when they are invalid, which the shutdown makes them (`shutdown::finish`):
+            // refused once new changes are, the write fails with EROFS as through any other
+            // path, instead of going into a cache that can no longer be written back.
+            Some(h) if h.kernel_writes() && self.gate.closed() => Err(Errno::EROFS),
             Some(h) => self.stat_handle(ino.0, &h),
             None => match self.stat_node(ino) {
                 Ok(a) => Ok(a),
@@ -388,7 +429,7 @@ impl Filesystem for LayerFs {
         size: Option<u64>,
         atime: Option<TimeOrNow>,
         mtime: Option<TimeOrNow>,
-        _ctime: Option<SystemTime>,
+        ctime: Option<SystemTime>,
         fh: Option<FileHandle>,
         _crtime: Option<SystemTime>,
         _chgtime: Option<SystemTime>,
@@ -397,7 +438,24 @@ impl Filesystem for LayerFs {
         reply: ReplyAttr,
     ) {
         let r = (|| {
-            let _pass = self.gate.enter()?;
+            // The kernel's write-back cache sends the times of the bytes it writes back
+            // (mtime with ctime): part of its write-back, admitted as that is (`gate`).
+            let times_only = size.is_none() && mode.is_none() && uid.is_none() && gid.is_none() && atime.is_none();
+            let kernel_times = times_only && ctime.is_some();
+            let _pass = if kernel_times { self.gate.enter_write_back()? } else { self.gate.enter()? };
+            // The kernel sends them with every write-back, also from a close by a process
+            // that only inherited the descriptor (a forked child): kept on the handle and set
+            // on the store when the handle writes back, so that such a close never waits on
+            // the store.
+            if kernel_times && let Some(h) = fh.and_then(|f| self.handle(f).ok()).filter(|h| h.kernel_writes()) {
+                if let Some(m) = mtime {
+                    h.defer_mtime(attr::time(m));
+                }
+                let size = h.file.len().map_err(|e| errno(&e))?;
+                let mut a = h.last.lock().unwrap().clone();
+                a.size = size;
+                return Ok(attr::file_attr(ino.0, &a));
+            }
             let path = self.path(ino);
             // Without a path (removed while open), a handle on the inode answers.
             let h =
@@ -676,7 +734,7 @@ impl Filesystem for LayerFs {
             let f =
                 self.layer.open_with(&p, OpenOptions::new().write(write).truncate(truncate)).map_err(|e| errno(&e))?;
             let (_, a) = self.stat_attr(&p)?;
-            Ok(self.add_handle(f, ino.0, flags.0 & libc::O_APPEND != 0, process_of(req.pid()), a))
+            Ok(self.add_handle(f, ino.0, flags.0 & libc::O_APPEND != 0, write, process_of(req.pid()), a))
         })();
         self.kernels.wait_told();
         match r {
@@ -709,7 +767,8 @@ impl Filesystem for LayerFs {
             self.give_to_requester(req, &p)?;
             let a = self.layer.getattr(&p).map_err(|e| errno(&e))?;
             let ino = self.inodes.write().unwrap().node(&p, (a.dev, a.ino), true);
-            let (fh, open) = self.add_handle(f, ino, flags & libc::O_APPEND != 0, process_of(req.pid()), a.clone());
+            let append = flags & libc::O_APPEND != 0;
+            let (fh, open) = self.add_handle(f, ino, append, true, process_of(req.pid()), a.clone());
             self.entry_changed(&parent_path, name);
             Ok((attr::file_attr(ino, &a), fh, open))
         })();
@@ -770,8 +829,14 @@ impl Filesystem for LayerFs {
     ) {
         let r = (|| {
             // Through the gate: a write that returns Ok is in the cache before the
-            // shutdown's sync starts, so it reaches the disk.
-            let _pass = self.gate.enter()?;
+            // shutdown's sync starts, so it reaches the disk. The kernel's write-back of
+            // what it holds (a program's write that returned, a store through a mapping) is
+            // admitted while the shutdown pulls it out of the kernel (`gate`).
+            let _pass = if write_flags.contains(WriteFlags::FUSE_WRITE_CACHE) {
+                self.gate.enter_write_back()?
+            } else {
+                self.gate.enter()?
+            };
             let h = self.handle(fh)?;
             // The kernel copied the bytes into its page cache (or writes back its own dirty
             // pages: a store through a mapping): not news to it.
@@ -845,9 +910,17 @@ impl Filesystem for LayerFs {
         }
     }
 
-    fn fsync(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+    fn fsync(&self, _req: &Request, ino: INodeNo, fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
         match self.handle(fh).and_then(|h| self.sync(&h)) {
-            Ok(()) => reply.ok(),
+            Ok(()) => {
+                // With the write-back cache the kernel keeps the attributes it had before
+                // its writes (it owns size and times, and does not ask after writing): the
+                // blocks the sync allocated are news to it.
+                if self.writeback {
+                    self.kernels.attrs_stale(self.id, ino.0);
+                }
+                reply.ok()
+            }
             Err(e) => reply.error(e),
         }
     }
@@ -914,6 +987,13 @@ impl Filesystem for LayerFs {
     fn lseek(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, offset: i64, whence: i32, reply: ReplyLseek) {
         let r = (|| {
             let h = self.handle(fh)?;
+            // With the write-back cache the kernel may hold written bytes ubc has not seen
+            // (an extension of the file, data written into a hole) while the file is open
+            // for writing: it sends them first (it asks here holding the file's lock, which
+            // its write-back does not need).
+            if self.writeback && self.handles.of_ino_where(h.ino, |h| h.kernel_writes()).is_some() {
+                self.kernels.pull(self.id, h.file.path());
+            }
             let offset = u64::try_from(offset).map_err(|_| Errno::ENXIO)?;
             let found = match whence {
                 libc::SEEK_DATA => h.file.seek_data(offset),

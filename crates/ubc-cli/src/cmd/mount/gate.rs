@@ -2,6 +2,12 @@
 //! closes: from then on changes fail with EROFS, and the shutdown knows when those already
 //! in flight are done, so that every change that returned Ok is in the cache before the
 //! final sync.
+//!
+//! A mount with the kernel's write-back cache holds bytes that programs wrote but the
+//! kernel has not sent yet. Its write-back (`FUSE_WRITE_CACHE` writes, and the times it
+//! flushes with them) is not a new change: it is admitted after the gate closed, while the
+//! shutdown pulls those bytes out of the kernels, until the gate is sealed just before the
+//! final sync.
 
 use fuser::Errno;
 use std::sync::{Condvar, Mutex};
@@ -16,6 +22,8 @@ pub(super) struct Gate {
 #[derive(Default)]
 struct State {
     closed: bool,
+    /// Closed to the kernels' write-back too.
+    sealed: bool,
     /// Changes in flight (live `Pass`es).
     busy: usize,
 }
@@ -42,6 +50,29 @@ impl Gate {
         }
         s.busy += 1;
         Ok(Pass(self))
+    }
+
+    /// New changes are refused.
+    pub(super) fn closed(&self) -> bool {
+        self.state.lock().unwrap().closed
+    }
+
+    /// Admit the write-back of bytes a kernel already holds (a program's write that
+    /// returned), also after the gate closed; EROFS once it is sealed.
+    pub(super) fn enter_write_back(&self) -> Result<Pass<'_>, Errno> {
+        let mut s = self.state.lock().unwrap();
+        if s.sealed {
+            return Err(Errno::EROFS);
+        }
+        s.busy += 1;
+        Ok(Pass(self))
+    }
+
+    /// Refuse the kernels' write-back too, and wait, until `deadline`, for what is in
+    /// flight; false if some is still running then.
+    pub(super) fn seal(&self, deadline: Instant) -> bool {
+        self.state.lock().unwrap().sealed = true;
+        self.close(deadline)
     }
 
     /// Refuse new changes and wait, until `deadline`, for those in flight; false if some

@@ -17,8 +17,15 @@ pub(super) struct Handle {
     /// The kernel caches this open's data (no `FOPEN_DIRECT_IO`): it copies writes through
     /// it into its page cache, so they need not invalidate it (`kernels`).
     pub(super) cached: bool,
+    /// Opened for writing with the kernel's write-back cache: the kernel may hold bytes
+    /// written through it that it sends later, through any writable handle of the file, so
+    /// it counts as written until it is closed.
+    kernel_writes: bool,
     /// Written (or resized) through this handle since its last successful sync.
     written: AtomicBool,
+    /// The modification time the kernel's write-back cache sent with its write-back, not
+    /// yet set on the store: set when the handle writes back or syncs (`take_mtime`).
+    mtime: Mutex<Option<std::time::SystemTime>>,
     /// The file's attributes when last seen by name: what `fstat` shows (with the current
     /// size) once the name is gone.
     pub(super) last: Mutex<ubc_stack::Attr>,
@@ -31,9 +38,26 @@ impl Handle {
         self.written.store(true, SeqCst);
     }
 
+    /// Keep `t`, the modification time the kernel sent for the bytes it wrote back
+    /// through this handle, until the handle writes back or syncs.
+    pub(super) fn defer_mtime(&self, t: std::time::SystemTime) {
+        *self.mtime.lock().unwrap() = Some(t);
+        self.last.lock().unwrap().mtime = t;
+    }
+
+    /// The deferred modification time, if any (taken: set it now).
+    pub(super) fn take_mtime(&self) -> Option<std::time::SystemTime> {
+        self.mtime.lock().unwrap().take()
+    }
+
+    /// Open for writing with the kernel's write-back cache (see the field).
+    pub(super) fn kernel_writes(&self) -> bool {
+        self.kernel_writes
+    }
+
     /// Written (or resized) since the last successful sync.
     pub(super) fn written(&self) -> bool {
-        self.written.load(SeqCst)
+        self.kernel_writes || self.written.load(SeqCst)
     }
 
     /// Write back what was written through this handle (`ubc_stack::File::write_back`: into
@@ -78,18 +102,21 @@ impl Handles {
     }
 
     /// Enter an open of `file` (inode `ino`, attributes `attr`) by process `pid`, `cached`
-    /// by the kernel or not; its handle number.
+    /// by the kernel or not, writes `kernel_writes` (see [`Handle`]); its handle number.
     pub(super) fn add(
         &self,
         file: ubc_stack::File,
         ino: u64,
         append: bool,
         cached: bool,
+        kernel_writes: bool,
         pid: u32,
         attr: ubc_stack::Attr,
     ) -> u64 {
         let fh = self.next.fetch_add(1, Relaxed);
-        let h = Handle { file, append, cached, pid, ino, written: AtomicBool::new(false), last: Mutex::new(attr) };
+        let written = AtomicBool::new(false);
+        let mtime = Mutex::new(None);
+        let h = Handle { file, append, cached, kernel_writes, pid, ino, written, mtime, last: Mutex::new(attr) };
         self.shard(fh).lock().unwrap().insert(fh, Arc::new(h));
         fh
     }
@@ -97,7 +124,12 @@ impl Handles {
     /// An open handle of inode `ino`, if any: a file removed while open has no path left,
     /// and the kernel asks for its attributes (`fstat`) by inode alone.
     pub(super) fn of_ino(&self, ino: u64) -> Option<Arc<Handle>> {
-        self.open.iter().find_map(|s| s.lock().unwrap().values().find(|h| h.ino == ino).cloned())
+        self.of_ino_where(ino, |_| true)
+    }
+
+    /// An open handle of inode `ino` for which `f` holds, if any.
+    pub(super) fn of_ino_where(&self, ino: u64, f: impl Fn(&Handle) -> bool) -> Option<Arc<Handle>> {
+        self.open.iter().find_map(|s| s.lock().unwrap().values().find(|h| h.ino == ino && f(h)).cloned())
     }
 
     pub(super) fn get(&self, fh: u64) -> Option<Arc<Handle>> {

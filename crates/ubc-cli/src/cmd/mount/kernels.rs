@@ -42,18 +42,25 @@ use super::inodes::Inodes;
 use fuser::{INodeNo, Notifier};
 use std::ffi::OsString;
 use std::ops::Range;
+use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock, mpsc};
 use std::time::{Duration, Instant};
 use ubc_stack::Change;
 
 /// One mount, as the notifier sees it.
-struct Mount {
-    id: usize,
+pub(super) struct KernelMount {
+    pub(super) id: usize,
     /// The domain its layer's files live in ([`ubc_stack::LayerRef::domain`]).
-    domain: usize,
-    notifier: Notifier,
-    inodes: Arc<RwLock<Inodes>>,
+    pub(super) domain: usize,
+    pub(super) notifier: Notifier,
+    pub(super) inodes: Arc<RwLock<Inodes>>,
+    /// Its mount point (canonical) and FUSE connection number, if it was found in the mount
+    /// table: the device of the mounted file system is (0, connection), which tells the
+    /// mount from what the point shows once it is unmounted.
+    pub(super) point: Option<(PathBuf, u32)>,
 }
+
+type Mount = KernelMount;
 
 enum News {
     /// Bytes of a file changed; `origin`: the mount whose own request made the change
@@ -173,16 +180,69 @@ impl Kernels {
         }
     }
 
-    /// Register every mount: `(id, domain its layer's files live in, notifier, inode table)`.
-    /// Once, before any of them serves a request.
-    pub(super) fn set_mounts(&self, mounts: Vec<(usize, usize, Notifier, Arc<RwLock<Inodes>>)>) {
-        let v =
-            mounts.into_iter().map(|(id, domain, notifier, inodes)| Mount { id, domain, notifier, inodes }).collect();
-        assert!(self.mounts.set(v).is_ok(), "the mounts are registered once");
+    /// Register every mount, once, before any of them serves a request.
+    pub(super) fn set_mounts(&self, mounts: Vec<KernelMount>) {
+        assert!(self.mounts.set(mounts).is_ok(), "the mounts are registered once");
     }
 
     fn mounts(&self) -> &[Mount] {
         self.mounts.get().map_or(&[], |v| v)
+    }
+
+    /// Make mount `id`'s kernel send what it holds written of the files `files` (inode,
+    /// path in the layer), then drop their pages and attributes. Returns when the kernel
+    /// has done so; the caller holds no lock of the stack or the cache and is not a request
+    /// thread of that mount (the kernel's write-back needs them).
+    ///
+    /// Two steps, because each alone falls short on Linux 6.18: `syncfs` of the mount
+    /// starts the write-back of every dirty page (and no longer waits for it on FUSE:
+    /// `wait_sb_inodes` skips FUSE mounts so that a stuck daemon cannot hang `sync`);
+    /// `FUSE_NOTIFY_INVAL_INODE` of each file then waits for those writes, writes back what
+    /// is still dirty as it drops the pages (`launder_folio` — which since FUSE's buffered
+    /// I/O moved to iomap's large folios sends only the first dirty range of a folio: seen
+    /// here, one 4 KiB block per notice, hence the `syncfs` first), and makes the kernel ask
+    /// for the attributes before its next write (`fuse_cache_write_iter`: the shutdown
+    /// refuses them). Not `sync_file` of each file: opening a file by name asks the store,
+    /// which at a shutdown may be the thing that is stuck. The notices alone are the
+    /// fallback when the mount point no longer reaches the mount (detached).
+    pub(super) fn pull_writes(&self, id: usize, inos: &[u64]) {
+        let Some(m) = self.mounts().iter().find(|m| m.id == id) else { return };
+        let _ = m.sync_fs();
+        for &ino in inos {
+            let _ = m.notifier.inval_inode(INodeNo(ino), 0, 0);
+        }
+    }
+
+    /// Have mount `id`'s kernel send what it holds written of the file at `rel` (its
+    /// write-back cache) before this returns — at most `TOLD_LIMIT` later. For a request
+    /// that must see those bytes; called holding no lock of the stack or the cache. The
+    /// write-back is asked for on a thread of its own: it needs request threads of the
+    /// mount, which may all be waiting here (hence the limit).
+    pub(super) fn pull(self: &Arc<Self>, id: usize, rel: &str) {
+        let (tx, rx) = mpsc::channel();
+        let k = self.clone();
+        let rel = rel.to_string();
+        let spawned = std::thread::Builder::new().name("ubc-kernel-pull".into()).spawn(move || {
+            if let Some(m) = k.mounts().iter().find(|m| m.id == id)
+                && let Err(e) = m.sync_file(&rel)
+            {
+                eprintln!("ubc mount: cannot pull the kernel's writes: {e}");
+            }
+            let _ = tx.send(());
+        });
+        if spawned.is_ok() && rx.recv_timeout(TOLD_LIMIT).is_err() {
+            eprintln!("ubc mount: the kernel's writes were not all pulled within {TOLD_LIMIT:?}");
+        }
+    }
+
+    /// Make mount `id`'s kernel ask again for the attributes of inode `ino` (its cached
+    /// ones went stale where the kernel does not follow them: the blocks a write-back
+    /// allocated). Sent at once, from the calling thread: an attribute-only invalidation
+    /// takes no page lock.
+    pub(super) fn attrs_stale(&self, id: usize, ino: u64) {
+        if let Some(m) = self.mounts().iter().find(|m| m.id == id) {
+            let _ = m.notifier.inval_inode(INodeNo(ino), -1, 0);
+        }
     }
 
     /// Queue news of a mount's own name or attribute change, unless no other mount exists
@@ -240,6 +300,53 @@ impl Kernels {
 }
 
 impl Mount {
+    /// Write back what the kernel holds dirty of the file at `rel` (a path in the layer)
+    /// and wait for it: `sync_file_range(WAIT_BEFORE | WRITE | WAIT_AFTER)` on a descriptor
+    /// opened through the mount point, if the point still reaches this mount. The kernel
+    /// sends WRITE requests, served by the mount's request threads. Not `fsync` (it takes
+    /// the file's lock, which a `lseek` asking here holds) and not `syncfs` (Linux 6.18
+    /// starts a FUSE mount's write-back without waiting for it: `wait_sb_inodes` skips
+    /// FUSE, so that a stuck daemon cannot hang `sync`). Nothing stays open between calls,
+    /// so an unmount is never kept busy by this daemon.
+    /// `syncfs(2)` of this mount through its mount point, if the point still reaches it:
+    /// starts the kernel's write-back of every dirty page (see `pull_writes`). Opening the
+    /// root sends OPENDIR, served by the request threads; nothing is held open between calls.
+    fn sync_fs(&self) -> std::result::Result<(), String> {
+        use std::os::unix::fs::MetadataExt;
+        let Some((point, connection)) = &self.point else { return Err("not found in the mount table".into()) };
+        let dir = std::fs::File::open(point).map_err(|e| format!("{}: {e}", point.display()))?;
+        let dev = dir.metadata().map(|m| m.dev()).unwrap_or(u64::MAX);
+        if dev != libc::makedev(0, *connection) {
+            return Err(format!("{} no longer reaches the mount", point.display()));
+        }
+        // SAFETY: syncfs takes a descriptor, open for the call.
+        if unsafe { libc::syncfs(std::os::fd::AsRawFd::as_raw_fd(&dir)) } != 0 {
+            return Err(format!("syncfs: {}", std::io::Error::last_os_error()));
+        }
+        Ok(())
+    }
+
+    fn sync_file(&self, rel: &str) -> std::result::Result<(), String> {
+        use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+        let Some((point, connection)) = &self.point else { return Err("not found in the mount table".into()) };
+        let path = point.join(rel);
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(&path)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        let dev = f.metadata().map(|m| m.dev()).unwrap_or(u64::MAX);
+        if dev != libc::makedev(0, *connection) {
+            return Err(format!("{} no longer reaches the mount", point.display()));
+        }
+        let how = libc::SYNC_FILE_RANGE_WAIT_BEFORE | libc::SYNC_FILE_RANGE_WRITE | libc::SYNC_FILE_RANGE_WAIT_AFTER;
+        // SAFETY: sync_file_range takes a descriptor, open for the call, and integers.
+        if unsafe { libc::sync_file_range(std::os::fd::AsRawFd::as_raw_fd(&f), 0, 0, how) } != 0 {
+            return Err(format!("sync_file_range {}: {}", path.display(), std::io::Error::last_os_error()));
+        }
+        Ok(())
+    }
+
     /// The bytes of the file this mount's kernel must drop for change `c` (made by a
     /// request of mount `origin` through a kernel-cached handle): the range in its own
     /// domain — unless it is its own write —, the whole file above a domain written

@@ -101,6 +101,7 @@ use fs::{Caching, LayerFs};
 use fuser::{Config, MountOption, Session, SessionUnmounter};
 use handles::Handles;
 use inodes::Inodes;
+use kernels::KernelMount;
 use kernels::Kernels;
 use shutdown::{Daemon, Event, Sessions, Signals};
 use std::path::PathBuf;
@@ -116,13 +117,16 @@ pub struct Args {
     /// Serve layer N at MOUNTPOINT (repeatable; 0 is the bottom layer)
     #[arg(long = "at", value_name = "LAYER:MOUNTPOINT", required = true)]
     at: Vec<String>,
-    /// What the kernel caches: `kernel` — file pages, attributes and names, each dropped
-    /// when it changes through any mount or layer of the stack; `direct` — nothing (every
-    /// read, write and stat goes to the stack: one copy of the data, at a round trip per
-    /// call). Stacks over memory stores are always `direct` (their files carry no identity
-    /// to match changes by)
-    #[arg(long, value_name = "MODE", default_value = "kernel", value_parser = ["kernel", "direct"])]
-    cache: String,
+    /// What the kernel caches: `writeback` — file pages, writes not yet sent (written back
+    /// at close, fsync and the kernel's own write-back), attributes and names: one mount
+    /// only (the default then); `kernel` — file pages (writes go through at once),
+    /// attributes and names, each dropped when it changes through any mount or layer of
+    /// the stack (the default with several mounts); `direct` — nothing (every read, write
+    /// and stat goes to the stack: one copy of the data, at a round trip per call). Stacks
+    /// over memory stores are always `direct` (their files carry no identity to match
+    /// changes by)
+    #[arg(long, value_name = "MODE", value_parser = ["writeback", "kernel", "direct"])]
+    cache: Option<String>,
     /// With `--cache kernel`: how long the kernel may keep attributes and names before it
     /// asks again. Changes through ubc reach it at once; this bounds how long a change made
     /// to the store behind ubc's back stays unseen
@@ -202,10 +206,19 @@ pub fn run(a: Args) -> Result<()> {
     // Kernel caching needs files known by their store's identity (`kernels`): a stack over
     // memory has none.
     let identified = !stack.layer(0).map(|l| l.spec().starts_with("mem")).unwrap_or(true);
-    let caching = if a.cache == "kernel" && identified {
-        Caching { data: true, ttl: Duration::from_secs_f64(a.attr_timeout.max(0.0)) }
+    // A kernel's write-back cache holds bytes nothing else can see until it sends them:
+    // sound only when that kernel is the one way into the stack, i.e. one mount.
+    let mode = a.cache.clone().unwrap_or_else(|| if ats.len() == 1 { "writeback" } else { "kernel" }.to_string());
+    if mode == "writeback" && ats.len() > 1 {
+        return Err(Fail::usage(
+            "--cache writeback",
+            "needs one mount: each mount's kernel would hold writes that the other mounts cannot see (use --cache kernel)",
+        ));
+    }
+    let caching = if mode != "direct" && identified {
+        Caching { data: true, writeback: mode == "writeback", ttl: Duration::from_secs_f64(a.attr_timeout.max(0.0)) }
     } else {
-        Caching { data: false, ttl: Duration::ZERO }
+        Caching { data: false, writeback: false, ttl: Duration::ZERO }
     };
     let (kernels, watcher) = Kernels::start();
     if caching.data {
@@ -215,7 +228,7 @@ pub fn run(a: Args) -> Result<()> {
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(MIN_THREADS, |n| n.get().max(MIN_THREADS)))
         .max(1);
-    let daemon = Arc::new(Daemon::new(stack));
+    let daemon = Arc::new(Daemon::new(stack, kernels.clone()));
     let (tx, rx) = mpsc::channel::<Event>();
     let mut unmounters: Vec<SessionUnmounter> = Vec::new();
     // Each mount's id in the mount table, if it was found.
@@ -270,11 +283,12 @@ pub fn run(a: Args) -> Result<()> {
             }
         };
         unmounters.push(session.unmount_callable());
-        kernel_mounts.push((id, domain, session.notifier(), inodes));
-        let id = mounts::ubc_ids(&canon).into_iter().filter(|i| !before.contains(i)).max();
-        let connection = mounts::table().into_iter().find(|m| Some(m.id) == id).map(|m| m.minor);
-        daemon.add_mount(mp.clone(), canon, handles, connection);
-        ids.push(id);
+        let table_id = mounts::ubc_ids(&canon).into_iter().filter(|i| !before.contains(i)).max();
+        let connection = mounts::table().into_iter().find(|m| Some(m.id) == table_id).map(|m| m.minor);
+        let point = connection.map(|c| (canon.clone(), c));
+        kernel_mounts.push(KernelMount { id, domain, notifier: session.notifier(), inodes, point });
+        daemon.add_mount(id, mp.clone(), canon, handles, connection);
+        ids.push(table_id);
         sessions_to_run.push((session, mp));
     }
     kernels.set_mounts(kernel_mounts);

@@ -4,6 +4,7 @@
 
 use super::gate::Gate;
 use super::handles::Handles;
+use super::kernels::Kernels;
 use crate::error::{EX_IOERR, Fail};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
@@ -35,6 +36,8 @@ pub(super) struct Daemon {
     /// Set once when the shutdown starts (by a signal or because the mounts went away).
     stopping: AtomicBool,
     mounts: Mutex<Vec<Served>>,
+    /// Every mount's kernel: the shutdown pulls the writes the write-back caches hold.
+    kernels: Arc<Kernels>,
     /// The FUSE connections of the mounts (their device minors: /sys/fs/fuse/connections/N).
     connections: Mutex<Vec<u32>>,
 }
@@ -42,15 +45,18 @@ pub(super) struct Daemon {
 /// A mount: its point (as given, and canonical) and its open handles (for the report of
 /// what was not synced).
 struct Served {
+    /// The mount's number (`kernels`).
+    id: usize,
     point: PathBuf,
     canon: PathBuf,
     handles: Arc<Handles>,
 }
 
 impl Daemon {
-    pub(super) fn new(stack: Stack) -> Daemon {
+    pub(super) fn new(stack: Stack, kernels: Arc<Kernels>) -> Daemon {
         Daemon {
             stack,
+            kernels,
             gate: Arc::default(),
             stopping: AtomicBool::new(false),
             mounts: Mutex::default(),
@@ -59,11 +65,50 @@ impl Daemon {
     }
 
     /// A mount made at `point` (canonical: `canon`), its connection if it was found.
-    pub(super) fn add_mount(&self, point: PathBuf, canon: PathBuf, handles: Arc<Handles>, connection: Option<u32>) {
+    pub(super) fn add_mount(
+        &self,
+        id: usize,
+        point: PathBuf,
+        canon: PathBuf,
+        handles: Arc<Handles>,
+        connection: Option<u32>,
+    ) {
         if let Some(c) = connection {
             self.connections.lock().unwrap().push(c);
         }
-        self.mounts.lock().unwrap().push(Served { point, canon, handles });
+        self.mounts.lock().unwrap().push(Served { id, point, canon, handles });
+    }
+
+    /// Pull what the kernels' write-back caches hold written out of them, into the stack:
+    /// every file open for writing through such a cache (a file the kernel may hold
+    /// written bytes of: closing one writes them back). False if `deadline` passed first
+    /// (the pull goes on in its thread).
+    fn pull_kernel_writes(self: &Arc<Self>, deadline: Instant) -> bool {
+        let work: Vec<(usize, Vec<u64>)> = self
+            .mounts
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|m| {
+                let mut inos: Vec<u64> = m.handles.all().iter().filter(|h| h.kernel_writes()).map(|h| h.ino).collect();
+                inos.sort_unstable();
+                inos.dedup();
+                (m.id, inos)
+            })
+            .filter(|(_, inos)| !inos.is_empty())
+            .collect();
+        if work.is_empty() {
+            return true;
+        }
+        let (tx, rx) = mpsc::channel();
+        let d = self.clone();
+        std::thread::spawn(move || {
+            for (id, inos) in work {
+                d.kernels.pull_writes(id, &inos);
+            }
+            let _ = tx.send(());
+        });
+        rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).is_ok()
     }
 
     /// Open files written since their last sync, or with dirty pages: (mount path, dirty
@@ -213,8 +258,23 @@ pub(super) fn finish(
             mib(u)
         );
     }
+    // The kernels' write-back caches hold writes that returned: pull them into the stack
+    // before new changes are refused (the programs' closes then find nothing left to
+    // write), and again after (what was written meanwhile; the kernel's write-back is
+    // still admitted then), and only then seal the gate. A write into a kernel's cache
+    // after that is refused when the kernel sends it: the program sees the error at its
+    // fsync or close, as for any failed write-back.
+    if !daemon.pull_kernel_writes(deadline) {
+        daemon.give_up(&format!("{sync_timeout}s sync deadline passed (the kernel's write-back did not finish)"));
+    }
     if !daemon.gate.close(deadline) {
         daemon.give_up(&format!("{sync_timeout}s sync deadline passed (a write did not finish)"));
+    }
+    // Twice: the first pull also makes the kernels ask before each further write, which the
+    // closed gate refuses; a write(2) that had asked before is copying meanwhile, and the
+    // second pull takes what it left.
+    if !daemon.pull_kernel_writes(deadline) || !daemon.pull_kernel_writes(deadline) || !daemon.gate.seal(deadline) {
+        daemon.give_up(&format!("{sync_timeout}s sync deadline passed (the kernel's write-back did not finish)"));
     }
     match timed_sync(&daemon.stack, deadline, loud) {
         Sync::Done(Ok(())) => {
