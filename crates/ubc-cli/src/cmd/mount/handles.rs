@@ -103,6 +103,7 @@ impl Handles {
 
     /// Enter an open of `file` (inode `ino`, attributes `attr`) by process `pid`, `cached`
     /// by the kernel or not, writes `kernel_writes` (see [`Handle`]); its handle number.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn add(
         &self,
         file: ubc_stack::File,
