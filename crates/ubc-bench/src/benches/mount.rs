@@ -858,7 +858,7 @@ pub fn run(ctx: &Ctx) -> Vec<Record> {
     let host_fs = crate::util::file_system(&host.dir);
     let note_side = |stacked: bool| {
         format!(
-            "{}; budget {BUDGET_MIB} MiB; host: {host_fs}; mount defaults: --cache kernel (pages, attributes and names cached by the kernel, kept coherent), attr timeout 60 s, threads = max(cores, 4), unless UBC_MOUNT_ARGS says otherwise",
+            "{}; budget {BUDGET_MIB} MiB; host: {host_fs}; mount defaults: one mount, so --cache writeback (pages, writes not yet sent, attributes and names cached by the kernel), attr timeout 60 s, threads = max(cores, 4), unless UBC_MOUNT_ARGS says otherwise",
             mount_desc(stacked)
         )
     };

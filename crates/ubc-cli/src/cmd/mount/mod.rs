@@ -2,7 +2,14 @@
 //! thread) per layer, all sharing the same `Stack`, so that unmodified programs see
 //! coherent data through every mount at once.
 //!
-//! Policy (`--cache kernel`, the default): the kernel caches file pages
+//! Policy with one mount (`--cache writeback`, the default then): as `--cache kernel` below,
+//! and the kernel also keeps writes (`FUSE_WRITEBACK_CACHE`), sending them at close, fsync,
+//! msync or its own write-back — sound because that kernel is the only way into the stack
+//! (design.md, "The mount and the kernel's caches"). Appends are then cached too (the kernel
+//! owns the length and places them), `SEEK_DATA`/`SEEK_HOLE` have the kernel write the file
+//! back first, and the shutdown pulls the kernel's writes before it syncs.
+//!
+//! Policy with several mounts (`--cache kernel`, the default then): the kernel caches file pages
 //! (`FOPEN_KEEP_CACHE`, write-through: every write reaches the stack before it returns),
 //! attributes and names (`--attr-timeout`, 60 s), and is told to drop each of them the
 //! moment it changes through anything else — another mount, another layer, the write-back
@@ -34,7 +41,11 @@
 //!   1. from then on every change — `write`, create, open for writing, truncate, chmod,
 //!      rename, remove, mkdir — fails with **EROFS** (the file system is read-only now;
 //!      reads still work), and the writes already in flight are waited for: every write
-//!      that returned Ok, before the signal or after it, is in the cache;
+//!      that returned Ok, before the signal or after it, is in the cache. With the
+//!      write-back cache the kernel's cached writes are pulled into the stack before and
+//!      after (`shutdown::finish`), and the kernel's next write asks for attributes, which
+//!      are refused: the writer gets EROFS there; a write copied into the kernel after the
+//!      last pull fails at its `fsync` or `close`;
 //!   2. the whole stack is synced (`Stack::sync_all`: every file's dirty pages pushed down
 //!      through every layer, top first, so each layer's metadata — aead headers, zstd
 //!      commits — reaches the bottom, then every store synced), with progress on stderr;
