@@ -44,8 +44,13 @@ impl Drop for Pass<'_> {
 impl Gate {
     /// Admit a change, or EROFS once the gate is closed.
     pub(super) fn enter(&self) -> Result<Pass<'_>, Errno> {
+        self.admit(|s| s.closed)
+    }
+
+    /// A pass unless `refused` says the state refuses it (EROFS).
+    fn admit(&self, refused: impl Fn(&State) -> bool) -> Result<Pass<'_>, Errno> {
         let mut s = self.state.lock().unwrap();
-        if s.closed {
+        if refused(&s) {
             return Err(Errno::EROFS);
         }
         s.busy += 1;
@@ -60,12 +65,7 @@ impl Gate {
     /// Admit the write-back of bytes a kernel already holds (a program's write that
     /// returned), also after the gate closed; EROFS once it is sealed.
     pub(super) fn enter_write_back(&self) -> Result<Pass<'_>, Errno> {
-        let mut s = self.state.lock().unwrap();
-        if s.sealed {
-            return Err(Errno::EROFS);
-        }
-        s.busy += 1;
-        Ok(Pass(self))
+        self.admit(|s| s.sealed)
     }
 
     /// Refuse the kernels' write-back too, and wait, until `deadline`, for what is in

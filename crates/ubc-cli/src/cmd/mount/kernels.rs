@@ -300,6 +300,18 @@ impl Kernels {
 }
 
 impl Mount {
+    /// `syncfs(2)` of this mount through its mount point, if the point still reaches it:
+    /// starts the kernel's write-back of every dirty page (see `pull_writes`). Opening the
+    /// root sends OPENDIR, served by the request threads; nothing is held open between calls.
+    fn sync_fs(&self) -> std::result::Result<(), String> {
+        let dir = self.open_through_point("", 0)?;
+        // SAFETY: syncfs takes a descriptor, open for the call.
+        if unsafe { libc::syncfs(std::os::fd::AsRawFd::as_raw_fd(&dir)) } != 0 {
+            return Err(format!("syncfs: {}", std::io::Error::last_os_error()));
+        }
+        Ok(())
+    }
+
     /// Write back what the kernel holds dirty of the file at `rel` (a path in the layer)
     /// and wait for it: `sync_file_range(WAIT_BEFORE | WRITE | WAIT_AFTER)` on a descriptor
     /// opened through the mount point, if the point still reaches this mount. The kernel
@@ -308,43 +320,32 @@ impl Mount {
     /// starts a FUSE mount's write-back without waiting for it: `wait_sb_inodes` skips
     /// FUSE, so that a stuck daemon cannot hang `sync`). Nothing stays open between calls,
     /// so an unmount is never kept busy by this daemon.
-    /// `syncfs(2)` of this mount through its mount point, if the point still reaches it:
-    /// starts the kernel's write-back of every dirty page (see `pull_writes`). Opening the
-    /// root sends OPENDIR, served by the request threads; nothing is held open between calls.
-    fn sync_fs(&self) -> std::result::Result<(), String> {
-        use std::os::unix::fs::MetadataExt;
-        let Some((point, connection)) = &self.point else { return Err("not found in the mount table".into()) };
-        let dir = std::fs::File::open(point).map_err(|e| format!("{}: {e}", point.display()))?;
-        let dev = dir.metadata().map(|m| m.dev()).unwrap_or(u64::MAX);
-        if dev != libc::makedev(0, *connection) {
-            return Err(format!("{} no longer reaches the mount", point.display()));
-        }
-        // SAFETY: syncfs takes a descriptor, open for the call.
-        if unsafe { libc::syncfs(std::os::fd::AsRawFd::as_raw_fd(&dir)) } != 0 {
-            return Err(format!("syncfs: {}", std::io::Error::last_os_error()));
+    fn sync_file(&self, rel: &str) -> std::result::Result<(), String> {
+        let f = self.open_through_point(rel, libc::O_NOFOLLOW | libc::O_NONBLOCK)?;
+        let how = libc::SYNC_FILE_RANGE_WAIT_BEFORE | libc::SYNC_FILE_RANGE_WRITE | libc::SYNC_FILE_RANGE_WAIT_AFTER;
+        // SAFETY: sync_file_range takes a descriptor, open for the call, and integers.
+        if unsafe { libc::sync_file_range(std::os::fd::AsRawFd::as_raw_fd(&f), 0, 0, how) } != 0 {
+            return Err(format!("sync_file_range {rel}: {}", std::io::Error::last_os_error()));
         }
         Ok(())
     }
 
-    fn sync_file(&self, rel: &str) -> std::result::Result<(), String> {
+    /// `rel` (a path in the layer; "" for the root) opened read-only through the mount
+    /// point with `flags`, if the point still reaches this mount: the mounted file system's
+    /// device is (0, connection), which tells it from what the point shows once unmounted.
+    fn open_through_point(&self, rel: &str, flags: i32) -> std::result::Result<std::fs::File, String> {
         use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
         let Some((point, connection)) = &self.point else { return Err("not found in the mount table".into()) };
-        let path = point.join(rel);
+        let path = if rel.is_empty() { point.clone() } else { point.join(rel) };
         let f = std::fs::OpenOptions::new()
             .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .custom_flags(flags)
             .open(&path)
             .map_err(|e| format!("{}: {e}", path.display()))?;
-        let dev = f.metadata().map(|m| m.dev()).unwrap_or(u64::MAX);
-        if dev != libc::makedev(0, *connection) {
+        if f.metadata().map(|m| m.dev()).ok() != Some(libc::makedev(0, *connection)) {
             return Err(format!("{} no longer reaches the mount", point.display()));
         }
-        let how = libc::SYNC_FILE_RANGE_WAIT_BEFORE | libc::SYNC_FILE_RANGE_WRITE | libc::SYNC_FILE_RANGE_WAIT_AFTER;
-        // SAFETY: sync_file_range takes a descriptor, open for the call, and integers.
-        if unsafe { libc::sync_file_range(std::os::fd::AsRawFd::as_raw_fd(&f), 0, 0, how) } != 0 {
-            return Err(format!("sync_file_range {}: {}", path.display(), std::io::Error::last_os_error()));
-        }
-        Ok(())
+        Ok(f)
     }
 
     /// The bytes of the file this mount's kernel must drop for change `c` (made by a
