@@ -1252,7 +1252,18 @@ fn kernel_caches_of_every_mount_follow_changes_through_the_others() {
         v
     };
     assert_eq!(list(&m2), ["f"]);
+    // Missing names looked up through m2 and m0 first: each kernel keeps "no such name"
+    // (a negative entry, as long as a positive one), which the create through m3 drops.
+    for _ in 0..2 {
+        assert!(!m2.join("made").exists() && !m0.join("made").exists() && !m2.join("sub").exists());
+    }
     std::fs::write(m3.join("made"), b"m").unwrap();
+    assert_eq!(std::fs::read(m2.join("made")).unwrap(), b"m", "a name looked up missing through m2, made through m3");
+    assert!(m0.join("made").exists(), "a name looked up missing through m0, made through m3");
+    std::fs::create_dir(m3.join("sub")).unwrap();
+    assert!(m2.join("sub").is_dir(), "a directory looked up missing through m2, made through m3");
+    std::fs::remove_dir(m3.join("sub")).unwrap();
+    assert!(!m2.join("sub").exists(), "a directory removed through m3 is gone through m2");
     assert_eq!(list(&m2), ["f", "made"], "a listing through m2 after a create through m3");
     std::fs::remove_file(m3.join("made")).unwrap();
     assert_eq!(list(&m2), ["f"], "a listing through m2 after a remove through m3");
@@ -1261,6 +1272,7 @@ fn kernel_caches_of_every_mount_follow_changes_through_the_others() {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(m3.join("g"), std::fs::Permissions::from_mode(0o640)).unwrap();
     assert_eq!(std::fs::metadata(m2.join("g")).unwrap().permissions().mode() & 0o777, 0o640);
+    assert!(!m2.join("h").exists());
     std::fs::rename(m3.join("g"), m3.join("h")).unwrap();
     assert!(!m2.join("g").exists(), "a name renamed away through m3 is gone through m2");
     assert_eq!(std::fs::read(m2.join("h")).unwrap(), b"gee");

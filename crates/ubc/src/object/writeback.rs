@@ -9,10 +9,11 @@ use super::*;
 pub(crate) enum Pass {
     /// `clean`, `sync`: also wait for pages being written or written back by others (and
     /// retry those whose writeback failed); runs are spread over the I/O pool (several
-    /// requests in flight) and waited for — except on an I/O thread, which must not wait
-    /// for the pool and writes them itself.
+    /// requests in flight), the last one written on this thread, and waited for — except
+    /// on an I/O thread, which must not wait for the pool and writes them all itself.
     Wait,
-    /// The flusher: skip busy pages; runs over the I/O pool, waited for.
+    /// The flusher: skip busy pages; runs over the I/O pool (the last on this thread),
+    /// waited for.
     Background,
     /// Reclaim and the dirty throttle: skip busy pages; runs written on this thread.
     Inline,
@@ -35,7 +36,6 @@ impl Object {
     pub(crate) fn writeback(&self, from: u64, to: u64, pass: Pass) -> Result<()> {
         let wait = pass == Pass::Wait;
         let parallel = pass != Pass::Inline;
-        let if_held = if wait { IfHeld::Wait } else { IfHeld::Skip };
         if self.dirty_pages() == 0 && !wait {
             return Ok(());
         }
@@ -50,6 +50,21 @@ impl Object {
         let batch = crate::io::Batch::default();
         let cs = self.res.geo.chunk_shift;
         let mut first_err: Option<Error> = None;
+        // The newest run found is held back and the one before it submitted: the last run
+        // is written on this thread, which would only wait for the pool otherwise — a file
+        // of one run (a small file at close) costs no hand-off between threads. A held run
+        // is never kept across a wait for a busy page: it is submitted first, so this
+        // thread holds no page WRITEBACK while it sleeps (as without holding back).
+        let mut held: Option<(u64, u64, u64)> = None;
+        let submit = |run: (u64, u64, u64)| {
+            let obj = me.clone().expect("runs are held back only with an I/O pool");
+            let ((ci, first, n), ticket) = (run, batch.ticket());
+            self.res.io.submit(depth, move || {
+                let chunk = obj.table.get(ci).expect("chunk of pages under writeback");
+                let _pages = crate::order::hold(crate::order::Rank::page(depth));
+                ticket.done(obj.write_run(chunk, first, n));
+            });
+        };
         self.table.for_each(from >> cs, (to >> cs).saturating_add(1), |chunk| {
             let base = chunk.index << cs;
             let lo = from.max(base);
@@ -57,7 +72,18 @@ impl Object {
             let mut p = lo;
             while p < hi {
                 let st = &chunk.pages[(p - base) as usize];
-                if !st.snapshot().unclean() || !st.begin_writeback(if_held) {
+                if !st.snapshot().unclean() {
+                    p += 1;
+                    continue;
+                }
+                let begun = st.begin_writeback(IfHeld::Skip)
+                    || wait && {
+                        if let Some(run) = held.take() {
+                            submit(run);
+                        }
+                        st.begin_writeback(IfHeld::Wait)
+                    };
+                if !begun {
                     p += 1;
                     continue;
                 }
@@ -68,24 +94,22 @@ impl Object {
                 {
                     n += 1;
                 }
-                match &me {
-                    Some(obj) => {
-                        let (obj, ticket, ci, first) = (obj.clone(), batch.ticket(), chunk.index, p);
-                        self.res.io.submit(depth, move || {
-                            let chunk = obj.table.get(ci).expect("chunk of pages under writeback");
-                            let _pages = crate::order::hold(crate::order::Rank::page(depth));
-                            ticket.done(obj.write_run(chunk, first, n));
-                        });
+                if me.is_some() {
+                    if let Some(run) = held.replace((chunk.index, p, n)) {
+                        submit(run);
                     }
-                    None => {
-                        if let Err(e) = self.write_run(chunk, p, n) {
-                            first_err.get_or_insert(e);
-                        }
-                    }
+                } else if let Err(e) = self.write_run(chunk, p, n) {
+                    first_err.get_or_insert(e);
                 }
                 p += n;
             }
         });
+        if let Some((ci, first, n)) = held {
+            let chunk = self.table.get(ci).expect("chunk of pages under writeback");
+            if let Err(e) = self.write_run(chunk, first, n) {
+                first_err.get_or_insert(e);
+            }
+        }
         let r = batch.wait(depth);
         match first_err {
             Some(e) => Err(e),

@@ -26,6 +26,29 @@ pub(super) fn file_attr(ino: u64, a: &Attr) -> FileAttr {
     }
 }
 
+/// The attributes of a negative entry (a name that does not exist): node 0, which the
+/// kernel caches as "no such name"; it reads nothing else of them.
+pub(super) fn negative() -> FileAttr {
+    let t = SystemTime::UNIX_EPOCH;
+    FileAttr {
+        ino: INodeNo(0),
+        size: 0,
+        blocks: 0,
+        atime: t,
+        mtime: t,
+        ctime: t,
+        crtime: t,
+        kind: FileType::RegularFile,
+        perm: 0,
+        nlink: 0,
+        uid: 0,
+        gid: 0,
+        rdev: 0,
+        blksize: 4096,
+        flags: 0,
+    }
+}
+
 /// The attributes of a file reached through an open handle only, its name gone: the size
 /// is the file's, no name links to it, the rest is what the handle last saw.
 pub(super) fn unlinked_file_attr(last: &Attr, size: u64) -> Attr {

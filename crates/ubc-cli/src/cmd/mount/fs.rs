@@ -6,7 +6,7 @@
 
 use super::attr;
 use super::gate::Gate;
-use super::handles::{Handle, Handles};
+use super::handles::{Handle, Handles, Opener};
 use super::inodes::Inodes;
 use super::kernels::{Kernels, Origin};
 use super::waits::{self, Interrupts};
@@ -95,12 +95,25 @@ fn join(parent: &str, name: &OsStr) -> Result<String> {
     Ok(if parent.is_empty() { name.to_string() } else { format!("{parent}/{name}") })
 }
 
-/// The process of thread `tid` (FUSE requests carry the thread's id): its thread group
-/// id from /proc, or `tid` itself if that is gone.
-fn process_of(tid: u32) -> u32 {
-    std::fs::read_to_string(format!("/proc/{tid}/status"))
-        .ok()
-        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("Tgid:").and_then(|v| v.trim().parse().ok())))
+/// The process of thread `tid` (FUSE requests carry the thread's id, not the process's):
+/// `tid` itself if it leads its thread group — `pidfd_open` without `PIDFD_THREAD` takes
+/// only a group leader, one cheap call for the common single-threaded caller — else the
+/// thread group id from /proc (read in one call: `Tgid:` is on the fourth line), or `tid`
+/// if the thread is gone.
+pub(super) fn process_of(tid: u32) -> u32 {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, tid as libc::pid_t, 0u32) };
+    if fd >= 0 {
+        // SAFETY: the descriptor was just returned to us and is closed once.
+        unsafe { libc::close(fd as i32) };
+        return tid;
+    }
+    use std::io::Read;
+    let mut buf = [0u8; 512];
+    let n = std::fs::File::open(format!("/proc/{tid}/status")).and_then(|mut f| f.read(&mut buf)).unwrap_or(0);
+    String::from_utf8_lossy(&buf[..n])
+        .lines()
+        .find_map(|l| l.strip_prefix("Tgid:").and_then(|v| v.trim().parse().ok()))
         .unwrap_or(tid)
 }
 
@@ -309,14 +322,14 @@ impl LayerFs {
         ino: u64,
         append: bool,
         write: bool,
-        pid: u32,
+        opener: Opener,
         attr: ubc_stack::Attr,
     ) -> (FileHandle, FopenFlags) {
         let cached = self.caching.data && (!append || self.writeback);
         let append = append && !cached;
         let kernel_writes = cached && write && self.writeback;
         let flags = if cached { FopenFlags::FOPEN_KEEP_CACHE } else { FopenFlags::FOPEN_DIRECT_IO };
-        (FileHandle(self.handles.add(file, ino, append, cached, kernel_writes, pid, attr)), flags)
+        (FileHandle(self.handles.add(file, ino, append, cached, kernel_writes, opener, attr)), flags)
     }
 
     /// Tell the other mounts' kernels that the entry `name` of `parent` changed (removed,
@@ -391,6 +404,14 @@ impl Filesystem for LayerFs {
         let r = self.path(parent).and_then(|p| join(&p, name)).and_then(|p| self.entry(&p));
         match r {
             Ok(a) => reply.entry(&self.ttl, &a, Generation(0)),
+            // A negative entry (node 0), kept by the kernel as long as a positive one: a name
+            // made through any mount or layer of the stack drops it (`entry_changed`), as a
+            // removal drops a positive one. Programs look up missing names over and over
+            // (search paths, lock files, `.gitignore` in every directory); with an error
+            // reply each one is a round trip.
+            Err(Errno::ENOENT) if !self.ttl.is_zero() => {
+                reply.entry(&self.ttl, &attr::negative(), Generation(0))
+            }
             Err(e) => reply.error(e),
         }
     }
@@ -734,7 +755,7 @@ impl Filesystem for LayerFs {
             let f =
                 self.layer.open_with(&p, OpenOptions::new().write(write).truncate(truncate)).map_err(|e| errno(&e))?;
             let (_, a) = self.stat_attr(&p)?;
-            Ok(self.add_handle(f, ino.0, flags.0 & libc::O_APPEND != 0, write, process_of(req.pid()), a))
+            Ok(self.add_handle(f, ino.0, flags.0 & libc::O_APPEND != 0, write, Opener::of(req.pid()), a))
         })();
         self.kernels.wait_told();
         match r {
@@ -768,7 +789,7 @@ impl Filesystem for LayerFs {
             let a = self.layer.getattr(&p).map_err(|e| errno(&e))?;
             let ino = self.inodes.write().unwrap().node(&p, (a.dev, a.ino), true);
             let append = flags & libc::O_APPEND != 0;
-            let (fh, open) = self.add_handle(f, ino, append, true, process_of(req.pid()), a.clone());
+            let (fh, open) = self.add_handle(f, ino, append, true, Opener::of(req.pid()), a.clone());
             self.entry_changed(&parent_path, name);
             Ok((attr::file_attr(ino, &a), fh, open))
         })();
@@ -880,7 +901,9 @@ impl Filesystem for LayerFs {
         if let Ok(h) = self.handle(fh) {
             h.file.unlock_owner(ubc_stack::LockOwner(lock_owner.0));
         }
-        let r = self.handle(fh).and_then(|h| if h.pid == process_of(req.pid()) { self.write_back(&h) } else { Ok(()) });
+        // Only a handle written through has anything to write back: a read-only close skips
+        // the question of who closes.
+        let r = self.handle(fh).and_then(|h| if h.written() && h.opener.is(req.pid()) { self.write_back(&h) } else { Ok(()) });
         match r {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),

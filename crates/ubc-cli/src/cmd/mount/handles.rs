@@ -4,13 +4,34 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 
+/// The thread that opened a file, and its process.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Opener {
+    tid: u32,
+    pid: u32,
+}
+
+impl Opener {
+    /// The opener behind a request from thread `tid`.
+    pub(super) fn of(tid: u32) -> Opener {
+        Opener { tid, pid: super::fs::process_of(tid) }
+    }
+
+    /// Whether a request from thread `tid` comes from the opening process. The opening
+    /// thread itself is answered without asking /proc (a reused thread id could only
+    /// make a close write back that need not: harmless).
+    pub(super) fn is(&self, tid: u32) -> bool {
+        tid == self.tid || super::fs::process_of(tid) == self.pid
+    }
+}
+
 /// One open of a file.
 pub(super) struct Handle {
     pub(super) file: ubc_stack::File,
     /// Opened with O_APPEND: every write goes to the end of the file as the stack knows it.
     pub(super) append: bool,
-    /// The process (thread group) that opened it: only its `close` waits for a sync.
-    pub(super) pid: u32,
+    /// Who opened it: only the opening process's `close` writes back.
+    pub(super) opener: Opener,
     /// The inode number the file was opened by (the kernel keeps using it after the name
     /// is removed).
     pub(super) ino: u64,
@@ -101,7 +122,7 @@ impl Handles {
         &self.open[fh as usize % SHARDS]
     }
 
-    /// Enter an open of `file` (inode `ino`, attributes `attr`) by process `pid`, `cached`
+    /// Enter an open of `file` (inode `ino`, attributes `attr`) by `opener`, `cached`
     /// by the kernel or not, writes `kernel_writes` (see [`Handle`]); its handle number.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn add(
@@ -111,13 +132,13 @@ impl Handles {
         append: bool,
         cached: bool,
         kernel_writes: bool,
-        pid: u32,
+        opener: Opener,
         attr: ubc_stack::Attr,
     ) -> u64 {
         let fh = self.next.fetch_add(1, Relaxed);
         let written = AtomicBool::new(false);
         let mtime = Mutex::new(None);
-        let h = Handle { file, append, cached, kernel_writes, pid, ino, written, mtime, last: Mutex::new(attr) };
+        let h = Handle { file, append, cached, kernel_writes, opener, ino, written, mtime, last: Mutex::new(attr) };
         self.shard(fh).lock().unwrap().insert(fh, Arc::new(h));
         fh
     }

@@ -138,9 +138,10 @@ pub struct Args {
     /// changes by)
     #[arg(long, value_name = "MODE", value_parser = ["writeback", "kernel", "direct"])]
     cache: Option<String>,
-    /// With `--cache kernel`: how long the kernel may keep attributes and names before it
-    /// asks again. Changes through ubc reach it at once; this bounds how long a change made
-    /// to the store behind ubc's back stays unseen
+    /// With `--cache kernel` or `writeback`: how long the kernel may keep attributes and
+    /// names (also that a name does not exist) before it asks again. Changes through ubc
+    /// reach it at once; this bounds how long a change made to the store behind ubc's back
+    /// stays unseen
     #[arg(long, value_name = "SECONDS", default_value_t = 60.0)]
     attr_timeout: f64,
     /// Request threads per mount (each with its own /dev/fuse descriptor). Default: the
