@@ -20,10 +20,12 @@ fn dropping_the_stack_writes_back_and_shuts_the_cache_down() {
         let s = Stack::open(&spec, ubc::Cache::new(64 << 20).unwrap()).unwrap();
         let f = s.top().create("late.txt").unwrap();
         f.write_at(b"written, never synced", 0).unwrap();
-        // Start the I/O pools (one per depth, started on first use) with another file's
-        // writeback; `late.txt` stays unsynced.
+        // Start an I/O pool (one per depth, started on first use) with another file's
+        // writeback — of two runs: a writeback writes its last run itself and gives the
+        // others to the pool; `late.txt` stays unsynced.
         let g = s.top().create("synced.txt").unwrap();
         g.write_at(b"synced", 0).unwrap();
+        g.write_at(b"synced", 1 << 20).unwrap();
         g.sync().unwrap();
         // Threads name themselves once running: poll.
         let mut up = 0;

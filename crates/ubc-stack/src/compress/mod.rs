@@ -461,7 +461,9 @@ impl CompressPager {
             };
             buf.clear();
             buf.resize(ext.stored as usize, 0);
-            let r = self.lower.read_exact_at(buf, ext.off);
+            // Exactly the extent, without read-ahead below: the cache above reads ahead in
+            // chunk order, and extents are not stored in chunk order.
+            let r = read_exact_no_readahead(&self.lower, buf, ext.off);
             if self.state.lock().id_of(chunk) != Some(id) {
                 continue; // Superseded while we read: its space may have been reused.
             }
@@ -760,6 +762,19 @@ impl Drop for CompressPager {
     }
 }
 
+/// `read_exact_at` without read-ahead in `lower` (see [`ubc::File::read_at_no_readahead`]).
+fn read_exact_no_readahead(lower: &ubc::File, buf: &mut [u8], offset: u64) -> ubc::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        let n = lower.read_at_no_readahead(&mut buf[done..], offset + done as u64)?;
+        if n == 0 {
+            return Err(ubc::Error::UnexpectedEof { object: "zstd lower file".into(), offset: offset + done as u64 });
+        }
+        done += n;
+    }
+    Ok(())
+}
+
 impl Pager for CompressPager {
     fn get_pages(&self, offset: u64, buf: &mut [u8]) -> io::Result<Fill> {
         if buf.is_empty() {
@@ -786,6 +801,10 @@ impl Pager for CompressPager {
                     dst.fill(0);
                     continue;
                 };
+                // The cache fills whole chunks (`fill_granule`): the extent is not needed
+                // again for this chunk (a partial fill — pages of the chunk valid already —
+                // fetches it again, as before).
+                crate::layer::general::drop_read_below(&self.lower, ext.off..ext.off + u64::from(ext.stored));
                 if from == cstart && to == cstart + cs {
                     self.decode(chunk, &ext, &stored, dst)?;
                 } else {
@@ -830,6 +849,11 @@ impl Pager for CompressPager {
 
     fn len(&self) -> io::Result<u64> {
         Ok(self.state.lock().len)
+    }
+
+    /// A chunk: it is stored (and decoded) whole.
+    fn fill_granule(&self) -> u64 {
+        1 << self.chunk_shift.load(Relaxed)
     }
 
     fn set_len(&self, new: u64) -> io::Result<()> {

@@ -252,11 +252,13 @@ fn blocks(len: u64) -> u64 {
     len.div_ceil(BLOCK)
 }
 
-/// Read as much of `buf` as the file holds at `offset`; returns the bytes read.
+/// Read as much of `buf` as the file holds at `offset`; returns the bytes read. Without
+/// read-ahead in the lower file: this pager is read ahead by the cache above it, and asks
+/// for exactly the blocks it fills (`ubc::File::read_at_no_readahead`).
 fn read_full(f: &ubc::File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
     let mut done = 0;
     while done < buf.len() {
-        let n = f.read_at(&mut buf[done..], offset + done as u64).map_err(ubc_io)?;
+        let n = f.read_at_no_readahead(&mut buf[done..], offset + done as u64).map_err(ubc_io)?;
         if n == 0 {
             break;
         }
@@ -603,6 +605,7 @@ impl Pager for EncryptPager {
         let first = offset / BLOCK;
         let mut stored = vec![0u8; n * S];
         let got = read_full(&self.lower, &mut stored, slot(first))?;
+        crate::layer::general::drop_read_below(&self.lower, slot(first)..slot(first) + (n * S) as u64);
         for k in 0..n {
             let out_end = ((k + 1) * B).min(buf.len());
             self.open_slot(

@@ -12,6 +12,23 @@ use crate::error::{Error, Result};
 use std::ops::Range;
 use std::sync::Arc;
 
+/// Drop the lower file's clean pages that hold stored bytes `range`, which a general
+/// layer's pager has just read (`read_at_no_readahead`) and decoded into the page being
+/// filled above. The page above is the file's bytes now; the stored form below would be a
+/// second copy of them in the one budget (exclusive caching between layers: as the mount
+/// leaves a page read through it to the kernel, a layer leaves a decoded page to the layer
+/// above). Stored blocks and extents do not align with pages: the page holding the start
+/// of `range` goes too (in a forward scan its other bytes belong to the range read just
+/// before), the one holding its end stays (they belong to the next range, which drops it
+/// as its first). Out of order, a neighbour finds its edge page gone and reads that one
+/// page again. Dirty and held pages stay (`ubc::File::drop_clean`). Cost: a page dropped
+/// here and later evicted above is read from the store again — as it is anyway once the
+/// budget is full.
+pub(crate) fn drop_read_below(lower: &ubc::File, range: Range<u64>) {
+    const PAGE: u64 = 4096;
+    let _ = lower.drop_clean(range.start / PAGE * PAGE..range.end);
+}
+
 /// `zstd`: per-chunk compression.
 pub struct Zstd {
     lower: Arc<dyn Layer>,

@@ -20,45 +20,81 @@ impl Object {
     /// valid and pinned. Returns how many pages were filled starting at `first`
     /// (fewer than asked if a later page was not empty), or 0 if `first` itself was taken
     /// by someone else (the caller retries its pin, which waits for that filler).
+    ///
+    /// With a fill granule (`Pager::fill_granule`: a pager that decodes whole units), the
+    /// run grows to the granules it touches — empty pages only, inside the chunk and
+    /// `max_fill_pages` — so that one pager call makes the whole unit; the pages outside
+    /// `first..=last` are published clean and unpinned, as read-ahead.
     fn fill_run(&self, chunk: &Chunk, first: u64, last: u64, admission: Admission) -> Result<u64> {
         let base = chunk.index << self.res.geo.chunk_shift;
-        let s0 = (first - base) as usize;
+        let chunk_end = base + (1 << self.res.geo.chunk_shift); // exclusive
         let max = self.res.geo.max_fill_pages;
+        let g = self.granule_pages();
+        let at = |p: u64| &chunk.pages[(p - base) as usize];
+        // The run wanted: from `first` on while empty, to `last` or (granule) the end of
+        // the granule holding `last`; and back from `first` to its granule's start.
+        let end = if g > 1 { ((last | (g - 1)) + 1).min(chunk_end) } else { last + 1 };
+        let mut ahead = 0u64;
+        while first + ahead < end && ahead < max && at(first + ahead).is_empty() {
+            ahead += 1;
+        }
+        if ahead == 0 {
+            return Ok(0);
+        }
+        let start = if g > 1 { (first & !(g - 1)).max(base) } else { first };
+        let mut behind = 0u64;
+        while first - behind > start && ahead + behind < max && at(first - behind - 1).is_empty() {
+            behind += 1;
+        }
         // Memory first, pages second (Linux allocates a page before it adds it locked to
         // the page cache): reserving may reclaim, and reclaim may write back any file —
         // which it could not do while this thread held pages BUSY (`order.rs`: a pager
         // above could be waiting for them).
-        let mut want = 0u64;
-        while first + want <= last && want < max && chunk.pages[s0 + want as usize].is_empty() {
-            want += 1;
-        }
-        if want == 0 {
-            return Ok(0);
-        }
-        self.res.reserve(want)?;
+        self.res.reserve(ahead + behind)?;
         let _pages = crate::order::hold(crate::order::Rank::page(self.depth()));
-        if !chunk.pages[s0].try_lock_empty() {
-            self.res.unreserve(want);
+        if !at(first).try_lock_empty() {
+            self.res.unreserve(ahead + behind);
             return Ok(0);
         }
         let mut n = 1u64;
-        while n < want && chunk.pages[s0 + n as usize].try_lock_empty() {
+        while n < ahead && at(first + n).try_lock_empty() {
             n += 1;
         }
-        if n < want {
-            self.res.unreserve(want - n);
+        // Taking pages is never a wait (a try), so taking these after `first` cannot
+        // deadlock with a filler going the other way.
+        let mut b = 0u64;
+        while b < behind && at(first - b - 1).try_lock_empty() {
+            b += 1;
         }
-        let locked = &chunk.pages[s0..s0 + n as usize];
-        if let Err(e) = self.fill_locked(chunk, first, n) {
-            self.res.unreserve(n);
-            locked.iter().for_each(|p| {
-                p.release_empty();
+        self.res.unreserve(ahead - n + behind - b);
+        let lo = first - b;
+        if let Err(e) = self.fill_locked(chunk, lo, b + n) {
+            self.res.unreserve(b + n);
+            (lo..first + n).for_each(|p| {
+                at(p).release_empty();
             });
             return Err(e);
         }
-        self.publish_filled(chunk, first, n, Publish::Pinned, admission, None);
-        bump(&self.counters.mine().misses, n);
-        Ok(n)
+        // Asked for: pinned for the caller; the rest of the granules: clean, as read-ahead.
+        let asked = n.min(last + 1 - first);
+        if b + n > asked {
+            bump(&self.counters.mine().readahead_pages, b + n - asked);
+        }
+        if b > 0 {
+            self.publish_filled(chunk, lo, b, Publish::Clean, Admission::ReadAhead, None);
+        }
+        self.publish_filled(chunk, first, asked, Publish::Pinned, admission, None);
+        if n > asked {
+            self.publish_filled(chunk, first + asked, n - asked, Publish::Clean, Admission::ReadAhead, None);
+        }
+        bump(&self.counters.mine().misses, asked);
+        Ok(asked)
+    }
+
+    /// The pager's fill granule in pages (1: none; see `Pager::fill_granule`).
+    pub(crate) fn granule_pages(&self) -> u64 {
+        let g = self.pager.read().fill_granule();
+        if g.is_power_of_two() { (g >> self.ps()).max(1) } else { 1 }
     }
 
     /// Read pages `first..first+n` of `chunk` from the pager into the cache.
@@ -193,8 +229,9 @@ impl Object {
         }
     }
 
-    /// `read_at`: copy `buf.len()` bytes at `offset` (fewer at end of file).
-    pub(crate) fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+    /// `read_at`: copy `buf.len()` bytes at `offset` (fewer at end of file). Misses read
+    /// ahead if `readahead`.
+    pub(crate) fn read(&self, buf: &mut [u8], offset: u64, readahead: bool) -> Result<usize> {
         checked_end(offset, buf.len())?;
         let mut end = offset.saturating_add(buf.len() as u64).min(self.len());
         let ps = self.ps();
@@ -206,7 +243,7 @@ impl Object {
             let chunk_last = ((ci + 1) << self.res.geo.chunk_shift) - 1;
             let req_last = (end - 1) >> ps;
             let last = req_last.min(chunk_last);
-            let n = self.pin_run(chunk, page, last, Some(req_last))?;
+            let n = self.pin_run(chunk, page, last, readahead.then_some(req_last))?;
             // A truncation may have raced with us; pinned pages are stable, but do not
             // return bytes past the current end.
             end = end.min(self.len());

@@ -214,6 +214,13 @@ impl Object {
     /// in the queue waits for that read instead of issuing its own.
     fn readahead_submit(&self, start: u64, end: u64) {
         let Some(me) = self.me.upgrade() else { return };
+        // A window ends on a fill granule (a compressed chunk): one cut in the middle would
+        // have the chunk fetched and decoded again for the rest.
+        let g = self.granule_pages();
+        let end = match self.last_page() {
+            Some(last) if g > 1 => end.next_multiple_of(g).min(last + 1).max(end),
+            _ => end,
+        };
         let cs = self.res.geo.chunk_shift;
         let piece = self.res.geo.max_fill_pages;
         let depth = self.depth();

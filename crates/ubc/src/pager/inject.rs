@@ -228,6 +228,9 @@ impl Pager for InjectingPager {
             }
         }
     }
+    fn fill_granule(&self) -> u64 {
+        self.inner.fill_granule()
+    }
     fn len(&self) -> io::Result<u64> {
         self.inner.len()
     }

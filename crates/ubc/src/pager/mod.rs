@@ -111,6 +111,17 @@ pub trait Pager: Send + Sync + 'static {
         0
     }
 
+    /// The unit, in bytes, this pager makes pages from (0: any page). A pager that decodes
+    /// whole units — a compressed chunk — pays for a unit on every call that asks for part
+    /// of it, and a unit filled in two calls is fetched and decoded twice. The cache fills
+    /// a demand miss, and ends a read-ahead window, on such boundaries (pages already valid
+    /// stay as they are) — as Linux gives a mapping whose block is larger than a page a
+    /// minimum folio order. A power of two; anything else counts as 0. A wrapper forwards
+    /// its inner pager's.
+    fn fill_granule(&self) -> u64 {
+        0
+    }
+
     /// How this pager reaches its store (for statistics).
     fn io_mode(&self) -> IoMode {
         IoMode::Unknown

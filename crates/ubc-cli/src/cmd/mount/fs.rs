@@ -409,9 +409,7 @@ impl Filesystem for LayerFs {
             // removal drops a positive one. Programs look up missing names over and over
             // (search paths, lock files, `.gitignore` in every directory); with an error
             // reply each one is a round trip.
-            Err(Errno::ENOENT) if !self.ttl.is_zero() => {
-                reply.entry(&self.ttl, &attr::negative(), Generation(0))
-            }
+            Err(Errno::ENOENT) if !self.ttl.is_zero() => reply.entry(&self.ttl, &attr::negative(), Generation(0)),
             Err(e) => reply.error(e),
         }
     }
@@ -903,7 +901,9 @@ impl Filesystem for LayerFs {
         }
         // Only a handle written through has anything to write back: a read-only close skips
         // the question of who closes.
-        let r = self.handle(fh).and_then(|h| if h.written() && h.opener.is(req.pid()) { self.write_back(&h) } else { Ok(()) });
+        let r = self
+            .handle(fh)
+            .and_then(|h| if h.written() && h.opener.is(req.pid()) { self.write_back(&h) } else { Ok(()) });
         match r {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
