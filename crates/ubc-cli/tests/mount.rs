@@ -1393,3 +1393,63 @@ fn one_mount_keeps_writes_in_the_kernel_and_a_close_puts_them_in_the_store_with_
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("needs one mount"), "{out:?}");
     assert!(!is_mounted(&mnt));
 }
+
+/// A listing (which the kernel asks for with attributes, `readdirplus`, once it sees names
+/// of the directory looked up) shows every entry — ".", ".." and hard links included — with
+/// the inode number `stat` shows for it, on one mount (write-back cache) and on two
+/// (write-through); names listed and then removed through the other mount are gone.
+#[test]
+fn listings_show_every_entry_with_the_inode_number_stat_shows() {
+    if !fuse_available() {
+        return;
+    }
+    use std::os::unix::fs::MetadataExt;
+    for two in [false, true] {
+        let (t, spec, mnt) = stack_dir("");
+        let mnt2 = t.path().join("mnt2");
+        let ats: Vec<(usize, &Path)> = if two { vec![(0, &mnt), (0, &mnt2)] } else { vec![(0, &mnt)] };
+        let mut d = Daemon::start(&spec, &ats, &[], &t.path().join("err"));
+        let dir = mnt.join("d");
+        std::fs::create_dir_all(dir.join("sub")).unwrap();
+        for i in 0..300 {
+            std::fs::write(dir.join(format!("f{i}")), format!("{i}")).unwrap();
+        }
+        std::fs::hard_link(dir.join("f0"), dir.join("link")).unwrap();
+        // Twice: the first listing of a directory is a plain one; lookups of its names
+        // between make the kernel ask the second time with attributes.
+        for round in 0..2 {
+            let out = run(Command::new("ls").arg("-ai1").arg(&dir));
+            let listed: Vec<(u64, String)> = String::from_utf8(out)
+                .unwrap()
+                .lines()
+                .map(|l| {
+                    let (ino, name) = l.trim().split_once(' ').unwrap();
+                    (ino.parse().unwrap(), name.to_string())
+                })
+                .collect();
+            assert_eq!(listed.len(), 300 + 4, "round {round}: {listed:?}");
+            for (ino, name) in &listed {
+                let path = match name.as_str() {
+                    "." => dir.clone(),
+                    ".." => mnt.clone(),
+                    n => dir.join(n),
+                };
+                let want = std::fs::symlink_metadata(&path).unwrap().ino();
+                assert_eq!(*ino, want, "round {round}: d_ino of {name}");
+            }
+            assert_eq!(
+                std::fs::metadata(dir.join("link")).unwrap().ino(),
+                std::fs::metadata(dir.join("f0")).unwrap().ino()
+            );
+        }
+        if two {
+            for i in 0..150 {
+                std::fs::remove_file(mnt2.join("d").join(format!("f{i}"))).unwrap();
+            }
+            let names = std::fs::read_dir(&dir).unwrap().count();
+            assert_eq!(names, 150 + 2, "after removes through the other mount");
+            assert!(!dir.join("f7").exists() && dir.join("f170").exists());
+        }
+        d.unmount();
+    }
+}

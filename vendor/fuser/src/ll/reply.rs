@@ -464,7 +464,8 @@ impl DirEntList {
 
 #[derive(Debug)]
 pub(crate) struct DirEntryPlus<T: AsRef<Path>> {
-    #[allow(unused)] // We use `attr.ino` instead
+    /// (ubc patch) The entry's inode number (`d_ino`); `attr.ino` is the node handed to the
+    /// kernel, 0 for none (".", "..", an entry whose attributes are not given).
     ino: INodeNo,
     generation: Generation,
     offset: DirEntOffset,
@@ -527,7 +528,7 @@ impl DirEntPlusList {
                 attr: x.attr.attr,
             },
             dirent: abi::fuse_dirent {
-                ino: x.attr.attr.ino,
+                ino: x.ino.0, // (ubc patch) was attr.ino: a node of 0 left d_ino 0
                 off: x.offset.0,
                 namelen: name.len().try_into().expect("Name too long"),
                 typ: x.attr.attr.mode >> 12,

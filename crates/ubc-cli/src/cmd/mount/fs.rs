@@ -12,8 +12,9 @@ use super::kernels::{Kernels, Origin};
 use super::waits::{self, Interrupts};
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags, KernelConfig,
-    LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry,
-    ReplyLock, ReplyLseek, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+    LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus,
+    ReplyEmpty, ReplyEntry, ReplyLock, ReplyLseek, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow,
+    WriteFlags,
 };
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
@@ -205,6 +206,29 @@ impl LayerFs {
 
     /// Attributes of `path` for an entry reply (lookup, create, mkdir, …): the kernel then
     /// holds one more reference to the node, until it sends FORGET.
+    /// The entries of directory `ino` as `readdir` shows them — ".", "..", then the layer's
+    /// — each with its `d_ino` (the node id where the name is known, else the store's
+    /// number: what a later lookup will show, unless that number is taken) and kind; and the
+    /// directory's path.
+    fn listing(&self, ino: INodeNo) -> Result<(String, Vec<(u64, FileType, String)>)> {
+        let p = self.path(ino)?;
+        let entries = self.layer.readdir(&p).map_err(|e| errno(&e))?;
+        let inodes = self.inodes.read().unwrap();
+        // `..`: the parent's node (the kernel looked it up to reach this directory); the
+        // root's parent is the root itself (node 1), as on the host's file systems.
+        let parent = p.rfind('/').map_or("", |i| &p[..i]);
+        let mut all = vec![
+            (ino.0, FileType::Directory, ".".to_string()),
+            (inodes.known(parent).unwrap_or(1), FileType::Directory, "..".to_string()),
+        ];
+        for e in entries {
+            let child = if p.is_empty() { e.name.clone() } else { format!("{p}/{}", e.name) };
+            all.push((inodes.known(&child).unwrap_or(e.ino), attr::file_type(e.kind), e.name));
+        }
+        drop(inodes);
+        Ok((p, all))
+    }
+
     fn entry(&self, path: &str) -> Result<FileAttr> {
         let a = self.layer.getattr(path).map_err(|e| self.gone(path, e))?;
         let ino = self.inodes.write().unwrap().node(path, (a.dev, a.ino), true);
@@ -375,6 +399,10 @@ impl Filesystem for LayerFs {
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
         if self.caching.data {
             let _ = config.add_capabilities(InitFlags::FUSE_CACHE_SYMLINKS);
+            // Listings with attributes (`readdirplus`), when the kernel sees a listing
+            // followed by lookups of its names (`_AUTO`: a bare `ls` stays a plain listing,
+            // which costs no `getattr` per entry).
+            let _ = config.add_capabilities(InitFlags::FUSE_DO_READDIRPLUS | InitFlags::FUSE_READDIRPLUS_AUTO);
             // This daemon clears set-user/group-ID bits on writes (`kill_setid`) and the host
             // does on chown, so the kernel need not check each file before each write: without
             // it, every write(2) through the page cache costs a GETXATTR of
@@ -1191,27 +1219,8 @@ impl Filesystem for LayerFs {
     }
 
     fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
-        let r = (|| {
-            let p = self.path(ino)?;
-            let entries = self.layer.readdir(&p).map_err(|e| errno(&e))?;
-            let inodes = self.inodes.read().unwrap();
-            // `..`: the parent's node (the kernel looked it up to reach this directory); the
-            // root's parent is the root itself (node 1), as on the host's file systems.
-            let parent = p.rfind('/').map_or("", |i| &p[..i]);
-            let mut all = vec![
-                (ino.0, FileType::Directory, ".".to_string()),
-                (inodes.known(parent).unwrap_or(1), FileType::Directory, "..".to_string()),
-            ];
-            for e in entries {
-                // The node id where the name is known, else the store's number (the d_ino a
-                // later lookup will show, unless that number is taken).
-                let child = if p.is_empty() { e.name.clone() } else { format!("{p}/{}", e.name) };
-                all.push((inodes.known(&child).unwrap_or(e.ino), attr::file_type(e.kind), e.name));
-            }
-            Ok(all)
-        })();
-        match r {
-            Ok(all) => {
+        match self.listing(ino) {
+            Ok((_, all)) => {
                 for (i, (ino, kind, name)) in all.into_iter().enumerate().skip(offset as usize) {
                     if reply.add(INodeNo(ino), i as u64 + 1, kind, name) {
                         break;
@@ -1223,6 +1232,46 @@ impl Filesystem for LayerFs {
         }
     }
 
+    /// A listing with each entry's attributes, which the kernel keeps as if each name had
+    /// been looked up (`FUSE_DO_READDIRPLUS`, asked for while the kernel caches): `ls -l`,
+    /// `find`, `rm -rf`, `diff -r`, `rsync` list a directory and then look at every entry —
+    /// one round trip per entry saved. Each entry given a node is one reference, as a
+    /// lookup's; "." and ".." get none (the kernel takes none for them). An entry gone
+    /// between the listing and its `getattr` is listed without a node.
+    fn readdirplus(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectoryPlus) {
+        let (dir, all) = match self.listing(ino) {
+            Ok(l) => l,
+            Err(e) => return reply.error(e),
+        };
+        for (i, (d_ino, kind, name)) in all.into_iter().enumerate().skip(offset as usize) {
+            let off = i as u64 + 1;
+            let mut none = attr::negative();
+            none.kind = kind;
+            let full = if i < 2 {
+                reply.add(INodeNo(d_ino), off, &name, &Duration::ZERO, &none, Generation(0))
+            } else {
+                let child = if dir.is_empty() { name.clone() } else { format!("{dir}/{name}") };
+                match self.layer.getattr(&child) {
+                    Ok(a) => {
+                        let mut inodes = self.inodes.write().unwrap();
+                        let id = inodes.node(&child, (a.dev, a.ino), true);
+                        let full =
+                            reply.add(INodeNo(id), off, &name, &self.ttl, &attr::file_attr(id, &a), Generation(0));
+                        if full {
+                            // Not sent: the reference was not handed over.
+                            inodes.forget(id, 1);
+                        }
+                        full
+                    }
+                    Err(_) => reply.add(INodeNo(d_ino), off, &name, &Duration::ZERO, &none, Generation(0)),
+                }
+            };
+            if full {
+                break;
+            }
+        }
+        reply.ok()
+    }
     fn fsyncdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
         match self.path(ino).and_then(|p| self.layer.sync_dir(&p).map_err(|e| errno(&e))) {
             Ok(()) => reply.ok(),
