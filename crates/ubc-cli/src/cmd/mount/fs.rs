@@ -63,6 +63,9 @@ pub(super) struct LayerFs {
 
 type Result<T> = std::result::Result<T, Errno>;
 
+/// A directory entry as listed: its `d_ino`, kind and name.
+type Listed = (u64, FileType, String);
+
 /// The errno for `e`. An EIO — a real I/O failure or a failed authentication, the errors a
 /// program cannot tell apart by number — is also logged, once per message (which names the
 /// path), so that the daemon's log says what broke.
@@ -210,7 +213,7 @@ impl LayerFs {
     /// — each with its `d_ino` (the node id where the name is known, else the store's
     /// number: what a later lookup will show, unless that number is taken) and kind; and the
     /// directory's path.
-    fn listing(&self, ino: INodeNo) -> Result<(String, Vec<(u64, FileType, String)>)> {
+    fn listing(&self, ino: INodeNo) -> Result<(String, Vec<Listed>)> {
         let p = self.path(ino)?;
         let entries = self.layer.readdir(&p).map_err(|e| errno(&e))?;
         let inodes = self.inodes.read().unwrap();
