@@ -1453,3 +1453,59 @@ fn listings_show_every_entry_with_the_inode_number_stat_shows() {
         d.unmount();
     }
 }
+
+/// The sync deadline passes while the kernel's write-back into the daemon is stuck (the
+/// store stops answering while a writer fills the kernel's write-back cache): the daemon
+/// gives up at its deadline, aborts the connection and exits (75) once the store answers
+/// again; the blocked writer gets an error (not a success into the page cache of a
+/// connection nobody serves) and the mount is gone. The hang this guards against — a
+/// daemon thread left inside the kernel waiting for write-back that only the exited request
+/// threads could serve, seen once in nine SIGTERMs during a 1 MiB write loop — depends on
+/// timing and is not reproduced here every time; the abort that releases it
+/// (`umount2(MNT_FORCE)`, root only) is on this path.
+#[test]
+fn a_deadline_during_the_kernels_write_back_aborts_the_connection_and_later_writes_fail() {
+    // SAFETY: geteuid takes no arguments and always succeeds.
+    if !fuse_available() || unsafe { libc::geteuid() } != 0 {
+        return;
+    }
+    let (t, spec_a, amnt) = stack_dir("");
+    let a = Daemon::start(&spec_a, &[(0, &amnt)], &[], &t.path().join("a.err"));
+    let store = amnt.join("b");
+    std::fs::create_dir(&store).unwrap();
+    let mp = t.path().join("m");
+    std::fs::create_dir(&mp).unwrap();
+    let extra = ["--sync-timeout", "2", "--budget", "16"];
+    let mut b = Daemon::start(&format!("dir:{}", store.display()), &[(0, &mp)], &extra, &t.path().join("b.err"));
+    let f = std::fs::File::create(mp.join("big")).unwrap();
+    a.signal(libc::SIGSTOP);
+    let _resume = Resume(a.pid());
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let buf = vec![7u8; 1 << 20];
+        let mut n = 0u64;
+        let r = loop {
+            if let Err(e) = f.write_all_at(&buf, n << 20) {
+                break Some(e);
+            }
+            n += 1;
+            if n == 4096 {
+                break None;
+            }
+        };
+        let _ = tx.send((n, r));
+    });
+    std::thread::sleep(Duration::from_millis(1500));
+    b.signal(libc::SIGTERM);
+    b.wait_for_message("exiting without syncing", Duration::from_secs(15));
+    // SAFETY: kill only sends a signal; it takes no pointers.
+    unsafe { libc::kill(a.pid(), libc::SIGCONT) };
+    let (code, _) = b.wait(Duration::from_secs(20));
+    assert_eq!(code, Some(75), "exit status; stderr:\n{}", b.stderr());
+    match rx.recv_timeout(Duration::from_secs(20)) {
+        Ok((n, Some(e))) => eprintln!("the writer stopped after {n} MiB: {e}"),
+        Ok((n, None)) => panic!("{n} MiB of writes succeeded into a mount whose daemon gave up"),
+        Err(_) => panic!("the writer is still blocked 20 s after the daemon exited"),
+    }
+    assert!(!is_mounted(&mp), "still mounted");
+}
