@@ -1,5 +1,8 @@
 //! Stacks of real layers over real directories: every layer usable at once, one truth.
 
+mod common;
+
+use common::data::gen_data;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use ubc_stack::encrypt::Key;
@@ -717,20 +720,6 @@ fn drop_clean_frees_clean_pages_and_keeps_dirty_ones() {
     assert_eq!(read_all(&f), want, "the dirty page stayed and the rest came back from the store");
 }
 
-/// Incompressible bytes (a xorshift stream): the zstd layer stores them raw, so the stored
-/// file is as large as the cleartext and every layer holds as much as the one above.
-fn noise(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
-}
-
 /// A file read through general layers (`dir | aead | zstd`, and `dir | zstd | aead`) is held
 /// once, decoded at the top: each layer leaves the stored bytes it decoded (at most an edge
 /// page per read stays below), and the store is read about once — no read-ahead below a
@@ -752,7 +741,8 @@ fn reading_through_general_layers_holds_one_copy_and_reads_the_store_once() {
             order.replace("aead", &format!("aead:keyfile={}", fx.keyfile.display()))
         );
         let len = 24 << 20;
-        let data = noise(len, 7);
+        // Incompressible: zstd stores it raw, so every layer holds as much as the one above.
+        let data = gen_data(7, len, 0);
         {
             let s = Stack::open(&spec, cache()).unwrap();
             let f = s.top().create("f").unwrap();
