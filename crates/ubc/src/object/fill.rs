@@ -33,7 +33,9 @@ impl Object {
         let at = |p: u64| &chunk.pages[(p - base) as usize];
         // The run wanted: from `first` on while empty, to `last` or (granule) the end of
         // the granule holding `last`; and back from `first` to its granule's start.
-        let end = if g > 1 { ((last | (g - 1)) + 1).min(chunk_end) } else { last + 1 };
+        // (Not past the last page: pages past the end are holes, nothing to read.)
+        let eof = self.len().div_ceil(1 << self.ps());
+        let end = if g > 1 { ((last | (g - 1)) + 1).min(chunk_end).min(eof.max(last + 1)) } else { last + 1 };
         let mut ahead = 0u64;
         while first + ahead < end && ahead < max && at(first + ahead).is_empty() {
             ahead += 1;
@@ -101,7 +103,16 @@ impl Object {
     /// => caller holds those pages BUSY and has reserved budget for them.
     pub(crate) fn fill_locked(&self, chunk: &Chunk, first: u64, n: u64) -> Result<()> {
         let offset = first << self.ps();
-        if offset >= self.len() {
+        // Read once, after the caller took the pages: a truncation that publishes a shorter
+        // length later finds them BUSY and drops them after this fill; one that published it
+        // before may have dropped this range before the pages were taken, and the store may
+        // still hold the old bytes (it is truncated after the drop) — so whatever the pager
+        // returns past this length is zeroed below. Without it a fill running into a
+        // concurrent truncation cached old bytes past the new end, which a later growth
+        // showed (`ubc-fsx --other`, seed 99: after a shrink and a growth, old bytes where
+        // zeros belong).
+        let len = self.len();
+        if offset >= len {
             // Entirely past the end of the file: a hole, zero-filled by the memfd.
             return Ok(());
         }
@@ -117,6 +128,9 @@ impl Object {
         match self.call_pager(PagerOp::GetPages, offset, |p| p.get_pages(offset, buf)) {
             Ok(Fill::Data) => {
                 bump(&sh.read_bytes, bytes as u64);
+                if offset + bytes as u64 > len {
+                    buf[(len - offset) as usize..].fill(0);
+                }
                 Ok(())
             }
             Ok(Fill::Hole) => Ok(()),
