@@ -1456,13 +1456,14 @@ fn listings_show_every_entry_with_the_inode_number_stat_shows() {
 
 /// The sync deadline passes while the kernel's write-back into the daemon is stuck (the
 /// store stops answering while a writer fills the kernel's write-back cache): the daemon
-/// gives up at its deadline, aborts the connection and exits (75) once the store answers
-/// again; the blocked writer gets an error (not a success into the page cache of a
-/// connection nobody serves) and the mount is gone. The hang this guards against — a
-/// daemon thread left inside the kernel waiting for write-back that only the exited request
-/// threads could serve, seen once in nine SIGTERMs during a 1 MiB write loop — depends on
-/// timing and is not reproduced here every time; the abort that releases it
-/// (`umount2(MNT_FORCE)`, root only) is on this path.
+/// gives up at its deadline and aborts the connection, so the blocked writer gets an error
+/// at once — while the store is still stopped — not a success into the page cache of a
+/// connection nobody serves; the daemon exits (75) once the store answers, and the mount is
+/// gone. Without the abort (`umount2(MNT_FORCE)`, root only; fusectl is often not mounted)
+/// the writer stayed blocked (checked: fails on 221bae6's shutdown). The same abort frees a
+/// daemon thread left in the kernel waiting for write-back that only the exited request
+/// threads could serve — the hang seen once in nine SIGTERMs during a 1 MiB write loop,
+/// which depends on timing and is not reproduced here.
 #[test]
 fn a_deadline_during_the_kernels_write_back_aborts_the_connection_and_later_writes_fail() {
     // SAFETY: geteuid takes no arguments and always succeeds.
@@ -1498,14 +1499,16 @@ fn a_deadline_during_the_kernels_write_back_aborts_the_connection_and_later_writ
     std::thread::sleep(Duration::from_millis(1500));
     b.signal(libc::SIGTERM);
     b.wait_for_message("exiting without syncing", Duration::from_secs(15));
+    // While the store is still stopped: only the abort frees the writer now (without it,
+    // the writer waited until the daemon's exit finished, which waits for the store).
+    match rx.recv_timeout(Duration::from_secs(10)) {
+        Ok((n, Some(e))) => eprintln!("the writer stopped after {n} MiB: {e}"),
+        Ok((n, None)) => panic!("{n} MiB of writes succeeded into a mount whose daemon gave up"),
+        Err(_) => panic!("the writer is still blocked 10 s after the daemon gave up (connection not aborted)"),
+    }
     // SAFETY: kill only sends a signal; it takes no pointers.
     unsafe { libc::kill(a.pid(), libc::SIGCONT) };
     let (code, _) = b.wait(Duration::from_secs(20));
     assert_eq!(code, Some(75), "exit status; stderr:\n{}", b.stderr());
-    match rx.recv_timeout(Duration::from_secs(20)) {
-        Ok((n, Some(e))) => eprintln!("the writer stopped after {n} MiB: {e}"),
-        Ok((n, None)) => panic!("{n} MiB of writes succeeded into a mount whose daemon gave up"),
-        Err(_) => panic!("the writer is still blocked 20 s after the daemon exited"),
-    }
     assert!(!is_mounted(&mp), "still mounted");
 }

@@ -762,15 +762,12 @@ impl Drop for CompressPager {
     }
 }
 
-/// `read_exact_at` without read-ahead in `lower` (see [`ubc::File::read_at_no_readahead`]).
+/// `read_exact_at` without read-ahead in `lower` (see [`ubc::File::read_at_no_readahead`];
+/// like `read_at`, it is short only at the end of the file).
 fn read_exact_no_readahead(lower: &ubc::File, buf: &mut [u8], offset: u64) -> ubc::Result<()> {
-    let mut done = 0;
-    while done < buf.len() {
-        let n = lower.read_at_no_readahead(&mut buf[done..], offset + done as u64)?;
-        if n == 0 {
-            return Err(ubc::Error::UnexpectedEof { object: "zstd lower file".into(), offset: offset + done as u64 });
-        }
-        done += n;
+    let n = lower.read_at_no_readahead(buf, offset)?;
+    if n < buf.len() {
+        return Err(ubc::Error::UnexpectedEof { object: "zstd lower file".into(), offset: offset + n as u64 });
     }
     Ok(())
 }

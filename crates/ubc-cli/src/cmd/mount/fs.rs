@@ -99,28 +99,6 @@ fn join(parent: &str, name: &OsStr) -> Result<String> {
     Ok(if parent.is_empty() { name.to_string() } else { format!("{parent}/{name}") })
 }
 
-/// The process of thread `tid` (FUSE requests carry the thread's id, not the process's):
-/// `tid` itself if it leads its thread group — `pidfd_open` without `PIDFD_THREAD` takes
-/// only a group leader, one cheap call for the common single-threaded caller — else the
-/// thread group id from /proc (read in one call: `Tgid:` is on the fourth line), or `tid`
-/// if the thread is gone.
-pub(super) fn process_of(tid: u32) -> u32 {
-    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, tid as libc::pid_t, 0u32) };
-    if fd >= 0 {
-        // SAFETY: the descriptor was just returned to us and is closed once.
-        unsafe { libc::close(fd as i32) };
-        return tid;
-    }
-    use std::io::Read;
-    let mut buf = [0u8; 512];
-    let n = std::fs::File::open(format!("/proc/{tid}/status")).and_then(|mut f| f.read(&mut buf)).unwrap_or(0);
-    String::from_utf8_lossy(&buf[..n])
-        .lines()
-        .find_map(|l| l.strip_prefix("Tgid:").and_then(|v| v.trim().parse().ok()))
-        .unwrap_or(tid)
-}
-
 impl LayerFs {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
@@ -207,8 +185,6 @@ impl LayerFs {
         Err(last)
     }
 
-    /// Attributes of `path` for an entry reply (lookup, create, mkdir, …): the kernel then
-    /// holds one more reference to the node, until it sends FORGET.
     /// The entries of directory `ino` as `readdir` shows them — ".", "..", then the layer's
     /// — each with its `d_ino` (the node id where the name is known, else the store's
     /// number: what a later lookup will show, unless that number is taken) and kind; and the
@@ -232,6 +208,8 @@ impl LayerFs {
         Ok((p, all))
     }
 
+    /// Attributes of `path` for an entry reply (lookup, create, mkdir, …): the kernel then
+    /// holds one more reference to the node, until it sends FORGET.
     fn entry(&self, path: &str) -> Result<FileAttr> {
         let a = self.layer.getattr(path).map_err(|e| self.gone(path, e))?;
         let ino = self.inodes.write().unwrap().node(path, (a.dev, a.ino), true);

@@ -14,15 +14,37 @@ pub(super) struct Opener {
 impl Opener {
     /// The opener behind a request from thread `tid`.
     pub(super) fn of(tid: u32) -> Opener {
-        Opener { tid, pid: super::fs::process_of(tid) }
+        Opener { tid, pid: process_of(tid) }
     }
 
     /// Whether a request from thread `tid` comes from the opening process. The opening
     /// thread itself is answered without asking /proc (a reused thread id could only
     /// make a close write back that need not: harmless).
     pub(super) fn is(&self, tid: u32) -> bool {
-        tid == self.tid || super::fs::process_of(tid) == self.pid
+        tid == self.tid || process_of(tid) == self.pid
     }
+}
+
+/// The process of thread `tid` (FUSE requests carry the thread's id, not the process's):
+/// `tid` itself if it leads its thread group — `pidfd_open` without `PIDFD_THREAD` takes
+/// only a group leader, one cheap call for the common single-threaded caller — else the
+/// thread group id from /proc (read in one call: `Tgid:` is on the fourth line), or `tid`
+/// if the thread is gone.
+fn process_of(tid: u32) -> u32 {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, tid as libc::pid_t, 0u32) };
+    if fd >= 0 {
+        // SAFETY: the descriptor was just returned to us and is closed once.
+        unsafe { libc::close(fd as i32) };
+        return tid;
+    }
+    use std::io::Read;
+    let mut buf = [0u8; 512];
+    let n = std::fs::File::open(format!("/proc/{tid}/status")).and_then(|mut f| f.read(&mut buf)).unwrap_or(0);
+    String::from_utf8_lossy(&buf[..n])
+        .lines()
+        .find_map(|l| l.strip_prefix("Tgid:").and_then(|v| v.trim().parse().ok()))
+        .unwrap_or(tid)
 }
 
 /// One open of a file.

@@ -79,13 +79,10 @@ impl Daemon {
         self.mounts.lock().unwrap().push(Served { id, point, canon, handles });
     }
 
-    /// Pull what the kernels' write-back caches hold written out of them, into the stack:
-    /// every file open for writing through such a cache (a file the kernel may hold
-    /// written bytes of: closing one writes them back). False if `deadline` passed first
-    /// (the pull goes on in its thread).
-    fn pull_kernel_writes(self: &Arc<Self>, deadline: Instant) -> bool {
-        let work: Vec<(usize, Vec<u64>)> = self
-            .mounts
+    /// Per mount with any, the inode numbers of the files open for writing through its
+    /// kernel's write-back cache (files the kernel may hold written bytes of).
+    fn kernel_written(&self) -> Vec<(usize, Vec<u64>)> {
+        self.mounts
             .lock()
             .unwrap()
             .iter()
@@ -96,7 +93,15 @@ impl Daemon {
                 (m.id, inos)
             })
             .filter(|(_, inos)| !inos.is_empty())
-            .collect();
+            .collect()
+    }
+
+    /// Pull what the kernels' write-back caches hold written out of them, into the stack:
+    /// every file open for writing through such a cache (a file the kernel may hold
+    /// written bytes of: closing one writes them back). False if `deadline` passed first
+    /// (the pull goes on in its thread).
+    fn pull_kernel_writes(self: &Arc<Self>, deadline: Instant) -> bool {
+        let work = self.kernel_written();
         if work.is_empty() {
             return true;
         }
@@ -172,14 +177,7 @@ impl Daemon {
     /// Make every kernel's attributes of the files open for writing through its write-back
     /// cache stale (see `give_up`).
     fn stale_kernel_attrs(&self) {
-        let work: Vec<(usize, Vec<u64>)> = self
-            .mounts
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|m| (m.id, m.handles.all().iter().filter(|h| h.kernel_writes()).map(|h| h.ino).collect()))
-            .collect();
-        for (id, inos) in work {
+        for (id, inos) in self.kernel_written() {
             for ino in inos {
                 self.kernels.attrs_stale(id, ino);
             }
