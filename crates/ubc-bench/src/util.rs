@@ -95,6 +95,53 @@ pub fn kernel_resident(path: &Path) -> Option<(u64, u64)> {
     Some((vec.iter().filter(|&&b| b & 1 != 0).count() as u64, pages as u64))
 }
 
+/// The physical pages (page frame numbers) of `path` resident in the kernel's page cache,
+/// or `None` where /proc/self/pagemap gives no frame numbers (they need `CAP_SYS_ADMIN`).
+/// Two files can share pages — a FUSE passthrough file maps its backing file's — so the
+/// memory two files hold is the size of the union of their frames, not the sum. Resident
+/// pages are touched (a read of one byte) to map them; no page is read from a device.
+pub fn resident_frames(path: &Path) -> Option<std::collections::HashSet<u64>> {
+    use std::os::unix::fs::FileExt;
+    let f = File::open(path).ok()?;
+    let len = f.metadata().ok()?.len() as usize;
+    let ps = sys_page();
+    let mut frames = std::collections::HashSet::new();
+    if len == 0 {
+        return Some(frames);
+    }
+    // SAFETY: read-only shared mapping of a file we hold open; unmapped below.
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, f.as_raw_fd(), 0) };
+    if p == libc::MAP_FAILED {
+        return None;
+    }
+    let pages = len.div_ceil(ps);
+    let mut vec = vec![0u8; pages];
+    let pagemap = File::open("/proc/self/pagemap").ok();
+    // SAFETY: `vec` has one byte per page of the mapping.
+    let ok = unsafe { libc::mincore(p, len, vec.as_mut_ptr()) } == 0;
+    let mut usable = ok && pagemap.is_some();
+    if usable {
+        for (i, _) in vec.iter().enumerate().filter(|(_, b)| **b & 1 != 0) {
+            let addr = p as usize + i * ps;
+            // SAFETY: in bounds of the mapping; the page is resident, so the load faults
+            // it in from the page cache without I/O.
+            unsafe { std::ptr::read_volatile(addr as *const u8) };
+            let mut e = [0u8; 8];
+            let read = pagemap.as_ref().unwrap().read_exact_at(&mut e, (addr / ps * 8) as u64);
+            let entry = u64::from_le_bytes(e);
+            let pfn = entry & ((1 << 55) - 1);
+            if read.is_err() || entry >> 63 == 0 || pfn == 0 {
+                usable = false;
+                break;
+            }
+            frames.insert(pfn);
+        }
+    }
+    // SAFETY: the mapping made above.
+    unsafe { libc::munmap(p, len) };
+    usable.then_some(frames)
+}
+
 /// Drop the kernel's cached pages of `path` and check with mincore that it worked.
 /// Returns a note for the record: empty if the file is fully out of the page cache.
 pub fn drop_kernel_cache_checked(path: &Path) -> String {

@@ -716,18 +716,25 @@ fn records_file(n_ok: u64) -> Vec<u8> {
 
 /// A writer keeps writing with its file open; SIGTERM: the daemon exits 0 within a few
 /// seconds, unmounted, the writer got an error (EROFS, or ENOTCONN once the daemon is
-/// gone), and every write that returned Ok is on disk.
-fn sigterm_with_a_writer_active(tail: &str) {
+/// gone), and every write that returned Ok is on disk. Passed through (`cache`
+/// "passthrough"), the open file is the host's own and its writes go on into it after the
+/// daemon is gone, as into a lazily unmounted host file system: none fails, none is lost.
+fn sigterm_with_a_writer_active(tail: &str, cache: &str) {
     let (t, spec, mnt) = stack_dir(tail);
-    let mut d = Daemon::start(&spec, &[(top_of(&spec), &mnt)], &[], &t.path().join("err"));
+    let mut d = Daemon::start(&spec, &[(top_of(&spec), &mnt)], &["--cache", cache], &t.path().join("err"));
+    let passed = cache == "passthrough";
     let ok = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (close_tx, close_rx) = std::sync::mpsc::channel::<()>();
     let writer = {
-        let (ok, path) = (ok.clone(), mnt.join("w"));
+        let (ok, stop, path) = (ok.clone(), stop.clone(), mnt.join("w"));
         std::thread::spawn(move || {
             let f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(&path).unwrap();
             let mut n = 0u64;
             let err = loop {
+                if stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    break std::io::Error::from_raw_os_error(0);
+                }
                 match f.write_at(&record(n), (n % SLOTS) * REC as u64) {
                     Ok(k) => {
                         assert_eq!(k, REC, "short write");
@@ -756,9 +763,23 @@ fn sigterm_with_a_writer_active(tail: &str) {
     assert!(took < Duration::from_secs(10), "took {took:?} to exit");
     assert!(!is_mounted(&mnt), "still mounted after the exit");
     assert!(stderr.contains("shutting down") && stderr.contains("synced in"), "stderr:\n{stderr}");
+    if passed {
+        // Writes go on into the host file with the daemon gone.
+        let after = ok.load(std::sync::atomic::Ordering::SeqCst);
+        let start = Instant::now();
+        while ok.load(std::sync::atomic::Ordering::SeqCst) < after + 100 {
+            assert!(start.elapsed() < Duration::from_secs(10), "the writer stopped after the daemon's exit");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
     close_tx.send(()).unwrap();
     let (n_ok, err) = writer.join().unwrap();
-    assert!(matches!(err.raw_os_error(), Some(libc::EROFS) | Some(libc::ENOTCONN)), "the writer's error: {err}");
+    if passed {
+        assert_eq!(err.raw_os_error(), Some(0), "a write failed: {err}");
+    } else {
+        assert!(matches!(err.raw_os_error(), Some(libc::EROFS) | Some(libc::ENOTCONN)), "the writer's error: {err}");
+    }
     eprintln!("{tail:?}: {n_ok} writes returned Ok, then {err}; exit after {took:?}");
     let expect = records_file(n_ok);
     let got = read_fresh(&spec, &["w"]).remove(0).expect("w exists");
@@ -782,14 +803,22 @@ fn sigterm_with_a_writer_active(tail: &str) {
 #[test]
 fn sigterm_with_a_writer_active_dir() {
     if fuse_available() {
-        sigterm_with_a_writer_active("");
+        sigterm_with_a_writer_active("", "writeback");
+    }
+}
+
+#[test]
+fn sigterm_with_a_writer_active_dir_passed_through() {
+    // SAFETY: geteuid takes no arguments and always succeeds.
+    if fuse_available() && unsafe { libc::geteuid() } == 0 {
+        sigterm_with_a_writer_active("", "passthrough");
     }
 }
 
 #[test]
 fn sigterm_with_a_writer_active_dir_aead_zstd() {
     if fuse_available() {
-        sigterm_with_a_writer_active(" | aead:keyfile=KEY | zstd");
+        sigterm_with_a_writer_active(" | aead:keyfile=KEY | zstd", "writeback");
     }
 }
 
@@ -1511,4 +1540,133 @@ fn a_deadline_during_the_kernels_write_back_aborts_the_connection_and_later_writ
     let (code, _) = b.wait(Duration::from_secs(20));
     assert_eq!(code, Some(75), "exit status; stderr:\n{}", b.stderr());
     assert!(!is_mounted(&mp), "still mounted");
+}
+
+/// `rchar` of process `pid`: the bytes its read(2)-family calls returned, from /proc.
+fn bytes_read_by(pid: i32) -> u64 {
+    let io = std::fs::read_to_string(format!("/proc/{pid}/io")).unwrap();
+    io.lines().find_map(|l| l.strip_prefix("rchar:")).unwrap().trim().parse().unwrap()
+}
+
+/// One mount of a host directory hands every regular file to the kernel (FUSE
+/// passthrough, the default for it where the kernel and the privilege allow): reads never
+/// reach the daemon, and the mount and the host directory share the host's page cache —
+/// a write through one is in the other as it returns, a store through a mapping of one is
+/// in the other without `msync`, and `stat` shows the length of a file being written.
+/// Locks stay in the kernel and hold between processes; a writer without privilege drops
+/// set-ID bits; several mounts, or a layer above the host files, are refused.
+#[test]
+fn one_mount_of_a_host_directory_passes_files_through_to_the_kernel() {
+    if !fuse_available() {
+        return;
+    }
+    let (t, spec, mnt) = stack_dir("");
+    let mut d = Daemon::start(&spec, &[(0, &mnt)], &["--cache", "passthrough"], &t.path().join("err"));
+    let big = t.path().join("data/big");
+    std::fs::write(&big, sample(64 << 20)).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    if d.stderr().contains("no FUSE passthrough") {
+        eprintln!("SKIP: the kernel has no FUSE passthrough");
+        return;
+    }
+    // Reads: the kernel reads the host file itself.
+    let before = bytes_read_by(d.pid());
+    let through = std::fs::read(mnt.join("big")).unwrap();
+    let served = bytes_read_by(d.pid()) - before;
+    assert!(through == sample(64 << 20), "the bytes through the mount");
+    assert!(served < 1 << 20, "the daemon read {served} bytes to serve a 64 MiB read");
+
+    // Writes and stores: one page cache with the host.
+    let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(mnt.join("w")).unwrap();
+    let host = t.path().join("data/w");
+    f.write_all_at(b"first", 0).unwrap();
+    assert_eq!(std::fs::read(&host).unwrap(), b"first", "a write is in the host file as it returns");
+    f.write_all_at(b"end", (3 << 20) - 3).unwrap();
+    assert_eq!(std::fs::metadata(mnt.join("w")).unwrap().len(), 3 << 20, "stat while open for writing");
+    let m = Mapped::new(&f, 4096);
+    std::fs::OpenOptions::new().write(true).open(&host).unwrap().write_all_at(b"HOST", 0).unwrap();
+    assert_eq!(m.bytes(0..5), b"HOSTt", "a mapping through the mount sees a write to the host file");
+    drop(m);
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: a fresh shared writable mapping of an open file, checked, unmapped below.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                f.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        // SAFETY: in bounds of the mapping just made.
+        unsafe { std::ptr::copy_nonoverlapping(b"MAP".as_ptr(), p as *mut u8, 3) };
+        assert_eq!(&std::fs::read(&host).unwrap()[..5], b"MAPTt", "a store is in the host file without msync");
+        // SAFETY: unmapping the mapping made above, once.
+        unsafe { libc::munmap(p, 4096) };
+    }
+    drop(f);
+
+    // Locks: held in the kernel, between processes.
+    let lockf = mnt.join("lock");
+    std::fs::write(&lockf, b"x").unwrap();
+    // -o: the lock's descriptor stays with flock(1), not with the sleep it runs.
+    let holder = Command::new("flock")
+        .arg("-o")
+        .arg(&lockf)
+        .args(["-c", "sleep 3"])
+        .spawn()
+        .unwrap_or_else(|e| panic!("flock(1): {e}"));
+    let holder = KillOnDrop(holder);
+    std::thread::sleep(Duration::from_millis(300));
+    let st = Command::new("flock").args(["-n", "-E", "7"]).arg(&lockf).arg("true").status().unwrap();
+    assert_eq!(st.code(), Some(7), "a second process's flock -n fails while the first holds it");
+    drop(holder);
+
+    // Set-ID bits: a writer without privilege drops them, as on the host.
+    // SAFETY: geteuid takes no arguments.
+    if unsafe { libc::geteuid() } == 0 {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(t.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::set_permissions(t.path().join("data"), std::fs::Permissions::from_mode(0o777)).unwrap();
+        let suid = t.path().join("data/suid");
+        std::fs::write(&suid, b"").unwrap();
+        std::fs::set_permissions(&suid, std::fs::Permissions::from_mode(0o4777)).unwrap();
+        d.unmount();
+        // The old daemon's drop must not unmount the new mount at the same point.
+        drop(d);
+        d = Daemon::start(&spec, &[(0, &mnt)], &["--cache", "passthrough", "--allow-other"], &t.path().join("err2"));
+        let target = mnt.join("suid");
+        let (ok, _, err) = as_nobody(&["sh", "-c", &format!("echo hi >> {}", target.display())]);
+        assert!(ok, "write as nobody: {err}");
+        let mode = std::fs::metadata(&suid).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode, 0o777, "set-user-ID dropped by an unprivileged writer");
+    }
+    d.unmount();
+
+    for (ats, what) in [(vec!["0:a", "0:b"], "two mounts"), (vec!["1:a"], "a layer above the host files")] {
+        let spec = format!("{spec} | zstd");
+        let mut cmd = ubc();
+        cmd.args(["mount", "--stack", &spec, "--cache", "passthrough"]);
+        for a in ats {
+            let (n, p) = a.split_once(':').unwrap();
+            std::fs::create_dir_all(t.path().join(p)).unwrap();
+            cmd.arg("--at").arg(format!("{n}:{}", t.path().join(p).display()));
+        }
+        let out = cmd.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains("needs one mount of layer 0"), "{what}: {out:?}");
+    }
+}
+
+/// Kill the child on drop (a failing test leaves no lock holder behind).
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }

@@ -852,6 +852,33 @@ impl LayerRef {
         Ok(())
     }
 
+    /// The host file behind `path` at this layer, opened with open(2) `flags` (`mode` for
+    /// `O_CREAT`; never following a symbolic link, never leaving the layer's directory), or
+    /// `None` where the layer's files are not host files (only `dir`'s are). A name it
+    /// creates is news to the stack's name caches.
+    ///
+    /// What is done through the host file bypasses the cache and its coherence: the caller
+    /// must be the only user of the file in the stack — nothing opened, mapped or cached
+    /// through [`LayerRef::open_with`] meanwhile, and nothing through a layer above — as a
+    /// mount that is the stack's one way in and hands every regular file to the kernel
+    /// itself (FUSE passthrough, `ubc mount --cache passthrough`) is.
+    pub fn open_host(&self, path: &str, flags: i32, mode: u32) -> Result<Option<std::fs::File>> {
+        let p = norm(path)?;
+        let Some(r) = self.layer().host_file(&p, flags, mode) else { return Ok(None) };
+        let f = r?;
+        if flags & libc::O_CREAT != 0 {
+            self.inner().invalidate_names(&p);
+        }
+        Ok(Some(f))
+    }
+
+    /// Attributes of an open host file ([`LayerRef::open_host`]), as [`LayerRef::getattr`]
+    /// shows them by name: what `fstat` shows once the name is gone.
+    pub fn host_attr(f: &std::fs::File) -> Result<Attr> {
+        let st = rustix::fs::fstat(f).map_err(|e| Error::io("<open file>", std::io::Error::from(e)))?;
+        Ok(crate::layer::dir::attr_of(&st))
+    }
+
     pub fn readdir(&self, path: &str) -> Result<Vec<DirEntry>> {
         self.layer().readdir(&norm(path)?)
     }

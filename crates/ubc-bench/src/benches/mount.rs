@@ -25,7 +25,9 @@
 //! * `mount_ram`: memory used to read a file twice the budget twice, as a multiple of the
 //!   file's size (lower is better). Mount: growth of the daemon's `RssAnon` + the pages held
 //!   by the daemon's memfds (`SEEK_DATA` over `/proc/PID/fd/*` links to `/memfd:`) + the
-//!   store's files and the mounted file resident in the kernel's page cache (`mincore`).
+//!   store's files and the mounted file resident in the kernel's page cache (`mincore`; the
+//!   mounted file's pages that are the stored file's own — FUSE passthrough — count once, by
+//!   page frame number where /proc/self/pagemap gives them).
 //!   Host: the file's pages resident in the page cache (`mincore`). Fresh mount, caches
 //!   dropped (`drop_caches` as root, else `POSIX_FADV_DONTNEED`) before each sample; the
 //!   note also gives the growth of `Cached:` in `/proc/meminfo` (noisy: other processes).
@@ -796,7 +798,12 @@ fn ram_mount(base: &Path, stacked: bool, key: &Path, len: u64) -> RamSample {
     let cached = meminfo_cached() as f64 - cached0 as f64;
     let memfd = memfd_bytes(pid).saturating_sub(memfd0) as f64;
     let store_cached = resident_under(&m.store) as f64;
-    let mount_cached = kernel_resident(&path).map_or(0, |(r, _)| r * sys_page() as u64) as f64;
+    let mut mount_cached = kernel_resident(&path).map_or(0, |(r, _)| r * sys_page() as u64) as f64;
+    // A passed-through file maps the store's own pages: count the frames both hold once.
+    let stored = m.store.join("ram.dat");
+    if let (Some(a), Some(b)) = (resident_frames(&path), resident_frames(&stored)) {
+        mount_cached = (a.difference(&b).count() * sys_page()) as f64;
+    }
     m.stop();
     let _ = std::fs::remove_dir_all(base);
     RamSample {
@@ -858,8 +865,13 @@ pub fn run(ctx: &Ctx) -> Vec<Record> {
     let host_fs = crate::util::file_system(&host.dir);
     let note_side = |stacked: bool| {
         format!(
-            "{}; budget {BUDGET_MIB} MiB; host: {host_fs}; mount defaults: one mount, so --cache writeback (pages, writes not yet sent, attributes and names cached by the kernel), attr timeout 60 s, threads = max(cores, 4), unless UBC_MOUNT_ARGS says otherwise",
-            mount_desc(stacked)
+            "{}; budget {BUDGET_MIB} MiB; host: {host_fs}; mount defaults: one mount, so {}, attr timeout 60 s, threads = max(cores, 4), unless UBC_MOUNT_ARGS says otherwise",
+            mount_desc(stacked),
+            if stacked {
+                "--cache writeback (pages, writes not yet sent, attributes and names cached by the kernel)"
+            } else {
+                "--cache passthrough where the kernel and privilege allow (the kernel reads and writes the host files itself), else --cache writeback"
+            }
         )
     };
 

@@ -401,6 +401,10 @@ impl Layer for Dir {
         rustix::fs::lremovexattr(dir.proc_path(last), name).map_err(|e| io(path, e))
     }
 
+    fn host_file(&self, path: &str, flags: i32, mode: u32) -> Option<Result<std::fs::File>> {
+        Some(self.open_beneath(path, flags, mode))
+    }
+
     fn open(&self, path: &str, access: ubc::Access, _below: &dyn Below) -> Result<Opened> {
         let flags = if access == ubc::Access::ReadWrite { libc::O_RDWR } else { libc::O_RDONLY };
         let f = self.open_beneath(path, flags, 0)?;

@@ -310,6 +310,15 @@ pub trait Layer: Send + Sync {
     /// Open the data of regular file `path`. => the file exists (the stack checked).
     fn open(&self, path: &str, access: ubc::Access, below: &dyn Below) -> Result<Opened>;
 
+    /// The host file that holds `path`'s bytes as they are, opened with open(2) `flags`
+    /// (`mode` for `O_CREAT`), for a layer whose files *are* host files (`dir`); `None`
+    /// for every other layer. Used to hand a file to the kernel itself (FUSE passthrough):
+    /// what is done through it bypasses the cache, see [`crate::LayerRef::open_host`].
+    fn host_file(&self, path: &str, flags: i32, mode: u32) -> Option<Result<std::fs::File>> {
+        let _ = (path, flags, mode);
+        None
+    }
+
     /// A general layer's pager over the lower layer's file (opened writable when the
     /// lower store allows it), and how ranges translate between the two namings. `path`
     /// names the file in errors.

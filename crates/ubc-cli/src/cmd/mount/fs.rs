@@ -6,9 +6,10 @@
 
 use super::attr;
 use super::gate::Gate;
-use super::handles::{Handle, Handles, Opener};
+use super::handles::{Handle, Handles, Opener, Via};
 use super::inodes::Inodes;
 use super::kernels::{Kernels, Origin};
+use super::passthrough::Backings;
 use super::waits::{self, Interrupts};
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags, KernelConfig,
@@ -33,6 +34,11 @@ pub(super) struct Caching {
     /// reads or writes the stack but this kernel, which holds the newest bytes and length
     /// of every file it serves (see `mod.rs`).
     pub(super) writeback: bool,
+    /// With `data`: the kernel reads and writes every regular file's host file itself
+    /// (`passthrough`), if it can; else `writeback` applies. Only for one mount of a `dir`
+    /// layer: the kernel is then the stack's one way in, and the files it serves are the
+    /// host's.
+    pub(super) passthrough: bool,
     /// How long the kernel may keep attributes and names without asking.
     pub(super) ttl: Duration,
 }
@@ -57,6 +63,11 @@ pub(super) struct LayerFs {
     direct_write_drops_pages: bool,
     /// The kernel agreed to cache writes (`Caching::writeback`, granted at init).
     writeback: bool,
+    /// The kernel agreed to pass regular files through (`Caching::passthrough`, granted
+    /// at init): every open hands it the host file.
+    passthrough: bool,
+    /// The backing ids of the inodes open through passthrough.
+    backings: Backings,
     /// Requests the kernel interrupted, for the lock waits (`waits`).
     interrupts: Arc<Interrupts>,
 }
@@ -124,6 +135,8 @@ impl LayerFs {
             interrupts: Arc::default(),
             direct_write_drops_pages: false,
             writeback: false,
+            passthrough: false,
+            backings: Backings::default(),
         }
     }
 
@@ -236,8 +249,12 @@ impl LayerFs {
             *h.last.lock().unwrap() = a.clone();
             return Ok(attr::file_attr(i, &a));
         }
-        let size = h.file.len().map_err(|e| errno(&e))?;
         let last = h.last.lock().unwrap().clone();
+        let size = match &h.via {
+            Via::Stack(f) => f.len().map_err(|e| errno(&e))?,
+            // The host file's own attributes, name or no name.
+            Via::Host(p) => return p.attr().map(|a| attr::file_attr(ino, &a)).map_err(|e| errno(&e)),
+        };
         Ok(attr::file_attr(ino, &attr::unlinked_file_attr(&last, size)))
     }
 
@@ -288,10 +305,12 @@ impl LayerFs {
     /// deferred (`setattr`): after the bytes went to the store, which stamped it with the
     /// time of their write-back. Best effort, as the kernel's own time flush is.
     fn set_deferred_mtime(&self, h: &Handle) {
-        if let Some(t) = h.take_mtime() {
+        if let Some(t) = h.take_mtime()
+            && let Some(f) = h.file()
+        {
             let mut set = SetAttr::new();
             set.mtime = Some(t);
-            let _ = self.layer.setattr(h.file.path(), &set);
+            let _ = self.layer.setattr(f.path(), &set);
         }
     }
 
@@ -334,7 +353,95 @@ impl LayerFs {
         let append = append && !cached;
         let kernel_writes = cached && write && self.writeback;
         let flags = if cached { FopenFlags::FOPEN_KEEP_CACHE } else { FopenFlags::FOPEN_DIRECT_IO };
-        (FileHandle(self.handles.add(file, ino, append, cached, kernel_writes, opener, attr)), flags)
+        (FileHandle(self.handles.add(Via::Stack(file), ino, append, cached, kernel_writes, opener, attr)), flags)
+    }
+
+    /// Open `path` for the kernel to read and write itself (`passthrough`): the host file,
+    /// with access mode and `extra` flags of `flags`; a regular file (the kernel opens
+    /// nothing else through a file system).
+    fn open_host(&self, path: &str, flags: i32, extra: i32, mode: u32) -> Result<std::fs::File> {
+        let acc = flags & libc::O_ACCMODE;
+        let host = self.layer.open_host(path, acc | extra, mode).map_err(|e| errno(&e))?;
+        // Only a `dir` layer has host files, and only such a mount passes files through.
+        host.ok_or(Errno::EIO)
+    }
+
+    /// Enter a passed-through open of inode `ino` on `host`, registering its backing file
+    /// with `register` if the inode has none yet: its handle and the backing id to reply
+    /// with.
+    fn add_passed(
+        &self,
+        req: &Request,
+        ino: u64,
+        path: &str,
+        host: std::fs::File,
+        attr: ubc_stack::Attr,
+        register: impl FnOnce(&std::fs::File) -> std::io::Result<fuser::BackingId>,
+    ) -> Result<(FileHandle, Arc<fuser::BackingId>)> {
+        let passed = self.backings.pass(ino, host, path, register).map_err(|e| {
+            log_once(&format!("{path}: the kernel refused the file for passthrough: {e}"));
+            Errno::EIO
+        })?;
+        let backing = passed.backing();
+        // Nothing to write back at its close: the opener does not matter.
+        let opener = Opener::unasked(req.pid());
+        Ok((FileHandle(self.handles.add(Via::Host(passed), ino, false, true, false, opener, attr)), backing))
+    }
+
+    /// `open` on a passed-through mount.
+    fn open_passed(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        let r = (|| {
+            let p = self.path(ino)?;
+            let write = flags.0 & libc::O_ACCMODE != libc::O_RDONLY;
+            let _pass = if write { Some(self.gate.enter()?) } else { None };
+            let trunc = if write { flags.0 & libc::O_TRUNC } else { 0 };
+            let host = self.open_host(&p, flags.0, trunc, 0)?;
+            let a = ubc_stack::LayerRef::host_attr(&host).map_err(|e| errno(&e))?;
+            // The kernel writes with this daemon's credentials, which keep set-ID bits: a
+            // writer without the privilege to keep them loses them at its open instead of
+            // at its first write, which never comes here (before, never after: the bits
+            // never cover bytes written by someone else).
+            if write && a.mode & (libc::S_ISUID | libc::S_ISGID) != 0 {
+                self.kill_setid(req, ino, None);
+                // The kernel keeps the mode it had: it does not follow a change it did not ask for.
+                self.kernels.attrs_stale(self.id, ino.0);
+            }
+            self.add_passed(req, ino.0, &p, host, a, |f| reply.open_backing(f))
+        })();
+        match r {
+            Ok((fh, backing)) => reply.opened_passthrough(fh, FopenFlags::empty(), &backing),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    /// `create` on a passed-through mount (`perm`: the mode with the umask applied).
+    fn create_passed(&self, req: &Request, parent: INodeNo, name: &OsStr, perm: u32, flags: i32, reply: ReplyCreate) {
+        let r = (|| {
+            let _pass = self.gate.enter()?;
+            let parent_path = self.path(parent)?;
+            let p = join(&parent_path, name)?;
+            let host = self.open_host(&p, flags, libc::O_CREAT | (flags & (libc::O_EXCL | libc::O_TRUNC)), perm)?;
+            self.give_to_requester(req, &p)?;
+            let a = ubc_stack::LayerRef::host_attr(&host).map_err(|e| errno(&e))?;
+            let ino = self.inodes.write().unwrap().node(&p, (a.dev, a.ino), true);
+            let attr = attr::file_attr(ino, &a);
+            let (fh, backing) = self.add_passed(req, ino, &p, host, a, |f| reply.open_backing(f))?;
+            self.entry_changed(&parent_path, name);
+            Ok((attr, fh, backing))
+        })();
+        self.kernels.wait_told();
+        match r {
+            Ok((a, fh, backing)) => {
+                reply.created_passthrough(&self.ttl, &a, Generation(0), fh, FopenFlags::empty(), &backing)
+            }
+            Err(e) => reply.error(e),
+        }
+    }
+
+    /// Cut the host file `path` to `len` (`passthrough`: by name, without the stack).
+    fn truncate_host(&self, path: &str, len: u64) -> Result<()> {
+        let f = self.open_host(path, libc::O_WRONLY, 0, 0)?;
+        f.set_len(len).map_err(|e| errno(&ubc_stack::Error::io(path, e)))
     }
 
     /// Tell the other mounts' kernels that the entry `name` of `parent` changed (removed,
@@ -390,10 +497,21 @@ impl Filesystem for LayerFs {
             // "security.capability" first (`file_remove_privs`); with it the kernel sets
             // SB_NOSEC and checks an inode once.
             let _ = config.add_capabilities(InitFlags::FUSE_HANDLE_KILLPRIV_V2);
+            // Every regular file handed to the kernel (`passthrough`): its reads, writes and
+            // mappings never come here. The kernel cannot do this and keep a write-back cache
+            // on the same connection: one or the other. Stack depth 1: the host files are on
+            // a file system that stacks on nothing (and this mount may be under overlayfs).
+            if self.caching.passthrough {
+                self.passthrough = config.set_max_stack_depth(1).is_ok()
+                    && config.add_capabilities(InitFlags::FUSE_PASSTHROUGH).is_ok();
+                if !self.passthrough {
+                    eprintln!("ubc mount: the kernel has no FUSE passthrough (Linux 6.9+): files are served by ubc");
+                }
+            }
             // Writes stay in the kernel's page cache until it writes them back (at close,
             // fsync, memory pressure or its periodic write-back): a write(2) costs a copy,
             // not a round trip. A kernel without it keeps the write-through cache.
-            if self.caching.writeback {
+            if self.caching.writeback && !self.passthrough {
                 self.writeback = config.add_capabilities(InitFlags::FUSE_WRITEBACK_CACHE).is_ok();
                 if !self.writeback {
                     eprintln!("ubc mount: the kernel has no write-back cache for FUSE: writes go through");
@@ -405,7 +523,11 @@ impl Filesystem for LayerFs {
         // POSIX record locks, OFD locks and flock(2) locks come here, to the stack's one lock
         // table per file, so that a lock through one mount conflicts with one through
         // another (flock requests are told apart by the patched fuser: vendor/fuser/PATCH.md).
-        let _ = config.add_capabilities(InitFlags::FUSE_POSIX_LOCKS | InitFlags::FUSE_FLOCK_LOCKS);
+        // A passed-through mount is the stack's one way in: the kernel's own lock table of
+        // the mount sees every locker, at no round trip.
+        if !self.passthrough {
+            let _ = config.add_capabilities(InitFlags::FUSE_POSIX_LOCKS | InitFlags::FUSE_FLOCK_LOCKS);
+        }
         Ok(())
     }
 
@@ -479,7 +601,7 @@ impl Filesystem for LayerFs {
                 if let Some(m) = mtime {
                     h.defer_mtime(attr::time(m));
                 }
-                let size = h.file.len().map_err(|e| errno(&e))?;
+                let size = h.file().map_or(Ok(0), |f| f.len()).map_err(|e| errno(&e))?;
                 let mut a = h.last.lock().unwrap().clone();
                 a.size = size;
                 return Ok(attr::file_attr(ino.0, &a));
@@ -497,10 +619,16 @@ impl Filesystem for LayerFs {
             if let Some(s) = size {
                 match (&h, &path) {
                     (Some(h), _) => {
-                        let r = h.file.set_len(s);
+                        let r = match &h.via {
+                            Via::Stack(f) => f.set_len(s),
+                            Via::Host(p) => p.set_len(s),
+                        };
                         h.mark_written();
                         r.map_err(|e| errno(&e))?
                     }
+                    // Passed through, the host file is cut by name: the stack must not open
+                    // (and cache) a file the kernel writes behind its back.
+                    (None, Ok(p)) if self.passthrough => self.truncate_host(p, s)?,
                     (None, Ok(_)) => set.size = Some(s),
                     (None, Err(e)) => return Err(*e),
                 }
@@ -754,6 +882,9 @@ impl Filesystem for LayerFs {
     }
 
     fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        if self.passthrough {
+            return self.open_passed(req, ino, flags, reply);
+        }
         let r = (|| {
             let p = self.path(ino)?;
             let write = flags.0 & libc::O_ACCMODE != libc::O_RDONLY;
@@ -781,6 +912,9 @@ impl Filesystem for LayerFs {
         flags: i32,
         reply: ReplyCreate,
     ) {
+        if self.passthrough {
+            return self.create_passed(req, parent, name, mode & !umask & 0o7777, flags, reply);
+        }
         let r = (|| {
             let _pass = self.gate.enter()?;
             let parent_path = self.path(parent)?;
@@ -823,17 +957,23 @@ impl Filesystem for LayerFs {
             let mut buf = vec![0u8; size as usize];
             let mut n = 0;
             while n < buf.len() {
-                let k = h.file.read_at(&mut buf[n..], offset + n as u64).map_err(|e| errno(&e))?;
+                let k = match &h.via {
+                    Via::Stack(f) => f.read_at(&mut buf[n..], offset + n as u64),
+                    Via::Host(p) => p.read_at(&mut buf[n..], offset + n as u64),
+                }
+                .map_err(|e| errno(&e))?;
                 if k == 0 {
                     break;
                 }
                 n += k;
             }
             buf.truncate(n);
-            if h.cached {
+            if h.cached
+                && let Some(f) = h.file()
+            {
                 // The kernel keeps these bytes now: ubc drops its clean copy (exclusive
                 // caching), so a file read through the mount is in memory once.
-                let _ = h.file.drop_clean(offset..offset + n as u64);
+                let _ = f.drop_clean(offset..offset + n as u64);
             }
             Ok(buf)
         })();
@@ -876,14 +1016,14 @@ impl Filesystem for LayerFs {
             let _origin = own.then(|| Origin::enter(self.id));
             // O_APPEND: at the end as the stack knows it (the kernel's idea of the size may be
             // stale: other mounts), read and written in one step against other appenders.
-            let r = if h.append {
-                match h.file.append(data) {
+            let r = match &h.via {
+                Via::Stack(f) if h.append => match f.append(data) {
                     Ok((_, n)) if n == data.len() => Ok(n as u32),
                     Ok(_) => Err(Errno::EIO),
                     Err(e) => Err(errno(&e)),
-                }
-            } else {
-                write_all(&h.file, data, offset).map(|()| data.len() as u32)
+                },
+                Via::Stack(f) => write_all(f, data, offset).map(|()| data.len() as u32),
+                Via::Host(p) => p.write_all_at(data, offset).map(|()| data.len() as u32).map_err(|e| errno(&e)),
             };
             h.mark_written();
             if r.is_ok() {
@@ -905,8 +1045,8 @@ impl Filesystem for LayerFs {
     /// a test harness) is never held up — the last close (RELEASE) writes back anyway.
     fn flush(&self, req: &Request, _ino: INodeNo, fh: FileHandle, lock_owner: LockOwner, reply: ReplyEmpty) {
         // POSIX: closing any descriptor of a file drops the process's record locks on it.
-        if let Ok(h) = self.handle(fh) {
-            h.file.unlock_owner(ubc_stack::LockOwner(lock_owner.0));
+        if let Some(f) = self.handle(fh).ok().as_deref().and_then(Handle::file) {
+            f.unlock_owner(ubc_stack::LockOwner(lock_owner.0));
         }
         // Only a handle written through has anything to write back: a read-only close skips
         // the question of who closes.
@@ -932,9 +1072,9 @@ impl Filesystem for LayerFs {
         let h = self.handles.remove(fh.0);
         // `lock_owner` comes with FUSE_RELEASE_FLOCK_UNLOCK: the open file description that
         // held flock locks is gone.
-        if let (Some(h), Some(o)) = (&h, lock_owner) {
-            h.file.funlock_as(ubc_stack::LockOwner(o.0));
-            h.file.unlock_owner(ubc_stack::LockOwner(o.0));
+        if let (Some(f), Some(o)) = (h.as_deref().and_then(Handle::file), lock_owner) {
+            f.funlock_as(ubc_stack::LockOwner(o.0));
+            f.unlock_owner(ubc_stack::LockOwner(o.0));
         }
         match h.map(|h| self.write_back(&h)) {
             Some(Err(e)) => reply.error(e),
@@ -977,6 +1117,11 @@ impl Filesystem for LayerFs {
         let r = (|| {
             let _pass = self.gate.enter()?;
             let h = self.handle(fh)?;
+            let f = match &h.via {
+                Via::Stack(f) => f,
+                // The host's own fallocate, every mode and error its file system has.
+                Via::Host(p) => return p.fallocate(mode, offset, length).map_err(|e| errno(&e)),
+            };
             let end = offset.checked_add(length).filter(|&e| e <= i64::MAX as u64).ok_or(Errno::EFBIG)?;
             let keep = mode & libc::FALLOC_FL_KEEP_SIZE != 0;
             // What each mode does to the range: read as zeros, and keep space reserved.
@@ -987,19 +1132,19 @@ impl Filesystem for LayerFs {
                 libc::FALLOC_FL_ZERO_RANGE => (true, true),
                 _ => return Err(Errno::EOPNOTSUPP),
             };
-            let size = h.file.len().map_err(|e| errno(&e))?;
+            let size = f.len().map_err(|e| errno(&e))?;
             let r = (|| {
                 if zero {
                     // Deallocated in the store where the layer can, zeros written elsewhere;
                     // clipped at the length.
-                    h.file.punch_hole(offset..end).map_err(|e| errno(&e))?;
+                    f.punch_hole(offset..end).map_err(|e| errno(&e))?;
                 }
                 if reserve {
                     // Before the length moves: a full store fails here (ENOSPC).
-                    h.file.allocate(offset..end).map_err(|e| errno(&e))?;
+                    f.allocate(offset..end).map_err(|e| errno(&e))?;
                 }
                 if !keep && end > size {
-                    h.file.set_len(end).map_err(|e| errno(&e))?;
+                    f.set_len(end).map_err(|e| errno(&e))?;
                 }
                 Ok(())
             })();
@@ -1019,17 +1164,21 @@ impl Filesystem for LayerFs {
     fn lseek(&self, _req: &Request, _ino: INodeNo, fh: FileHandle, offset: i64, whence: i32, reply: ReplyLseek) {
         let r = (|| {
             let h = self.handle(fh)?;
+            let f = match &h.via {
+                Via::Stack(f) => f,
+                Via::Host(p) => return p.seek(offset, whence).map(|at| at as i64).map_err(|e| errno(&e)),
+            };
             // With the write-back cache the kernel may hold written bytes ubc has not seen
             // (an extension of the file, data written into a hole) while the file is open
             // for writing: it sends them first (it asks here holding the file's lock, which
             // its write-back does not need).
             if self.writeback && self.handles.of_ino_where(h.ino, |h| h.kernel_writes()).is_some() {
-                self.kernels.pull(self.id, h.file.path());
+                self.kernels.pull(self.id, f.path());
             }
             let offset = u64::try_from(offset).map_err(|_| Errno::ENXIO)?;
             let found = match whence {
-                libc::SEEK_DATA => h.file.seek_data(offset),
-                libc::SEEK_HOLE => h.file.seek_hole(offset),
+                libc::SEEK_DATA => f.seek_data(offset),
+                libc::SEEK_HOLE => f.seek_hole(offset),
                 _ => return Err(Errno::EINVAL),
             };
             match found.map_err(|e| errno(&e))? {
@@ -1061,25 +1210,34 @@ impl Filesystem for LayerFs {
     ) {
         let r = (|| {
             let _pass = self.gate.enter()?;
-            let (src, dst) = (self.handle(fh_in)?, self.handle(fh_out)?);
+            let (src_h, dst_h) = (self.handle(fh_in)?, self.handle(fh_out)?);
             // The reply counts bytes in 32 bits.
             let len = len.min(u32::MAX as u64 & !0xfff);
+            let (src, dst) = match (&src_h.via, &dst_h.via) {
+                (Via::Stack(s), Via::Stack(d)) => (s, d),
+                // The host's own copy (it may share extents instead of copying).
+                (Via::Host(s), Via::Host(d)) => {
+                    return s.copy_to(offset_in, d, offset_out, len).map(|n| n as u32).map_err(|e| errno(&e));
+                }
+                // Not both passed through (a mount passes every file through or none).
+                _ => return Err(Errno::EXDEV),
+            };
             let mut buf = vec![0u8; len.min(1 << 20) as usize];
             let mut done = 0u64;
             let r = (|| {
                 while done < len {
                     let want = (len - done).min(buf.len() as u64) as usize;
-                    let n = src.file.read_at(&mut buf[..want], offset_in + done).map_err(|e| errno(&e))?;
+                    let n = src.read_at(&mut buf[..want], offset_in + done).map_err(|e| errno(&e))?;
                     if n == 0 {
                         break;
                     }
-                    write_all(&dst.file, &buf[..n], offset_out + done)?;
+                    write_all(dst, &buf[..n], offset_out + done)?;
                     done += n as u64;
                 }
                 Ok(())
             })();
             self.kernels.wait_told();
-            dst.mark_written();
+            dst_h.mark_written();
             match r {
                 Ok(()) => Ok(done as u32),
                 Err(_) if done > 0 => Ok(done as u32),
@@ -1107,7 +1265,9 @@ impl Filesystem for LayerFs {
         let r = (|| {
             let h = self.handle(fh)?;
             let kind = lock_kind(typ).ok_or(Errno::EINVAL)?;
-            Ok(h.file.test_lock(ubc_stack::LockOwner(lock_owner.0), lock_range(start, end), kind))
+            // Passed-through mounts keep locks in the kernel (never asked here).
+            let f = h.file().ok_or(Errno::ENOLCK)?;
+            Ok(f.test_lock(ubc_stack::LockOwner(lock_owner.0), lock_range(start, end), kind))
         })();
         match r {
             Ok(None) => reply.locked(start, end, libc::F_UNLCK, 0),
@@ -1138,16 +1298,19 @@ impl Filesystem for LayerFs {
         reply: ReplyEmpty,
     ) {
         let h = match self.handle(fh) {
-            Ok(h) => h,
+            Ok(h) if h.file().is_some() => h,
+            Ok(_) => return reply.error(Errno::ENOLCK),
             Err(e) => return reply.error(e),
         };
         let (owner, range) = (ubc_stack::LockOwner(lock_owner.0), lock_range(start, end));
         if typ == libc::F_UNLCK {
-            h.file.unlock_as(owner, range);
+            if let Some(f) = h.file() {
+                f.unlock_as(owner, range);
+            }
             return reply.ok();
         }
         let Some(kind) = lock_kind(typ) else { return reply.error(Errno::EINVAL) };
-        let take = move || h.file.lock_as(owner, pid, range.clone(), kind, LockWait::Try);
+        let take = move || h.file().is_some_and(|f| f.lock_as(owner, pid, range.clone(), kind, LockWait::Try));
         self.lock_or_wait(req, fh, sleep, Errno::EAGAIN, take, reply);
     }
 
@@ -1166,16 +1329,19 @@ impl Filesystem for LayerFs {
         reply: ReplyEmpty,
     ) {
         let h = match self.handle(fh) {
-            Ok(h) => h,
+            Ok(h) if h.file().is_some() => h,
+            Ok(_) => return reply.error(Errno::ENOLCK),
             Err(e) => return reply.error(e),
         };
         let owner = ubc_stack::LockOwner(lock_owner.0);
         if typ == libc::F_UNLCK {
-            h.file.funlock_as(owner);
+            if let Some(f) = h.file() {
+                f.funlock_as(owner);
+            }
             return reply.ok();
         }
         let Some(kind) = lock_kind(typ) else { return reply.error(Errno::EINVAL) };
-        let take = move || h.file.flock_as(owner, kind, LockWait::Try);
+        let take = move || h.file().is_some_and(|f| f.flock_as(owner, kind, LockWait::Try));
         self.lock_or_wait(req, fh, sleep, Errno::EWOULDBLOCK, take, reply);
     }
 

@@ -1,5 +1,6 @@
 //! The handle table of one mount: FUSE file handle numbers ↔ open files of the layer.
 
+use super::passthrough::Passed;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
@@ -15,6 +16,12 @@ impl Opener {
     /// The opener behind a request from thread `tid`.
     pub(super) fn of(tid: u32) -> Opener {
         Opener { tid, pid: process_of(tid) }
+    }
+
+    /// The opener behind a request from thread `tid`, its process not looked up (taken to
+    /// be `tid`): for an open whose close has nothing to write back.
+    pub(super) fn unasked(tid: u32) -> Opener {
+        Opener { tid, pid: tid }
     }
 
     /// Whether a request from thread `tid` comes from the opening process. The opening
@@ -47,9 +54,18 @@ fn process_of(tid: u32) -> u32 {
         .unwrap_or(tid)
 }
 
+/// What an open reads and writes through.
+pub(super) enum Via {
+    /// The stack's cache: reads and writes come to the daemon (or the kernel's page cache
+    /// of the mount, kept coherent by `kernels`).
+    Stack(ubc_stack::File),
+    /// The host file itself, handed to the kernel (`passthrough`).
+    Host(Passed),
+}
+
 /// One open of a file.
 pub(super) struct Handle {
-    pub(super) file: ubc_stack::File,
+    pub(super) via: Via,
     /// Opened with O_APPEND: every write goes to the end of the file as the stack knows it.
     pub(super) append: bool,
     /// Who opened it: only the opening process's `close` writes back.
@@ -103,21 +119,33 @@ impl Handle {
         self.kernel_writes || self.written.load(SeqCst)
     }
 
+    /// The stack's file, unless the open is passed through to the host file.
+    pub(super) fn file(&self) -> Option<&ubc_stack::File> {
+        match &self.via {
+            Via::Stack(f) => Some(f),
+            Via::Host(_) => None,
+        }
+    }
+
     /// Write back what was written through this handle (`ubc_stack::File::write_back`: into
     /// the store, errors reported, not made durable) — what `close` does. Nothing for a
-    /// handle never written. The mark stays: the data is not synced.
+    /// handle never written, nor for one passed through (the kernel wrote the host file
+    /// itself). The mark stays: the data is not synced.
     pub(super) fn write_back(&self) -> ubc_stack::Result<()> {
-        if !self.written() {
-            return Ok(());
+        match &self.via {
+            Via::Stack(f) if self.written() => f.write_back(),
+            _ => Ok(()),
         }
-        self.file.write_back()
     }
 
     /// Sync the file. The mark is cleared first, so a write racing with the sync sets it
     /// again, and set again if the sync fails.
     pub(super) fn sync(&self) -> ubc_stack::Result<()> {
         self.written.store(false, SeqCst);
-        let r = self.file.sync();
+        let r = match &self.via {
+            Via::Stack(f) => f.sync(),
+            Via::Host(p) => p.sync(),
+        };
         if r.is_err() {
             self.written.store(true, SeqCst);
         }
@@ -144,12 +172,12 @@ impl Handles {
         &self.open[fh as usize % SHARDS]
     }
 
-    /// Enter an open of `file` (inode `ino`, attributes `attr`) by `opener`, `cached`
+    /// Enter an open through `via` (inode `ino`, attributes `attr`) by `opener`, `cached`
     /// by the kernel or not, writes `kernel_writes` (see [`Handle`]); its handle number.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn add(
         &self,
-        file: ubc_stack::File,
+        via: Via,
         ino: u64,
         append: bool,
         cached: bool,
@@ -160,7 +188,7 @@ impl Handles {
         let fh = self.next.fetch_add(1, Relaxed);
         let written = AtomicBool::new(false);
         let mtime = Mutex::new(None);
-        let h = Handle { file, append, cached, kernel_writes, opener, ino, written, mtime, last: Mutex::new(attr) };
+        let h = Handle { via, append, cached, kernel_writes, opener, ino, written, mtime, last: Mutex::new(attr) };
         self.shard(fh).lock().unwrap().insert(fh, Arc::new(h));
         fh
     }

@@ -2,7 +2,15 @@
 //! thread) per layer, all sharing the same `Stack`, so that unmodified programs see
 //! coherent data through every mount at once.
 //!
-//! Policy with one mount (`--cache writeback`, the default then): as `--cache kernel` below,
+//! Policy with one mount of layer 0 over a host directory (`--cache passthrough`, the
+//! default then where the kernel allows it — Linux 6.9+, a daemon with `CAP_SYS_ADMIN`): every
+//! regular file is handed to the kernel, which reads, writes and maps the host file itself
+//! (`passthrough`); the daemon answers names, attributes, `fsync`, `fallocate`, `lseek` and
+//! `copy_file_range` on the same host files, holds none of their data, and the shutdown
+//! syncs the host's file system after the stack. Sound because that kernel is the only way
+//! into the stack and the files it serves are the host's own (design.md, "Passthrough").
+//!
+//! Policy with one mount otherwise (`--cache writeback`, the default then): as `--cache kernel` below,
 //! and the kernel also keeps writes (`FUSE_WRITEBACK_CACHE`), sending them at close, fsync,
 //! msync or its own write-back — sound because that kernel is the only way into the stack
 //! (design.md, "The mount and the kernel's caches"). Appends are then cached too (the kernel
@@ -84,6 +92,7 @@
 //! * this module: the command's options, the mounts' setup, and the wait for what ends it;
 //! * `fs`: the FUSE request handlers of one mount (one layer), over
 //!   * `inodes` and `handles`: the mount's inode table and open-file table,
+//!   * `passthrough`: files handed to the kernel (backing ids, the host-file calls),
 //!   * `attr`: stack metadata as FUSE attributes;
 //! * `waits`: lock requests that wait (`F_SETLKW`, `flock`), until granted, released or
 //!   interrupted;
@@ -92,9 +101,10 @@
 //!
 //! * `kernels`: the kernels' caches kept coherent (the notifier thread);
 //!
-//! Imports go one way: `fs` uses the tables, `attr`, `gate`, `waits` and `kernels`; `waits` and
-//! `shutdown` use `handles` (`shutdown` also `gate`, to name the files not synced); nothing
-//! uses `fs` or `shutdown` but this module, and the tables, `attr` and `gate` use none of
+//! Imports go one way: `fs` uses the tables, `attr`, `gate`, `waits`, `kernels` and
+//! `passthrough`; `waits` and `shutdown` use `handles` (`shutdown` also `gate`, to name the
+//! files not synced); `handles` holds `passthrough`'s open files; nothing uses `fs` or
+//! `shutdown` but this module, and `passthrough`, `inodes`, `attr` and `gate` use none of
 //! the others.
 
 mod attr;
@@ -103,6 +113,7 @@ mod gate;
 mod handles;
 mod inodes;
 mod kernels;
+mod passthrough;
 mod shutdown;
 mod waits;
 
@@ -128,7 +139,10 @@ pub struct Args {
     /// Serve layer N at MOUNTPOINT (repeatable; 0 is the bottom layer)
     #[arg(long = "at", value_name = "LAYER:MOUNTPOINT", required = true)]
     at: Vec<String>,
-    /// What the kernel caches: `writeback` — file pages, writes not yet sent (written back
+    /// What the kernel caches: `passthrough` — the kernel reads, writes and maps each host
+    /// file itself, at the host's speed (FUSE passthrough, Linux 6.9+, root): one mount of a
+    /// `dir` bottom layer only (the default then, where the kernel allows it; else
+    /// `writeback`); `writeback` — file pages, writes not yet sent (written back
     /// at close, fsync and the kernel's own write-back), attributes and names: one mount
     /// only (the default then); `kernel` — file pages (writes go through at once),
     /// attributes and names, each dropped when it changes through any mount or layer of
@@ -136,7 +150,7 @@ pub struct Args {
     /// and stat goes to the stack: one copy of the data, at a round trip per call). Stacks
     /// over memory stores are always `direct` (their files carry no identity to match
     /// changes by)
-    #[arg(long, value_name = "MODE", value_parser = ["writeback", "kernel", "direct"])]
+    #[arg(long, value_name = "MODE", value_parser = ["passthrough", "writeback", "kernel", "direct"])]
     cache: Option<String>,
     /// With `--cache kernel` or `writeback`: how long the kernel may keep attributes and
     /// names (also that a name does not exist) before it asks again. Changes through ubc
@@ -220,17 +234,50 @@ pub fn run(a: Args) -> Result<()> {
     let identified = !stack.layer(0).map(|l| l.spec().starts_with("mem")).unwrap_or(true);
     // A kernel's write-back cache holds bytes nothing else can see until it sends them:
     // sound only when that kernel is the one way into the stack, i.e. one mount.
-    let mode = a.cache.clone().unwrap_or_else(|| if ats.len() == 1 { "writeback" } else { "kernel" }.to_string());
+    // Passthrough hands the host files to the kernel, bypassing the cache: sound only when
+    // that kernel is the one way into the stack (one mount) and serves the host files
+    // themselves (the bottom layer, a host directory). It also needs the privilege to
+    // register backing files; without it the default is the write-back cache.
+    let host_files = ats.len() == 1 && ats[0].0 == 0 && statfs_dir.is_some();
+    let stacked_fs = statfs_dir.as_deref().and_then(passthrough::stacked_fs);
+    let mode = a.cache.clone().unwrap_or_else(|| {
+        if host_files && stacked_fs.is_none() && passthrough::may_pass_through() {
+            "passthrough"
+        } else if ats.len() == 1 {
+            "writeback"
+        } else {
+            "kernel"
+        }
+        .to_string()
+    });
     if mode == "writeback" && ats.len() > 1 {
         return Err(Fail::usage(
             "--cache writeback",
             "needs one mount: each mount's kernel would hold writes that the other mounts cannot see (use --cache kernel)",
         ));
     }
+    if mode == "passthrough" && !host_files {
+        return Err(Fail::usage(
+            "--cache passthrough",
+            "needs one mount of layer 0 over a host directory (dir:): the kernel would write files behind the cache of the other mounts and layers",
+        ));
+    }
+    if let (true, Some(fs)) = (mode == "passthrough", stacked_fs) {
+        return Err(Fail::usage(
+            "--cache passthrough",
+            format!("the directory is on {fs}: the kernel passes files through to one level of stacking only"),
+        ));
+    }
     let caching = if mode != "direct" && identified {
-        Caching { data: true, writeback: mode == "writeback", ttl: Duration::from_secs_f64(a.attr_timeout.max(0.0)) }
+        Caching {
+            data: true,
+            // Where the kernel refuses passthrough, one mount still gets its write-back cache.
+            writeback: mode == "writeback" || mode == "passthrough",
+            passthrough: mode == "passthrough",
+            ttl: Duration::from_secs_f64(a.attr_timeout.max(0.0)),
+        }
     } else {
-        Caching { data: false, writeback: false, ttl: Duration::ZERO }
+        Caching { data: false, writeback: false, passthrough: false, ttl: Duration::ZERO }
     };
     let (kernels, watcher) = Kernels::start();
     if caching.data {
@@ -241,6 +288,9 @@ pub fn run(a: Args) -> Result<()> {
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(MIN_THREADS, |n| n.get().max(MIN_THREADS)))
         .max(1);
     let daemon = Arc::new(Daemon::new(stack, kernels.clone()));
+    if let (true, Some(dir)) = (caching.passthrough, &statfs_dir) {
+        daemon.sync_host(dir.clone());
+    }
     let (tx, rx) = mpsc::channel::<Event>();
     let mut unmounters: Vec<SessionUnmounter> = Vec::new();
     // Each mount's id in the mount table, if it was found.

@@ -40,6 +40,10 @@ pub(super) struct Daemon {
     kernels: Arc<Kernels>,
     /// The FUSE connections of the mounts (their device minors: /sys/fs/fuse/connections/N).
     connections: Mutex<Vec<u32>>,
+    /// The host directory whose files a mount passes through to the kernel (`passthrough`):
+    /// what was written to them is in the host's page cache, not in the stack's, and the
+    /// shutdown syncs that file system too (`syncfs`).
+    host_sync: Mutex<Option<PathBuf>>,
 }
 
 /// A mount: its point (as given, and canonical) and its open handles (for the report of
@@ -61,7 +65,13 @@ impl Daemon {
             stopping: AtomicBool::new(false),
             mounts: Mutex::default(),
             connections: Mutex::default(),
+            host_sync: Mutex::default(),
         }
+    }
+
+    /// Sync the file system of host directory `dir` at the shutdown, after the stack.
+    pub(super) fn sync_host(&self, dir: PathBuf) {
+        *self.host_sync.lock().unwrap() = Some(dir);
     }
 
     /// A mount made at `point` (canonical: `canon`), its connection if it was found.
@@ -124,8 +134,10 @@ impl Daemon {
         let mut out: Vec<(PathBuf, u64)> = Vec::new();
         for (mp, handles) in mounts {
             for h in handles.all() {
-                let dirty = h.file.stats().dirty_bytes;
-                let path = mp.join(h.file.path());
+                // A passed-through file is the host's own: the host file system's sync covers it.
+                let Some(f) = h.file() else { continue };
+                let dirty = f.stats().dirty_bytes;
+                let path = mp.join(f.path());
                 if (dirty > 0 || h.written()) && !out.iter().any(|(p, _)| *p == path) {
                     out.push((path, dirty));
                 }
@@ -324,7 +336,8 @@ pub(super) fn finish(
     if !daemon.pull_kernel_writes(deadline) || !daemon.pull_kernel_writes(deadline) || !daemon.gate.seal(deadline) {
         daemon.give_up(&format!("{sync_timeout}s sync deadline passed (the kernel's write-back did not finish)"));
     }
-    match timed_sync(&daemon.stack, deadline, loud) {
+    let host = daemon.host_sync.lock().unwrap().clone();
+    match timed_sync(&daemon.stack, host, deadline, loud) {
         Sync::Done(Ok(())) => {
             if loud {
                 eprintln!("ubc: synced in {:.1}s", start.elapsed().as_secs_f64());
@@ -356,13 +369,14 @@ enum Sync {
     TimedOut,
 }
 
-/// `Stack::sync_all` with a deadline (it runs on in another thread if the deadline passes),
-/// printing what is left every two seconds when `loud` or slow.
-fn timed_sync(stack: &Stack, deadline: Instant, loud: bool) -> Sync {
+/// `Stack::sync_all` — then `syncfs` of the file system of `host`, if given — with a
+/// deadline (it runs on in another thread if the deadline passes), printing what is left
+/// every two seconds when `loud` or slow.
+fn timed_sync(stack: &Stack, host: Option<PathBuf>, deadline: Instant, loud: bool) -> Sync {
     let (tx, rx) = mpsc::channel();
     let s = stack.clone();
     std::thread::spawn(move || {
-        let _ = tx.send(s.sync_all());
+        let _ = tx.send(s.sync_all().and_then(|()| host.map_or(Ok(()), |dir| syncfs(&dir))));
     });
     let start = Instant::now();
     loop {
@@ -387,6 +401,18 @@ fn timed_sync(stack: &Stack, deadline: Instant, loud: bool) -> Sync {
             }
         }
     }
+}
+
+/// `syncfs(2)` of the file system holding directory `dir`.
+fn syncfs(dir: &Path) -> ubc_stack::Result<()> {
+    use std::os::fd::AsRawFd;
+    let path = dir.display().to_string();
+    let d = std::fs::File::open(dir).map_err(|e| ubc_stack::Error::io(&path, e))?;
+    // SAFETY: syncfs on a descriptor we hold open.
+    if unsafe { libc::syncfs(d.as_raw_fd()) } != 0 {
+        return Err(ubc_stack::Error::io(&path, std::io::Error::last_os_error()));
+    }
+    Ok(())
 }
 
 /// Lazily unmount `mp` (MNT_DETACH: also with files open): `umount2` as root, else
