@@ -253,7 +253,7 @@ impl Stack {
     ///
     /// * `dir:PATH` — a host directory; `mem` — an in-memory tree
     /// * `null` — pass-through
-    /// * `zstd[:level=N][,chunk=BYTES]` — compression (level 3, 64 KiB chunks by default)
+    /// * `zstd[:level=N][,chunk=BYTES]` — compression (level 1, 64 KiB chunks by default)
     /// * `aead:keyfile=PATH` or `aead:passphrase-file=PATH,salt=HEX32` — encryption
     /// * `union:upper=PATH` — a writable host directory over the layers below
     ///

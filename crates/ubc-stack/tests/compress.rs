@@ -665,15 +665,17 @@ fn corrupt_both_superblocks_is_invalid_data() {
 fn corrupt_index_is_invalid_data() {
     let dir = tempfile::tempdir().unwrap();
     let (path, _, _) = two_commits(dir.path());
-    let mut f = host_bytes(&path);
+    let orig = host_bytes(&path);
+    let mut f = orig.clone();
     let sb = newest_sb(&f);
     f[sb.index_off as usize + 24 + 9] ^= 0x10;
     std::fs::write(&path, &f).unwrap();
     let e = open_err(&path);
     assert!(is_invalid_data(&e) && e.to_string().contains("index"), "{e}");
     assert!(e.to_string().contains(&sb.index_off.to_string()), "names the offset: {e}");
-    // Same damage with checksums fixed up: the entry's validation catches it.
-    let mut f = host_bytes(&path);
+    // Other damage, to the intact file, with checksums fixed up: the entry's validation
+    // catches it.
+    let mut f = orig.clone();
     let ents = index_entries(&f, &sb);
     let p = ents[3].3;
     f[p + 8..p + 16].copy_from_slice(&(1u64 << 40).to_le_bytes()); // extent past the end

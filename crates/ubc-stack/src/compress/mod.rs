@@ -55,13 +55,16 @@ use ubc::{Fill, Identity, IoMode, Pager, Seek};
 pub struct CompressOptions {
     /// Logical chunk size: a power of two from 4 KiB to 16 MiB. Default 64 KiB.
     pub chunk_size: usize,
-    /// zstd compression level (negative levels are the fast modes). Default 3.
+    /// zstd compression level (negative levels are the fast modes). Default 1: the layer
+    /// compresses on the write path of every write, and level 1 keeps within a few percent
+    /// of level 3's ratio at 1.3–2.4× its speed (a Python tree: 3.10× vs 3.22× at 394 vs
+    /// 305 MB/s; fio's write buffers: 1.116× vs 1.119× at 320 vs 135 MB/s; one core).
     pub level: i32,
 }
 
 impl Default for CompressOptions {
     fn default() -> Self {
-        CompressOptions { chunk_size: 64 << 10, level: 3 }
+        CompressOptions { chunk_size: 64 << 10, level: 1 }
     }
 }
 

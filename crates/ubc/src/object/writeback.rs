@@ -49,6 +49,14 @@ impl Object {
         let me = if parallel && !crate::io::on_io_thread() { self.me.upgrade() } else { None };
         let batch = crate::io::Batch::default();
         let cs = self.res.geo.chunk_shift;
+        // A pager that stores whole units (a compressed chunk: `Pager::fill_granule`) pays a
+        // read-modify-write of the unit for each call that covers part of it: runs are cut
+        // on unit boundaries (below), and their length is a whole number of units.
+        let g = if pass == Pass::Background { self.granule_pages() } else { 1 };
+        let max_put = match self.res.geo.max_put_pages {
+            m if g > 1 && m >= g => m / g * g,
+            m => m,
+        };
         let mut first_err: Option<Error> = None;
         // The newest run found is held back and the one before it submitted: the last run
         // is written on this thread, which would only wait for the pool otherwise — a file
@@ -88,11 +96,30 @@ impl Object {
                     continue;
                 }
                 let mut n = 1;
-                while p + n < hi
-                    && n < self.res.geo.max_put_pages
-                    && chunk.pages[(p + n - base) as usize].begin_writeback(IfHeld::Skip)
-                {
+                while p + n < hi && n < max_put && chunk.pages[(p + n - base) as usize].begin_writeback(IfHeld::Skip) {
                     n += 1;
+                }
+                // The run stops inside a unit whose next page is being written or is dirty
+                // but busy (a writer still copying into the unit — the kernel's write-back
+                // of a sequential write arrives a request at a time): the unit is not
+                // complete yet. The flusher (`Pass::Background`) leaves its pages dirty for
+                // a later pass, which takes the unit whole, instead of storing it twice. A
+                // unit that stays partial (a random write: the next page is clean or
+                // absent) is written as it is; `sync` and `clean` write everything, and so
+                // do reclaim and a throttled writer (`Pass::Inline`), which must make
+                // progress — the writer may be the one holding the unit's next page.
+                let q = p + n;
+                if g > 1 && !q.is_multiple_of(g) && q < hi {
+                    let next = chunk.pages[(q - base) as usize].snapshot();
+                    if next.unclean() || next.held() {
+                        let cut = (q / g * g).max(p);
+                        self.abort_run(chunk, cut, q - cut);
+                        n = cut - p;
+                        if n == 0 {
+                            p = q;
+                            continue;
+                        }
+                    }
                 }
                 if me.is_some() {
                     if let Some(run) = held.replace((chunk.index, p, n)) {
@@ -114,6 +141,21 @@ impl Object {
         match first_err {
             Some(e) => Err(e),
             None => r,
+        }
+    }
+
+    /// Give back pages `first..first+n`, taken WRITEBACK by the caller and not written:
+    /// dirty again, counted once (a page found dirty again meanwhile — a store through a
+    /// mapping — was counted when found, and its count from before goes).
+    fn abort_run(&self, chunk: &Chunk, first: u64, n: u64) {
+        let base = chunk.index << self.res.geo.chunk_shift;
+        let mut redirtied = 0;
+        for p in first..first + n {
+            redirtied += chunk.pages[(p - base) as usize].end_writeback(Written::Failed) as u64;
+        }
+        if redirtied > 0 {
+            self.dirty.fetch_sub(redirtied, Relaxed);
+            self.res.dirty.cleaned(redirtied);
         }
     }
 
