@@ -9,7 +9,8 @@
 //! is passed through; the daemon still answers what the kernel does not pass on — names,
 //! attributes, `fsync`, `fallocate`, `lseek(SEEK_DATA/HOLE)`, `copy_file_range` — on the
 //! same host file, so the answers are the host's own. POSIX and BSD locks stay in the
-//! kernel (one mount: its local lock table sees every locker).
+//! kernel (one mount: its local lock table sees every locker), and a close has nothing to
+//! write back: the first FLUSH is answered ENOSYS, after which the kernel sends none.
 //!
 //! The kernel wants one backing file per inode while the inode is open (a second open with
 //! another gives EBUSY or EIO), so the backing ids are shared per inode ([`Backings`]) and
