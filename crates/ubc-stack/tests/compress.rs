@@ -269,6 +269,11 @@ fn bad_options_are_rejected() {
         let e = CompressPager::open(lower, opts(cs)).err().expect("rejected");
         assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{cs}");
     }
+    for level in [23, 1000, -200_000] {
+        let lower = cache.open(Arc::new(MemPager::new()), Access::ReadWrite).unwrap();
+        let e = CompressPager::open(lower, CompressOptions::default().with_level(level)).err().expect("rejected");
+        assert!(e.kind() == io::ErrorKind::InvalidInput && e.to_string().contains("level"), "{level}: {e}");
+    }
 }
 
 #[test]
