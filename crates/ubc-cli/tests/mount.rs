@@ -36,7 +36,13 @@ struct Daemon {
 
 impl Daemon {
     fn start(spec: &str, ats: &[(usize, &Path)], extra: &[&str], err: &Path) -> Daemon {
+        Daemon::start_with_env(spec, ats, extra, err, &[])
+    }
+
+    /// `start` with `env` added to the daemon's environment.
+    fn start_with_env(spec: &str, ats: &[(usize, &Path)], extra: &[&str], err: &Path, env: &[(&str, &str)]) -> Daemon {
         let mut cmd = ubc();
+        cmd.envs(env.iter().copied());
         cmd.args(["mount", "--stack", spec]);
         for (n, mp) in ats {
             cmd.arg("--at").arg(format!("{n}:{}", mp.display()));
@@ -1658,6 +1664,20 @@ fn one_mount_of_a_host_directory_passes_files_through_to_the_kernel() {
         assert_eq!(mode, 0o777, "set-user-ID dropped by an unprivileged writer");
     }
     d.unmount();
+
+    // The kernel refuses backing files (injected): the mount serves every file through the
+    // stack instead, and says so once.
+    let env = [("UBC_MOUNT_REFUSE_BACKING", "1")];
+    let mut d = Daemon::start_with_env(&spec, &[(0, &mnt)], &["--cache", "passthrough"], &t.path().join("err3"), &env);
+    let before = bytes_read_by(d.pid());
+    std::fs::write(mnt.join("refused"), sample(1 << 20)).unwrap();
+    assert!(std::fs::read(mnt.join("refused")).unwrap() == sample(1 << 20), "a file made and read back");
+    assert!(std::fs::read(mnt.join("big")).unwrap() == sample(64 << 20), "a file read");
+    assert_eq!(std::fs::metadata(mnt.join("refused")).unwrap().len(), 1 << 20);
+    assert!(bytes_read_by(d.pid()) - before > 32 << 20, "the daemon served the reads");
+    assert_eq!(d.stderr().matches("refused a backing file").count(), 1, "{}", d.stderr());
+    d.unmount();
+    assert!(std::fs::read(t.path().join("data/refused")).unwrap() == sample(1 << 20), "in the host file");
 
     for (ats, what) in [(vec!["0:a", "0:b"], "two mounts"), (vec!["1:a"], "a layer above the host files")] {
         let spec = format!("{spec} | zstd");

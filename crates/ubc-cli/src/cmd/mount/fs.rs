@@ -136,7 +136,7 @@ impl LayerFs {
             direct_write_drops_pages: false,
             writeback: false,
             passthrough: false,
-            backings: Backings::default(),
+            backings: Backings::new(),
         }
     }
 
@@ -368,7 +368,8 @@ impl LayerFs {
 
     /// Enter a passed-through open of inode `ino` on `host`, registering its backing file
     /// with `register` if the inode has none yet: its handle and the backing id to reply
-    /// with.
+    /// with; `None` if the kernel refused backing files (`passthrough`): the caller serves
+    /// the open through the stack.
     fn add_passed(
         &self,
         req: &Request,
@@ -377,15 +378,28 @@ impl LayerFs {
         host: std::fs::File,
         attr: ubc_stack::Attr,
         register: impl FnOnce(&std::fs::File) -> std::io::Result<fuser::BackingId>,
-    ) -> Result<(FileHandle, Arc<fuser::BackingId>)> {
-        let passed = self.backings.pass(ino, host, path, register).map_err(|e| {
-            log_once(&format!("{path}: the kernel refused the file for passthrough: {e}"));
-            Errno::EIO
-        })?;
+    ) -> Option<(FileHandle, Arc<fuser::BackingId>)> {
+        let passed = self.backings.pass(ino, host, path, register)?;
         let backing = passed.backing();
         // Nothing to write back at its close: the opener does not matter.
         let opener = Opener::unasked(req.pid());
-        Ok((FileHandle(self.handles.add(Via::Host(passed), ino, false, true, false, opener, attr)), backing))
+        Some((FileHandle(self.handles.add(Via::Host(passed), ino, false, true, false, opener, attr)), backing))
+    }
+
+    /// `open` through the stack: its handle and the open flags for the kernel.
+    fn open_stack(&self, req: &Request, ino: INodeNo, flags: OpenFlags) -> Result<(FileHandle, FopenFlags)> {
+        let r = (|| {
+            let p = self.path(ino)?;
+            let write = flags.0 & libc::O_ACCMODE != libc::O_RDONLY;
+            let _pass = if write { Some(self.gate.enter()?) } else { None };
+            let truncate = write && flags.0 & libc::O_TRUNC != 0;
+            let f =
+                self.layer.open_with(&p, OpenOptions::new().write(write).truncate(truncate)).map_err(|e| errno(&e))?;
+            let (_, a) = self.stat_attr(&p)?;
+            Ok(self.add_handle(f, ino.0, flags.0 & libc::O_APPEND != 0, write, Opener::of(req.pid()), a))
+        })();
+        self.kernels.wait_told();
+        r
     }
 
     /// `open` on a passed-through mount.
@@ -406,10 +420,15 @@ impl LayerFs {
                 // The kernel keeps the mode it had: it does not follow a change it did not ask for.
                 self.kernels.attrs_stale(self.id, ino.0);
             }
-            self.add_passed(req, ino.0, &p, host, a, |f| reply.open_backing(f))
+            Ok(self.add_passed(req, ino.0, &p, host, a, |f| reply.open_backing(f)))
         })();
         match r {
-            Ok((fh, backing)) => reply.opened_passthrough(fh, FopenFlags::empty(), &backing),
+            Ok(Some((fh, backing))) => reply.opened_passthrough(fh, FopenFlags::empty(), &backing),
+            // Backing files refused: through the stack, as without passthrough.
+            Ok(None) => match self.open_stack(req, ino, flags) {
+                Ok((fh, flags)) => reply.opened(fh, flags),
+                Err(e) => reply.error(e),
+            },
             Err(e) => reply.error(e),
         }
     }
@@ -425,15 +444,25 @@ impl LayerFs {
             let a = ubc_stack::LayerRef::host_attr(&host).map_err(|e| errno(&e))?;
             let ino = self.inodes.write().unwrap().node(&p, (a.dev, a.ino), true);
             let attr = attr::file_attr(ino, &a);
-            let (fh, backing) = self.add_passed(req, ino, &p, host, a, |f| reply.open_backing(f))?;
+            let passed = self.add_passed(req, ino, &p, host, a.clone(), |f| reply.open_backing(f));
             self.entry_changed(&parent_path, name);
-            Ok((attr, fh, backing))
+            match passed {
+                Some((fh, backing)) => Ok((attr, fh, Ok(backing))),
+                // Backing files refused: the file made, opened through the stack.
+                None => {
+                    let f = self.layer.open_with(&p, OpenOptions::new().write(true)).map_err(|e| errno(&e))?;
+                    let append = flags & libc::O_APPEND != 0;
+                    let (fh, open) = self.add_handle(f, ino, append, true, Opener::of(req.pid()), a);
+                    Ok((attr, fh, Err(open)))
+                }
+            }
         })();
         self.kernels.wait_told();
         match r {
-            Ok((a, fh, backing)) => {
+            Ok((a, fh, Ok(backing))) => {
                 reply.created_passthrough(&self.ttl, &a, Generation(0), fh, FopenFlags::empty(), &backing)
             }
+            Ok((a, fh, Err(open))) => reply.created(&self.ttl, &a, Generation(0), fh, open),
             Err(e) => reply.error(e),
         }
     }
@@ -885,18 +914,7 @@ impl Filesystem for LayerFs {
         if self.passthrough {
             return self.open_passed(req, ino, flags, reply);
         }
-        let r = (|| {
-            let p = self.path(ino)?;
-            let write = flags.0 & libc::O_ACCMODE != libc::O_RDONLY;
-            let _pass = if write { Some(self.gate.enter()?) } else { None };
-            let truncate = write && flags.0 & libc::O_TRUNC != 0;
-            let f =
-                self.layer.open_with(&p, OpenOptions::new().write(write).truncate(truncate)).map_err(|e| errno(&e))?;
-            let (_, a) = self.stat_attr(&p)?;
-            Ok(self.add_handle(f, ino.0, flags.0 & libc::O_APPEND != 0, write, Opener::of(req.pid()), a))
-        })();
-        self.kernels.wait_told();
-        match r {
+        match self.open_stack(req, ino, flags) {
             Ok((fh, flags)) => reply.opened(fh, flags),
             Err(e) => reply.error(e),
         }

@@ -15,6 +15,13 @@
 //! The kernel wants one backing file per inode while the inode is open (a second open with
 //! another gives EBUSY or EIO), so the backing ids are shared per inode ([`Backings`]) and
 //! closed with the last open handle.
+//!
+//! If the kernel ever refuses a backing file (the privilege check passed but the ioctl
+//! failed: a container's capabilities, a file table full), passthrough ends for the mount:
+//! from then on an inode open through passthrough keeps it (the kernel wants every open of
+//! it passed through) and every other open is served by the stack, so no file is ever
+//! written by the kernel behind a cache that holds it. `UBC_MOUNT_REFUSE_BACKING=1` makes
+//! the daemon refuse them itself (fault injection for the tests).
 
 use fuser::BackingId;
 use std::collections::HashMap;
@@ -69,26 +76,55 @@ pub(super) struct Passed {
 }
 
 /// The backing id of every inode open through passthrough.
-#[derive(Default)]
 pub(super) struct Backings {
     by_ino: Mutex<HashMap<u64, Weak<BackingId>>>,
+    /// The kernel refused a backing file once: no new ones (see the module docs).
+    refused: std::sync::atomic::AtomicBool,
+    /// Refuse every new backing file (`UBC_MOUNT_REFUSE_BACKING`, fault injection).
+    inject_refusal: bool,
 }
 
 impl Backings {
+    pub(super) fn new() -> Backings {
+        Backings {
+            by_ino: Mutex::default(),
+            refused: Default::default(),
+            inject_refusal: std::env::var_os("UBC_MOUNT_REFUSE_BACKING").is_some_and(|v| v == "1"),
+        }
+    }
+
     /// A passed-through open of inode `ino` on `host`: the inode's backing id if it has
-    /// one, else a new one registered with `register` (the reply's `open_backing`).
+    /// one, else a new one registered with `register` (the reply's `open_backing`); `None`
+    /// if the open must be served by the stack instead (a backing file was refused, now or
+    /// before, and the inode has none).
     pub(super) fn pass(
         &self,
         ino: u64,
         host: std::fs::File,
         path: &str,
         register: impl FnOnce(&std::fs::File) -> std::io::Result<BackingId>,
-    ) -> std::io::Result<Passed> {
+    ) -> Option<Passed> {
+        use std::sync::atomic::Ordering::SeqCst;
         let mut map = self.by_ino.lock().unwrap();
         let backing = match map.get(&ino).and_then(Weak::upgrade) {
             Some(b) => b,
+            None if self.refused.load(SeqCst) => return None,
             None => {
-                let b = Arc::new(register(&host)?);
+                let r = if self.inject_refusal {
+                    Err(std::io::Error::from_raw_os_error(libc::EPERM))
+                } else {
+                    register(&host)
+                };
+                let b = match r {
+                    Ok(b) => Arc::new(b),
+                    Err(e) => {
+                        self.refused.store(true, SeqCst);
+                        eprintln!(
+                            "ubc mount: {path}: the kernel refused a backing file ({e}): files not open now are served by ubc from here on"
+                        );
+                        return None;
+                    }
+                };
                 map.insert(ino, Arc::downgrade(&b));
                 // Forget the inodes whose handles are all gone.
                 if map.len() > 64 && map.len().is_power_of_two() {
@@ -97,7 +133,7 @@ impl Backings {
                 b
             }
         };
-        Ok(Passed { host, backing, path: path.to_string() })
+        Some(Passed { host, backing, path: path.to_string() })
     }
 }
 
