@@ -69,30 +69,35 @@ pub fn sys_page() -> usize {
     unsafe { libc::sysconf(libc::_SC_PAGESIZE) as usize }
 }
 
-/// Pages of `path` resident in the kernel's page cache, and its length in pages (mincore on
-/// a fresh mapping: mapping does not fault anything in). `None` if it cannot be checked.
-pub fn kernel_resident(path: &Path) -> Option<(u64, u64)> {
-    let f = File::open(path).ok()?;
-    let len = f.metadata().ok()?.len() as usize;
+/// Run `f` on a fresh shared read-only mapping of `path` (its address, the page size, and
+/// mincore's byte per page: bit 0 set where the page is in the kernel's page cache; mapping
+/// does not fault anything in). `None` if the file cannot be opened or mapped or mincore
+/// fails; an empty file gives `f` an empty slice at address 0.
+fn with_residency<T>(path: &Path, f: impl FnOnce(usize, usize, &[u8]) -> T) -> Option<T> {
+    let file = File::open(path).ok()?;
+    let len = file.metadata().ok()?.len() as usize;
     let ps = sys_page();
-    let pages = len.div_ceil(ps);
     if len == 0 {
-        return Some((0, 0));
+        return Some(f(0, ps, &[]));
     }
     // SAFETY: read-only shared mapping of a file we hold open; unmapped below.
-    let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, f.as_raw_fd(), 0) };
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, file.as_raw_fd(), 0) };
     if p == libc::MAP_FAILED {
         return None;
     }
-    let mut vec = vec![0u8; pages];
+    let mut vec = vec![0u8; len.div_ceil(ps)];
     // SAFETY: `vec` has one byte per page of the mapping.
-    let rc = unsafe { libc::mincore(p, len, vec.as_mut_ptr()) };
+    let ok = unsafe { libc::mincore(p, len, vec.as_mut_ptr()) } == 0;
+    let r = ok.then(|| f(p as usize, ps, &vec));
     // SAFETY: the mapping made above.
     unsafe { libc::munmap(p, len) };
-    if rc != 0 {
-        return None;
-    }
-    Some((vec.iter().filter(|&&b| b & 1 != 0).count() as u64, pages as u64))
+    r
+}
+
+/// Pages of `path` resident in the kernel's page cache, and its length in pages. `None` if
+/// it cannot be checked.
+pub fn kernel_resident(path: &Path) -> Option<(u64, u64)> {
+    with_residency(path, |_, _, pages| (pages.iter().filter(|&&b| b & 1 != 0).count() as u64, pages.len() as u64))
 }
 
 /// The physical pages (page frame numbers) of `path` resident in the kernel's page cache,
@@ -102,44 +107,26 @@ pub fn kernel_resident(path: &Path) -> Option<(u64, u64)> {
 /// pages are touched (a read of one byte) to map them; no page is read from a device.
 pub fn resident_frames(path: &Path) -> Option<std::collections::HashSet<u64>> {
     use std::os::unix::fs::FileExt;
-    let f = File::open(path).ok()?;
-    let len = f.metadata().ok()?.len() as usize;
-    let ps = sys_page();
-    let mut frames = std::collections::HashSet::new();
-    if len == 0 {
-        return Some(frames);
-    }
-    // SAFETY: read-only shared mapping of a file we hold open; unmapped below.
-    let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, f.as_raw_fd(), 0) };
-    if p == libc::MAP_FAILED {
-        return None;
-    }
-    let pages = len.div_ceil(ps);
-    let mut vec = vec![0u8; pages];
-    let pagemap = File::open("/proc/self/pagemap").ok();
-    // SAFETY: `vec` has one byte per page of the mapping.
-    let ok = unsafe { libc::mincore(p, len, vec.as_mut_ptr()) } == 0;
-    let mut usable = ok && pagemap.is_some();
-    if usable {
-        for (i, _) in vec.iter().enumerate().filter(|(_, b)| **b & 1 != 0) {
-            let addr = p as usize + i * ps;
-            // SAFETY: in bounds of the mapping; the page is resident, so the load faults
-            // it in from the page cache without I/O.
+    let pagemap = File::open("/proc/self/pagemap").ok()?;
+    with_residency(path, |base, ps, pages| {
+        let mut frames = std::collections::HashSet::new();
+        for i in pages.iter().enumerate().filter(|(_, b)| **b & 1 != 0).map(|(i, _)| i) {
+            let addr = base + i * ps;
+            // SAFETY: in bounds of the mapping; the page is resident, so the load faults it
+            // in from the page cache without I/O.
             unsafe { std::ptr::read_volatile(addr as *const u8) };
             let mut e = [0u8; 8];
-            let read = pagemap.as_ref().unwrap().read_exact_at(&mut e, (addr / ps * 8) as u64);
+            pagemap.read_exact_at(&mut e, (addr / ps * 8) as u64).ok()?;
             let entry = u64::from_le_bytes(e);
             let pfn = entry & ((1 << 55) - 1);
-            if read.is_err() || entry >> 63 == 0 || pfn == 0 {
-                usable = false;
-                break;
+            if entry >> 63 == 0 || pfn == 0 {
+                return None;
             }
             frames.insert(pfn);
         }
-    }
-    // SAFETY: the mapping made above.
-    unsafe { libc::munmap(p, len) };
-    usable.then_some(frames)
+        Some(frames)
+    })
+    .flatten()
 }
 
 /// Drop the kernel's cached pages of `path` and check with mincore that it worked.

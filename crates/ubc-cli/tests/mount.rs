@@ -1169,12 +1169,29 @@ struct Mapped {
 }
 
 impl Mapped {
+    /// A shared read-only mapping of the first `len` bytes of `f`.
     fn new(f: &std::fs::File, len: usize) -> Mapped {
+        Mapped::with(f, len, libc::PROT_READ)
+    }
+
+    /// A shared writable mapping of the first `len` bytes of `f`.
+    fn writable(f: &std::fs::File, len: usize) -> Mapped {
+        Mapped::with(f, len, libc::PROT_READ | libc::PROT_WRITE)
+    }
+
+    fn with(f: &std::fs::File, len: usize, prot: i32) -> Mapped {
         use std::os::fd::AsRawFd;
-        // SAFETY: a fresh shared read-only mapping of an open file; checked for failure.
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, f.as_raw_fd(), 0) };
+        // SAFETY: a fresh shared mapping of an open file; checked for failure.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, f.as_raw_fd(), 0) };
         assert_ne!(p, libc::MAP_FAILED, "mmap: {}", std::io::Error::last_os_error());
         Mapped { ptr: p as *mut u8, len }
+    }
+
+    /// Store `bytes` at `at` (a mapping made `writable`).
+    fn store(&self, at: usize, bytes: &[u8]) {
+        assert!(at + bytes.len() <= self.len);
+        // SAFETY: in bounds of a live writable mapping.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.ptr.add(at), bytes.len()) };
     }
 
     /// The mapped bytes now (volatile loads: another process changes them under us).
@@ -1606,26 +1623,10 @@ fn one_mount_of_a_host_directory_passes_files_through_to_the_kernel() {
     std::fs::OpenOptions::new().write(true).open(&host).unwrap().write_all_at(b"HOST", 0).unwrap();
     assert_eq!(m.bytes(0..5), b"HOSTt", "a mapping through the mount sees a write to the host file");
     drop(m);
-    {
-        use std::os::fd::AsRawFd;
-        // SAFETY: a fresh shared writable mapping of an open file, checked, unmapped below.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                4096,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                f.as_raw_fd(),
-                0,
-            )
-        };
-        assert_ne!(p, libc::MAP_FAILED);
-        // SAFETY: in bounds of the mapping just made.
-        unsafe { std::ptr::copy_nonoverlapping(b"MAP".as_ptr(), p as *mut u8, 3) };
-        assert_eq!(&std::fs::read(&host).unwrap()[..5], b"MAPTt", "a store is in the host file without msync");
-        // SAFETY: unmapping the mapping made above, once.
-        unsafe { libc::munmap(p, 4096) };
-    }
+    let m = Mapped::writable(&f, 4096);
+    m.store(0, b"MAP");
+    assert_eq!(&std::fs::read(&host).unwrap()[..5], b"MAPTt", "a store is in the host file without msync");
+    drop(m);
     drop(f);
 
     // Locks: held in the kernel, between processes.

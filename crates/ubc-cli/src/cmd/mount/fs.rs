@@ -972,23 +972,19 @@ impl Filesystem for LayerFs {
     ) {
         let r = (|| {
             let h = self.handle(fh)?;
+            // The kernel reads a passed-through file itself: no READ comes for one.
+            let f = h.file().ok_or(Errno::EIO)?;
             let mut buf = vec![0u8; size as usize];
             let mut n = 0;
             while n < buf.len() {
-                let k = match &h.via {
-                    Via::Stack(f) => f.read_at(&mut buf[n..], offset + n as u64),
-                    Via::Host(p) => p.read_at(&mut buf[n..], offset + n as u64),
-                }
-                .map_err(|e| errno(&e))?;
+                let k = f.read_at(&mut buf[n..], offset + n as u64).map_err(|e| errno(&e))?;
                 if k == 0 {
                     break;
                 }
                 n += k;
             }
             buf.truncate(n);
-            if h.cached
-                && let Some(f) = h.file()
-            {
+            if h.cached {
                 // The kernel keeps these bytes now: ubc drops its clean copy (exclusive
                 // caching), so a file read through the mount is in memory once.
                 let _ = f.drop_clean(offset..offset + n as u64);
@@ -1024,6 +1020,8 @@ impl Filesystem for LayerFs {
                 self.gate.enter()?
             };
             let h = self.handle(fh)?;
+            // The kernel writes a passed-through file itself: no WRITE comes for one.
+            let f = h.file().ok_or(Errno::EIO)?;
             // The kernel copied the bytes into its page cache (or writes back its own dirty
             // pages: a store through a mapping): not news to it.
             // A direct write drops the pages it overwrites from the kernel's cache by itself
@@ -1034,14 +1032,14 @@ impl Filesystem for LayerFs {
             let _origin = own.then(|| Origin::enter(self.id));
             // O_APPEND: at the end as the stack knows it (the kernel's idea of the size may be
             // stale: other mounts), read and written in one step against other appenders.
-            let r = match &h.via {
-                Via::Stack(f) if h.append => match f.append(data) {
+            let r = if h.append {
+                match f.append(data) {
                     Ok((_, n)) if n == data.len() => Ok(n as u32),
                     Ok(_) => Err(Errno::EIO),
                     Err(e) => Err(errno(&e)),
-                },
-                Via::Stack(f) => write_all(f, data, offset).map(|()| data.len() as u32),
-                Via::Host(p) => p.write_all_at(data, offset).map(|()| data.len() as u32).map_err(|e| errno(&e)),
+                }
+            } else {
+                write_all(f, data, offset).map(|()| data.len() as u32)
             };
             h.mark_written();
             if r.is_ok() {
@@ -1100,7 +1098,14 @@ impl Filesystem for LayerFs {
             f.funlock_as(ubc_stack::LockOwner(o.0));
             f.unlock_owner(ubc_stack::LockOwner(o.0));
         }
-        match h.map(|h| self.write_back(&h)) {
+        let ino = h.as_ref().map(|h| h.ino);
+        let r = h.map(|h| self.write_back(&h));
+        // The handle is gone (a request holding it finishes with it): its inode's backing id
+        // may be too.
+        if let Some(ino) = ino.filter(|_| self.passthrough) {
+            self.backings.released(ino);
+        }
+        match r {
             Some(Err(e)) => reply.error(e),
             _ => reply.ok(),
         }
@@ -1243,7 +1248,8 @@ impl Filesystem for LayerFs {
                 (Via::Host(s), Via::Host(d)) => {
                     return s.copy_to(offset_in, d, offset_out, len).map(|n| n as u32).map_err(|e| errno(&e));
                 }
-                // Not both passed through (a mount passes every file through or none).
+                // One passed through and one not (opened after the kernel refused a backing
+                // file): EXDEV, and the kernel copies through read and write instead.
                 _ => return Err(Errno::EXDEV),
             };
             let mut buf = vec![0u8; len.min(1 << 20) as usize];

@@ -126,14 +126,21 @@ impl Backings {
                     }
                 };
                 map.insert(ino, Arc::downgrade(&b));
-                // Forget the inodes whose handles are all gone.
-                if map.len() > 64 && map.len().is_power_of_two() {
-                    map.retain(|_, w| w.strong_count() > 0);
-                }
                 b
             }
         };
         Some(Passed { host, backing, path: path.to_string() })
+    }
+}
+
+impl Backings {
+    /// A handle of inode `ino` was released: forget the inode if it has no open handle left
+    /// (its backing id was closed with the last one).
+    pub(super) fn released(&self, ino: u64) {
+        let mut map = self.by_ino.lock().unwrap();
+        if map.get(&ino).is_some_and(|w| w.strong_count() == 0) {
+            map.remove(&ino);
+        }
     }
 }
 
@@ -168,17 +175,6 @@ impl Passed {
 
     pub(super) fn set_len(&self, len: u64) -> ubc_stack::Result<()> {
         self.host.set_len(len).map_err(|e| self.err(e))
-    }
-
-    /// `pread(2)`: the kernel reads a passed-through file itself, but a read may still come
-    /// here (a kernel that refused the passthrough for one open).
-    pub(super) fn read_at(&self, buf: &mut [u8], at: u64) -> ubc_stack::Result<usize> {
-        std::os::unix::fs::FileExt::read_at(&self.host, buf, at).map_err(|e| self.err(e))
-    }
-
-    /// `pwrite(2)` of all of `buf` at `at`, as `read_at`.
-    pub(super) fn write_all_at(&self, buf: &[u8], at: u64) -> ubc_stack::Result<()> {
-        std::os::unix::fs::FileExt::write_all_at(&self.host, buf, at).map_err(|e| self.err(e))
     }
 
     /// `fallocate(2)` with the caller's mode: the host's own semantics and errors.
