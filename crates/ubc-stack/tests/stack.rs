@@ -790,3 +790,87 @@ fn reading_through_general_layers_holds_one_copy_and_reads_the_store_once() {
         );
     }
 }
+
+/// `getattr` of a file whose group was released (the pool of idle files is 0 here, so
+/// every close releases) answers from what the group knew, without opening the file — and
+/// never with a stale length: a change through the stored bytes' own layer, a restore of
+/// other stored bytes behind the stack's back, a rename over it and a resize through the
+/// top each show at once.
+#[test]
+fn a_released_files_length_is_known_without_opening_it_and_never_stale() {
+    let fx = fixture();
+    // No closed file stays cached either: the foreign change below is then read from the
+    // store by the next open (a cached stored object would not see it; not this test's
+    // subject).
+    let s = full_stack(&fx, ubc::Cache::builder().budget(64 << 20).max_cached_files(0).build().unwrap());
+    s.set_idle_files(0);
+    let top = s.top();
+    let bottom = s.layer(0).unwrap();
+    let (a, b) = (pattern(1, 100), pattern(2, 50_000));
+    for (name, data) in [("a", &a), ("b", &b)] {
+        let f = top.create(name).unwrap();
+        f.write_at(data, 0).unwrap();
+        f.sync().unwrap();
+    }
+    assert_eq!(s.open_files(), (0, 0, 0), "closed files are released with a pool of 0");
+    let (hits0, known) = s.known_length_stats();
+    assert_eq!(known, 2, "both released groups left their lengths");
+    assert_eq!(top.getattr("a").unwrap().size, 100);
+    assert_eq!(top.getattr("b").unwrap().size, 50_000);
+    assert_eq!(s.layer(1).unwrap().getattr("a").unwrap().size, {
+        // The middle layer (compressed stream) has its own length: what an open says.
+        let f = s.layer(1).unwrap().open("a").unwrap();
+        let n = f.len().unwrap();
+        drop(f);
+        n
+    });
+    assert_eq!(s.open_files(), (0, 0, 0));
+    let (hits1, _) = s.known_length_stats();
+    assert!(hits1 >= hits0 + 2, "answered without opening: {hits0} -> {hits1}");
+    assert_eq!(top.getattr("a").unwrap().size, 100, "the middle layer's open left the top's length");
+
+    // Through the stored bytes' layer: b's stored bytes copied over a's (a restore made
+    // through the stack), seen at the top while it is still only in the cache (the store's
+    // attributes have not moved yet), and after it was written back.
+    let stored_b = std::fs::read(fx.data.join("b")).unwrap();
+    {
+        let f = bottom.open_with("a", ubc_stack::OpenOptions::new().write(true)).unwrap();
+        f.write_at(&stored_b, 0).unwrap();
+        f.set_len(stored_b.len() as u64).unwrap();
+        assert_eq!(
+            top.getattr("a").unwrap().size,
+            50_000,
+            "a change through layer 0, not written back, shows at the top"
+        );
+        f.sync().unwrap();
+    }
+    assert_eq!(top.getattr("a").unwrap().size, 50_000, "a change through layer 0 shows at the top");
+    assert_eq!(read_all(&top.open("a").unwrap()), b);
+
+    // Behind the stack's back: the old, short a's stored bytes written over the host file.
+    let c = pattern(3, 7_777);
+    {
+        let f = top.create("c").unwrap();
+        f.write_at(&c, 0).unwrap();
+        f.sync().unwrap();
+    }
+    assert_eq!(top.getattr("a").unwrap().size, 50_000);
+    std::fs::write(fx.data.join("a"), std::fs::read(fx.data.join("c")).unwrap()).unwrap();
+    assert_eq!(top.getattr("a").unwrap().size, 7_777, "a foreign restore of the stored file shows");
+
+    // Renamed over, and resized through the top.
+    assert_eq!(top.getattr("b").unwrap().size, 50_000);
+    top.rename("c", "b").unwrap();
+    assert_eq!(top.getattr("b").unwrap().size, 7_777, "renamed over");
+    {
+        let f = top.open_with("b", ubc_stack::OpenOptions::new().write(true)).unwrap();
+        f.set_len(123_456).unwrap();
+        f.sync().unwrap();
+    }
+    assert_eq!(top.getattr("b").unwrap().size, 123_456, "resized through the top");
+    let mut want = c.clone();
+    want.resize(123_456, 0);
+    assert_eq!(read_all(&top.open("b").unwrap()), want);
+    let (hits2, _) = s.known_length_stats();
+    assert!(hits2 > hits1, "later getattrs were answered from the released groups too");
+}

@@ -36,6 +36,9 @@ enum Op {
     /// Read the middle layer whole (it must be readable, whatever it names).
     MidRead,
     Sync,
+    /// Close every handle (the pool of idle files is 0: the file's group is released), check
+    /// the length `getattr` tells without a group, then open the file again.
+    Reopen,
 }
 
 const SPAN: u64 = 40 * 1024;
@@ -53,6 +56,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0..8usize).prop_map(Op::Restore),
         1 => Just(Op::MidRead),
         1 => Just(Op::Sync),
+        1 => Just(Op::Reopen),
     ]
 }
 
@@ -74,10 +78,11 @@ fn run(spec_tail: &str, ops: Vec<Op>) {
     std::fs::create_dir(&data).unwrap();
     let spec = format!("dir:{} | {}", data.display(), spec_tail.replace("KEY", &key.display().to_string()));
     let s = Stack::open(&spec, ubc::Cache::new(32 << 20).unwrap()).unwrap();
+    s.set_idle_files(0);
     let n = s.depth();
-    let top = s.top().create("f").unwrap();
     let rw = OpenOptions::new().write(true);
-    let bottom = s.layer(0).unwrap().open_with("f", rw).unwrap();
+    let mut handles = Some((s.top().create("f").unwrap(), s.layer(0).unwrap().open_with("f", rw).unwrap()));
+    let mut known_hits = 0;
     let mut model: Vec<u8> = Vec::new();
     let mut backups: Vec<(Vec<u8>, Vec<u8>)> = Vec::new(); // (stored bytes, cleartext)
     let mut map: Option<ubc_stack::Mapping> = None;
@@ -91,6 +96,21 @@ fn run(spec_tail: &str, ops: Vec<Op>) {
             use std::io::Write;
             let _ = writeln!(std::io::stderr(), "{step}: {op:?}");
         }
+        if let Op::Reopen = op {
+            map = None;
+            drop(handles.take());
+            assert_eq!(s.open_files(), (0, 0, 0), "step {step}: every handle closed, the group released");
+            assert_eq!(
+                s.top().getattr("f").unwrap().size,
+                model.len() as u64,
+                "step {step}: length of the closed file"
+            );
+            let (hits, _) = s.known_length_stats();
+            assert!(hits > known_hits, "step {step}: the length was known without opening the file");
+            known_hits = hits;
+            handles = Some((s.top().open_with("f", rw).unwrap(), s.layer(0).unwrap().open_with("f", rw).unwrap()));
+        }
+        let (top, bottom) = handles.as_ref().expect("open");
         match op {
             Op::TopWrite { off, len, seed } => {
                 let d = bytes(seed, len);
@@ -133,7 +153,7 @@ fn run(spec_tail: &str, ops: Vec<Op>) {
             }
             Op::Unmap => map = None,
             Op::Backup => {
-                let stored = read_all(&bottom);
+                let stored = read_all(bottom);
                 backups.push((stored, model.clone()));
             }
             Op::Restore(i) => {
@@ -152,11 +172,14 @@ fn run(spec_tail: &str, ops: Vec<Op>) {
                 }
             }
             Op::Sync => top.sync().unwrap(),
+            Op::Reopen => {}
         }
         assert_eq!(top.len().unwrap(), model.len() as u64, "step {step}: length");
+        assert_eq!(s.top().getattr("f").unwrap().size, model.len() as u64, "step {step}: length by getattr");
     }
     drop(map);
-    let got = read_all(&top);
+    let (top, bottom) = handles.as_ref().expect("open");
+    let got = read_all(top);
     if got != model {
         let i = got.iter().zip(&model).position(|(a, b)| a != b).unwrap_or(got.len().min(model.len()));
         panic!(
@@ -168,7 +191,7 @@ fn run(spec_tail: &str, ops: Vec<Op>) {
         );
     }
     // What is stored decodes to the model through a fresh stack (no shared cache).
-    let stored = read_all(&bottom);
+    let stored = read_all(bottom);
     let copy = tempfile::tempdir().unwrap();
     std::fs::write(copy.path().join("f"), &stored).unwrap();
     let spec2 = format!("dir:{} | {}", copy.path().display(), spec_tail.replace("KEY", &key.display().to_string()));
