@@ -84,6 +84,23 @@ impl Memfd {
         Ok(())
     }
 
+    /// Read `buf.len()` bytes at `offset` with `pread` (a hole reads as zeros and stays one).
+    pub(crate) fn read_at(&self, mut buf: &mut [u8], mut offset: u64) -> Result<()> {
+        while !buf.is_empty() {
+            match rustix::io::pread(&self.fd, &mut *buf, offset) {
+                // The memfd is sized past every offset a file can have.
+                Ok(0) => return Err(Error::os("pread(memfd)", rustix::io::Errno::IO)),
+                Ok(n) => {
+                    buf = &mut buf[n..];
+                    offset += n as u64;
+                }
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(Error::os("pread(memfd)", e)),
+            }
+        }
+        Ok(())
+    }
+
     /// A user mapping of `len` bytes at `offset`: shared or private (copy-on-write),
     /// writable or not.
     pub(crate) fn map_user(&self, offset: u64, len: usize, sharing: Sharing, access: Access) -> Result<*mut u8> {

@@ -123,3 +123,52 @@ fn writable_window_shows_existing_data_of_non_resident_pages() {
     want[0] = 0;
     assert_same(&store_contents(&*mem), &want, "only the changed byte changed");
 }
+
+/// Small files are copied to and from the cache with `pread`/`pwrite` on the memfd, never
+/// through a window (mapping one, faulting its pages in and unmapping it — a TLB shootdown
+/// on every CPU of the process — would be most of the cost of touching a small file once);
+/// a file larger than a window keeps windows; a `Window` guard maps one for a small file
+/// too, and copies then go through it. The bytes are the same either way.
+#[test]
+fn small_files_are_copied_without_windows() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = Cache::builder().budget(8 << 20).window_size(256 << 10).build().unwrap();
+    let maps = |c: &Cache| c.stats().window_maps;
+    for i in 0..200u64 {
+        let p = dir.path().join(format!("f{i}"));
+        let f = cache.open(Arc::new(ubc::pager::FilePager::create(&p).unwrap()), Access::ReadWrite).unwrap();
+        f.write_at(&pattern(i, 0, 10_000), 0).unwrap();
+        f.set_len(9_000).unwrap();
+        f.sync().unwrap();
+        cache.evict_all().unwrap();
+        let mut b = vec![0u8; 9_000];
+        f.read_exact_at(&mut b, 0).unwrap();
+        assert!(b == pattern(i, 0, 9_000), "f{i} read back");
+    }
+    for i in 0..200u64 {
+        assert!(std::fs::read(dir.path().join(format!("f{i}"))).unwrap() == pattern(i, 0, 9_000), "f{i} stored");
+    }
+    assert_eq!(maps(&cache), 0, "no window for files of one chunk");
+
+    // A window guard maps one; later copies of that chunk use it and see its stores.
+    let f = cache.open(Arc::new(MemPager::new()), Access::ReadWrite).unwrap();
+    f.write_at(&pattern(7, 0, 5000), 0).unwrap();
+    let mut w = f.window_mut(100, 50).unwrap();
+    w.copy_from_slice(&[0xAB; 50]);
+    drop(w);
+    assert_eq!(maps(&cache), 1);
+    let mut b = vec![0u8; 5000];
+    f.read_exact_at(&mut b, 0).unwrap();
+    let mut want = pattern(7, 0, 5000);
+    want[100..150].fill(0xAB);
+    assert!(b == want, "a store through the window and the copies agree");
+
+    // Larger than a window: copies map windows.
+    let before = maps(&cache);
+    let big = cache.open(Arc::new(MemPager::new()), Access::ReadWrite).unwrap();
+    big.write_at(&pattern(9, 0, 600_000), 0).unwrap();
+    let mut b = vec![0u8; 600_000];
+    big.read_exact_at(&mut b, 0).unwrap();
+    assert!(b == pattern(9, 0, 600_000));
+    assert!(maps(&cache) > before, "a file of several chunks is copied through windows");
+}

@@ -117,12 +117,18 @@ impl Object {
             return Ok(());
         }
         let memfd = self.memfd()?;
-        let win = self.res.windows.address(chunk, memfd)?;
         let bytes = (n << self.ps()) as usize;
-        // SAFETY: the window maps the whole chunk; the caller holds these pages BUSY, so no
-        // one else reads or writes these bytes, and the window cannot be retired.
-        let buf =
-            unsafe { std::slice::from_raw_parts_mut(win.add((offset - self.chunk_offset(chunk)) as usize), bytes) };
+        // A small file's pages are filled through a buffer and `pwrite` (see `by_syscall`).
+        let mut bounce = Vec::new();
+        let buf = if self.by_syscall(chunk) {
+            bounce.resize(bytes, 0u8);
+            &mut bounce[..]
+        } else {
+            let win = self.res.windows.address(chunk, memfd)?;
+            // SAFETY: the window maps the whole chunk; the caller holds these pages BUSY, so
+            // no one else reads or writes these bytes, and the window cannot be retired.
+            unsafe { std::slice::from_raw_parts_mut(win.add((offset - self.chunk_offset(chunk)) as usize), bytes) }
+        };
         let sh = self.counters.mine();
         bump(&sh.get_calls, 1);
         match self.call_pager(PagerOp::GetPages, offset, |p| p.get_pages(offset, buf)) {
@@ -130,6 +136,12 @@ impl Object {
                 bump(&sh.read_bytes, bytes as u64);
                 if offset + bytes as u64 > len {
                     buf[(len - offset) as usize..].fill(0);
+                }
+                if !bounce.is_empty()
+                    && let Err(e) = memfd.write_at(&bounce, offset)
+                {
+                    let _ = memfd.punch(offset, bytes as u64);
+                    return Err(e);
                 }
                 Ok(())
             }
@@ -263,23 +275,11 @@ impl Object {
             end = end.min(self.len());
             let to = end.min((page + n) << ps);
             if pos < to {
-                let r = self.memfd().and_then(|m| self.res.windows.address(chunk, m));
-                match r {
-                    Ok(win) => {
-                        // SAFETY: pages page..page+n are pinned (valid, cannot be evicted or
-                        // retired); the window maps the whole chunk.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                win.add((pos - self.chunk_offset(chunk)) as usize),
-                                buf.as_mut_ptr().add((pos - offset) as usize),
-                                (to - pos) as usize,
-                            );
-                        }
-                    }
-                    Err(e) => {
-                        self.unpin_run(chunk, page, n);
-                        return Err(e);
-                    }
+                // Pages page..page+n are pinned: valid, not evicted.
+                let dst = &mut buf[(pos - offset) as usize..(to - offset) as usize];
+                if let Err(e) = self.copy_out(chunk, pos, dst) {
+                    self.unpin_run(chunk, page, n);
+                    return Err(e);
                 }
             }
             self.unpin_run(chunk, page, n);

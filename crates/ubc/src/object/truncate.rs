@@ -74,15 +74,11 @@ impl Object {
                 } else {
                     self.res.dirty.hold(1); // a found store dirtied it meanwhile
                 }
-                let r = self.memfd().and_then(|m| self.res.windows.address(chunk, m));
-                if let Ok(win) = r {
-                    let from = (new_len - self.chunk_offset(chunk)) as usize;
-                    let to = (((page + 1) << ps) - self.chunk_offset(chunk)) as usize;
-                    // SAFETY: page held WRITING; window maps the chunk.
-                    unsafe { std::ptr::write_bytes(win.add(from), 0, to - from) };
-                }
+                // Page held WRITING.
+                let zeros = vec![0u8; (((page + 1) << ps) - new_len) as usize];
+                let r = self.copy_in(chunk, new_len, &zeros);
                 self.release_written(Held::Writing(st));
-                r.map(|_| ())
+                r
             }
             // Evicted meanwhile: nothing cached to zero.
             WriteLock::Empty => {

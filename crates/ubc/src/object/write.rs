@@ -180,17 +180,8 @@ impl Object {
                 // size, so below any RLIMIT_FSIZE.
                 self.memfd().and_then(|m| m.write_at(src, pos))
             } else {
-                self.memfd().and_then(|m| self.res.windows.address(chunk, m)).map(|win| {
-                    // SAFETY: we hold the page (WRITING or BUSY): no other writer, no
-                    // eviction, no window retirement; the window maps the whole chunk.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            src.as_ptr(),
-                            win.add((pos - self.chunk_offset(chunk)) as usize),
-                            src.len(),
-                        );
-                    }
-                })
+                // We hold the page (WRITING or BUSY): no other writer, no eviction.
+                self.copy_in(chunk, pos, src)
             };
             match copied {
                 Ok(()) => {}

@@ -172,10 +172,19 @@ impl Object {
         let r = if bytes == 0 {
             Ok(())
         } else {
-            self.memfd().and_then(|m| self.res.windows.address(chunk, m)).and_then(|win| {
-                // SAFETY: pages held WRITEBACK (stable: no writer, no eviction, no retirement).
-                let data =
-                    unsafe { std::slice::from_raw_parts(win.add((offset - self.chunk_offset(chunk)) as usize), bytes) };
+            // A small file's pages go through a buffer and `pread` (see `by_syscall`).
+            let mut bounce = Vec::new();
+            let data = if self.by_syscall(chunk) {
+                bounce.resize(bytes, 0u8);
+                self.memfd().and_then(|m| m.read_at(&mut bounce, offset)).map(|()| &bounce[..])
+            } else {
+                self.memfd().and_then(|m| self.res.windows.address(chunk, m)).map(|win| {
+                    // SAFETY: pages held WRITEBACK (stable: no writer, no eviction, no
+                    // retirement).
+                    unsafe { std::slice::from_raw_parts(win.add((offset - self.chunk_offset(chunk)) as usize), bytes) }
+                })
+            };
+            data.and_then(|data| {
                 bump(&sh.put_calls, 1);
                 self.call_pager(PagerOp::PutPages, offset, |p| {
                     p.put_pages(offset, data).inspect_err(|e| self.wb_errors.retained(PagerOp::PutPages, e))
