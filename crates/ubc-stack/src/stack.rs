@@ -151,7 +151,8 @@ struct Inner {
     counters: Arc<Counters>,
     coherence: Coherence,
     /// Per layer: path → the opened file (see [`Named`]).
-    names: Vec<Mutex<HashMap<String, Named>>>,
+    /// Ordered, so that the names under a directory are one range (`invalidate_names`).
+    names: Vec<Mutex<BTreeMap<String, Named>>>,
     name_hits: AtomicU64,
     name_invalidations: AtomicU64,
     /// `getattr`s answered from [`Groups::known`].
@@ -344,7 +345,7 @@ impl Stack {
                 )));
             }
         }
-        let names = layers.iter().map(|_| Mutex::new(HashMap::new())).collect();
+        let names = layers.iter().map(|_| Mutex::new(BTreeMap::new())).collect();
         let idle_files = AtomicUsize::new(default_idle_files(&layers));
         Ok(Stack {
             inner: Arc::new(Inner {
@@ -424,6 +425,12 @@ impl Stack {
     /// remembered). For diagnostics and tests (see `LayerRef::getattr`).
     pub fn known_length_stats(&self) -> (u64, usize) {
         (self.inner.known_hits.load(Relaxed), self.inner.groups.lock().known.len())
+    }
+
+    /// Names cached, summed over the layers: those of files open or idle in the pool
+    /// (see `Named`). For diagnostics and tests.
+    pub fn cached_names(&self) -> usize {
+        self.inner.names.iter().map(|m| m.lock().len()).sum()
     }
 
     /// Write every dirty page of every file down through the stack and sync the stores.
@@ -654,6 +661,17 @@ impl Inner {
         // Closed before the key is free again, so that no pager of it (whose drop may still
         // write) outlives the start of a new group of the file.
         drop(group);
+        // Its names no longer lead to an open group: forgotten, so the name caches hold the
+        // files open or idle, not every file ever opened. (Layers name a file alike: no
+        // layer renames paths.)
+        if let Some((_, path)) = &origin {
+            for m in &self.names {
+                let mut m = m.lock();
+                if m.get(path).is_some_and(|(k, _)| *k == key) {
+                    m.remove(path);
+                }
+            }
+        }
         let mut g = self.groups.lock();
         if let Some(k) = known {
             g.remember(key.clone(), k);
@@ -798,11 +816,25 @@ impl Inner {
         }));
     }
 
+    /// Forget `path` and every name under it (a directory's) in every layer's name cache.
+    /// The names under `path` are the keys from `path/` on that start with it: one range,
+    /// so a file's create or removal costs a lookup per layer, not a scan of every name
+    /// cached (a scan made `create` and `unlink` grow with the number of files opened —
+    /// 140 µs each at 2,000 files, 240 µs at 10,000 through `dir | aead | zstd`).
     fn invalidate_names(&self, path: &str) {
         self.name_invalidations.fetch_add(1, Relaxed);
         let prefix = format!("{path}/");
         for m in &self.names {
-            m.lock().retain(|p, _| p != path && !p.starts_with(&prefix));
+            let mut m = m.lock();
+            m.remove(path);
+            let under: Vec<String> = m
+                .range::<str, _>((std::ops::Bound::Included(prefix.as_str()), std::ops::Bound::Unbounded))
+                .take_while(|(p, _)| p.starts_with(&prefix))
+                .map(|(p, _)| p.clone())
+                .collect();
+            for p in under {
+                m.remove(&p);
+            }
         }
     }
 

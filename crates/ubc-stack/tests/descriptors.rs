@@ -70,6 +70,10 @@ fn many_files_stay_bounded(stack: &Stack, n: usize) {
     let (used, idle, detached) = stack.open_files();
     assert_eq!((used, detached), (0, 0));
     assert!(idle <= POOL, "{idle} idle files, pool {POOL}");
+    // The name caches hold the names of open and idle files only (one per layer each, and
+    // the warm-up file's), not of every file ever opened.
+    let names = stack.cached_names();
+    assert!(names <= (POOL + 1) * stack.depth(), "{names} names cached for {idle} idle files of {n}");
     stack.sync_all().unwrap();
 }
 

@@ -874,3 +874,38 @@ fn a_released_files_length_is_known_without_opening_it_and_never_stale() {
     let (hits2, _) = s.known_length_stats();
     assert!(hits2 > hits1, "later getattrs were answered from the released groups too");
 }
+
+/// Renaming a directory forgets the cached names under it — and only those: the name
+/// caches are ordered, and a directory's names are one range of them.
+#[test]
+fn renaming_a_directory_forgets_the_names_under_it() {
+    let fx = fixture();
+    let s = full_stack(&fx, cache());
+    let top = s.top();
+    top.mkdir("d").unwrap();
+    for (name, n) in [("d/x", 100), ("d/y", 200), ("dz", 300), ("d.txt", 400)] {
+        let f = top.create(name).unwrap();
+        f.write_at(&pattern(n as u8, n), 0).unwrap();
+        f.sync().unwrap();
+    }
+    for (name, n) in [("d/x", 100), ("d/y", 200), ("dz", 300), ("d.txt", 400)] {
+        assert_eq!(top.getattr(name).unwrap().size, n, "{name}");
+    }
+    let (hits0, _) = s.name_cache_stats();
+    let names0 = s.cached_names();
+    top.rename("d", "e").unwrap();
+    assert_eq!(names0 - s.cached_names(), 2 * s.depth(), "d/x and d/y forgotten in every layer, nothing else");
+    top.mkdir("d").unwrap();
+    let f = top.create("d/x").unwrap();
+    f.write_at(b"fresh", 0).unwrap();
+    f.sync().unwrap();
+    drop(f);
+    assert_eq!(top.getattr("d/x").unwrap().size, 5, "the new d/x, not the renamed one");
+    assert!(top.getattr("d/y").is_err(), "d/y moved with its directory");
+    assert_eq!(top.getattr("e/x").unwrap().size, 100);
+    assert_eq!(top.getattr("e/y").unwrap().size, 200);
+    let (hits1, _) = s.name_cache_stats();
+    assert_eq!(top.getattr("dz").unwrap().size, 300);
+    assert_eq!(top.getattr("d.txt").unwrap().size, 400);
+    assert!(s.name_cache_stats().0 >= hits1 + 2, "names beside the directory stay cached ({hits0} {hits1})");
+}
