@@ -340,18 +340,24 @@ impl Object {
         PageKey { object: self.id, index: page }
     }
 
-    /// Whether copies to and from `chunk`'s pages go by `pread`/`pwrite` on the memfd
-    /// rather than through a window: while the chunk has no window and the whole file fits
-    /// in one chunk. A window costs an `mmap`, a page fault per page touched and, when it is
-    /// retired or its object freed, an `munmap` whose TLB shootdown interrupts every CPU
-    /// running the process — for a small file, read or written a few times, most of the
-    /// work: opening thousands of 4 KiB files through a `dir | aead | zstd` mount spent 16 %
-    /// of the daemon's time in those interrupts (`perf`: `smp_call_function_many_cond`),
-    /// three windows per file. A larger file keeps windows (its copies repeat over the same
-    /// mapping), and so does a chunk mapped already (a `Window` guard made one). Both ways
-    /// reach the same memfd pages, so the choice is the copier's own business.
+    /// Whether a copy to or from `chunk`'s pages goes by `pread`/`pwrite` on the memfd
+    /// rather than through a window: while the chunk has no window, the whole file fits in
+    /// one chunk, and the chunk has been copied fewer than [`COLD_COPIES`] times so. A
+    /// window costs an `mmap`, a page fault per page touched and, when it is retired or its
+    /// object freed, an `munmap` whose TLB shootdown interrupts every CPU running the
+    /// process — for a small file touched a few times, most of the work: opening thousands
+    /// of 4 KiB files through a `dir | aead | zstd` mount spent 16 % of the daemon's time
+    /// in those interrupts (`perf`: `smp_call_function_many_cond`), three windows per file.
+    /// A file copied more often than that (1-byte `read_at`s: a system call each would be
+    /// 25× slower than a copy through a window, `tlpi_copy_1b`) gets its window; so does a
+    /// larger file (its copies repeat over the same mapping), and a chunk mapped already
+    /// (a `Window` guard made one) is used. Both ways reach the same memfd pages, so the
+    /// choice is the copier's own business.
     fn by_syscall(&self, chunk: &Chunk) -> bool {
-        chunk.window.load(SeqCst) <= WIN_RETIRING && self.len() <= 1 << (self.res.geo.chunk_shift + self.ps())
+        chunk.window.load(SeqCst) <= WIN_RETIRING
+            && self.len() <= 1 << (self.res.geo.chunk_shift + self.ps())
+            && chunk.cold_copies.load(Relaxed) < COLD_COPIES
+            && chunk.cold_copies.fetch_add(1, Relaxed) < COLD_COPIES
     }
 
     /// Copy the cached bytes at `pos..pos + dst.len()` (within `chunk`) into `dst`.
@@ -389,6 +395,11 @@ impl Object {
         Ok(())
     }
 }
+
+/// Copies of a small file's chunk made by system call before it gets a window (see
+/// `Object::by_syscall`): the mount's life of a small file — written, written back, read
+/// in, read — is a handful per domain.
+const COLD_COPIES: u32 = 16;
 
 impl Drop for Object {
     fn drop(&mut self) {

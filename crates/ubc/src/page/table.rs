@@ -34,6 +34,9 @@ pub(crate) struct Chunk {
     pub(crate) window_slot: AtomicU32,
     /// Window used since the window clock last looked.
     pub(crate) window_ref: AtomicBool,
+    /// Copies made without a window (`Object::by_syscall`): past a few, the chunk is hot
+    /// and gets one.
+    pub(crate) cold_copies: AtomicU32,
 }
 
 impl Chunk {
@@ -44,6 +47,7 @@ impl Chunk {
             window: AtomicUsize::new(WIN_NONE),
             window_slot: AtomicU32::new(0),
             window_ref: AtomicBool::new(false),
+            cold_copies: AtomicU32::new(0),
         }
     }
 }
