@@ -113,7 +113,7 @@ const MAX_KNOWN: usize = 1 << 16;
 /// group is released, after its upper domains were flushed down (so the lengths are those
 /// any later open reads from the stored bytes), under the same lock that lets the next
 /// group of the file be taken. Changes behind the stack's back (another process writing
-/// or replacing the stored file) are caught by the stored file's attributes: `stamp` is
+/// or replacing the stored file, or a writer through [`LayerRef::open_host`]) are caught by the stored file's attributes: `stamp` is
 /// its size, mtime and ctime at the release, and any difference drops the entry — also
 /// the cache's own later write-back of data flushed into the stored file's object but not
 /// yet to the store (then the next `getattr` just opens the file). What it cannot see is a
@@ -141,6 +141,9 @@ impl Groups {
 struct Inner {
     cache: ubc::Cache,
     layers: Vec<Arc<dyn Layer>>,
+    /// The bottom layer is a host directory: a file's attributes at any layer name its
+    /// stored file, (dev, ino), the key of its group (see `host_identity`).
+    host_files: bool,
     /// Lock order: taken with no other lock of the stack, the cache or a group held, and
     /// nothing is waited for under it but `released` (which gives it up while waiting).
     groups: Mutex<Groups>,
@@ -350,6 +353,7 @@ impl Stack {
         Ok(Stack {
             inner: Arc::new(Inner {
                 cache,
+                host_files: layers[0].spec().starts_with("dir:"),
                 layers,
                 groups: Mutex::new(Groups::default()),
                 released: Condvar::new(),
@@ -685,10 +689,7 @@ impl Inner {
     /// directory's stack) in domain `domain`, and its group's modification time, if a
     /// released group of it said and the stored file has not changed since (see `Known`).
     fn known_length(&self, a: &Attr, domain: usize) -> Option<(u64, Option<std::time::SystemTime>)> {
-        if !self.layers[0].spec().starts_with("dir:") {
-            return None;
-        }
-        let key = GroupKey::Data(ubc::Identity::HostFile { dev: a.dev, ino: a.ino });
+        let key = GroupKey::Data(self.host_identity(a)?);
         let mut g = self.groups.lock();
         let k = g.known.get_mut(&key)?;
         if k.stamp != (a.size, a.mtime, a.ctime) {
@@ -852,13 +853,18 @@ impl Inner {
         if a.kind != Kind::File || a.nlink > 1 {
             return None;
         }
-        if self.layers[0].spec().starts_with("dir:") {
-            let id = ubc::Identity::HostFile { dev: a.dev, ino: a.ino };
+        if let Some(id) = self.host_identity(&a) {
             return Some((self.take(GroupKey::Data(id.clone()), None), Some(id)));
         }
         let node = self.open_node(level, path, false).ok()?;
         let id = node.file.identity();
         Some((node.group, id))
+    }
+
+    /// The identity of the stored file `a` (attributes at any layer) describes, when the
+    /// stack's files are host files: the key of its group, found without opening it.
+    fn host_identity(&self, a: &Attr) -> Option<ubc::Identity> {
+        self.host_files.then_some(ubc::Identity::HostFile { dev: a.dev, ino: a.ino })
     }
 }
 
@@ -1014,14 +1020,6 @@ impl LayerRef {
         let f = r?;
         if flags & libc::O_CREAT != 0 {
             self.inner().invalidate_names(&p);
-        }
-        // Written behind the cache from now on: what a released group knew of its length
-        // is not to be trusted (nothing general lies above a passed-through file, but the
-        // caller's promise is not checked).
-        if let Ok(m) = f.metadata() {
-            use std::os::unix::fs::MetadataExt;
-            let id = ubc::Identity::HostFile { dev: m.dev(), ino: m.ino() };
-            self.inner().groups.lock().known.remove(&GroupKey::Data(id));
         }
         Ok(Some(f))
     }

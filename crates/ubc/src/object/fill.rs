@@ -124,10 +124,10 @@ impl Object {
             bounce.resize(bytes, 0u8);
             &mut bounce[..]
         } else {
-            let win = self.res.windows.address(chunk, memfd)?;
-            // SAFETY: the window maps the whole chunk; the caller holds these pages BUSY, so
-            // no one else reads or writes these bytes, and the window cannot be retired.
-            unsafe { std::slice::from_raw_parts_mut(win.add((offset - self.chunk_offset(chunk)) as usize), bytes) }
+            let at = self.window_at(chunk, memfd, offset)?;
+            // SAFETY: the caller holds these pages BUSY, so no one else reads or writes these
+            // bytes, and the window cannot be retired.
+            unsafe { std::slice::from_raw_parts_mut(at, bytes) }
         };
         let sh = self.counters.mine();
         bump(&sh.get_calls, 1);

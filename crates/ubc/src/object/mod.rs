@@ -360,6 +360,14 @@ impl Object {
             && chunk.cold_copies.fetch_add(1, Relaxed) < COLD_COPIES
     }
 
+    /// The address of file byte `pos` in `chunk`'s window, mapping one if needed.
+    /// => caller holds a page of `chunk` and touches only pages it holds (see `window.rs`).
+    fn window_at(&self, chunk: &Chunk, memfd: &Memfd, pos: u64) -> Result<*mut u8> {
+        let win = self.res.windows.address(chunk, memfd)?;
+        // SAFETY: the window maps the whole chunk, and `pos` lies in it.
+        Ok(unsafe { win.add((pos - self.chunk_offset(chunk)) as usize) })
+    }
+
     /// Copy the cached bytes at `pos..pos + dst.len()` (within `chunk`) into `dst`.
     /// => caller holds the pages (pinned, BUSY, WRITING or WRITEBACK).
     fn copy_out(&self, chunk: &Chunk, pos: u64, dst: &mut [u8]) -> Result<()> {
@@ -367,16 +375,9 @@ impl Object {
         if self.by_syscall(chunk) {
             return m.read_at(dst, pos);
         }
-        let win = self.res.windows.address(chunk, m)?;
-        // SAFETY: the caller holds the pages (valid, not evicted, the window not retired);
-        // the window maps the whole chunk.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                win.add((pos - self.chunk_offset(chunk)) as usize),
-                dst.as_mut_ptr(),
-                dst.len(),
-            )
-        };
+        let at = self.window_at(chunk, m, pos)?;
+        // SAFETY: the caller holds the pages (valid, not evicted, the window not retired).
+        unsafe { std::ptr::copy_nonoverlapping(at, dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
 
@@ -387,11 +388,9 @@ impl Object {
         if self.by_syscall(chunk) {
             return m.write_at(src, pos);
         }
-        let win = self.res.windows.address(chunk, m)?;
+        let at = self.window_at(chunk, m, pos)?;
         // SAFETY: as in `copy_out`, and no one else writes these bytes.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), win.add((pos - self.chunk_offset(chunk)) as usize), src.len())
-        };
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), at, src.len()) };
         Ok(())
     }
 }

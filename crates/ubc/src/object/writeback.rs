@@ -178,10 +178,10 @@ impl Object {
                 bounce.resize(bytes, 0u8);
                 self.memfd().and_then(|m| m.read_at(&mut bounce, offset)).map(|()| &bounce[..])
             } else {
-                self.memfd().and_then(|m| self.res.windows.address(chunk, m)).map(|win| {
+                self.memfd().and_then(|m| self.window_at(chunk, m, offset)).map(|at| {
                     // SAFETY: pages held WRITEBACK (stable: no writer, no eviction, no
                     // retirement).
-                    unsafe { std::slice::from_raw_parts(win.add((offset - self.chunk_offset(chunk)) as usize), bytes) }
+                    unsafe { std::slice::from_raw_parts(at, bytes) }
                 })
             };
             data.and_then(|data| {
