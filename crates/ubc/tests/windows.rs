@@ -86,19 +86,24 @@ fn pinned_pages_survive_pressure() {
 #[test]
 fn windows_are_bounded_and_recycled() {
     // Many more chunks than windows: mappings are retired and remade, contents stay right.
-    let cache = Cache::builder().budget(8 << 20).window_size(64 << 10).max_windows(8).build().unwrap();
+    // No read-ahead and nothing left to write back while reading: read-ahead jobs and
+    // write-back batches hold the pages of many chunks at once (up to `readahead_max` and
+    // `max_put`, 32 and 16 chunks of 64 KiB here), each chunk needing its window, which
+    // pushed the table past a bound of 16 now and then (2 to 3 runs in 30 failed at 17).
+    let cache = Cache::builder().budget(8 << 20).window_size(64 << 10).max_windows(8).readahead(0, 0).build().unwrap();
     let f = cache.open(Arc::new(MemPager::new()), Access::ReadWrite).unwrap();
     let data = pattern(8, 0, 4 << 20); // 64 chunks
     f.write_at(&data, 0).unwrap();
+    f.sync().unwrap();
     let mut back = vec![0u8; data.len()];
     for _ in 0..3 {
         f.read_at(&mut back, 0).unwrap();
         assert_same(&back, &data, "read through recycled windows");
     }
-    // A soft bound: exceeded only while more chunks than that are held at once (the reader's
-    // and the read-ahead I/O threads'), and pulled back by the next mappings.
+    // A soft bound: exceeded only while more chunks than that are held at once (one reader
+    // holds one chunk at a time), and pulled back by the next mappings.
     let st = cache.stats();
-    assert!(st.windows <= 16, "live windows {} far above max 8", st.windows);
+    assert!(st.windows <= 9, "live windows {} above max 8", st.windows);
     assert!(st.window_retires > 100, "windows recycled: {}", st.window_retires);
     // Quiet now: a few single-page reads of unmapped chunks bring it back under the bound.
     let mut b = [0u8; 1];
