@@ -600,8 +600,10 @@ impl CompressPager {
         r
     }
 
-    /// Write the index snapshot and a superblock for the next generation. => `sync_lock` held.
-    fn commit(&self) -> io::Result<()> {
+    /// Write the index snapshot and a superblock for the next generation. Returns whether it
+    /// did: then its last `lower.sync()` came after every write to the lower file made
+    /// before the call, so the caller's `sync` needs no other. => `sync_lock` held.
+    fn commit(&self) -> io::Result<bool> {
         // Snapshot under the lock; protect what it references from reuse until we know.
         let (bytes, sb) = {
             let mut st = self.state.lock();
@@ -610,7 +612,7 @@ impl CompressPager {
             // created and closed unwritten stores nothing (and its ctime stays put, as on
             // any file system where a close changes nothing).
             if !st.dirty && st.uncertain.is_empty() {
-                return Ok(());
+                return Ok(false);
             }
             let generation = st.generation + 1;
             let bytes = encode_index(generation, st.index.iter().map(|(c, e)| (*c, &e.ext)));
@@ -674,7 +676,7 @@ impl CompressPager {
             // Only space is at stake: a failure here is not a failed commit.
             let _ = self.lower.set_len(keep);
         }
-        Ok(())
+        Ok(true)
     }
 }
 
@@ -898,13 +900,17 @@ impl Pager for CompressPager {
 
     fn sync(&self) -> io::Result<()> {
         let _s = self.sync_lock.lock();
+        let mut synced = false;
         if self.writable {
-            self.commit()?;
+            synced = self.commit()?;
             if self.compact() {
-                self.commit()?;
+                synced = self.commit()?;
             }
         }
-        self.lower.sync().map_err(ubc_err)
+        // A commit ends with `lower.sync()`; a third one (each a device wait through every
+        // layer below: an `fdatasync` of the host file) would make nothing more durable.
+        // The tail truncation after it is space only, as above.
+        if synced { Ok(()) } else { self.lower.sync().map_err(ubc_err) }
     }
 
     fn identity(&self) -> Option<Identity> {
