@@ -33,6 +33,8 @@ mod page;
 pub mod pager;
 mod resources;
 mod stats;
+#[cfg(feature = "testing")]
+pub mod testing;
 mod window;
 
 /// Page replacement policies (the `ubc-evict` crate): what a cache is configured with and

@@ -44,6 +44,8 @@ impl Object {
             return Ok(0);
         }
         let start = if g > 1 { (first & !(g - 1)).max(base) } else { first };
+        #[cfg(feature = "testing")]
+        crate::testing::reached(crate::testing::Point::FillPlanned);
         let mut behind = 0u64;
         while first - behind > start && ahead + behind < max && at(first - behind - 1).is_empty() {
             behind += 1;
