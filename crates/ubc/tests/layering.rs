@@ -31,6 +31,8 @@ const RANKS: &[(&str, u32)] = &[
     ("order", 1),
     ("error", 1),
     ("errseq", 1),
+    // Interleaving points for tests (feature `testing`).
+    ("testing", 1),
     // The ubc-evict crate, re-exported by `lib.rs`.
     ("evict", 0),
 ];

@@ -108,17 +108,26 @@ impl Object {
                 // absent) is written as it is; `sync` and `clean` write everything, and so
                 // do reclaim and a throttled writer (`Pass::Inline`), which must make
                 // progress — the writer may be the one holding the unit's next page.
+                //
+                // The rest of such a unit is skipped in this pass too: resumed at `q`, the
+                // scan would find the unit's later pages published by then (the writer moves
+                // on while we look) and start a run in the middle of the unit — which stored
+                // its second part alone and the first part later (`tests/writeback.rs`,
+                // `the_flusher_writes_whole_units_behind_a_sequential_writer`).
                 let q = p + n;
+                let mut resume = None;
                 if g > 1 && !q.is_multiple_of(g) && q < hi {
                     let next = chunk.pages[(q - base) as usize].snapshot();
                     if next.unclean() || next.held() {
                         let cut = (q / g * g).max(p);
                         self.abort_run(chunk, cut, q - cut);
                         n = cut - p;
+                        let unit_end = (q / g + 1) * g;
                         if n == 0 {
-                            p = q;
+                            p = unit_end;
                             continue;
                         }
+                        resume = Some(unit_end);
                     }
                 }
                 if me.is_some() {
@@ -128,7 +137,7 @@ impl Object {
                 } else if let Err(e) = self.write_run(chunk, p, n) {
                     first_err.get_or_insert(e);
                 }
-                p += n;
+                p = resume.unwrap_or(p + n);
             }
         });
         if let Some((ci, first, n)) = held {
