@@ -29,6 +29,23 @@ mod pdaemon;
 
 /// Largest window size the builder accepts (1 GiB).
 const MAX_WINDOW: usize = 1 << 30;
+/// Threads syncing objects at once in [`Cache::sync_all`] (the caller and helpers).
+const SYNC_WORKERS: usize = 16;
+/// Fewest pagers of one file system that [`Cache::sync_all`] syncs with one `syncfs`.
+const SYNC_FS_MIN: usize = 16;
+
+/// Run `work` on this thread and on up to `SYNC_WORKERS - 1` helpers (fewer for fewer than
+/// that many `items`), until every copy returns. A helper that cannot be started is done
+/// without: `work` shares its items among whoever runs it.
+fn run_workers(items: usize, work: &(dyn Fn() + Sync)) {
+    let helpers = SYNC_WORKERS.min(items).saturating_sub(1);
+    std::thread::scope(|s| {
+        for _ in 0..helpers {
+            let _ = std::thread::Builder::new().name("ubc-sync".into()).spawn_scoped(s, work);
+        }
+        work();
+    });
+}
 
 /// Physical memory plus swap, in bytes (`u64::MAX` if the host does not say).
 fn machine_memory() -> u64 {
@@ -458,18 +475,82 @@ impl CacheCore {
         }
     }
 
-    /// Write back every dirty page of every object; the first error is returned.
+    /// Write back every dirty page of every object and sync its pager; the first error is
+    /// returned.
+    ///
+    /// A small file's sync is two waits for the device — its write, then the pager's
+    /// `fdatasync` (a flush of the device's cache) — and one thread syncing files in turn
+    /// pays both for each (231-241 µs per 4 KiB file here, against 28 µs for `std::fs`
+    /// writes and one `syncfs`). So: objects are written back by up to [`SYNC_WORKERS`]
+    /// threads at once (the device queues their writes), and the pagers of one file
+    /// system that can be synced together ([`Pager::sync_domain`]: host files written with
+    /// direct I/O) get one [`Pager::sync_fs`] (`syncfs(2)`) once all of them are written
+    /// back, when there are at least [`SYNC_FS_MIN`] of them — a `syncfs` also writes
+    /// whatever else is dirty on that file system, which a few files are not worth. Every
+    /// other pager is synced on its own by the worker that wrote it back. If the `syncfs`
+    /// fails, each of its pagers is synced on its own, so that the error reaches the
+    /// handles of the file it belongs to. Workers sync whole objects as a thread calling
+    /// [`crate::File::sync`] does, in no particular order between objects (a layer's object
+    /// and the one below it), as before.
     fn sync_all(&self) -> Result<()> {
         let objects: Vec<Arc<Object>> = self.registry.read().by_id.values().cloned().collect();
-        let mut first = Ok(());
-        for o in objects {
-            if let Err(e) = o.sync()
-                && first.is_ok()
-            {
-                first = Err(e);
+        // Group by file system first: a domain with too few members is synced per object.
+        let mut domains: HashMap<u64, Vec<usize>> = HashMap::new();
+        for (i, o) in objects.iter().enumerate() {
+            if let Some(d) = o.sync_domain() {
+                domains.entry(d).or_default().push(i);
             }
         }
-        first
+        domains.retain(|_, v| v.len() >= SYNC_FS_MIN);
+        let mut grouped = vec![false; objects.len()];
+        for &i in domains.values().flatten() {
+            grouped[i] = true;
+        }
+        let first: Mutex<Option<Error>> = Mutex::new(None);
+        let note = |r: Result<()>| {
+            if let Err(e) = r {
+                first.lock().get_or_insert(e);
+            }
+        };
+        // Objects whose write-back failed: their pager is not synced by the syncfs below
+        // (nothing to make durable that the error did not already report).
+        let failed: Vec<std::sync::atomic::AtomicBool> = objects.iter().map(|_| false.into()).collect();
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let work = || {
+            loop {
+                let i = next.fetch_add(1, Relaxed);
+                let Some(o) = objects.get(i) else { break };
+                if grouped[i] {
+                    if let Err(e) = o.sync_up_to_pager() {
+                        failed[i].store(true, Relaxed);
+                        note(Err(e));
+                    }
+                } else {
+                    note(o.sync());
+                }
+            }
+        };
+        run_workers(objects.len(), &work);
+        let ok = |i: usize| !failed[i].load(Relaxed);
+        for members in domains.values() {
+            let Some(&lead) = members.iter().find(|&&i| ok(i)) else { continue };
+            if objects[lead].pager_sync_fs().is_err() {
+                // Find out whose data it was: each pager's own sync records its error.
+                let next = std::sync::atomic::AtomicUsize::new(0);
+                let each = || {
+                    while let Some(&i) = members.get(next.fetch_add(1, Relaxed)) {
+                        if ok(i) {
+                            note(objects[i].pager_sync());
+                        }
+                    }
+                };
+                run_workers(members.len(), &each);
+            }
+        }
+        match first.into_inner() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// Last handle gone: stop the daemon, write back what we can, drop every object.

@@ -7,6 +7,7 @@ pub mod map;
 pub mod mount;
 pub mod policy;
 pub mod seq;
+pub mod small;
 pub mod stack;
 pub mod table1;
 pub mod tlpi;
@@ -46,6 +47,7 @@ pub fn all() -> Vec<(&'static str, BenchFn)> {
         ("stack_randwrite", stack::run_randwrite as BenchFn),
         ("mach61", mach61::run as BenchFn),
         ("ws", ws::run as BenchFn),
+        ("small", small::run as BenchFn),
         ("mount", mount::run as BenchFn),
     ]
 }

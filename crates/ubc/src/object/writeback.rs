@@ -232,14 +232,45 @@ impl Object {
     /// `sync`: every dirty page reaches the pager, the stored length matches, then the
     /// pager's own sync. On error the pages stay dirty and the error is returned.
     pub(crate) fn sync(&self) -> Result<()> {
+        self.sync_up_to_pager()?;
+        self.pager_sync()
+    }
+
+    /// `sync` without the pager's own sync: every dirty page written back, the stored length
+    /// ours. [`crate::Cache::sync_all`] then syncs many pagers at once (`Pager::sync_fs`).
+    pub(crate) fn sync_up_to_pager(&self) -> Result<()> {
         self.harvest(0, u64::MAX, Harvest::Explicit);
         self.writeback(0, u64::MAX, Pass::Wait)?;
-        self.sync_pager()
+        self.fix_stored_len()
     }
 
     /// The stored length matches ours, then the pager's own sync (the durable half of
     /// `sync`). => dirty pages were written back.
     pub(crate) fn sync_pager(&self) -> Result<()> {
+        self.fix_stored_len()?;
+        self.pager_sync()
+    }
+
+    /// The pager's `sync`; a failure is recorded for every handle (`wb_errors`).
+    pub(crate) fn pager_sync(&self) -> Result<()> {
+        self.call_pager(PagerOp::Sync, 0, |p| p.sync().inspect_err(|e| self.wb_errors.lost(PagerOp::Sync, e)))
+    }
+
+    /// The pager's file system (`Pager::sync_domain`), if many of its files can be synced
+    /// at once.
+    pub(crate) fn sync_domain(&self) -> Option<u64> {
+        self.pager().sync_domain()
+    }
+
+    /// `Pager::sync_fs`: everything written back into this pager's file system so far made
+    /// durable. A failure is not recorded for the handles: the caller falls back to each
+    /// object's [`Object::pager_sync`], which finds out whose data it was.
+    pub(crate) fn pager_sync_fs(&self) -> Result<()> {
+        self.call_pager(PagerOp::Sync, 0, |p| p.sync_fs())
+    }
+
+    /// Make the pager's length ours if it differs. => dirty pages were written back.
+    fn fix_stored_len(&self) -> Result<()> {
         let stored = self.call_pager(PagerOp::Len, 0, |p| p.len())?;
         if stored != self.len() && self.pager().is_writable() {
             // Exclusive, and both lengths read again under it: with writers running (they
@@ -257,6 +288,6 @@ impl Object {
                 self.call_pager(PagerOp::SetLen, len, |p| p.set_len(len))?;
             }
         }
-        self.call_pager(PagerOp::Sync, 0, |p| p.sync().inspect_err(|e| self.wb_errors.lost(PagerOp::Sync, e)))
+        Ok(())
     }
 }

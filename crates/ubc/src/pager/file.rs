@@ -411,6 +411,18 @@ impl Pager for FilePager {
         Ok(())
     }
 
+    /// The host file system, while the file is written with direct I/O: its `syncfs` then
+    /// leaves exactly what `sync` does (data on the device, metadata written, the device
+    /// cache flushed). Written buffered, `sync` also drops the kernel's copy of the file
+    /// afterwards, which a `syncfs` would not: synced on its own.
+    fn sync_domain(&self) -> Option<u64> {
+        self.direct_io().map(|_| self.dev)
+    }
+
+    fn sync_fs(&self) -> io::Result<()> {
+        rustix::fs::syncfs(&self.file).map_err(io::Error::from)
+    }
+
     fn identity(&self) -> Option<Identity> {
         Some(Identity::HostFile { dev: self.dev, ino: self.ino })
     }

@@ -85,6 +85,22 @@ pub trait Pager: Send + Sync + 'static {
     /// Make everything stored so far durable (fsync for a host file).
     fn sync(&self) -> io::Result<()>;
 
+    /// The file system whose `syncfs(2)` makes this store durable together with every other
+    /// store answering the same key: [`crate::Cache::sync_all`] then syncs many such stores
+    /// with one [`Pager::sync_fs`] instead of a `sync` each (one flush of the device instead
+    /// of one per file). `None` (the default): `sync` is called on each. A wrapper that
+    /// changes what `sync` does (injects faults, syncs a layer below) answers `None`.
+    fn sync_domain(&self) -> Option<u64> {
+        None
+    }
+
+    /// Make everything stored so far durable in every store of this one's
+    /// [`Pager::sync_domain`] (`syncfs(2)` for a host file system). Only called on a store
+    /// that answers a domain. Default: [`Pager::sync`].
+    fn sync_fs(&self) -> io::Result<()> {
+        self.sync()
+    }
+
     /// Identity of the stored data, if two pagers can reach the same data.
     fn identity(&self) -> Option<Identity> {
         None

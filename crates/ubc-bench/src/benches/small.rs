@@ -1,0 +1,289 @@
+//! Many small files (issue 19, items 3 and 5): what a file and a cached page cost.
+//!
+//! * `small_sync_writes`: create a file, write 4 KiB, sync, close — one file after another,
+//!   µs per file; baseline `std::fs` (`File::create`, `write_all`, `sync_all`).
+//! * `small_sync_batch`: create and write every file, then one sync of all of them
+//!   (`Cache::sync_all`), µs per file; baseline `std::fs` writes and one `syncfs(2)`.
+//! * `open_read_small`: open, read and close each of many 4 KiB files that neither side has
+//!   cached (the kernel's copies dropped first; ubc a fresh cache), µs per file; baseline
+//!   `std::fs::File::open` + `read`.
+//! * `meta_bytes_per_page`: the process's anonymous memory (heap: page states, the
+//!   replacement policy, tables) per cached 4 KiB page after reading a file the budget
+//!   holds, against Linux's `struct page` (64 bytes). File data lives in memfds (shared
+//!   memory), not counted here.
+
+use super::Ctx;
+use crate::report::{Better, Record};
+use crate::util::*;
+use std::io::{Read, Write};
+use std::os::unix::io::AsRawFd;
+use std::path::Path;
+use ubc::{Access, Cache};
+
+pub fn run(ctx: &Ctx) -> Vec<Record> {
+    let n = ctx.scale(10_000, 2_000) as usize;
+    let mut records = vec![sync_each(ctx, n)];
+    records.extend(sync_batch(ctx, n));
+    records.extend([open_read(ctx, n), meta_per_page(ctx)]);
+    for d in ["small_sync", "small_batch", "small_open_read"] {
+        let _ = std::fs::remove_dir_all(ctx.dir.join(format!("{d}-{}", std::process::id())));
+    }
+    records
+}
+
+/// An empty directory `name` in the scratch directory.
+fn fresh_dir(ctx: &Ctx, name: &str) -> std::path::PathBuf {
+    let d = ctx.dir.join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("scratch directory");
+    d
+}
+
+fn syncfs(dir: &Path) {
+    let f = std::fs::File::open(dir).expect("open directory");
+    // SAFETY: a plain syscall on a descriptor we own.
+    assert_eq!(unsafe { libc::syncfs(f.as_raw_fd()) }, 0, "syncfs");
+}
+
+/// Time `std_side` and `ubc_side` (µs per file, `n` files) `runs` times, alternating which
+/// goes first. This host's ext4 (no journal) makes the cost of a create depend on the file
+/// system's recent past: without a journal, ext4 skips free inodes deleted in the last
+/// 60-300 s when it allocates one (`recently_deleted`, reading the inode table block of
+/// each), which made creates 10-30x slower in a block group where many files had just been
+/// removed (perf: `recently_deleted`, `find_inode_bit` on top). So both sides of a run
+/// create their files in the same directory (the same block group: file name prefixes
+/// `s` and `u`), a run of `std_side` warms up first, nothing is removed until the end, and
+/// the directories are new to this process (a benchmark run right after another still
+/// finds the first one's removed inodes: run it after a quiet minute).
+fn alternate(
+    ctx: &Ctx,
+    what: &str,
+    n: usize,
+    std_side: impl Fn(&Path, &str) -> f64,
+    ubc_side: impl Fn(&Path, &str) -> f64,
+) -> Samples {
+    let root = fresh_dir(ctx, what);
+    let dirs: Vec<std::path::PathBuf> = (0..=ctx.runs)
+        .map(|r| {
+            let d = root.join(format!("run{r}"));
+            std::fs::create_dir(&d).expect("scratch directory");
+            d
+        })
+        .collect();
+    std_side(&dirs[ctx.runs], "w");
+    let mut out = Samples::default();
+    let per_file = |secs: f64| secs * 1e6 / n as f64;
+    for (run, d) in dirs[..ctx.runs].iter().enumerate() {
+        for side in if run % 2 == 0 { [0, 1] } else { [1, 0] } {
+            // SAFETY: sync(2) has no preconditions.
+            unsafe { libc::sync() };
+            if side == 0 {
+                let (all, sync) = time(|| std_side(d, "s"));
+                out.std.push(per_file(all));
+                out.std_sync.push(per_file(sync));
+            } else {
+                let (all, sync) = time(|| ubc_side(d, "u"));
+                out.ubc.push(per_file(all));
+                out.ubc_sync.push(per_file(sync));
+            }
+        }
+    }
+    // Removed by `run` at the end, for the reason above.
+    out
+}
+
+/// µs per file of each side, whole and the part its closure reported (the final sync).
+#[derive(Default)]
+struct Samples {
+    ubc: Vec<f64>,
+    std: Vec<f64>,
+    ubc_sync: Vec<f64>,
+    std_sync: Vec<f64>,
+}
+
+fn sync_each(ctx: &Ctx, n: usize) -> Record {
+    let buf = vec![0x5au8; 4096];
+    let s = alternate(
+        ctx,
+        "small_sync",
+        n,
+        |d, p| {
+            for i in 0..n {
+                let mut f = std::fs::File::create(d.join(format!("{p}{i}"))).expect("create");
+                f.write_all(&buf).expect("write");
+                f.sync_all().expect("fsync");
+            }
+            0.0
+        },
+        |d, p| {
+            let cache = Cache::builder().budget(256 << 20).build().expect("cache");
+            for i in 0..n {
+                let f = cache.create_path(d.join(format!("{p}{i}"))).expect("create");
+                f.write_at(&buf, 0).expect("write");
+                f.sync().expect("sync");
+                f.close().expect("close");
+            }
+            0.0
+        },
+    );
+    Record::from_samples(
+        "small_sync_writes",
+        "us/file",
+        Better::Lower,
+        &s.ubc,
+        &s.std,
+        "std::fs create, write_all, sync_all",
+        &format!("{n} new files of 4 KiB, each created, written, synced and closed in turn; target >= 0.9x"),
+    )
+}
+
+fn sync_batch(ctx: &Ctx, n: usize) -> Vec<Record> {
+    let buf = vec![0xa5u8; 4096];
+    let s = alternate(
+        ctx,
+        "small_batch",
+        n,
+        |d, p| {
+            for i in 0..n {
+                let mut f = std::fs::File::create(d.join(format!("{p}{i}"))).expect("create");
+                f.write_all(&buf).expect("write");
+            }
+            time(|| syncfs(d)).0
+        },
+        |d, p| {
+            let cache = Cache::builder().budget(256 << 20).build().expect("cache");
+            for i in 0..n {
+                let f = cache.create_path(d.join(format!("{p}{i}"))).expect("create");
+                f.write_at(&buf, 0).expect("write");
+            }
+            time(|| cache.sync_all().expect("sync_all")).0
+        },
+    );
+    vec![
+        Record::from_samples(
+            "small_sync_batch",
+            "us/file",
+            Better::Lower,
+            &s.ubc,
+            &s.std,
+            "std::fs writes, then syncfs",
+            &format!(
+                "{n} new files of 4 KiB created and written (closed), then one sync of all (Cache::sync_all); \
+                 target >= 1.0x"
+            ),
+        ),
+        Record::from_samples(
+            "small_sync_batch_sync",
+            "us/file",
+            Better::Lower,
+            &s.ubc_sync,
+            &s.std_sync,
+            "syncfs after std::fs writes",
+            &format!(
+                "the sync alone of small_sync_batch: Cache::sync_all of {n} files written into the cache, \
+                 against syncfs of the same files written with std::fs; the creates above swing with the host \
+                 file system's state"
+            ),
+        ),
+    ]
+}
+
+fn open_read(ctx: &Ctx, n: usize) -> Record {
+    let d = fresh_dir(ctx, "small_open_read");
+    for i in 0..n {
+        let mut f = std::fs::File::create(d.join(format!("f{i}"))).expect("create");
+        f.write_all(&vec![(i % 251) as u8; 4096]).expect("write");
+    }
+    syncfs(&d);
+    let drop_all = || {
+        for i in 0..n {
+            drop_kernel_cache(&d.join(format!("f{i}")));
+        }
+    };
+    let (mut u, mut b) = (vec![], vec![]);
+    let mut buf = vec![0u8; 4096];
+    for _ in 0..ctx.runs {
+        drop_all();
+        let (secs, ()) = time(|| {
+            for i in 0..n {
+                let mut f = std::fs::File::open(d.join(format!("f{i}"))).expect("open");
+                assert_eq!(f.read(&mut buf).expect("read"), 4096);
+            }
+        });
+        b.push(secs * 1e6 / n as f64);
+        drop_all();
+        let cache = Cache::builder().budget(256 << 20).build().expect("cache");
+        let (secs, ()) = time(|| {
+            for i in 0..n {
+                let f = cache.open_path(d.join(format!("f{i}")), Access::ReadOnly).expect("open");
+                assert_eq!(f.read_at(&mut buf, 0).expect("read"), 4096);
+                f.close().expect("close");
+            }
+        });
+        u.push(secs * 1e6 / n as f64);
+    }
+    Record::from_samples(
+        "open_read_small",
+        "us/file",
+        Better::Lower,
+        &u,
+        &b,
+        "std::fs open + read",
+        &format!("{n} files of 4 KiB, the kernel's copies dropped before each side; target >= 0.8x"),
+    )
+}
+
+/// The process's anonymous resident memory (`RssAnon`), bytes.
+fn rss_anon() -> u64 {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    s.lines()
+        .find_map(|l| l.strip_prefix("RssAnon:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .unwrap_or(0)
+        * 1024
+}
+
+fn meta_per_page(ctx: &Ctx) -> Record {
+    let len = ctx.scale(1 << 30, 256 << 20);
+    let path = ctx.dir.join("meta.dat");
+    make_file(&path, len).expect("make file");
+    let mut u = vec![];
+    let mut buf = vec![0u8; 1 << 20];
+    let mut after_drop = 0i64;
+    for _ in 0..ctx.runs {
+        // Heap left free by what ran before would be reused and hide the growth: give it
+        // back first. (Not after the drop below: whether the cache returns its memory by
+        // itself is what that number shows.)
+        // SAFETY: glibc's malloc_trim has no preconditions.
+        unsafe { libc::malloc_trim(0) };
+        let before = rss_anon();
+        let cache = Cache::builder().budget(len + (64 << 20)).build().expect("cache");
+        let f = cache.open_path(&path, Access::ReadOnly).expect("open");
+        let mut off = 0;
+        while off < len {
+            f.read_exact_at(&mut buf, off).expect("read");
+            off += buf.len() as u64;
+        }
+        let pages = f.stats().resident_bytes / 4096;
+        let grown = rss_anon().saturating_sub(before);
+        u.push(grown as f64 / pages.max(1) as f64);
+        drop(f);
+        drop(cache);
+        after_drop = rss_anon() as i64 - before as i64;
+    }
+    let _ = std::fs::remove_file(&path);
+    Record::from_samples(
+        "meta_bytes_per_page",
+        "bytes/page",
+        Better::Lower,
+        &u,
+        &[64.0],
+        "Linux struct page",
+        &format!(
+            "anonymous memory grown per cached 4 KiB page, a {} MiB file read into a budget that holds it \
+             (includes the 1 MiB read buffer); after dropping the cache: {} KiB above the start; target <= 64",
+            len >> 20,
+            after_drop / 1024
+        ),
+    )
+}
