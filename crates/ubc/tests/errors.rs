@@ -424,12 +424,7 @@ fn files_on_one_fs(cache: &Cache, n: usize) -> (Vec<ubc::File>, Vec<Arc<OnShared
     let fs = Arc::new(SharedFs::default());
     let pagers: Vec<Arc<OnSharedFs>> = (0..n)
         .map(|_| {
-            Arc::new(OnSharedFs {
-                mem: MemPager::new(),
-                fs: fs.clone(),
-                syncs: 0.into(),
-                fail_sync: false.into(),
-            })
+            Arc::new(OnSharedFs { mem: MemPager::new(), fs: fs.clone(), syncs: 0.into(), fail_sync: false.into() })
         })
         .collect();
     let files = pagers.iter().map(|p| cache.open(p.clone(), Access::ReadWrite).unwrap()).collect();
