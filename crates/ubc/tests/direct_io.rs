@@ -188,9 +188,25 @@ fn tmpfs_falls_back_to_buffered() {
         return;
     }
     let dir = tempfile::tempdir_in("/dev/shm").unwrap();
-    let p = FilePager::create(dir.path().join("p.bin")).unwrap();
+    let path = dir.path().join("p.bin");
+    let p = FilePager::create(&path).unwrap();
     assert_eq!(p.io_mode(), IoMode::Buffered);
     assert_eq!(p.direct_alignment(), None);
+    // Opened with O_DIRECT at first (the pager tries it by name), which is then cleared on
+    // its descriptor: every descriptor of the file in this process is buffered.
+    let mut seen = 0;
+    for e in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
+        if std::fs::read_link(e.path()).is_ok_and(|l| l == path) {
+            let info =
+                std::fs::read_to_string(format!("/proc/self/fdinfo/{}", e.file_name().to_string_lossy())).unwrap();
+            let flags = info.lines().find_map(|l| l.strip_prefix("flags:")).unwrap().trim();
+            let flags = u32::from_str_radix(flags, 8).unwrap();
+            assert_eq!(flags & libc::O_DIRECT as u32, 0, "O_DIRECT left on a descriptor of a tmpfs file: {info}");
+            seen += 1;
+        }
+    }
+    assert_eq!(seen, 1, "one descriptor for the pager");
+    drop(p);
     let cache = Cache::builder().budget(4 << 20).build().unwrap();
     round_trip(&cache, dir.path(), IoMode::Buffered);
 }

@@ -181,8 +181,8 @@ impl FilePager {
         let dev = libc::makedev(sx.stx_dev_major, sx.stx_dev_minor);
         let align = direct_alignment(&file, Some(&sx));
         if align.is_none() {
-            let fl = rustix::fs::fcntl_getfl(&file)?;
-            rustix::fs::fcntl_setfl(&file, fl - OFlags::DIRECT)?;
+            // Of the flags F_SETFL can change we set only O_DIRECT at open: clear them all.
+            rustix::fs::fcntl_setfl(&file, OFlags::empty())?;
             no_readahead(&file);
         }
         Ok(FilePager {
