@@ -8,10 +8,12 @@
 //! file system allows it ([`IoMode::Direct`]), and otherwise uses buffered I/O and tells the
 //! kernel to drop its copy after each transfer ([`IoMode::Buffered`]).
 //!
-//! * **Opening.** The pager reopens the file through `/proc/self/fd/N` with `O_DIRECT` (or by
-//!   path, for [`FilePager::open`]/[`FilePager::create`] without `/proc`) and, if that
-//!   works, closes the buffered descriptor: a pager holds one descriptor in either mode
-//!   (many cached files must not cost twice the descriptors). `len`, `set_len` and `sync`
+//! * **Opening.** [`FilePager::open`]/[`FilePager::create`] open the file by name with
+//!   `O_DIRECT` at once and clear it again (`F_SETFL`) where direct I/O does not suit the
+//!   file; one `statx` decides (opening and reading a small cold file is mostly system
+//!   calls). [`FilePager::from_file`] reopens the file through `/proc/self/fd/N` with
+//!   `O_DIRECT` and, if that works, closes the buffered descriptor. Either way a pager holds
+//!   one descriptor (many cached files must not cost twice the descriptors). `len`, `set_len` and `sync`
 //!   work on the direct descriptor; unaligned tails use a short-lived buffered one. The
 //!   required alignment comes from `statx(STATX_DIOALIGN)` (Linux 6.1+); when the file
 //!   system does not report it, 4096 bytes (or the file system block size, if larger and at
