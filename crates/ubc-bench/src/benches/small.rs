@@ -45,8 +45,8 @@ fn syncfs(dir: &Path) {
     assert_eq!(unsafe { libc::syncfs(f.as_raw_fd()) }, 0, "syncfs");
 }
 
-/// Time `std_side` and `ubc_side` (µs per file, `n` files) `runs` times, alternating which
-/// goes first. This host's ext4 (no journal) makes the cost of a create depend on the file
+/// Time `std_side` and `ubc_side` (µs per file, `n` files) `2 × runs` times, each side
+/// first in half of them. This host's ext4 (no journal) makes the cost of a create depend on the file
 /// system's recent past: without a journal, ext4 skips free inodes deleted in the last
 /// 60-300 s when it allocates one (`recently_deleted`, reading the inode table block of
 /// each), which made creates 10-30x slower in a block group where many files had just been
@@ -63,18 +63,21 @@ fn alternate(
     ubc_side: impl Fn(&Path, &str) -> f64,
 ) -> Samples {
     let root = fresh_dir(ctx, what);
-    let dirs: Vec<std::path::PathBuf> = (0..=ctx.runs)
+    // Two directories a run: one where `std_side` goes first, one where `ubc_side` does
+    // (the second to create in a directory found the files of the first there, and with
+    // an odd number of runs a plain alternation gave one side more first places).
+    let dirs: Vec<std::path::PathBuf> = (0..=2 * ctx.runs)
         .map(|r| {
-            let d = root.join(format!("run{r}"));
+            let d = root.join(format!("dir{r}"));
             std::fs::create_dir(&d).expect("scratch directory");
             d
         })
         .collect();
-    std_side(&dirs[ctx.runs], "w");
+    std_side(&dirs[2 * ctx.runs], "w");
     let mut out = Samples::default();
     let per_file = |secs: f64| secs * 1e6 / n as f64;
-    for (run, d) in dirs[..ctx.runs].iter().enumerate() {
-        for side in if run % 2 == 0 { [0, 1] } else { [1, 0] } {
+    for (k, d) in dirs[..2 * ctx.runs].iter().enumerate() {
+        for side in if k % 2 == 0 { [0, 1] } else { [1, 0] } {
             // SAFETY: sync(2) has no preconditions.
             unsafe { libc::sync() };
             if side == 0 {
