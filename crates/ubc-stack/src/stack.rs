@@ -50,6 +50,9 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Weak};
 
+/// Threads pushing files down in [`Stack::sync_all`] (the caller and helpers).
+const SYNC_WORKERS: usize = 8;
+
 /// What identifies a file's group: the bottom store's identity (the file token).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 enum GroupKey {
@@ -439,6 +442,15 @@ impl Stack {
 
     /// Write every dirty page of every file down through the stack and sync the stores.
     /// Releases of idle files in progress are waited for first (they flush their files).
+    ///
+    /// Each file's layers are pushed down in order first (top first: a zstd commit must see
+    /// everything written above it), by up to [`SYNC_WORKERS`] threads, files in any order
+    /// among themselves as concurrent closes would be; only files with something above the
+    /// bottom not below yet are pushed (a push through zstd is a commit and a sync of every
+    /// store below — 2,000 files copied into `dir | aead | zstd` paid it for each, written
+    /// or not). Then the cache syncs every object ([`ubc::Cache::sync_all`]). A failure is
+    /// returned after every other file was pushed. (2,000 files of 5,000 bytes written
+    /// through `dir | aead | zstd`: 510–549 ms pushed by one thread, 192–224 ms by eight.)
     pub fn sync_all(&self) -> Result<()> {
         let groups: Vec<Arc<Group>> = {
             let mut g = self.inner.groups.lock();
@@ -448,8 +460,23 @@ impl Stack {
             }
             g.live.values().map(|s| s.group.clone()).collect()
         };
-        for g in groups {
-            g.flush_above(0)?;
+        let first: Mutex<Option<Error>> = Mutex::new(None);
+        let next = AtomicUsize::new(0);
+        let work = || {
+            while let Some(g) = groups.get(next.fetch_add(1, Relaxed)) {
+                if let Err(e) = g.flush_dirty_above(0) {
+                    first.lock().get_or_insert(e);
+                }
+            }
+        };
+        std::thread::scope(|s| {
+            for _ in 1..SYNC_WORKERS.min(groups.len()) {
+                let _ = std::thread::Builder::new().name("ubc-sync".into()).spawn_scoped(s, work);
+            }
+            work();
+        });
+        if let Some(e) = first.into_inner() {
+            return Err(e);
         }
         Ok(self.inner.cache.sync_all()?)
     }
