@@ -512,8 +512,9 @@ impl CacheCore {
                 first.lock().get_or_insert(e);
             }
         };
-        // Objects whose write-back failed: their pager is not synced by the syncfs below
-        // (nothing to make durable that the error did not already report).
+        // Objects whose write-back failed: their error is reported already (as `File::sync`
+        // reports it, without the pager's sync); they do not lead the syncfs below, nor
+        // are they synced again if it fails.
         let failed: Vec<std::sync::atomic::AtomicBool> = objects.iter().map(|_| false.into()).collect();
         let next = std::sync::atomic::AtomicUsize::new(0);
         let work = || {
