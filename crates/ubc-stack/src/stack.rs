@@ -444,7 +444,7 @@ impl Stack {
     /// Releases of idle files in progress are waited for first (they flush their files).
     ///
     /// Each file's layers are pushed down in order first (top first: a zstd commit must see
-    /// everything written above it), by up to [`SYNC_WORKERS`] threads, files in any order
+    /// everything written above it), by up to eight threads, files in any order
     /// among themselves as concurrent closes would be; only files with something above the
     /// bottom not below yet are pushed (a push through zstd is a commit and a sync of every
     /// store below — 2,000 files copied into `dir | aead | zstd` paid it for each, written
