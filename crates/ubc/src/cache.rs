@@ -701,7 +701,10 @@ impl Cache {
         self.core().stats()
     }
 
-    /// Write back every dirty page of every cached file and sync their pagers.
+    /// Write back every dirty page of every cached file and sync their pagers. Files are
+    /// written back by several threads at once, and 16 or more host files of one file
+    /// system are made durable by one `syncfs(2)` of it (which also writes whatever else is
+    /// dirty there) instead of an `fdatasync` each; see [`Pager::sync_domain`].
     pub fn sync_all(&self) -> Result<()> {
         self.core().sync_all()
     }
