@@ -34,13 +34,22 @@ const SYNC_WORKERS: usize = 16;
 /// Fewest pagers of one file system that [`Cache::sync_all`] syncs with one `syncfs`.
 const SYNC_FS_MIN: usize = 16;
 
-/// Run `work` on this thread and on up to `SYNC_WORKERS - 1` helpers (fewer for fewer than
-/// that many `items`), until every copy returns. A helper that cannot be started is done
-/// without: `work` shares its items among whoever runs it.
-fn run_workers(items: usize, work: &(dyn Fn() + Sync)) {
-    let helpers = SYNC_WORKERS.min(items).saturating_sub(1);
+/// Call `f(i)` for every `i` in `0..n`, on this thread and on up to `SYNC_WORKERS - 1`
+/// helpers (fewer for fewer items), each taking the next index until none is left; returns
+/// when every call has. A helper that cannot be started is done without.
+fn run_workers(n: usize, f: &(dyn Fn(usize) + Sync)) {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let work = || {
+        loop {
+            let i = next.fetch_add(1, Relaxed);
+            if i >= n {
+                break;
+            }
+            f(i);
+        }
+    };
     std::thread::scope(|s| {
-        for _ in 0..helpers {
+        for _ in 1..SYNC_WORKERS.min(n) {
             let _ = std::thread::Builder::new().name("ubc-sync".into()).spawn_scoped(s, work);
         }
         work();
@@ -516,36 +525,24 @@ impl CacheCore {
         // reports it, without the pager's sync); they do not lead the syncfs below, nor
         // are they synced again if it fails.
         let failed: Vec<std::sync::atomic::AtomicBool> = objects.iter().map(|_| false.into()).collect();
-        let next = std::sync::atomic::AtomicUsize::new(0);
-        let work = || {
-            loop {
-                let i = next.fetch_add(1, Relaxed);
-                let Some(o) = objects.get(i) else { break };
-                if grouped[i] {
-                    if let Err(e) = o.sync_up_to_pager() {
-                        failed[i].store(true, Relaxed);
-                        note(Err(e));
-                    }
-                } else {
-                    note(o.sync());
-                }
+        run_workers(objects.len(), &|i| {
+            if !grouped[i] {
+                note(objects[i].sync());
+            } else if let Err(e) = objects[i].sync_up_to_pager() {
+                failed[i].store(true, Relaxed);
+                note(Err(e));
             }
-        };
-        run_workers(objects.len(), &work);
+        });
         let ok = |i: usize| !failed[i].load(Relaxed);
         for members in domains.values() {
             let Some(&lead) = members.iter().find(|&&i| ok(i)) else { continue };
             if objects[lead].pager_sync_fs().is_err() {
                 // Find out whose data it was: each pager's own sync records its error.
-                let next = std::sync::atomic::AtomicUsize::new(0);
-                let each = || {
-                    while let Some(&i) = members.get(next.fetch_add(1, Relaxed)) {
-                        if ok(i) {
-                            note(objects[i].pager_sync());
-                        }
+                run_workers(members.len(), &|k| {
+                    if ok(members[k]) {
+                        note(objects[members[k]].pager_sync());
                     }
-                };
-                run_workers(members.len(), &each);
+                });
             }
         }
         match first.into_inner() {

@@ -185,19 +185,8 @@ impl FilePager {
         if align.is_none() {
             // Of the flags F_SETFL can change we set only O_DIRECT at open: clear them all.
             rustix::fs::fcntl_setfl(&file, OFlags::empty())?;
-            no_readahead(&file);
         }
-        Ok(FilePager {
-            direct_on: AtomicBool::new(align.is_some()),
-            align,
-            file,
-            fallback: OnceLock::new(),
-            reopen_path: Some(path.to_path_buf()),
-            path: path.to_path_buf(),
-            access,
-            dev,
-            ino: sx.stx_ino,
-        })
+        Ok(FilePager::with(file, align, path, Some(path.to_path_buf()), access, dev, sx.stx_ino))
     }
 
     /// Wrap an already open host file. `path` is only used in messages. Direct I/O is tried
@@ -217,12 +206,26 @@ impl FilePager {
         // In direct mode the buffered descriptor is closed: one descriptor per pager.
         let (file, align) = match open_direct(&file, reopen_path.as_deref(), access, dev, ino) {
             Some((direct, align)) => (direct, Some(align)),
-            None => {
-                no_readahead(&file);
-                (file, None)
-            }
+            None => (file, None),
         };
-        Ok(FilePager {
+        Ok(FilePager::with(file, align, path, reopen_path, access, dev, ino))
+    }
+
+    /// The pager over `file`, direct with `align` or else buffered (without the kernel's
+    /// read-ahead: ubc reads ahead itself).
+    fn with(
+        file: File,
+        align: Option<Align>,
+        path: &Path,
+        reopen_path: Option<PathBuf>,
+        access: Access,
+        dev: u64,
+        ino: u64,
+    ) -> FilePager {
+        if align.is_none() {
+            no_readahead(&file);
+        }
+        FilePager {
             direct_on: AtomicBool::new(align.is_some()),
             align,
             file,
@@ -232,7 +235,7 @@ impl FilePager {
             access,
             dev,
             ino,
-        })
+        }
     }
 
     /// Use buffered I/O only (dropping pages from the kernel's cache after each transfer),
