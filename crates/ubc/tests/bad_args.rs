@@ -3,13 +3,14 @@
 //! `file_semantics.rs`, next to the behaviour they belong to). Each case runs on a watchdog
 //! thread, so a hang fails it instead of blocking the suite.
 
+#[macro_use]
 mod common;
 use common::*;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::sync::Arc;
 use std::time::Duration;
 use ubc::pager::MemPager;
-use ubc::{Access, Cache, Error, Fill, Pager, Sharing};
+use ubc::{Access, Cache, Error, Pager, Sharing};
 
 /// Largest file length ubc supports: 2^63 - 64 KiB.
 const MAX: u64 = (i64::MAX as u64) & !0xffff;
@@ -43,20 +44,12 @@ fn mem_file(cache: &Cache) -> ubc::File {
 struct ReadOnlyPager(MemPager);
 
 impl Pager for ReadOnlyPager {
-    fn get_pages(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<Fill> {
-        self.0.get_pages(offset, buf)
-    }
+    forward_to!(0: get_pages, len, sync);
     fn put_pages(&self, _: u64, _: &[u8]) -> std::io::Result<()> {
         Err(std::io::ErrorKind::PermissionDenied.into())
     }
-    fn len(&self) -> std::io::Result<u64> {
-        self.0.len()
-    }
     fn set_len(&self, _: u64) -> std::io::Result<()> {
         Err(std::io::ErrorKind::PermissionDenied.into())
-    }
-    fn sync(&self) -> std::io::Result<()> {
-        Ok(())
     }
     fn is_writable(&self) -> bool {
         false

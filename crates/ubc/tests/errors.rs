@@ -1,9 +1,10 @@
 //! Errors reach the caller with their cause; a failed writeback never drops data.
 
+#[macro_use]
 mod common;
 use common::*;
 use std::sync::Arc;
-use ubc::pager::MemPager;
+use ubc::pager::{InjectingPager, MemPager};
 use ubc::{Access, Cache, Error, Pager, PagerOp};
 
 #[test]
@@ -370,61 +371,34 @@ fn read_exact_past_the_end_is_unexpected_eof_not_a_pager_error() {
     assert_eq!(&buf[..3000], &pattern(3, 2000, 3000)[..]);
 }
 
-/// Memory underneath, in a "file system" shared with other instances: `sync_fs` syncs all
-/// of them at once (counted, failing on cue), `sync` just this one (counted, failing on cue).
+/// Memory underneath, in a "file system" shared with other instances: `sync_fs` syncs the
+/// file system (`fs`: counted, failing on cue), `sync` this store alone (`store`: the same).
+/// Both are fault injectors over memory.
 struct OnSharedFs {
-    mem: MemPager,
-    fs: Arc<SharedFs>,
-    syncs: std::sync::atomic::AtomicU32,
-    fail_sync: std::sync::atomic::AtomicBool,
-}
-
-#[derive(Default)]
-struct SharedFs {
-    syncfs_calls: std::sync::atomic::AtomicU32,
-    fail: std::sync::atomic::AtomicBool,
+    mem: Arc<MemPager>,
+    store: InjectingPager,
+    fs: Arc<InjectingPager>,
 }
 
 impl Pager for OnSharedFs {
-    fn get_pages(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<ubc::Fill> {
-        self.mem.get_pages(offset, buf)
-    }
-    fn put_pages(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
-        self.mem.put_pages(offset, data)
-    }
-    fn len(&self) -> std::io::Result<u64> {
-        self.mem.len()
-    }
-    fn set_len(&self, len: u64) -> std::io::Result<()> {
-        self.mem.set_len(len)
-    }
-    fn sync(&self) -> std::io::Result<()> {
-        self.syncs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        if self.fail_sync.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err(std::io::Error::from_raw_os_error(libc::EIO));
-        }
-        Ok(())
-    }
+    forward_to!(store: get_pages, put_pages, len, set_len, sync);
     fn sync_domain(&self) -> Option<u64> {
         Some(7)
     }
     fn sync_fs(&self) -> std::io::Result<()> {
-        self.fs.syncfs_calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        if self.fs.fail.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err(std::io::Error::from_raw_os_error(libc::EIO));
-        }
-        Ok(())
+        self.fs.sync()
     }
     fn describe(&self) -> String {
         "memory on a shared file system".into()
     }
 }
 
-fn files_on_one_fs(cache: &Cache, n: usize) -> (Vec<ubc::File>, Vec<Arc<OnSharedFs>>, Arc<SharedFs>) {
-    let fs = Arc::new(SharedFs::default());
+fn files_on_one_fs(cache: &Cache, n: usize) -> (Vec<ubc::File>, Vec<Arc<OnSharedFs>>, Arc<InjectingPager>) {
+    let fs = Arc::new(InjectingPager::new(Arc::new(MemPager::new())));
     let pagers: Vec<Arc<OnSharedFs>> = (0..n)
         .map(|_| {
-            Arc::new(OnSharedFs { mem: MemPager::new(), fs: fs.clone(), syncs: 0.into(), fail_sync: false.into() })
+            let mem = Arc::new(MemPager::new());
+            Arc::new(OnSharedFs { store: InjectingPager::new(mem.clone()), mem, fs: fs.clone() })
         })
         .collect();
     let files = pagers.iter().map(|p| cache.open(p.clone(), Access::ReadWrite).unwrap()).collect();
@@ -433,17 +407,16 @@ fn files_on_one_fs(cache: &Cache, n: usize) -> (Vec<ubc::File>, Vec<Arc<OnShared
 
 #[test]
 fn sync_all_syncs_a_file_system_once_and_finds_out_whose_data_a_failed_syncfs_was() {
-    use std::sync::atomic::Ordering::SeqCst;
     let cache = small_cache(8 << 20);
     let (files, pagers, fs) = files_on_one_fs(&cache, 40);
     for (i, f) in files.iter().enumerate() {
         f.write_at(&pattern(i as u64, 0, 5000), 0).unwrap();
     }
     cache.sync_all().unwrap();
-    assert_eq!(fs.syncfs_calls.load(SeqCst), 1, "one syncfs for the 40 files of one file system");
-    assert!(pagers.iter().all(|p| p.syncs.load(SeqCst) == 0), "and no sync of each");
+    assert_eq!(fs.counts().syncs, 1, "one syncfs for the 40 files of one file system");
+    assert!(pagers.iter().all(|p| p.store.counts().syncs == 0), "and no sync of each");
     for (i, p) in pagers.iter().enumerate() {
-        assert_same(&store_contents(&p.mem), &pattern(i as u64, 0, 5000), "a store after sync_all");
+        assert_same(&store_contents(&*p.mem), &pattern(i as u64, 0, 5000), "a store after sync_all");
     }
 
     // The syncfs fails, and so does the sync of file 3 alone: sync_all fails, every pager is
@@ -451,13 +424,13 @@ fn sync_all_syncs_a_file_system_once_and_finds_out_whose_data_a_failed_syncfs_wa
     for (i, f) in files.iter().enumerate() {
         f.write_at(&pattern(100 + i as u64, 0, 100), 8192).unwrap();
     }
-    fs.fail.store(true, SeqCst);
-    pagers[3].fail_sync.store(true, SeqCst);
+    fs.fail_syncs(Some(libc::EIO));
+    pagers[3].store.fail_syncs(Some(libc::EIO));
     assert!(cache.sync_all().is_err());
-    assert_eq!(fs.syncfs_calls.load(SeqCst), 2);
-    assert!(pagers.iter().all(|p| p.syncs.load(SeqCst) == 1), "each pager synced on its own after the failed syncfs");
-    fs.fail.store(false, SeqCst);
-    pagers[3].fail_sync.store(false, SeqCst);
+    assert_eq!(fs.counts().syncs, 2);
+    assert!(pagers.iter().all(|p| p.store.counts().syncs == 1), "each pager synced on its own after the failed syncfs");
+    fs.fail_syncs(None);
+    pagers[3].store.fail_syncs(None);
     assert!(is_lost(files[3].sync(), libc::EIO), "file 3's handle is told");
     for (i, f) in files.iter().enumerate().filter(|&(i, _)| i != 3) {
         f.sync().unwrap_or_else(|e| panic!("file {i} was not the one whose sync failed: {e}"));
@@ -466,13 +439,12 @@ fn sync_all_syncs_a_file_system_once_and_finds_out_whose_data_a_failed_syncfs_wa
 
 #[test]
 fn sync_all_syncs_a_few_files_of_a_file_system_each_on_its_own() {
-    use std::sync::atomic::Ordering::SeqCst;
     let cache = small_cache(8 << 20);
     let (files, pagers, fs) = files_on_one_fs(&cache, 5);
     for f in &files {
         f.write_at(b"x", 0).unwrap();
     }
     cache.sync_all().unwrap();
-    assert_eq!(fs.syncfs_calls.load(SeqCst), 0, "a syncfs writes everything dirty on the file system: not for 5 files");
-    assert!(pagers.iter().all(|p| p.syncs.load(SeqCst) == 1));
+    assert_eq!(fs.counts().syncs, 0, "a syncfs writes everything dirty on the file system: not for 5 files");
+    assert!(pagers.iter().all(|p| p.store.counts().syncs == 1));
 }

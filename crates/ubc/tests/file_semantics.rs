@@ -1,6 +1,7 @@
 //! read_at / write_at / set_len / sync / io adapters against their documented semantics,
 //! on real host files and on the memory pager.
 
+#[macro_use]
 mod common;
 use common::*;
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -322,21 +323,7 @@ fn a_punch_racing_a_writeback_never_lets_old_bytes_back_into_the_store() {
 struct NoHoles(MemPager);
 
 impl Pager for NoHoles {
-    fn get_pages(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<ubc::Fill> {
-        self.0.get_pages(offset, buf)
-    }
-    fn put_pages(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
-        self.0.put_pages(offset, data)
-    }
-    fn len(&self) -> std::io::Result<u64> {
-        self.0.len()
-    }
-    fn set_len(&self, len: u64) -> std::io::Result<()> {
-        self.0.set_len(len)
-    }
-    fn sync(&self) -> std::io::Result<()> {
-        Ok(())
-    }
+    forward_to!(0: get_pages, put_pages, len, set_len, sync);
     fn describe(&self) -> String {
         "memory without holes".into()
     }
@@ -373,40 +360,25 @@ fn a_punch_writes_zeros_where_the_store_cannot_punch_and_frees_blocks_where_it_c
 /// Memory underneath, whose `set_len` stops on cue between being entered and truncating
 /// the store: the window in which ubc has published a shorter length and dropped the pages
 /// past it while the store still holds the old bytes.
+#[derive(Default)]
 struct SlowTruncation {
     mem: MemPager,
-    /// Set while a `set_len` is stopped; cleared by the test to let it go on.
-    stopped: std::sync::Mutex<bool>,
-    cv: std::sync::Condvar,
+    /// The next `set_len` stops: it opens `entered`, then waits for `go`.
     stop_next: std::sync::atomic::AtomicBool,
+    entered: Gate,
+    go: Gate,
 }
 
 impl Pager for SlowTruncation {
-    fn get_pages(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<ubc::Fill> {
-        self.mem.get_pages(offset, buf)
-    }
-    fn put_pages(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
-        self.mem.put_pages(offset, data)
-    }
-    fn len(&self) -> std::io::Result<u64> {
-        self.mem.len()
-    }
+    forward_to!(mem: get_pages, put_pages, len, sync);
     fn set_len(&self, len: u64) -> std::io::Result<()> {
         if self.stop_next.swap(false, std::sync::atomic::Ordering::SeqCst) {
-            let mut s = self.stopped.lock().unwrap();
-            *s = true;
-            self.cv.notify_all();
+            self.entered.open();
             // Bounded, so that a cache which (correctly or not) keeps fills out while it
-            // truncates cannot hang the test; the test then sees the read still blocked.
-            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-            while *s && std::time::Instant::now() < deadline {
-                s = self.cv.wait_timeout(s, std::time::Duration::from_millis(50)).unwrap().0;
-            }
+            // truncates cannot hang the test: the reader then finishes after this.
+            self.go.wait_open_for(std::time::Duration::from_secs(10));
         }
         self.mem.set_len(len)
-    }
-    fn sync(&self) -> std::io::Result<()> {
-        Ok(())
     }
     fn describe(&self) -> String {
         "memory with a truncation stopped on cue".into()
@@ -415,23 +387,6 @@ impl Pager for SlowTruncation {
     /// end fills the pages past it too.
     fn fill_granule(&self) -> u64 {
         64 << 10
-    }
-}
-
-/// A one-shot gate between two threads: `wait_open` blocks until `open` was called.
-#[derive(Default)]
-struct Gate(std::sync::Mutex<bool>, std::sync::Condvar);
-
-impl Gate {
-    fn open(&self) {
-        *self.0.lock().unwrap() = true;
-        self.1.notify_all();
-    }
-    fn wait_open(&self) {
-        let mut g = self.0.lock().unwrap();
-        while !*g {
-            g = self.1.wait(g).unwrap();
-        }
     }
 }
 
@@ -450,12 +405,7 @@ fn a_fill_planned_before_a_truncation_caches_no_old_byte_past_the_new_end() {
     const NEW_END: u64 = 4096 + 1904;
     const READER: &str = "racing-reader";
     let cache = Cache::builder().budget(1 << 20).readahead(0, 0).build().unwrap();
-    let pager = Arc::new(SlowTruncation {
-        mem: MemPager::new(),
-        stopped: std::sync::Mutex::new(false),
-        cv: std::sync::Condvar::new(),
-        stop_next: false.into(),
-    });
+    let pager = Arc::new(SlowTruncation::default());
     pager.mem.put_pages(0, &[OLD; 16 * 4096]).unwrap();
     let f = Arc::new(cache.open(pager.clone(), Access::ReadWrite).unwrap());
     assert_eq!(f.stats().resident_bytes, 0, "nothing cached before the race");
@@ -484,17 +434,11 @@ fn a_fill_planned_before_a_truncation_caches_no_old_byte_past_the_new_end() {
     pager.stop_next.store(true, std::sync::atomic::Ordering::SeqCst);
     let g = f.clone();
     let truncation = std::thread::spawn(move || g.set_len(NEW_END));
-    {
-        let mut s = pager.stopped.lock().unwrap();
-        while !*s {
-            s = pager.cv.wait(s).unwrap();
-        }
-    }
+    pager.entered.wait_open();
     assert_eq!(f.len().unwrap(), NEW_END, "the shorter length is published before the store is cut");
     go.open();
     let (n, b) = reader.join().unwrap();
-    *pager.stopped.lock().unwrap() = false;
-    pager.cv.notify_all();
+    pager.go.open();
     truncation.join().unwrap().unwrap();
     assert_eq!(n as u64, NEW_END - 4096, "the read ends at the new end");
     assert!(b[..n].iter().all(|&x| x == OLD), "the bytes before the new end are the old ones");

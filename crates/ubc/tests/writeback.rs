@@ -2,6 +2,7 @@
 //! oldest first, in clusters; writers faster than the store are throttled without ever
 //! letting unclean memory pass its limit; a failing store reaches the writer as an error.
 
+#[macro_use]
 mod common;
 use common::*;
 use parking_lot::Mutex;
@@ -33,21 +34,10 @@ struct Logged {
 }
 
 impl Pager for Logged {
-    fn get_pages(&self, o: u64, b: &mut [u8]) -> std::io::Result<ubc::Fill> {
-        self.inner.get_pages(o, b)
-    }
+    forward_to!(inner: get_pages, len, set_len, sync);
     fn put_pages(&self, o: u64, d: &[u8]) -> std::io::Result<()> {
         self.log.lock().push((self.name, o, d.len()));
         self.inner.put_pages(o, d)
-    }
-    fn len(&self) -> std::io::Result<u64> {
-        self.inner.len()
-    }
-    fn set_len(&self, l: u64) -> std::io::Result<()> {
-        self.inner.set_len(l)
-    }
-    fn sync(&self) -> std::io::Result<()> {
-        Ok(())
     }
     fn fill_granule(&self) -> u64 {
         self.granule
@@ -206,24 +196,13 @@ struct Concurrency {
 }
 
 impl Pager for Concurrency {
-    fn get_pages(&self, o: u64, b: &mut [u8]) -> std::io::Result<ubc::Fill> {
-        self.inner.get_pages(o, b)
-    }
+    forward_to!(inner: get_pages, len, set_len, sync);
     fn put_pages(&self, o: u64, d: &[u8]) -> std::io::Result<()> {
         let n = self.now.fetch_add(1, SeqCst) + 1;
         self.max.fetch_max(n, SeqCst);
         std::thread::sleep(Duration::from_millis(10)); // a slow device: requests overlap
         self.now.fetch_sub(1, SeqCst);
         self.inner.put_pages(o, d)
-    }
-    fn len(&self) -> std::io::Result<u64> {
-        self.inner.len()
-    }
-    fn set_len(&self, l: u64) -> std::io::Result<()> {
-        self.inner.set_len(l)
-    }
-    fn sync(&self) -> std::io::Result<()> {
-        Ok(())
     }
     fn describe(&self) -> String {
         "concurrency".into()
@@ -248,21 +227,10 @@ fn sync_keeps_several_writes_in_flight() {
 struct SlowSetLen(Arc<MemPager>);
 
 impl Pager for SlowSetLen {
-    fn get_pages(&self, o: u64, b: &mut [u8]) -> std::io::Result<ubc::Fill> {
-        self.0.get_pages(o, b)
-    }
-    fn put_pages(&self, o: u64, d: &[u8]) -> std::io::Result<()> {
-        self.0.put_pages(o, d)
-    }
-    fn len(&self) -> std::io::Result<u64> {
-        self.0.len()
-    }
+    forward_to!(0: get_pages, put_pages, len, sync);
     fn set_len(&self, l: u64) -> std::io::Result<()> {
         std::thread::sleep(Duration::from_millis(2));
         self.0.set_len(l)
-    }
-    fn sync(&self) -> std::io::Result<()> {
-        Ok(())
     }
     fn describe(&self) -> String {
         "memory, slow set_len".into()

@@ -5,6 +5,49 @@ use std::sync::Arc;
 use ubc::pager::{InjectingPager, MemPager};
 use ubc::{Access, Cache, File};
 
+/// `Pager` methods a test pager passes straight on to the store in its field `$f`, by
+/// name (`get_pages`, `put_pages`, `len`, `set_len`, `sync`):
+/// `impl Pager for P { forward_to!(inner: get_pages, len); fn put_pages(…) { … } … }`.
+/// Test files that use it declare `#[macro_use] mod common;`.
+macro_rules! forward_to {
+    ($f:tt: $($m:ident),+ $(,)?) => { $( forward_to!(@one $f $m); )+ };
+    (@one $f:tt get_pages) => {
+        fn get_pages(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<ubc::Fill> {
+            #[allow(unused_imports)]
+            use ubc::Pager as _;
+            self.$f.get_pages(offset, buf)
+        }
+    };
+    (@one $f:tt put_pages) => {
+        fn put_pages(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+            #[allow(unused_imports)]
+            use ubc::Pager as _;
+            self.$f.put_pages(offset, data)
+        }
+    };
+    (@one $f:tt len) => {
+        fn len(&self) -> std::io::Result<u64> {
+            #[allow(unused_imports)]
+            use ubc::Pager as _;
+            self.$f.len()
+        }
+    };
+    (@one $f:tt set_len) => {
+        fn set_len(&self, len: u64) -> std::io::Result<()> {
+            #[allow(unused_imports)]
+            use ubc::Pager as _;
+            self.$f.set_len(len)
+        }
+    };
+    (@one $f:tt sync) => {
+        fn sync(&self) -> std::io::Result<()> {
+            #[allow(unused_imports)]
+            use ubc::Pager as _;
+            self.$f.sync()
+        }
+    };
+}
+
 /// Deterministic test data: byte `i` of stream `seed`.
 pub fn pattern(seed: u64, offset: u64, len: usize) -> Vec<u8> {
     (0..len as u64).map(|i| byte_at(seed, offset + i)).collect()
@@ -77,19 +120,32 @@ impl ubc::Pager for RecordingPager {
         }
         self.inner.get_pages(offset, buf)
     }
-    fn put_pages(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
-        self.inner.put_pages(offset, data)
-    }
-    fn len(&self) -> std::io::Result<u64> {
-        self.inner.len()
-    }
-    fn set_len(&self, len: u64) -> std::io::Result<()> {
-        self.inner.set_len(len)
-    }
-    fn sync(&self) -> std::io::Result<()> {
-        Ok(())
-    }
+    forward_to!(inner: put_pages, len, set_len, sync);
     fn describe(&self) -> String {
         "recording".into()
+    }
+}
+
+/// A one-shot gate between threads: `wait_open` blocks until `open` was called.
+#[derive(Default)]
+pub struct Gate(std::sync::Mutex<bool>, std::sync::Condvar);
+
+impl Gate {
+    pub fn open(&self) {
+        *self.0.lock().unwrap() = true;
+        self.1.notify_all();
+    }
+
+    pub fn wait_open(&self) {
+        let mut g = self.0.lock().unwrap();
+        while !*g {
+            g = self.1.wait(g).unwrap();
+        }
+    }
+
+    /// `wait_open` for at most `d`; whether the gate opened.
+    pub fn wait_open_for(&self, d: std::time::Duration) -> bool {
+        let g = self.0.lock().unwrap();
+        *self.1.wait_timeout_while(g, d, |open| !*open).unwrap().0
     }
 }
