@@ -356,7 +356,7 @@ impl Stack {
         Ok(Stack {
             inner: Arc::new(Inner {
                 cache,
-                host_files: layers[0].spec().starts_with("dir:"),
+                host_files: layers[0].host_root().is_some(),
                 layers,
                 groups: Mutex::new(Groups::default()),
                 released: Condvar::new(),
@@ -447,8 +447,8 @@ impl Stack {
     /// everything written above it), by up to eight threads, files in any order
     /// among themselves as concurrent closes would be; only files with something above the
     /// bottom not below yet are pushed (a push through zstd is a commit and a sync of every
-    /// store below — 2,000 files copied into `dir | aead | zstd` paid it for each, written
-    /// or not). Then the cache syncs every object ([`ubc::Cache::sync_all`]). A failure is
+    /// store below, which every file in the pool paid before, read or written). Then the
+    /// cache syncs every object ([`ubc::Cache::sync_all`]). A failure is
     /// returned after every other file was pushed. (2,000 files of 5,000 bytes written
     /// through `dir | aead | zstd`: 510–549 ms pushed by one thread, 192–224 ms by eight.)
     pub fn sync_all(&self) -> Result<()> {
@@ -952,6 +952,11 @@ impl LayerRef {
     /// This layer's spec.
     pub fn spec(&self) -> String {
         self.layer().spec()
+    }
+
+    /// The host directory whose files are this layer's files (a `dir` layer), if it is one.
+    pub fn host_root(&self) -> Option<std::path::PathBuf> {
+        self.layer().host_root().map(|p| p.to_path_buf())
     }
 
     fn layer(&self) -> &Arc<dyn Layer> {

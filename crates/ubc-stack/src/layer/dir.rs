@@ -184,6 +184,10 @@ impl Layer for Dir {
         format!("dir:{}", self.root.display())
     }
 
+    fn host_root(&self) -> Option<&std::path::Path> {
+        Some(&self.root)
+    }
+
     fn lower(&self) -> Option<&Arc<dyn Layer>> {
         None
     }

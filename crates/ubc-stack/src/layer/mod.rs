@@ -310,6 +310,12 @@ pub trait Layer: Send + Sync {
     /// Open the data of regular file `path`. => the file exists (the stack checked).
     fn open(&self, path: &str, access: ubc::Access, below: &dyn Below) -> Result<Opened>;
 
+    /// The host directory whose files *are* this layer's files, byte for byte (`dir`);
+    /// `None` for every other layer. A file's attributes then name its host file.
+    fn host_root(&self) -> Option<&std::path::Path> {
+        None
+    }
+
     /// The host file that holds `path`'s bytes as they are, opened with open(2) `flags`
     /// (`mode` for `O_CREAT`), for a layer whose files *are* host files (`dir`); `None`
     /// for every other layer. Used to hand a file to the kernel itself (FUSE passthrough):

@@ -233,7 +233,7 @@ pub fn run(a: Args) -> Result<()> {
         }
         layers.push((layer, mp.clone()));
     }
-    let statfs_dir = stack.layer(0).ok().and_then(|l| l.spec().strip_prefix("dir:").map(|p| PathBuf::from(p.trim())));
+    let statfs_dir = stack.layer(0).ok().and_then(|l| l.host_root());
 
     // Kernel caching needs files known by their store's identity (`kernels`): a stack over
     // memory has none.
