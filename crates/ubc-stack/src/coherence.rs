@@ -250,6 +250,23 @@ fn layer_err(action: &'static str, source: std::io::Error) -> ubc::Error {
     ubc::Error::LayerMetadata { action, source }
 }
 
+impl Domain<ubc::File> {
+    /// Close a domain nobody else uses: its layer's pager first (see `xlate`), then its
+    /// file, waiting for the cache's work on the file to let go ([`ubc::File::close_and_wait`]),
+    /// so that a file that left the cache has its pager — and what that holds open — closed
+    /// on return. A domain still shared is just dropped. => no lock of the stack or the
+    /// cache held.
+    pub(crate) fn close_and_wait(self: Arc<Self>) {
+        match Arc::try_unwrap(self) {
+            Ok(Domain { xlate, file, tokens }) => {
+                drop((xlate, tokens));
+                file.close_and_wait();
+            }
+            Err(shared) => drop(shared),
+        }
+    }
+}
+
 impl<F: Actions> Domain<F> {
     /// Push this domain's dirty pages in `ranges` (stores through mappings included) and
     /// its layer's metadata (a length only in memory) into the domain below, so that the

@@ -754,8 +754,12 @@ impl Inner {
             if let Some(id) = dom.file.identity() {
                 self.cache.forget(&id);
             }
-            // The group held the last handle on it (its files and the pager above are gone).
-            drop(dom);
+            // The group held the last handle on it (its files and the pager above are gone):
+            // closed here, once the cache's own work on it (a read-ahead, a write-back job
+            // that signalled its caller and has not yet let go) is done, so that the pager
+            // above the next domain — and, at domain 0, the stored file's descriptor — is
+            // closed before the next domain is emptied, and before this returns.
+            dom.close_and_wait();
         }
     }
 

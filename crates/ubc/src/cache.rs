@@ -12,7 +12,7 @@
 use crate::error::{Error, Result};
 use crate::evict::PolicyKind;
 use crate::map::Serve;
-use crate::object::{Object, ObjectKey};
+use crate::object::{Object, ObjectKey, ObjectRef, WorkHold};
 use crate::pager::{Identity, Pager};
 use crate::resources::{DirtyAccount, Geometry, Parts, Reclaim, Resources};
 use crate::stats::CacheStats;
@@ -363,8 +363,16 @@ pub(crate) struct CacheCore {
 }
 
 impl CacheCore {
-    pub(crate) fn object(&self, id: u64) -> Option<Arc<Object>> {
-        self.registry.read().by_id.get(&id).cloned()
+    /// A hold on the listed object `id`, for work apart from its handles (`holders.rs`).
+    pub(crate) fn hold(&self, id: u64) -> Option<WorkHold> {
+        self.registry.read().by_id.get(&id).and_then(|o| WorkHold::of(&o.me))
+    }
+
+    /// References to the listed objects `keep` accepts, not keeping them alive: work on
+    /// many objects takes a hold on each when it comes to it (`holders.rs`), so that it
+    /// never delays the last close of another.
+    pub(crate) fn listed(&self, keep: impl Fn(&Object) -> bool) -> Vec<ObjectRef> {
+        self.registry.read().by_id.values().filter(|o| keep(o)).map(ObjectRef::of).collect()
     }
 
     /// The last handle of `obj` was closed, or its last page evicted (`why`): forget it if
@@ -437,6 +445,7 @@ impl CacheCore {
 
     fn forget_locked(reg: &mut Registry, id: u64) -> Option<Arc<Object>> {
         let o = reg.by_id.remove(&id)?;
+        o.holders.unlist();
         if reg.by_identity.get(&o.key) == Some(&id) {
             reg.by_identity.remove(&o.key);
         }
@@ -447,8 +456,8 @@ impl CacheCore {
         let res = &*self.res;
         let mut totals = res.retired();
         let mut allocated = 0;
-        let objects: Vec<Arc<Object>> = self.registry.read().by_id.values().cloned().collect();
-        for o in &objects {
+        let objects = self.listed(|_| true);
+        for o in objects.iter().filter_map(ObjectRef::hold) {
             totals.add(&o.stats());
             allocated += o.allocated_bytes();
         }
@@ -502,11 +511,13 @@ impl CacheCore {
     /// [`crate::File::sync`] does, in no particular order between objects (a layer's object
     /// and the one below it), as before.
     fn sync_all(&self) -> Result<()> {
-        let objects: Vec<Arc<Object>> = self.registry.read().by_id.values().cloned().collect();
+        // Held one at a time, as each is worked on (`holders.rs`): an object that leaves
+        // the cache meanwhile has nothing to sync.
+        let objects = self.listed(|_| true);
         // Group by file system first: a domain with too few members is synced per object.
         let mut domains: HashMap<u64, Vec<usize>> = HashMap::new();
         for (i, o) in objects.iter().enumerate() {
-            if let Some(d) = o.sync_domain() {
+            if let Some(d) = o.hold().and_then(|o| o.sync_domain()) {
                 domains.entry(d).or_default().push(i);
             }
         }
@@ -526,21 +537,23 @@ impl CacheCore {
         // are they synced again if it fails.
         let failed: Vec<std::sync::atomic::AtomicBool> = objects.iter().map(|_| false.into()).collect();
         run_workers(objects.len(), &|i| {
+            let Some(o) = objects[i].hold() else { return };
             if !grouped[i] {
-                note(objects[i].sync());
-            } else if let Err(e) = objects[i].sync_up_to_pager() {
+                note(o.sync());
+            } else if let Err(e) = o.sync_up_to_pager() {
                 failed[i].store(true, Relaxed);
                 note(Err(e));
             }
         });
         let ok = |i: usize| !failed[i].load(Relaxed);
         for members in domains.values() {
-            let Some(&lead) = members.iter().find(|&&i| ok(i)) else { continue };
-            if objects[lead].pager_sync_fs().is_err() {
+            // Any member still cached leads: a `syncfs` covers the members gone meanwhile.
+            let Some(lead) = members.iter().filter(|&&i| ok(i)).find_map(|&i| objects[i].hold()) else { continue };
+            if lead.pager_sync_fs().is_err() {
                 // Find out whose data it was: each pager's own sync records its error.
                 run_workers(members.len(), &|k| {
-                    if ok(members[k]) {
-                        note(objects[members[k]].pager_sync());
+                    if let Some(o) = objects[members[k]].hold().filter(|_| ok(members[k])) {
+                        note(o.pager_sync());
                     }
                 });
             }

@@ -257,6 +257,22 @@ impl File {
         }
     }
 
+    /// Drop the handle; if it was the file's last and the file left the cache with it (no
+    /// page of it was cached: [`File::invalidate`] drops them), wait until the cache's own
+    /// work on the file — read-ahead and write-back jobs, the flusher, reclaim — has let go
+    /// of it too, so that its pager, and whatever the pager holds open (a host file's
+    /// descriptor, a lower layer's file), is closed when this returns. A plain drop leaves
+    /// that to whichever thread lets go last, a moment later: a removed file's blocks stay
+    /// allocated meanwhile. => the caller holds no page or lock of the cache (the work it
+    /// waits for may need them).
+    pub fn close_and_wait(self) {
+        let obj = self.obj.clone();
+        drop(self);
+        obj.holders.wait_if_unlisted(obj.depth());
+        // `obj` is dropped here: the last reference, unless a mapping or a pager above
+        // still holds the file.
+    }
+
     fn release_handle(&self) {
         if self.obj.handles.fetch_sub(1, SeqCst) == 1 {
             self.cache.core().object_idle(&self.obj, crate::cache::Idle::Closed);

@@ -12,6 +12,10 @@ pub enum Point {
     /// A fill has chosen its run of pages (reading the file's length to clip it) and has
     /// not taken them yet.
     FillPlanned,
+    /// Work on a file apart from its handles (an I/O job: read-ahead, a run of a
+    /// write-back) is done — a write-back job has told its caller — and is about to let go
+    /// of the file.
+    WorkDone,
 }
 
 type Hook = Arc<dyn Fn(Point) + Send + Sync>;

@@ -345,3 +345,82 @@ fn the_flusher_writes_whole_units_behind_a_sequential_writer() {
     );
     assert_same(&store_contents(&pager.inner), &pattern(5, 0, total as usize), "the store");
 }
+
+/// A memory store that records the threads that wrote to it and says when it is dropped.
+#[derive(Default)]
+struct TrackedStore {
+    mem: MemPager,
+    writers: Arc<Mutex<Vec<std::thread::ThreadId>>>,
+    dropped: Arc<AtomicBool>,
+}
+
+impl Pager for TrackedStore {
+    forward_to!(mem: get_pages, len, set_len, sync);
+    fn put_pages(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        let me = std::thread::current().id();
+        let mut w = self.writers.lock();
+        if !w.contains(&me) {
+            w.push(me);
+        }
+        drop(w);
+        self.mem.put_pages(offset, data)
+    }
+    fn describe(&self) -> String {
+        "tracked".into()
+    }
+}
+
+impl Drop for TrackedStore {
+    fn drop(&mut self) {
+        self.dropped.store(true, SeqCst);
+    }
+}
+
+/// The last close of a file that leaves the cache (`File::close_and_wait`) returns only
+/// once the cache's own work has let go of the file, and then its pager is gone (with the
+/// descriptors a real one holds). Here a write-back job has told `sync` its result and is
+/// stopped before it lets go: a plain drop of the handle would leave the pager to that
+/// job's thread — the stack saw a removed file's descriptor outlive its last close
+/// (`ubc-stack/tests/descriptors.rs`, under CPU load).
+#[test]
+fn close_and_wait_returns_once_a_write_back_job_has_let_go_of_the_file() {
+    let cache = Cache::builder().budget(8 << 20).max_put(16 << 10).build().unwrap();
+    let store = TrackedStore::default();
+    let (writers, dropped) = (store.writers.clone(), store.dropped.clone());
+    let f = cache.open(Arc::new(store), Access::ReadWrite).unwrap();
+    // Two runs of 4 pages: the first goes to an I/O thread, the last is written by the
+    // syncing thread. (More jobs would queue behind the one stopped below.)
+    f.write_at(&pattern(5, 0, 32 << 10), 0).unwrap();
+
+    let (stopped, go) = (Arc::new(Gate::default()), Arc::new(Gate::default()));
+    let (s2, g2, w2) = (stopped.clone(), go.clone(), writers.clone());
+    let _hook = ubc::testing::hook(move |point| {
+        let me = std::thread::current();
+        if point == ubc::testing::Point::WorkDone
+            && me.name().is_some_and(|n| n.starts_with("ubc-io"))
+            && w2.lock().contains(&me.id())
+        {
+            s2.open();
+            g2.wait_open();
+        }
+    });
+    f.sync().unwrap();
+    assert!(stopped.wait_open_for(Duration::from_secs(20)), "no write-back job ran on an I/O thread");
+    f.invalidate(0..u64::MAX, ubc::Length::Keep).unwrap();
+    assert_eq!(f.stats().resident_bytes, 0, "every page dropped: the last close takes the file out of the cache");
+
+    let closed = Arc::new(Gate::default());
+    let c2 = closed.clone();
+    let closer = std::thread::spawn(move || {
+        f.close_and_wait();
+        c2.open();
+    });
+    let returned_early = closed.wait_open_for(Duration::from_millis(300));
+    let dropped_early = dropped.load(SeqCst);
+    // Let the job go before asserting: the cache's drop joins its thread.
+    go.open();
+    closer.join().unwrap();
+    assert!(!returned_early, "close_and_wait returned while a job held the file");
+    assert!(!dropped_early, "the pager went while a job held the file");
+    assert!(dropped.load(SeqCst), "close_and_wait returned and the file's pager is still open");
+}

@@ -7,7 +7,7 @@
 
 use super::CacheCore;
 use crate::error::Result;
-use crate::object::{Harvest, Object, Pass};
+use crate::object::{Harvest, ObjectRef, Pass, WorkHold};
 use parking_lot::Mutex;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::*};
@@ -50,18 +50,10 @@ impl CacheCore {
     /// may hold a page of `except` (hence the depth filter: only pagers that cannot wait
     /// for it).
     pub(super) fn write_back_others(&self, except: u64) -> Result<()> {
-        let mut others: Vec<(u64, Arc<Object>)> = self
-            .registry
-            .read()
-            .by_id
-            .values()
-            // Only files whose pagers cannot wait for the page we hold
-            // (`order.rs`): the same depth or below.
-            .filter(|o| o.id != except && o.dirty_pages() > 0 && crate::order::may_call_pager(o.depth()))
-            .map(|o| (o.dirtied_at(), o.clone()))
-            .collect();
-        others.sort_by_key(|d| d.0);
-        for (_, o) in others {
+        // Only files whose pagers cannot wait for the page we hold (`order.rs`): the same
+        // depth or below.
+        let others = self.listed(|o| o.id != except && o.dirty_pages() > 0 && crate::order::may_call_pager(o.depth()));
+        for o in oldest_dirty_first(others) {
             o.writeback(0, u64::MAX, Pass::Inline)?;
         }
         Ok(())
@@ -90,21 +82,11 @@ impl CacheCore {
             let now = f.now_ms();
             let expire_ms = expire.as_millis() as u64;
             // Stores through mappings are found by scanning (cheap when nothing was written).
-            let mapped: Vec<Arc<Object>> =
-                self.registry.read().by_id.values().filter(|o| o.nmaps.load(Relaxed) > 0).cloned().collect();
-            for o in mapped {
+            for o in self.listed(|o| o.nmaps.load(Relaxed) > 0).iter().filter_map(ObjectRef::hold) {
                 o.harvest(0, u64::MAX, Harvest::Periodic);
             }
-            let mut dirty: Vec<(u64, Arc<Object>)> = self
-                .registry
-                .read()
-                .by_id
-                .values()
-                .filter(|o| o.dirty_pages() > 0)
-                .map(|o| (o.dirtied_at(), o.clone()))
-                .collect();
-            dirty.sort_by_key(|d| d.0);
-            for (since, obj) in dirty {
+            for obj in oldest_dirty_first(self.listed(|o| o.dirty_pages() > 0)) {
+                let since = obj.dirtied_at();
                 let expired = now.saturating_sub(since) >= expire_ms;
                 if !expired && f.published() <= f.background {
                     break; // oldest first: the rest are younger and we are below threshold
@@ -130,4 +112,12 @@ impl CacheCore {
             progressed = f.cleaned.load(Relaxed) > cleaned_before;
         }
     }
+}
+
+/// Holds on the objects of `refs` still listed, oldest dirty first (`Object::dirtied_at`),
+/// taken one at a time as the caller comes to each: a round holds one object, not all.
+fn oldest_dirty_first(refs: Vec<ObjectRef>) -> impl Iterator<Item = WorkHold> {
+    let mut refs: Vec<(u64, ObjectRef)> = refs.into_iter().filter_map(|r| Some((r.hold()?.dirtied_at(), r))).collect();
+    refs.sort_by_key(|d| d.0);
+    refs.into_iter().filter_map(|(_, r)| r.hold())
 }

@@ -93,7 +93,9 @@ impl CacheCore {
 /// The cache's side of the policy's [`PageProbe`]: page states looked up by key.
 struct Prober<'a> {
     core: &'a CacheCore,
-    objects: HashMap<u64, Option<Arc<Object>>>,
+    /// Objects of the round, held (`holders.rs`): the `Arc`s handed out are dropped before
+    /// the round ends, and with it these holds.
+    objects: HashMap<u64, Option<WorkHold>>,
     /// Dirty pages the policy wanted to evict: written back before the next round.
     dirty: Vec<PageKey>,
 }
@@ -101,7 +103,7 @@ struct Prober<'a> {
 impl Prober<'_> {
     fn object(&mut self, id: u64) -> Option<Arc<Object>> {
         let core = self.core;
-        self.objects.entry(id).or_insert_with(|| core.object(id)).clone()
+        self.objects.entry(id).or_insert_with(|| core.hold(id)).as_ref().map(|h| Arc::clone(h))
     }
 
     /// Free taken victims, grouped by object.

@@ -9,7 +9,9 @@
 //! * `holes.rs` — punching holes, reserving space, finding data and holes;
 //! * `writeback.rs` — writing dirty pages to the pager, `clean`, `sync`;
 //! * `evict.rs` — releasing pages the replacement policy took;
-//! * `mapped.rs` — what memory mappings need (found stores, fault pins).
+//! * `mapped.rs` — what memory mappings need (found stores, fault pins);
+//! * `holders.rs` — counted holds of work apart from the handles (I/O jobs, the flusher),
+//!   which the last close of a file that left the cache waits for.
 //!
 //! This file holds the object itself, its accessors and the one way to call its pager.
 //!
@@ -39,6 +41,7 @@ use std::sync::{Arc, OnceLock, Weak};
 
 mod evict;
 mod fill;
+mod holders;
 mod holes;
 mod mapped;
 mod readahead;
@@ -47,6 +50,7 @@ mod write;
 mod writeback;
 
 pub(crate) use fill::Publish;
+pub(crate) use holders::{ObjectRef, WorkHold};
 pub(crate) use mapped::Harvest;
 pub use truncate::Length;
 use write::Held;
@@ -94,6 +98,8 @@ pub(crate) struct Object {
     pub(crate) id: u64,
     /// Ourselves, for handing work to I/O threads.
     pub(crate) me: Weak<Object>,
+    /// Holds of work apart from the handles (see `holders.rs`).
+    pub(crate) holders: Arc<holders::Holders>,
     /// Read-ahead streams of this object (see `readahead.rs`); a leaf lock.
     pub(crate) ra_streams: Mutex<readahead::Streams>,
     pub(crate) res: Arc<Resources>,
@@ -150,6 +156,7 @@ impl Object {
         Ok(Arc::new_cyclic(|me| Object {
             id,
             me: me.clone(),
+            holders: Default::default(),
             ra_streams: Mutex::new(readahead::Streams::default()),
             table: PageTable::new(1 << res.geo.chunk_shift),
             key,

@@ -213,7 +213,9 @@ impl Object {
     /// page cache locked before submitting): a reader that catches up with a window still
     /// in the queue waits for that read instead of issuing its own.
     fn readahead_submit(&self, start: u64, end: u64) {
-        let Some(me) = self.me.upgrade() else { return };
+        // Each job holds the object counted (`holders.rs`): a last close that unlists it
+        // waits for the job. `_alive` keeps it alive meanwhile.
+        let Some(_alive) = WorkHold::of(&self.me) else { return };
         // A window ends on a fill granule (a compressed chunk): one cut in the middle would
         // have the chunk fetched and decoded again for the rest.
         let g = self.granule_pages();
@@ -247,7 +249,7 @@ impl Object {
             while p + n < stop && chunk.pages[(p + n - base) as usize].try_lock_empty() {
                 n += 1;
             }
-            let obj: Arc<Object> = me.clone();
+            let obj = WorkHold::of(&self.me).expect("alive: `_alive` holds it");
             let mark = (p == start).then_some(start);
             let first = p;
             self.res.io.submit(depth, move || obj.readahead_fill(ci, first, n, mark));

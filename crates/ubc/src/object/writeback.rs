@@ -46,7 +46,9 @@ impl Object {
         // This thread holds the pages it takes WRITEBACK until it hands them to a job or
         // has written them itself.
         let _pages = crate::order::hold(crate::order::Rank::page(depth));
-        let me = if parallel && !crate::io::on_io_thread() { self.me.upgrade() } else { None };
+        // Jobs hold the object counted (`holders.rs`): a last close that unlists it waits
+        // for them, not only for their results.
+        let me = if parallel && !crate::io::on_io_thread() { WorkHold::of(&self.me) } else { None };
         let batch = crate::io::Batch::default();
         let cs = self.res.geo.chunk_shift;
         // A pager that stores whole units (a compressed chunk: `Pager::fill_granule`) pays a
@@ -65,7 +67,8 @@ impl Object {
         // thread holds no page WRITEBACK while it sleeps (as without holding back).
         let mut held: Option<(u64, u64, u64)> = None;
         let submit = |run: (u64, u64, u64)| {
-            let obj = me.clone().expect("runs are held back only with an I/O pool");
+            assert!(me.is_some(), "runs are held back only with an I/O pool");
+            let obj = WorkHold::of(&self.me).expect("alive: `me` holds it");
             let ((ci, first, n), ticket) = (run, batch.ticket());
             self.res.io.submit(depth, move || {
                 let chunk = obj.table.get(ci).expect("chunk of pages under writeback");
