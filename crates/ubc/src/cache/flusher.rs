@@ -7,7 +7,7 @@
 
 use super::CacheCore;
 use crate::error::Result;
-use crate::object::{Harvest, ObjectRef, Pass, WorkHold};
+use crate::object::{Harvest, Object, ObjectRef, Pass, WorkHold};
 use parking_lot::Mutex;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::*};
@@ -52,11 +52,26 @@ impl CacheCore {
     pub(super) fn write_back_others(&self, except: u64) -> Result<()> {
         // Only files whose pagers cannot wait for the page we hold (`order.rs`): the same
         // depth or below.
-        let others = self.listed(|o| o.id != except && o.dirty_pages() > 0 && crate::order::may_call_pager(o.depth()));
-        for o in oldest_dirty_first(others) {
+        for o in self.oldest_dirty_first(|o| o.id != except && crate::order::may_call_pager(o.depth())) {
             o.writeback(0, u64::MAX, Pass::Inline)?;
         }
         Ok(())
+    }
+
+    /// The dirty objects `keep` accepts, oldest dirty first (`Object::dirtied_at`, read as
+    /// they are listed), each held only when the caller comes to it (`holders.rs`): a
+    /// round keeps one object alive, not all.
+    fn oldest_dirty_first(&self, keep: impl Fn(&Object) -> bool) -> impl Iterator<Item = WorkHold> {
+        let mut refs: Vec<(u64, ObjectRef)> = self
+            .registry
+            .read()
+            .by_id
+            .values()
+            .filter(|o| o.dirty_pages() > 0 && keep(o))
+            .map(|o| (o.dirtied_at(), ObjectRef::of(o)))
+            .collect();
+        refs.sort_by_key(|d| d.0);
+        refs.into_iter().filter_map(|(_, r)| r.hold())
     }
 
     /// The flusher thread: age-based and threshold-based write-behind.
@@ -85,7 +100,7 @@ impl CacheCore {
             for o in self.listed(|o| o.nmaps.load(Relaxed) > 0).iter().filter_map(ObjectRef::hold) {
                 o.harvest(0, u64::MAX, Harvest::Periodic);
             }
-            for obj in oldest_dirty_first(self.listed(|o| o.dirty_pages() > 0)) {
+            for obj in self.oldest_dirty_first(|_| true) {
                 let since = obj.dirtied_at();
                 let expired = now.saturating_sub(since) >= expire_ms;
                 if !expired && f.published() <= f.background {
@@ -112,12 +127,4 @@ impl CacheCore {
             progressed = f.cleaned.load(Relaxed) > cleaned_before;
         }
     }
-}
-
-/// Holds on the objects of `refs` still listed, oldest dirty first (`Object::dirtied_at`),
-/// taken one at a time as the caller comes to each: a round holds one object, not all.
-fn oldest_dirty_first(refs: Vec<ObjectRef>) -> impl Iterator<Item = WorkHold> {
-    let mut refs: Vec<(u64, ObjectRef)> = refs.into_iter().filter_map(|r| Some((r.hold()?.dirtied_at(), r))).collect();
-    refs.sort_by_key(|d| d.0);
-    refs.into_iter().filter_map(|(_, r)| r.hold())
 }
