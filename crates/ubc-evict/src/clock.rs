@@ -24,7 +24,7 @@
 //! `MarkedQueue::absorb`).
 
 use crate::queue::MarkedQueue;
-use crate::{Admission, EvictAttempt, EvictionPolicy, PageKey, PageProbe};
+use crate::{Admission, EvictAttempt, EvictionPolicy, PageKey, PageProbe, Slot};
 
 /// CLOCK replacement. See the module documentation.
 #[derive(Debug)]
@@ -47,14 +47,14 @@ impl EvictionPolicy for Clock {
         "clock"
     }
 
-    /// Place a newly filled page just behind the hand (a duplicate insert is a refresh).
-    fn insert(&mut self, key: PageKey, admission: Admission) {
-        self.ring.insert(key, admission);
+    /// Place a newly filled page just behind the hand; returns its slot.
+    fn insert(&mut self, key: PageKey, admission: Admission) -> Slot {
+        self.ring.insert(key, admission)
     }
 
-    /// Forget a page the cache dropped itself; unknown keys are ignored.
-    fn remove(&mut self, key: PageKey) {
-        if let Some(slot) = self.ring.slot(key) {
+    /// Forget a page the cache dropped itself; a stale slot is ignored.
+    fn remove(&mut self, slot: Slot, key: PageKey) {
+        if self.ring.holds(slot, key) {
             self.ring.forget(slot);
         }
     }

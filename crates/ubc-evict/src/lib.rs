@@ -15,8 +15,12 @@
 //! Contract between cache and policy:
 //! * `insert(key, ..)` is called exactly once per fill of a page, after the page is valid.
 //!   The same key is never inserted twice without a `remove` or a victim selection between.
-//! * `remove(key)` forgets a page the cache dropped itself (truncation, invalidation, object
-//!   teardown). Removing an unknown key is a no-op.
+//!   It returns the page's [`Slot`]: the cache keeps it with the page's state, as Linux's
+//!   `struct page` carries its own LRU links, so the policy needs no index from key to page
+//!   (that index cost more than the rest of the per-page metadata together).
+//! * `remove(slot, key)` forgets a page the cache dropped itself (truncation, invalidation,
+//!   object teardown), given the slot `insert` returned for it. A slot that no longer holds
+//!   `key` (the policy forgot the page meanwhile, and may have reused the slot) is a no-op.
 //! * `select_victim` must return a key only after `probe.try_evict(key)` returned
 //!   [`EvictAttempt::Taken`]; from then on the page belongs to the cache and the policy must
 //!   have forgotten it. `Gone` means the page left the cache without the policy being told
@@ -24,8 +28,8 @@
 //!   right now: keep it (the cache will clean dirty pages) and move on.
 //! * `select_victim` returns `None` when a full pass finds nothing it may take.
 //!
-//! Policies (all O(1) amortized per operation: an arena of nodes on intrusive lists plus a
-//! hash index; choose one with [`PolicyKind`]):
+//! Policies (all O(1) amortized per operation: an arena of nodes on intrusive lists, 32 bytes
+//! a page; choose one with [`PolicyKind`]):
 //! * [`S3Fifo`] (default) — small/main/ghost FIFOs, scan resistant (SOSP'23);
 //! * [`Sieve`] — one FIFO with a sifting hand (NSDI'24);
 //! * [`Clock`] — second chance, an LRU approximation.
@@ -39,6 +43,13 @@ pub struct PageKey {
     pub object: u64,
     pub index: u64,
 }
+
+/// Where a policy keeps one page: returned by [`EvictionPolicy::insert`], handed back to
+/// [`EvictionPolicy::remove`]. Valid until the page is removed or chosen as a victim.
+pub type Slot = u32;
+
+/// A slot value no policy returns: "this page is not in the policy".
+pub const NO_SLOT: Slot = u32::MAX;
 
 /// How a page entered the cache.
 #[derive(Copy, Clone, Eq, PartialEq, Debug)]
@@ -75,10 +86,11 @@ pub trait PageProbe {
 pub trait EvictionPolicy: Send {
     /// Short name for statistics and reports ("s3fifo", "sieve", "clock").
     fn name(&self) -> &'static str;
-    /// A page was filled and is now valid.
-    fn insert(&mut self, key: PageKey, admission: Admission);
-    /// The cache dropped this page itself; forget it (no-op if unknown).
-    fn remove(&mut self, key: PageKey);
+    /// A page was filled and is now valid; returns where the policy keeps it.
+    fn insert(&mut self, key: PageKey, admission: Admission) -> Slot;
+    /// The cache dropped this page itself; forget it. No-op unless `slot` (from `insert`)
+    /// still holds `key`.
+    fn remove(&mut self, slot: Slot, key: PageKey);
     /// Choose a page to evict; see the contract above.
     fn select_victim(&mut self, probe: &mut dyn PageProbe) -> Option<PageKey>;
     /// Number of pages the policy tracks.
@@ -89,6 +101,7 @@ pub trait EvictionPolicy: Send {
     }
 }
 
+mod ghost;
 mod list;
 mod queue;
 #[cfg(test)]

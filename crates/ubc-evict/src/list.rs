@@ -1,11 +1,13 @@
 //! Shared plumbing for the policies: an arena of nodes threaded on intrusive doubly linked
-//! lists, and a fast hash map from [`PageKey`] to arena slot.
+//! lists, and a fast hash for [`PageKey`]s.
 //!
 //! Every policy in this crate is a set of FIFO queues with "move to the back" and "unlink from
 //! the middle" (for `remove`). Keeping the nodes in one `Vec` and linking them by `u32` slot
 //! numbers makes all of those O(1) without `unsafe` and without per-node allocations; freed
 //! slots are chained on a free list and reused, so memory is bounded by the high-water mark of
-//! tracked pages (plus ghost entries for S3-FIFO), never by the number of operations.
+//! tracked pages, never by the number of operations. The policies keep no index from key to
+//! slot: the cache keeps each page's slot next to the page's state (as Linux's `struct page`
+//! carries its own LRU links) and hands it back with the key, which the arena checks.
 //!
 //! Orientation used by every list here: `front` is the oldest node (the next to leave),
 //! `back` the newest. `older` links point towards the front, `newer` links towards the back.
@@ -17,11 +19,15 @@ use crate::PageKey;
 
 /// Sentinel slot number meaning "no node".
 pub(crate) const NIL: u32 = u32::MAX;
+/// The `older` link of a slot on the free list: tells a freed slot from a live one, so a
+/// stale slot handed back by the cache is recognised (see [`Arena::holds`]).
+const FREE: u32 = u32::MAX - 1;
 
 /// A hasher for `PageKey` (two `u64` writes), much cheaper than SipHash.
 ///
-/// Keys are page numbers, not attacker-chosen strings, and a policy lookup happens on every
-/// miss, so a multiply-rotate mix (FxHash style) plus a final avalanche is the right trade.
+/// Keys are page numbers, not attacker-chosen strings, and a lookup happens on every miss
+/// (the simulator's resident set, S3-FIFO's ghost fingerprints), so a multiply-rotate mix
+/// (FxHash style) plus a final avalanche is the right trade.
 /// The final avalanche matters: hashbrown takes the bucket from the low bits and the tag from
 /// the top 7 bits, and sequential page indexes would otherwise cluster.
 #[derive(Default, Clone, Copy)]
@@ -61,6 +67,14 @@ pub(crate) type KeyMap<V> = HashMap<PageKey, V, BuildHasherDefault<KeyHasher>>;
 /// Create an empty [`KeyMap`] with room for `capacity` entries.
 pub(crate) fn key_map<V>(capacity: usize) -> KeyMap<V> {
     HashMap::with_capacity_and_hasher(capacity, BuildHasherDefault::default())
+}
+
+/// A 64-bit hash of `key` (the [`KeyHasher`] mix).
+pub(crate) fn key_hash(key: PageKey) -> u64 {
+    let mut h = KeyHasher::default();
+    h.write_u64(key.object);
+    h.write_u64(key.index);
+    h.finish()
 }
 
 /// One arena slot: the page key, its list links and the policy's per-page data.
@@ -137,8 +151,8 @@ impl<T> Arena<T> {
             self.nodes[slot as usize] = node;
             slot
         } else {
-            let slot = u32::try_from(self.nodes.len()).expect("more than 2^32-1 tracked pages");
-            assert!(slot != NIL, "more than 2^32-1 tracked pages");
+            let slot = u32::try_from(self.nodes.len()).expect("more than 2^32-2 tracked pages");
+            assert!(slot < FREE, "more than 2^32-2 tracked pages");
             self.nodes.push(node);
             slot
         }
@@ -148,9 +162,16 @@ impl<T> Arena<T> {
     pub fn free(&mut self, slot: u32) {
         self.live -= 1;
         let node = &mut self.nodes[slot as usize];
-        node.older = NIL;
+        node.older = FREE;
         node.newer = self.free;
         self.free = slot;
+    }
+
+    /// True when `slot` is live and holds `key`: the check that makes a slot kept by the
+    /// cache safe to hand back after the policy may have dropped (and reused) it.
+    #[inline]
+    pub fn holds(&self, slot: u32, key: PageKey) -> bool {
+        self.nodes.get(slot as usize).is_some_and(|n| n.older != FREE && n.key == key)
     }
 
     /// The node in `slot`. Precondition: `slot` is live.

@@ -1,8 +1,8 @@
 //! One queue of pages, each marked while it came in by read-ahead and is still unused: the
 //! state CLOCK and SIEVE both keep (they differ only in how their hand walks it).
 
-use crate::list::{Arena, KeyMap, List, key_map};
-use crate::{Admission, PageKey};
+use crate::list::{Arena, List};
+use crate::{Admission, PageKey, Slot};
 
 /// Per-page state: only whether the page came in by read-ahead and is still unused.
 #[derive(Clone, Copy, Debug)]
@@ -10,34 +10,24 @@ pub(crate) struct Meta {
     readahead_unused: bool,
 }
 
-/// The pages in arrival order (front = oldest), with an index from key to slot.
+/// The pages in arrival order (front = oldest).
 #[derive(Debug)]
 pub(crate) struct MarkedQueue {
     arena: Arena<Meta>,
-    map: KeyMap<u32>,
     list: List,
 }
 
 impl MarkedQueue {
     /// An empty queue sized for about `capacity_pages` pages.
     pub fn new(capacity_pages: usize) -> Self {
-        MarkedQueue { arena: Arena::with_capacity(capacity_pages), map: key_map(capacity_pages), list: List::new() }
+        MarkedQueue { arena: Arena::with_capacity(capacity_pages), list: List::new() }
     }
 
-    /// Append a newly filled page at the back. A duplicate insert (a contract violation) is
-    /// tolerated as a refresh, so the length stays exact: a demand insert of a read-ahead
-    /// page counts as its use.
-    pub fn insert(&mut self, key: PageKey, admission: Admission) {
-        let readahead = admission == Admission::ReadAhead;
-        if let Some(&slot) = self.map.get(&key) {
-            if !readahead {
-                self.arena.get_mut(slot).data.readahead_unused = false;
-            }
-            return;
-        }
-        let slot = self.arena.alloc(key, Meta { readahead_unused: readahead });
+    /// Append a newly filled page at the back; returns its slot.
+    pub fn insert(&mut self, key: PageKey, admission: Admission) -> Slot {
+        let slot = self.arena.alloc(key, Meta { readahead_unused: admission == Admission::ReadAhead });
         self.arena.push_back(&mut self.list, slot);
-        self.map.insert(key, slot);
+        slot
     }
 
     /// Number of pages tracked.
@@ -66,9 +56,9 @@ impl MarkedQueue {
         self.arena.keys(&self.list)
     }
 
-    /// The slot holding `key`, if it is tracked.
-    pub fn slot(&self, key: PageKey) -> Option<u32> {
-        self.map.get(&key).copied()
+    /// True when `slot` is live and holds `key` (a slot handed back by the cache).
+    pub fn holds(&self, slot: Slot, key: PageKey) -> bool {
+        self.arena.holds(slot, key)
     }
 
     /// The key in `slot`. Precondition: `slot` is live.
@@ -78,10 +68,8 @@ impl MarkedQueue {
 
     /// Drop the node in `slot` from the queue and the index. Precondition: `slot` is live.
     pub fn forget(&mut self, slot: u32) {
-        let key = self.arena.get(slot).key;
         self.arena.unlink(&mut self.list, slot);
         self.arena.free(slot);
-        self.map.remove(&key);
     }
 
     /// Accesses that count as re-references: a read-ahead page's first access is the use it

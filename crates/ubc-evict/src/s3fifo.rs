@@ -10,7 +10,8 @@
 //!   `freq - 1`, a page with `freq == 0` is evicted. Pages evicted from M are not remembered.
 //! * **G** (ghost, keys only, as many entries as M's share of the capacity) remembers pages
 //!   recently evicted from S without reuse. A miss on a key in G means the page *was* reused,
-//!   just later than S's short window, so it is inserted straight into M.
+//!   just later than S's short window, so it is inserted straight into M. G holds 64-bit key
+//!   fingerprints, not nodes (`ghost.rs`).
 //!
 //! Eviction takes from S while S holds at least its 10% share, otherwise from M. At S's tail
 //! a page accessed since insertion moves to M (its counter cleared), otherwise it is evicted
@@ -46,8 +47,9 @@
 //!   `freq`), one final pass over S then M takes the first takeable page regardless of
 //!   frequency, and only if that pass takes nothing does `select_victim` return `None`.
 
-use crate::list::{Arena, KeyMap, List, key_map};
-use crate::{Admission, EvictAttempt, EvictionPolicy, PageKey, PageProbe};
+use crate::ghost::GhostFifo;
+use crate::list::{Arena, List};
+use crate::{Admission, EvictAttempt, EvictionPolicy, PageKey, PageProbe, Slot};
 
 /// Highest value of the per-page frequency (2 bits, as in the paper).
 const MAX_FREQ: u8 = 3;
@@ -60,15 +62,14 @@ const MAX_FREQ: u8 = 3;
 /// the rotations still advance through S across calls, so selection stays amortized O(1).
 const UNAVAILABLE_RUN_LIMIT: usize = 64;
 
-/// Which queue a node is linked on.
+/// Which queue a resident node is linked on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Queue {
     Small,
     Main,
-    Ghost,
 }
 
-/// Per-node state. Ghost nodes use only `queue`.
+/// Per-node state.
 #[derive(Clone, Copy, Debug)]
 struct Meta {
     queue: Queue,
@@ -98,13 +99,11 @@ impl Default for S3FifoParams {
 /// S3-FIFO replacement. See the module documentation.
 #[derive(Debug)]
 pub struct S3Fifo {
+    /// Resident pages; the node's `queue` tells which list it is on.
     arena: Arena<Meta>,
-    /// Resident pages and ghost keys; the node's `queue` tells which.
-    map: KeyMap<u32>,
     small: List,
     main: List,
-    ghost: List,
-    ghost_capacity: usize,
+    ghost: GhostFifo,
     params: S3FifoParams,
 }
 
@@ -121,22 +120,19 @@ impl S3Fifo {
         assert!((1..=MAX_FREQ).contains(&params.move_to_main_threshold), "move_to_main_threshold out of range");
         let ghost_capacity = (capacity_pages * usize::from(params.ghost_percent) / 100).max(1);
         S3Fifo {
-            arena: Arena::with_capacity(capacity_pages + ghost_capacity),
-            map: key_map(capacity_pages + ghost_capacity),
+            arena: Arena::with_capacity(capacity_pages),
             small: List::new(),
             main: List::new(),
-            ghost: List::new(),
-            ghost_capacity,
+            ghost: GhostFifo::new(ghost_capacity),
             params,
         }
     }
 
-    /// The list a resident or ghost node is on, by queue tag.
+    /// The list a resident node is on, by queue tag.
     fn list_mut(&mut self, queue: Queue) -> &mut List {
         match queue {
             Queue::Small => &mut self.small,
             Queue::Main => &mut self.main,
-            Queue::Ghost => &mut self.ghost,
         }
     }
 
@@ -162,24 +158,18 @@ impl S3Fifo {
         self.push(slot, queue);
     }
 
-    /// Drop `slot` entirely (resident or ghost). Precondition: `slot` is live and linked.
+    /// Drop `slot` without a trace. Precondition: `slot` is live and linked.
     fn forget(&mut self, slot: u32) {
-        let key = self.arena.get(slot).key;
         self.unlink(slot);
         self.arena.free(slot);
-        self.map.remove(&key);
     }
 
-    /// Turn resident `slot` into a ghost entry, evicting the oldest ghost if G is full.
-    /// Precondition: `slot` is live, resident and linked.
+    /// Drop resident `slot` and remember its key in G (which forgets its oldest if full).
+    /// Precondition: `slot` is live and linked.
     fn make_ghost(&mut self, slot: u32) {
-        self.unlink(slot);
-        if self.ghost.len() >= self.ghost_capacity
-            && let Some(oldest) = self.ghost.front()
-        {
-            self.forget(oldest);
-        }
-        self.push(slot, Queue::Ghost);
+        let key = self.arena.get(slot).key;
+        self.forget(slot);
+        self.ghost.push(key);
     }
 
     /// Fold new accesses into `freq`; a read-ahead page's first access is its first use and
@@ -313,10 +303,10 @@ impl S3Fifo {
         self.main.len()
     }
 
-    /// Keys of the queue `which` (0 = S, 1 = M, 2 = G) oldest first (tests only).
+    /// Keys of the queue `which` (0 = S, 1 = M) oldest first (tests only).
     #[cfg(test)]
     fn keys(&self, which: usize) -> Vec<PageKey> {
-        self.arena.keys([&self.small, &self.main, &self.ghost][which])
+        self.arena.keys([&self.small, &self.main][which])
     }
 }
 
@@ -327,35 +317,20 @@ impl EvictionPolicy for S3Fifo {
     }
 
     /// Admit a filled page: demand fills remembered in G go to M, everything else to S.
-    /// A duplicate insert (a contract violation) is tolerated as a refresh.
-    fn insert(&mut self, key: PageKey, admission: Admission) {
+    fn insert(&mut self, key: PageKey, admission: Admission) -> Slot {
         let readahead = admission == Admission::ReadAhead;
-        if let Some(&slot) = self.map.get(&key) {
-            let meta = self.arena.get(slot).data;
-            if meta.queue != Queue::Ghost {
-                if !readahead {
-                    self.arena.get_mut(slot).data.readahead_unused = false;
-                }
-                return;
-            }
-            // Ghost hit. Only a demand fill is evidence of reuse; read-ahead goes to S.
-            let queue = if readahead { Queue::Small } else { Queue::Main };
-            self.arena.get_mut(slot).data = Meta { queue: Queue::Ghost, freq: 0, readahead_unused: readahead };
-            self.requeue(slot, queue);
-            return;
-        }
-        let slot = self.arena.alloc(key, Meta { queue: Queue::Small, freq: 0, readahead_unused: readahead });
-        self.push(slot, Queue::Small);
-        self.map.insert(key, slot);
+        // Only a demand fill is evidence of reuse; read-ahead goes to S (and its key leaves G
+        // either way: the page is back).
+        let queue = if self.ghost.take(key) && !readahead { Queue::Main } else { Queue::Small };
+        let slot = self.arena.alloc(key, Meta { queue, freq: 0, readahead_unused: readahead });
+        self.push(slot, queue);
+        slot
     }
 
-    /// Forget a resident page the cache dropped itself; unknown keys and ghost keys are
-    /// ignored (a ghost key is not a tracked page, and dropping the page says nothing about
-    /// its reuse).
-    fn remove(&mut self, key: PageKey) {
-        if let Some(&slot) = self.map.get(&key)
-            && self.arena.get(slot).data.queue != Queue::Ghost
-        {
+    /// Forget a resident page the cache dropped itself; a stale slot is ignored (and
+    /// dropping the page says nothing about its reuse, so G is not told).
+    fn remove(&mut self, slot: Slot, key: PageKey) {
+        if self.arena.holds(slot, key) {
             self.forget(slot);
         }
     }
@@ -418,7 +393,7 @@ mod tests {
         }
         // M is empty, so S (everything) is over its share: the oldest S page goes, to G.
         assert_eq!(p.select_victim(&mut probe), Some(k(0)));
-        assert_eq!(p.keys(2), vec![k(0)]);
+        assert!(p.ghost.contains(k(0)) && p.ghost_len() == 1);
         // Page 0 comes back on demand: the ghost sends it straight to M.
         fill(&mut p, &mut probe, k(0));
         assert_eq!(p.keys(1), vec![k(0)]);
@@ -436,7 +411,7 @@ mod tests {
         probe.touch(k(0));
         assert_eq!(p.select_victim(&mut probe), Some(k(1)));
         assert_eq!(p.keys(1), vec![k(0)]);
-        assert_eq!(p.keys(2), vec![k(1)]);
+        assert!(p.ghost.contains(k(1)) && p.ghost_len() == 1);
     }
 
     #[test]
@@ -492,14 +467,14 @@ mod tests {
             admit(&mut p, &mut probe, PageKey { object: 1, index: j });
             if j % 20 == 0 {
                 for i in 0..50 {
-                    if p.map.contains_key(&k(i)) {
+                    if p.keys(0).contains(&k(i)) || p.keys(1).contains(&k(i)) {
                         probe.touch(k(i));
                     }
                 }
             }
         }
-        let hot_left =
-            (0..50).filter(|&i| p.map.get(&k(i)).is_some_and(|&s| p.arena.get(s).data.queue == Queue::Main)).count();
+        let main = p.keys(1);
+        let hot_left = (0..50).filter(|&i| main.contains(&k(i))).count();
         assert_eq!(hot_left, 50, "the scan must not push the hot set out of M");
         // The scan only ever occupied the space M did not need.
         assert_eq!((p.main_len(), p.small_len()), (50, 50));
@@ -527,13 +502,13 @@ mod tests {
         }
         assert_eq!(p.select_victim(&mut probe), Some(k(0)));
         assert_eq!(p.select_victim(&mut probe), Some(k(20)));
-        assert!(!p.map.contains_key(&k(0)) && !p.map.contains_key(&k(20)));
+        assert!(p.is_empty() && !p.ghost.contains(k(0)) && !p.ghost.contains(k(20)), "neither is remembered");
         // A read-ahead page used once (the read it anticipated) is not promoted.
         p.insert(k(30), Admission::ReadAhead);
         probe.add(k(30));
         probe.touch(k(30));
         assert_eq!(p.select_victim(&mut probe), Some(k(30)));
-        assert_eq!(p.keys(2).last(), Some(&k(30)), "used once: remembered like a demand page");
+        assert!(p.ghost.contains(k(30)), "used once: remembered like a demand page");
     }
 
     #[test]
@@ -605,6 +580,6 @@ mod tests {
             fill(&mut p, &mut probe, k(i));
         }
         assert_eq!(p.ghost_len(), 9);
-        assert_eq!(p.arena.live(), 10 + 9);
+        assert_eq!(p.arena.live(), 10, "ghosts are fingerprints, not nodes");
     }
 }

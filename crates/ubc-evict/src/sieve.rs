@@ -24,7 +24,7 @@
 
 use crate::list::NIL;
 use crate::queue::MarkedQueue;
-use crate::{Admission, EvictAttempt, EvictionPolicy, PageKey, PageProbe};
+use crate::{Admission, EvictAttempt, EvictionPolicy, PageKey, PageProbe, Slot};
 
 /// SIEVE replacement. See the module documentation.
 #[derive(Debug)]
@@ -69,14 +69,14 @@ impl EvictionPolicy for Sieve {
         "sieve"
     }
 
-    /// Append a newly filled page at the newest end (a duplicate insert is a refresh).
-    fn insert(&mut self, key: PageKey, admission: Admission) {
-        self.queue.insert(key, admission);
+    /// Append a newly filled page at the newest end; returns its slot.
+    fn insert(&mut self, key: PageKey, admission: Admission) -> Slot {
+        self.queue.insert(key, admission)
     }
 
-    /// Forget a page the cache dropped itself; unknown keys are ignored.
-    fn remove(&mut self, key: PageKey) {
-        if let Some(slot) = self.queue.slot(key) {
+    /// Forget a page the cache dropped itself; a stale slot is ignored.
+    fn remove(&mut self, slot: Slot, key: PageKey) {
+        if self.queue.holds(slot, key) {
             self.forget(slot);
         }
     }
@@ -127,7 +127,8 @@ mod tests {
         let mut p = Sieve::new(n as usize);
         let mut probe = TestProbe::default();
         for i in 0..n {
-            p.insert(k(i), Admission::Demand);
+            // Slot i: the arena hands out slots in order (`remove` below relies on it).
+            assert_eq!(p.insert(k(i), Admission::Demand), i as Slot);
             probe.add(k(i));
         }
         (p, probe)
@@ -183,7 +184,9 @@ mod tests {
         probe.touch(k(0));
         assert_eq!(p.select_victim(&mut probe), Some(k(1)));
         // The hand is on 2; removing 2 must leave the hand on 3.
-        p.remove(k(2));
+        p.remove(1, k(2)); // a stale slot (1 held page 1, gone): ignored
+        assert_eq!(p.keys(), vec![k(0), k(2), k(3)]);
+        p.remove(2, k(2));
         probe.drop_page(k(2));
         assert_eq!(p.select_victim(&mut probe), Some(k(3)));
         assert_eq!(p.keys(), vec![k(0)]);

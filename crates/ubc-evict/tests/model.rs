@@ -1,7 +1,7 @@
 //! Randomized model test of the cache/policy contract, for every policy.
 //!
 //! A fake cache drives random inserts (demand and read-ahead, re-using keys so ghosts and
-//! re-admissions happen), removals (known and unknown keys), hits, pins, pages dropped behind
+//! re-admissions happen), removals (by the slot kept at insert: live, stale or never given), hits, pins, pages dropped behind
 //! the policy's back (the truncation race), concurrent-looking hits that re-set counters while
 //! the policy scans, and random `Unavailable` answers. After every operation it checks:
 //! * `select_victim` returns only the one page it took (`Taken`), and takes nothing it then
@@ -16,7 +16,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use ubc_evict::sim::SplitMix64;
-use ubc_evict::{Admission, EvictAttempt, EvictionPolicy, PageKey, PageProbe, PolicyKind};
+use ubc_evict::{Admission, EvictAttempt, EvictionPolicy, PageKey, PageProbe, PolicyKind, Slot};
 
 /// The fake cache's state of one page.
 #[derive(Clone, Copy, Default, Debug)]
@@ -138,6 +138,8 @@ fn run(kind: PolicyKind, seed: u64, steps: usize) {
         refused: BTreeSet::new(),
         probes: 0,
     };
+    // The slot the policy gave each key at its latest insert, as the cache keeps it.
+    let mut slots: BTreeMap<PageKey, Slot> = BTreeMap::new();
     let key = |rng: &mut SplitMix64| PageKey { object: rng.below(2), index: rng.below(universe / 2 + 1) };
     for _ in 0..steps {
         match rng.below(100) {
@@ -152,7 +154,7 @@ fn run(kind: PolicyKind, seed: u64, steps: usize) {
                 }
                 let adm = if rng.below(4) == 0 { Admission::ReadAhead } else { Admission::Demand };
                 fake.pages.insert(k, Page::default());
-                policy.insert(k, adm);
+                slots.insert(k, policy.insert(k, adm));
                 fake.tracked.insert(k);
             }
             // Hits.
@@ -162,11 +164,14 @@ fn run(kind: PolicyKind, seed: u64, steps: usize) {
                     p.accesses = (p.accesses + 1).min(3);
                 }
             }
-            // The cache drops a page and tells the policy (or an unknown key: no-op).
+            // The cache drops a page and tells the policy, with the slot it kept for the page
+            // (stale when the policy forgot the page meanwhile; a random one for a key never
+            // filled): a no-op unless the slot still holds the key.
             60..67 => {
                 let k = key(&mut rng);
                 fake.pages.remove(&k);
-                policy.remove(k);
+                let slot = slots.get(&k).copied().unwrap_or(rng.below(2 * capacity as u64 + 2) as Slot);
+                policy.remove(slot, k);
                 fake.tracked.remove(&k);
             }
             // The cache drops a page without telling the policy yet (truncation race).

@@ -480,6 +480,7 @@ impl CacheCore {
             daemon_runs: self.daemon_runs.load(Relaxed),
             daemon_evictions: self.daemon_evictions.load(Relaxed),
             policy: leak_name(&res.policy_name),
+            policy_pages: res.policy.lock().len() as u64,
             unclean_bytes: res.dirty.unclean() << g.page_shift,
             dirty_limit_bytes: res.dirty.limit << g.page_shift,
             throttled_ms: res.dirty.throttled_us.load(Relaxed) / 1000,

@@ -44,8 +44,8 @@ pub mod evict {
     #[cfg(feature = "testing")]
     pub use ubc_evict::sim;
     pub use ubc_evict::{
-        Admission, Clock, EvictAttempt, EvictionPolicy, PageKey, PageProbe, PolicyKind, S3Fifo, S3FifoParams, Sieve,
-        UnknownPolicy,
+        Admission, Clock, EvictAttempt, EvictionPolicy, NO_SLOT, PageKey, PageProbe, PolicyKind, S3Fifo, S3FifoParams,
+        Sieve, Slot, UnknownPolicy,
     };
 }
 

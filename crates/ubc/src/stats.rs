@@ -95,6 +95,9 @@ pub struct CacheStats {
     pub daemon_evictions: u64,
     /// The replacement policy in use.
     pub policy: &'static str,
+    /// Pages the policy tracks now: the resident pages, whenever no fill or eviction is in
+    /// progress (every valid page is known to the policy, and only those).
+    pub policy_pages: u64,
     /// Unclean bytes now (dirty + under writeback + reserved by writers) and their limit.
     pub unclean_bytes: u64,
     pub dirty_limit_bytes: u64,

@@ -190,3 +190,65 @@ fn a_full_cache_keeps_the_whole_budget_resident() {
     assert!(resident * 100 >= budget * 98, "resident {resident} of a budget of {budget}");
     assert!(resident <= budget);
 }
+
+/// The policy keeps no index of its own: the cache hands back the slot it kept with each
+/// page (`EvictionPolicy::remove(slot, key)`). Whatever path a page leaves by — eviction,
+/// truncation, a punched hole, `drop_clean`, the cache letting a closed file go — the
+/// policy must be told, with the right slot: at every quiet point it tracks exactly the
+/// resident pages. (A wrong slot is ignored by the policy, so it would keep a page that is
+/// gone and `policy_pages` would exceed the resident pages.)
+#[test]
+fn the_policy_tracks_exactly_the_resident_pages_whatever_way_pages_leave() {
+    let _turn = one_at_a_time();
+    let budget: u64 = 4 << 20;
+    let cache = Cache::builder().budget(budget).build().unwrap();
+    let quiet = |what: &str| {
+        // Background work (page daemon, flusher) may still be finishing: look until two
+        // readings agree.
+        let mut last = (u64::MAX, u64::MAX);
+        for _ in 0..200 {
+            let st = cache.stats();
+            let now = (st.policy_pages, st.totals.resident_bytes / 4096);
+            if now == last && now.0 == now.1 {
+                return now.1;
+            }
+            last = now;
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        panic!("{what}: the policy tracks {} pages, {} are resident", last.0, last.1);
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f");
+    std::fs::write(&path, pattern(5, 0, 16 << 20)).unwrap();
+    let f = cache.open_path(&path, Access::ReadWrite).unwrap();
+    let mut rng = StdRng::seed_from_u64(5);
+    let mut b = vec![0u8; 16 << 10];
+    // Reads and writes over 4x the budget: evictions, kept-back dirty pages, write-back.
+    for i in 0..3000 {
+        let off = rng.random_range(0..(16u64 << 20) - b.len() as u64);
+        if i % 4 == 0 {
+            f.write_at(&b, off).unwrap();
+        } else {
+            f.read_at(&mut b, off).unwrap();
+        }
+    }
+    f.sync().unwrap();
+    assert!(cache.stats().totals.evictions > 500);
+    assert!(quiet("after reads and writes") > 0);
+    f.set_len(1 << 20).unwrap();
+    quiet("after truncation");
+    f.read_exact_at(&mut vec![0u8; 1 << 20], 0).unwrap();
+    f.punch_hole(4096..(512 << 10)).unwrap();
+    quiet("after punching a hole");
+    f.drop_clean(0..(1 << 20)).unwrap();
+    quiet("after drop_clean");
+    // A second file pushes the first, closed, out of the budget.
+    f.read_exact_at(&mut vec![0u8; 1 << 20], 0).unwrap();
+    drop(f);
+    let g = cache.open(Arc::new(MemPager::new()), Access::ReadWrite).unwrap();
+    g.write_at(&vec![7u8; 6 << 20], 0).unwrap();
+    g.sync().unwrap();
+    quiet("after a second file");
+    g.set_len(0).unwrap();
+    quiet("after truncating the second file to 0");
+}

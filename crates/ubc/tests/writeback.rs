@@ -63,7 +63,12 @@ fn expired_dirty_data_is_written_without_sync_oldest_first() {
     std::thread::sleep(Duration::from_millis(100));
     fb.write_at(&pattern(2, 0, 300_000), 0).unwrap();
     assert!(log.lock().is_empty() || log.lock()[0].0 == "a", "nothing of b before a");
-    eventually("both files written back by the flusher", || fa.stats().dirty_bytes == 0 && fb.stats().dirty_bytes == 0);
+    // Dirty counts fall when write-back *starts* (DIRTY → WRITEBACK), before the pager is
+    // called: wait for the pager to have been given every byte of both files.
+    let logged = |name: &str| log.lock().iter().filter(|e| e.0 == name).map(|e| e.2).sum::<usize>();
+    eventually("both files written back by the flusher", || {
+        fa.stats().dirty_bytes == 0 && fb.stats().dirty_bytes == 0 && logged("a") >= 300_000 && logged("b") >= 300_000
+    });
     let log = log.lock().clone();
     let first_b = log.iter().position(|e| e.0 == "b").unwrap();
     let last_a = log.iter().rposition(|e| e.0 == "a").unwrap();

@@ -44,7 +44,9 @@ impl Object {
             {
                 let mut pol = self.res.policy.lock();
                 for &p in &keep {
-                    pol.insert(self.key(p), Admission::Demand);
+                    let (ci, _) = self.locate(p);
+                    let chunk = self.table.get(ci).expect("a page held for eviction has its chunk");
+                    self.policy_admit(pol.as_mut(), chunk, p, Admission::Demand);
                 }
             }
             for &p in &keep {
@@ -103,7 +105,7 @@ impl Object {
             {
                 let mut pol = self.res.policy.lock();
                 for &p in &taken {
-                    pol.remove(self.key(p));
+                    self.policy_forget(pol.as_mut(), chunk, p);
                 }
             }
             self.release_evicted(&taken);

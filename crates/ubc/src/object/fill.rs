@@ -174,7 +174,7 @@ impl Object {
         {
             let mut pol = self.res.policy.lock();
             for p in first..first + n {
-                pol.insert(self.key(p), admission);
+                self.policy_admit(pol.as_mut(), chunk, p, admission);
             }
         }
         // Valid first, then mapped into every user mapping, held by a pin meanwhile (a page

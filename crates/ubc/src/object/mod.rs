@@ -27,7 +27,7 @@
 //! needs other objects (reclaim), it reaches them through the cache's `Reclaim` hook.
 
 use crate::error::{Error, PagerOp, Result};
-use crate::evict::{Admission, PageKey};
+use crate::evict::{Admission, EvictionPolicy, NO_SLOT, PageKey};
 use crate::map::{Holes, UserMap};
 use crate::memfd::Memfd;
 use crate::page::state::{self, Filled, IfHeld, Pin, WriteLock, Written};
@@ -345,6 +345,23 @@ impl Object {
 
     fn key(&self, page: u64) -> PageKey {
         PageKey { object: self.id, index: page }
+    }
+
+    /// Tell the policy that page `page` (of `chunk`) is valid, and keep the slot it gives.
+    /// Preconditions: `pol` is the cache's policy, locked; the page is held (being filled, or
+    /// locked for eviction and kept back) and not known to the policy.
+    fn policy_admit(&self, pol: &mut dyn EvictionPolicy, chunk: &Chunk, page: u64, admission: Admission) {
+        let slot = pol.insert(self.key(page), admission);
+        chunk.policy_slots[self.locate(page).1].store(slot, Relaxed);
+    }
+
+    /// Tell the policy that page `page` (of `chunk`) left the cache. Preconditions: `pol` is
+    /// the cache's policy, locked; the page is locked for drop or eviction, so it cannot be
+    /// admitted again meanwhile. If the policy forgot the page already (a victim search found
+    /// it gone), the kept slot no longer holds this key and the policy ignores it.
+    fn policy_forget(&self, pol: &mut dyn EvictionPolicy, chunk: &Chunk, page: u64) {
+        let slot = chunk.policy_slots[self.locate(page).1].swap(NO_SLOT, Relaxed);
+        pol.remove(slot, self.key(page));
     }
 
     /// Whether a copy to or from `chunk`'s pages goes by `pread`/`pwrite` on the memfd

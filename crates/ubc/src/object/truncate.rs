@@ -125,7 +125,7 @@ impl Object {
             {
                 let mut pol = self.res.policy.lock();
                 for &p in &dropped {
-                    pol.remove(self.key(p));
+                    self.policy_forget(pol.as_mut(), chunk, p);
                 }
             }
             if let Some(m) = self.memfd.get() {

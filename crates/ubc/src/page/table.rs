@@ -7,8 +7,9 @@
 //!
 //! Lookups take no lock: nodes and chunks are published with a CAS and are never freed
 //! while the table lives, so a reference obtained from `get` stays valid for `&self`'s
-//! lifetime. Memory is bounded by the number of chunks ever touched (one 4-byte word per
-//! page plus ~40 bytes per chunk): 0.1% of the touched file size with 4 KiB pages.
+//! lifetime. Memory is bounded by the number of chunks ever touched (two 4-byte words per
+//! page — its state and its policy slot — plus ~70 bytes per chunk): 0.2% of the touched
+//! file size with 4 KiB pages.
 
 use super::state::PageState;
 use parking_lot::Mutex;
@@ -28,6 +29,11 @@ pub(crate) struct Chunk {
     /// Chunk index within the object (offset / window size).
     pub(crate) index: u64,
     pub(crate) pages: Box<[PageState]>,
+    /// Where the replacement policy keeps each page ([`ubc_evict::Slot`], `NO_SLOT` when it
+    /// does not): read and written only under the policy lock, so `Relaxed` suffices. The
+    /// cache carries the slot as `struct page` carries its LRU links, so the policy needs no
+    /// index from key to page.
+    pub(crate) policy_slots: Box<[AtomicU32]>,
     /// Address of the window mapping these pages, or `WIN_NONE` / `WIN_RETIRING`.
     pub(crate) window: AtomicUsize,
     /// Slot of that window in the cache's window table.
@@ -44,6 +50,7 @@ impl Chunk {
         Chunk {
             index,
             pages: (0..pages).map(|_| PageState::default()).collect(),
+            policy_slots: (0..pages).map(|_| AtomicU32::new(ubc_evict::NO_SLOT)).collect(),
             window: AtomicUsize::new(WIN_NONE),
             window_slot: AtomicU32::new(0),
             window_ref: AtomicBool::new(false),
