@@ -84,13 +84,8 @@ impl GhostFifo {
 
     /// If `key` is in G, take it out and return true (a ghost hit).
     pub fn take(&mut self, key: PageKey) -> bool {
-        let fp = fingerprint(key);
-        let Some(i) = self.find(fp) else { return false };
-        let pos = self.index[i] as usize - 1;
-        self.index_delete(i);
-        self.ring[pos] = DEAD;
-        self.live -= 1;
-        self.skip_dead();
+        let Some(i) = self.find(fingerprint(key)) else { return false };
+        self.remove_at(i);
         true
     }
 
@@ -102,10 +97,15 @@ impl GhostFifo {
 
     /// Forget the oldest entry. Precondition: `live > 0`.
     fn pop_oldest(&mut self) {
-        let fp = self.ring[self.head];
-        let i = self.find(fp).expect("ghost ring and index agree");
+        let i = self.find(self.ring[self.head]).expect("ghost ring and index agree");
+        self.remove_at(i);
+    }
+
+    /// Take out the live entry recorded in index slot `i`: its ring position becomes `DEAD`.
+    fn remove_at(&mut self, i: usize) {
+        let pos = self.index[i] as usize - 1;
         self.index_delete(i);
-        self.ring[self.head] = DEAD;
+        self.ring[pos] = DEAD;
         self.live -= 1;
         self.skip_dead();
     }

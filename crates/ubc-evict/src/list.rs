@@ -13,7 +13,7 @@
 //! `back` the newest. `older` links point towards the front, `newer` links towards the back.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 
 use crate::PageKey;
 
@@ -69,12 +69,9 @@ pub(crate) fn key_map<V>(capacity: usize) -> KeyMap<V> {
     HashMap::with_capacity_and_hasher(capacity, BuildHasherDefault::default())
 }
 
-/// A 64-bit hash of `key` (the [`KeyHasher`] mix).
+/// A 64-bit hash of `key`: the one a [`KeyMap`] uses.
 pub(crate) fn key_hash(key: PageKey) -> u64 {
-    let mut h = KeyHasher::default();
-    h.write_u64(key.object);
-    h.write_u64(key.index);
-    h.finish()
+    BuildHasherDefault::<KeyHasher>::default().hash_one(key)
 }
 
 /// One arena slot: the page key, its list links and the policy's per-page data.

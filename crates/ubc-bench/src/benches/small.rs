@@ -256,54 +256,24 @@ fn meta_per_page(ctx: &Ctx) -> Vec<Record> {
     let len = ctx.scale(1 << 30, 256 << 20);
     let path = ctx.dir.join("meta.dat");
     make_file(&path, len).expect("make file");
+    // Touched before any measurement, so that no run counts the buffer as the cache's.
+    let mut buf = vec![1u8; 1 << 20];
     let mut u = vec![];
-    let mut buf = vec![0u8; 1 << 20];
     let mut after_drop = 0i64;
     for _ in 0..ctx.runs {
-        // Heap left free by what ran before would be reused and hide the growth: give it
-        // back first. (Not after the drop below: whether the cache returns its memory by
-        // itself is what that number shows.)
-        // SAFETY: glibc's malloc_trim has no preconditions.
-        unsafe { libc::malloc_trim(0) };
-        let before = rss_anon();
-        let cache = Cache::builder().budget(len + (64 << 20)).build().expect("cache");
-        let f = cache.open_path(&path, Access::ReadOnly).expect("open");
-        let mut off = 0;
-        while off < len {
-            f.read_exact_at(&mut buf, off).expect("read");
-            off += buf.len() as u64;
-        }
-        let pages = f.stats().resident_bytes / 4096;
-        let grown = rss_anon().saturating_sub(before);
-        u.push(grown as f64 / pages.max(1) as f64);
-        drop(f);
-        drop(cache);
-        after_drop = rss_anon() as i64 - before as i64;
+        let m = grown_per_page(&path, len, len + (64 << 20), 1, &mut buf);
+        u.push(m.per_page);
+        after_drop = m.after_drop;
     }
     // Past the budget: the same file through a cache of half its size, read front to back
     // twice, so that pages are evicted and the policy's ghost queue (S3-FIFO's memory of
     // evicted keys, 90% of the budget) is full — the metadata a cache carries at steady state.
     let mut steady = vec![];
-    let mut ghosts = 0;
+    let mut evictions = 0;
     for _ in 0..ctx.runs {
-        // SAFETY: as above.
-        unsafe { libc::malloc_trim(0) };
-        let before = rss_anon();
-        let cache = Cache::builder().budget(len / 2).build().expect("cache");
-        let f = cache.open_path(&path, Access::ReadOnly).expect("open");
-        for _pass in 0..2 {
-            let mut off = 0;
-            while off < len {
-                f.read_exact_at(&mut buf, off).expect("read");
-                off += buf.len() as u64;
-            }
-        }
-        let totals = cache.stats().totals;
-        let pages = totals.resident_bytes / 4096;
-        ghosts = totals.evictions;
-        steady.push(rss_anon().saturating_sub(before) as f64 / pages.max(1) as f64);
-        drop(f);
-        drop(cache);
+        let m = grown_per_page(&path, len, len / 2, 2, &mut buf);
+        steady.push(m.per_page);
+        evictions = m.evictions;
     }
     let _ = std::fs::remove_file(&path);
     vec![
@@ -315,8 +285,8 @@ fn meta_per_page(ctx: &Ctx) -> Vec<Record> {
             &[64.0],
             "Linux struct page",
             &format!(
-                "anonymous memory grown per cached 4 KiB page, a {} MiB file read into a budget that holds it \
-                 (includes the 1 MiB read buffer); after dropping the cache: {} KiB above the start; target <= 64",
+                "anonymous memory grown per cached 4 KiB page, a {} MiB file read into a budget that holds it; \
+                 after dropping the cache: {} KiB above the start; target <= 64",
                 len >> 20,
                 after_drop / 1024
             ),
@@ -330,11 +300,45 @@ fn meta_per_page(ctx: &Ctx) -> Vec<Record> {
             "Linux struct page",
             &format!(
                 "the same per cached page at steady state past the budget: the {} MiB file read twice through a \
-                 {} MiB budget ({ghosts} evictions, the ghost queue full; the page table keeps 8 bytes for each \
+                 {} MiB budget ({evictions} evictions, the ghost queue full; the page table keeps 8 bytes for each \
                  page of the file, resident or not, i.e. 16 of these bytes); target <= 64",
                 len >> 20,
                 len >> 21
             ),
         ),
     ]
+}
+
+/// What one measurement of [`grown_per_page`] found.
+struct Grown {
+    /// Anonymous memory grown per cached page while the cache held the file.
+    per_page: f64,
+    evictions: u64,
+    /// Anonymous memory above the start once the cache was dropped, in bytes.
+    after_drop: i64,
+}
+
+/// Read `path` (`len` bytes) front to back `passes` times through a fresh cache of `budget`
+/// bytes, and measure the process's anonymous memory per cached page, then after the drop.
+fn grown_per_page(path: &Path, len: u64, budget: u64, passes: u32, buf: &mut [u8]) -> Grown {
+    // Heap left free by what ran before would be reused and hide the growth: give it back
+    // first. (Not after the drop: whether the cache returns its memory by itself is what
+    // `after_drop` shows.)
+    // SAFETY: glibc's malloc_trim has no preconditions.
+    unsafe { libc::malloc_trim(0) };
+    let before = rss_anon();
+    let cache = Cache::builder().budget(budget).build().expect("cache");
+    let f = cache.open_path(path, Access::ReadOnly).expect("open");
+    for _ in 0..passes {
+        let mut off = 0;
+        while off < len {
+            f.read_exact_at(buf, off).expect("read");
+            off += buf.len() as u64;
+        }
+    }
+    let totals = cache.stats().totals;
+    let per_page = rss_anon().saturating_sub(before) as f64 / (totals.resident_bytes / 4096).max(1) as f64;
+    drop(f);
+    drop(cache);
+    Grown { per_page, evictions: totals.evictions, after_drop: rss_anon() as i64 - before as i64 }
 }

@@ -7,8 +7,12 @@ use super::*;
 impl Object {
     /// The state word of a cached page, if its chunk exists.
     pub(crate) fn page_state(&self, page: u64) -> Option<&state::PageState> {
-        let (ci, slot) = self.locate(page);
-        self.table.get(ci).map(|c| &c.pages[slot])
+        self.chunk_of(page).map(|c| &c.pages[self.locate(page).1])
+    }
+
+    /// The chunk holding `page`, if it exists.
+    fn chunk_of(&self, page: u64) -> Option<&Chunk> {
+        self.table.get(self.locate(page).0)
     }
 
     /// Free pages the replacement policy took for eviction (each held VALID|BUSY, already
@@ -44,8 +48,7 @@ impl Object {
             {
                 let mut pol = self.res.policy.lock();
                 for &p in &keep {
-                    let (ci, _) = self.locate(p);
-                    let chunk = self.table.get(ci).expect("a page held for eviction has its chunk");
+                    let chunk = self.chunk_of(p).expect("a page held for eviction has its chunk");
                     self.policy_admit(pol.as_mut(), chunk, p, Admission::Demand);
                 }
             }
