@@ -119,6 +119,7 @@ fn cache_stats<'py>(py: Python<'py>, s: &ubc::CacheStats) -> PyResult<Bound<'py,
     d.set_item("daemon_evictions", s.daemon_evictions)?;
     d.set_item("policy", s.policy)?;
     d.set_item("policy_pages", s.policy_pages)?;
+    d.set_item("shared_memfds", s.shared_memfds)?;
     d.set_item("unclean_bytes", s.unclean_bytes)?;
     d.set_item("dirty_limit_bytes", s.dirty_limit_bytes)?;
     d.set_item("throttled_ms", s.throttled_ms)?;

@@ -5,8 +5,8 @@
 //!
 //! A file reached through the stack has a coherence group (its domains: one cache object
 //! per layer that names the bytes its own way). The group holds a read-only handle on each
-//! domain's object, and each object holds descriptors: its memfd, and for a host file the
-//! host descriptor — about `2 + general layers` descriptors per file (4 for
+//! domain's object; the objects' pages are slices of the cache's shared memfds, so a group
+//! holds one descriptor: the stored file's (a memfd per domain made it 4 for
 //! `dir | aead | zstd`). A group is *in use* while an open [`File`], a [`Mapping`] or an
 //! operation in progress holds it. When the last one lets go, the group stays open in a
 //! bounded LRU **pool of idle files**, so that reopening a recently closed file costs no
@@ -19,14 +19,14 @@
 //! aead header, a zstd commit — reach the stored bytes; a file synced at its close, as the
 //! mount does, has nothing to flush), then its domains are closed top first, each upper
 //! one emptied of its cached pages and its object forgotten ([`ubc::Cache::forget`]). The
-//! upper objects, empty, are freed by the cache with their memfds and their pagers'
-//! handles on the layers below; the stored file's object (domain 0) stays cached like any
+//! upper objects, empty, are freed by the cache with their pagers' handles on the layers
+//! below; the stored file's object (domain 0) stays cached like any
 //! closed file, within the cache's `max_cached_files` (written back and dropped beyond
 //! it). Opens of a file whose group is being released wait until it is done, and so does
 //! [`Stack::sync_all`]. If the flush fails, nothing is dropped: the group goes back to the
 //! pool with its dirty data, for a later sync to write or report (data is never dropped
-//! to respect the limit). A read-ahead job finishing just then holds its object (and
-//! memfd) until it returns.
+//! to respect the limit). A read-ahead job finishing just then holds its object until it
+//! returns.
 //!
 //! Why it stays coherent: domain 0 is the stored bytes and every write, through any layer,
 //! goes down through its one cache object, so a cached domain-0 object is never stale. An
@@ -212,17 +212,16 @@ impl Drop for Direct {
 /// What [`Stack::watch`] calls.
 pub type ChangeWatcher = Arc<dyn Fn(&Change) + Send + Sync>;
 
-/// The default size of the pool of idle files for `layers`: a quarter of the soft open-file
-/// limit, divided by the descriptors one group holds (a memfd per domain and the stored
-/// file's descriptor), at least 16. The cache drops closed objects while it holds more
-/// than a quarter of the limit in objects, open or closed (`max_cached_files`'s default;
-/// the pool's count among them), and a closed one holds at most two descriptors: idle
-/// files then hold at most three quarters of the limit, and the rest stays for open files
-/// and everything else.
-fn default_idle_files(layers: &[Arc<dyn Layer>]) -> usize {
+/// The default size of the pool of idle files: a quarter of the soft open-file limit (a
+/// group holds one descriptor, the stored file's), at least 16. The cache drops closed
+/// objects while it holds more than a quarter of the limit in objects, open or closed
+/// (`max_cached_files`'s default; the pool's stored files among them), and a closed one
+/// holds at most one descriptor: idle files then hold at most a quarter of the limit, and
+/// the rest stays for open files and everything else. (A file past 1 TiB also holds a
+/// memfd per domain for its pages there.)
+fn default_idle_files() -> usize {
     let nofile = rustix::process::getrlimit(rustix::process::Resource::Nofile).current.unwrap_or(1024);
-    let per_group = 2 + layers.iter().filter(|l| l.is_general()).count();
-    (nofile as usize / 4 / per_group).max(16)
+    (nofile as usize / 4).max(16)
 }
 
 /// A stack of layers over one cache. Cheap to clone (shared).
@@ -352,7 +351,7 @@ impl Stack {
             }
         }
         let names = layers.iter().map(|_| Mutex::new(BTreeMap::new())).collect();
-        let idle_files = AtomicUsize::new(default_idle_files(&layers));
+        let idle_files = AtomicUsize::new(default_idle_files());
         Ok(Stack {
             inner: Arc::new(Inner {
                 cache,

@@ -21,9 +21,10 @@ fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()
 }
 
-/// Descriptors a file of `dir | aead | zstd` holds: the host file and a memfd per domain.
-const PER_FILE: usize = 4;
-/// Closed objects the cache keeps (`max_cached_files`), at most two descriptors each.
+/// Descriptors a file of `dir | aead | zstd` holds: the host file's (its pages, in every
+/// domain, are slices of the cache's shared memfds; a memfd each made the count 4).
+const PER_FILE: usize = 1;
+/// Closed objects the cache keeps (`max_cached_files`), at most one descriptor each.
 const CACHED: usize = 32;
 const POOL: usize = 16;
 
@@ -45,7 +46,7 @@ fn many_files_stay_bounded(stack: &Stack, n: usize) {
     // Start the cache's machinery (threads, I/O pools) before the baseline.
     drop(top.create("warmup").unwrap());
     let base = open_fds();
-    let bound = base + POOL * PER_FILE + CACHED * 2 + 16;
+    let bound = base + POOL * PER_FILE + CACHED + 16;
     let mut peak = 0;
     for i in 0..n {
         let f = top.create(&format!("f{i}")).unwrap();
@@ -115,7 +116,7 @@ fn a_released_file_reopened_after_a_write_below_reads_the_new_bytes() {
     let tmp = tempfile::tempdir().unwrap();
     let spec = common::layered_spec(tmp.path(), "aead | zstd");
     // No read-ahead: a read-ahead job that has just filled its pages still holds its object
-    // (and memfd) for a moment after the release, which would blur the count taken at once.
+    // (and its pager's descriptors) for a moment after the release, which would blur the count taken at once.
     let cache = ubc::Cache::builder().budget(16 << 20).max_cached_files(CACHED).readahead(0, 0).build().unwrap();
     let stack = Stack::open(&spec, cache).unwrap();
     stack.set_idle_files(0);
@@ -139,10 +140,10 @@ fn a_released_file_reopened_after_a_write_below_reads_the_new_bytes() {
     f.read_exact_at(&mut got, 0).unwrap();
     assert!(got == old);
     drop(f);
-    // Released: only the stored files' objects may stay cached (a memfd and the host
-    // file's descriptor each), not the upper domains' (a memfd each).
+    // Released: only the stored files' objects may stay cached (the host file's descriptor
+    // each; their pages in the shared memfd), not the upper domains'.
     let after = open_fds();
-    assert!(after <= base + 2 * 2, "{after} descriptors with a and b closed, {base} before they were made");
+    assert!(after <= base + 2, "{after} descriptors with a and b closed, {base} before they were made");
     assert_eq!(stack.open_files(), (0, 0, 0));
 
     // Through the bottom layer: b's stored bytes (header, file id and all) replace a's.

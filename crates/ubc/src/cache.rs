@@ -179,7 +179,8 @@ impl CacheBuilder {
     }
 
     /// Most files kept cached after their last handle is closed (like NetBSD's
-    /// `maxvnodes`). Each holds a memfd and usually the pager's file descriptor; beyond this,
+    /// `maxvnodes`). Each usually holds the pager's file descriptor (its pages are a slice of
+    /// a memfd the cache's objects share); beyond this,
     /// the least recently closed are written back and dropped. Default: a quarter of the
     /// open-file limit, 64..=16384.
     pub fn max_cached_files(mut self, n: usize) -> Self {
@@ -459,11 +460,12 @@ impl CacheCore {
         let objects = self.listed(|_| true);
         for o in objects.iter().filter_map(ObjectRef::hold) {
             totals.add(&o.stats());
-            allocated += o.allocated_bytes();
+            allocated += o.own_allocated_bytes();
         }
         // The cache-wide resident count is the reservation counter, not the sum over objects:
         // the sum is read object by object while pages move between them, so it can count a
         // page twice. The counter includes pages being filled (their memory is committed).
+        allocated += res.arena.allocated_bytes();
         let g = &res.geo;
         totals.resident_bytes = res.resident.load(SeqCst) << g.page_shift;
         let w = res.windows.stats();
@@ -472,6 +474,7 @@ impl CacheCore {
             totals,
             budget_bytes: g.budget_pages << g.page_shift,
             allocated_bytes: allocated,
+            shared_memfds: res.arena.memfds(),
             page_size: g.page_size,
             objects: objects.len(),
             windows: w.live,

@@ -94,8 +94,8 @@ impl Mapping {
         let end = range.end.div_ceil(1 << ps) << ps;
         let map_len = (end - start) as usize;
         let svc = obj.res.map_service().clone();
-        let memfd = obj.memfd_for_map()?;
-        let addr = memfd.map_user(start, map_len, sharing, access)? as usize;
+        let memory = obj.memory_for_map()?;
+        let addr = memory.map_user(start, map_len, sharing, access)? as usize;
         let unmap = || {
             // SAFETY: our fresh mapping; nothing refers to it yet.
             unsafe { crate::memfd::unmap(addr as *mut u8, map_len) }

@@ -1,17 +1,46 @@
-//! The memory that holds one object's cached pages: a memfd, offset in memfd = offset in
-//! the file. Pages are allocated when first written through a window and freed by punching
-//! a hole, which also removes them from every mapping of the memfd.
+//! The memory that holds cached pages: memfds, whose pages are allocated when first
+//! written (through a window, a mapping or `pwrite`) and freed by punching a hole, which
+//! also removes them from every mapping.
+//!
+//! # Objects share memfds
+//!
+//! An object's pages at file offsets below [`SLICE`] (1 TiB) live in a *slice* of a memfd
+//! the whole cache shares (the cache's [`Arena`]): the slice starts at `base`, and file
+//! offset `o` is memfd offset `base + o`, so a window or a user mapping of any range below
+//! 1 TiB is still one contiguous `mmap`. Pages at or past 1 TiB live in a memfd of the
+//! object's own, at their file offsets, made when the first such page is; a mapping across
+//! 1 TiB is two `mmap`s, the second placed right after the first (`MAP_FIXED`). So a cached
+//! file costs no descriptor for its pages (before, every object with a page held a memfd:
+//! 15,000 cached files were 15,000 descriptors, and the process's limit was the limit on
+//! cached files), and making an object's memory is no system call.
+//!
+//! Slices are never reused: an arena memfd hands out `max_size() / SLICE` of them
+//! (8,388,607), and is closed when the last object of it is dropped; then the next one is
+//! made. A slice is punched whole (up to the highest offset ever touched) when its object
+//! is dropped. Not reusing them means a mapping that outlives its object — a forked
+//! child's copy of a user mapping, which ubc does not track — keeps showing that object's
+//! pages as they were, and never another object's.
+//!
+//! Under a finite `RLIMIT_FSIZE` below 1 TiB there are no slices (every offset of a memfd
+//! must stay below the limit): every object then has a memfd of its own, as before.
 
 use crate::error::{Error, Result};
 use crate::pager::Access;
+use parking_lot::Mutex;
 use rustix::fd::{AsFd, OwnedFd};
 use rustix::fs::{FallocateFlags, MemfdFlags};
 use rustix::mm::{MapFlags, ProtFlags};
 use std::ffi::CString;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, OnceLock, Weak};
 
 /// The largest size a memfd may have (tmpfs allows `MAX_LFS_FILESIZE`, 2^63 - 1), rounded
 /// down to 64 KiB so every supported page size divides it.
 pub(crate) const MEMFD_SIZE: u64 = (i64::MAX as u64) & !0xffff;
+
+/// The file offsets an object keeps in its slice of a shared memfd: `0..SLICE`. A power of
+/// two, so every window (a power of two no larger) lies wholly on one side of it.
+pub(crate) const SLICE: u64 = 1 << 40;
 
 /// The size of every memfd, and the largest file length ubc supports (a page must lie
 /// wholly inside the memfd): `MEMFD_SIZE`, or less under a finite `RLIMIT_FSIZE`. A memfd's
@@ -41,6 +70,250 @@ pub enum Sharing {
     Private,
 }
 
+/// The cache's shared memfds: hands out slices (see the module documentation).
+pub(crate) struct Arena {
+    state: Mutex<ArenaState>,
+}
+
+struct ArenaState {
+    /// The memfd slices are taken from, and the next slice's index in it.
+    current: Option<Arc<Memfd>>,
+    next: u64,
+    /// Every arena memfd still alive (an object of it lives), for `allocated_bytes`.
+    all: Vec<Weak<Memfd>>,
+}
+
+impl Arena {
+    pub(crate) fn new() -> Arena {
+        Arena { state: Mutex::new(ArenaState { current: None, next: 0, all: Vec::new() }) }
+    }
+
+    /// Slices one memfd holds (0 under an `RLIMIT_FSIZE` below `SLICE`).
+    fn slices_per_memfd() -> u64 {
+        max_size() / SLICE
+    }
+
+    /// A fresh slice: its memfd and base offset; `None` where there are no slices.
+    fn slice(&self) -> Result<Option<(Arc<Memfd>, u64)>> {
+        let per = Self::slices_per_memfd();
+        if per == 0 {
+            return Ok(None);
+        }
+        let mut s = self.state.lock();
+        if s.current.is_none() || s.next == per {
+            // A leaf lock: memfd_create and ftruncate take no lock of ours.
+            let m = Arc::new(Memfd::create("pages")?);
+            s.all.retain(|w| w.strong_count() > 0);
+            s.all.push(Arc::downgrade(&m));
+            s.current = Some(m);
+            s.next = 0;
+        }
+        let base = s.next * SLICE;
+        s.next += 1;
+        Ok(Some((s.current.clone().expect("made above"), base)))
+    }
+
+    /// Bytes of memory the shared memfds hold.
+    pub(crate) fn allocated_bytes(&self) -> u64 {
+        let all: Vec<Arc<Memfd>> = self.state.lock().all.iter().filter_map(Weak::upgrade).collect();
+        all.iter().map(|m| m.allocated_bytes()).sum()
+    }
+
+    /// Shared memfds alive.
+    pub(crate) fn memfds(&self) -> usize {
+        self.state.lock().all.iter().filter(|w| w.strong_count() > 0).count()
+    }
+}
+
+/// One object's memory: offsets below `split` in a slice of a shared memfd, the rest in a
+/// memfd of its own (see the module documentation). Every method takes file offsets.
+pub(crate) struct Memory {
+    /// The shared memfd and the slice's base; `None` where there are no slices.
+    low: Option<(Arc<Memfd>, u64)>,
+    /// Offsets below this are in the slice: `SLICE`, or 0 without one.
+    split: u64,
+    /// The memfd for offsets at or past `split`, made on first use.
+    high: OnceLock<Memfd>,
+    high_init: Mutex<()>,
+    /// The object's name (for the own memfd's name).
+    name: String,
+    /// One past the highest slice offset ever written, allocated or mapped: what a drop
+    /// punches.
+    touched: AtomicU64,
+}
+
+impl Memory {
+    /// An object's memory, empty: a slice of `arena` (no system call) where there are slices.
+    pub(crate) fn new(arena: &Arena, name: &str) -> Result<Memory> {
+        let low = arena.slice()?;
+        let split = if low.is_some() { SLICE } else { 0 };
+        Ok(Memory {
+            low,
+            split,
+            high: OnceLock::new(),
+            high_init: Mutex::new(()),
+            name: name.to_string(),
+            touched: AtomicU64::new(0),
+        })
+    }
+
+    /// The own memfd, made if needed.
+    fn high(&self) -> Result<&Memfd> {
+        if let Some(m) = self.high.get() {
+            return Ok(m);
+        }
+        let _g = self.high_init.lock();
+        if let Some(m) = self.high.get() {
+            return Ok(m);
+        }
+        let m = Memfd::create(&self.name)?;
+        Ok(self.high.get_or_init(|| m))
+    }
+
+    /// The low part of `offset..offset+len` as (memfd, memfd offset, length), if any, noting
+    /// it touched when `touch`.
+    fn low_part(&self, offset: u64, len: u64, touch: bool) -> Option<(&Memfd, u64, u64)> {
+        let (m, base) = self.low.as_ref()?;
+        if offset >= self.split {
+            return None;
+        }
+        let n = len.min(self.split - offset);
+        if n == 0 {
+            return None;
+        }
+        if touch {
+            self.touched.fetch_max(offset + n, Relaxed);
+        }
+        Some((m, base + offset, n))
+    }
+
+    /// Bytes of `offset..offset+len` that lie below `split`.
+    fn low_len(&self, offset: u64, len: u64) -> u64 {
+        if offset >= self.split { 0 } else { len.min(self.split - offset) }
+    }
+
+    /// Free the pages in `offset..offset+len` (and unmap them from every mapping).
+    pub(crate) fn punch(&self, offset: u64, len: u64) -> Result<()> {
+        let len = len.min(max_size().saturating_sub(offset));
+        if let Some((m, at, n)) = self.low_part(offset, len, false) {
+            m.punch(at, n)?;
+        }
+        let n = self.low_len(offset, len);
+        if n < len
+            && let Some(h) = self.high.get()
+        {
+            h.punch(offset + n, len - n)?;
+        }
+        Ok(())
+    }
+
+    /// Allocate zeroed memory for the holes in `offset..offset+len` (existing pages stay).
+    pub(crate) fn allocate(&self, offset: u64, len: u64) -> Result<()> {
+        if let Some((m, at, n)) = self.low_part(offset, len, true) {
+            m.allocate(at, n)?;
+        }
+        let n = self.low_len(offset, len);
+        if n < len {
+            self.high()?.allocate(offset + n, len - n)?;
+        }
+        Ok(())
+    }
+
+    /// Write `buf` at `offset` with `pwrite` (see `Memfd::write_at`).
+    pub(crate) fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        let n = self.low_len(offset, buf.len() as u64) as usize;
+        if let Some((m, at, _)) = self.low_part(offset, n as u64, true) {
+            m.write_at(&buf[..n], at)?;
+        }
+        if n < buf.len() {
+            self.high()?.write_at(&buf[n..], offset + n as u64)?;
+        }
+        Ok(())
+    }
+
+    /// Read `buf.len()` bytes at `offset` with `pread` (a hole reads as zeros and stays one).
+    pub(crate) fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        let n = self.low_len(offset, buf.len() as u64) as usize;
+        if let Some((m, at, _)) = self.low_part(offset, n as u64, false) {
+            m.read_at(&mut buf[..n], at)?;
+        }
+        if n < buf.len() {
+            match self.high.get() {
+                Some(h) => h.read_at(&mut buf[n..], offset + n as u64)?,
+                None => buf[n..].fill(0),
+            }
+        }
+        Ok(())
+    }
+
+    /// A user mapping of `len` bytes at `offset`: shared or private (copy-on-write),
+    /// writable or not.
+    pub(crate) fn map_user(&self, offset: u64, len: usize, sharing: Sharing, access: Access) -> Result<*mut u8> {
+        let prot = match access {
+            Access::ReadWrite => ProtFlags::READ | ProtFlags::WRITE,
+            Access::ReadOnly => ProtFlags::READ,
+        };
+        let flags = match sharing {
+            Sharing::Shared => MapFlags::SHARED,
+            Sharing::Private => MapFlags::PRIVATE,
+        };
+        self.map_range(offset, len, prot, flags, "mmap(user mapping)")
+    }
+
+    /// Map `len` bytes at `offset` shared, read-write (a window).
+    pub(crate) fn map(&self, offset: u64, len: usize) -> Result<*mut u8> {
+        self.map_range(offset, len, ProtFlags::READ | ProtFlags::WRITE, MapFlags::SHARED, "mmap(window)")
+    }
+
+    /// One contiguous mapping of `offset..offset+len`: from the slice, from the own memfd,
+    /// or both (the own memfd's part first, over the whole length; then the slice's part
+    /// placed over its start with `MAP_FIXED`, which replaces those pages atomically).
+    fn map_range(
+        &self,
+        offset: u64,
+        len: usize,
+        prot: ProtFlags,
+        flags: MapFlags,
+        what: &'static str,
+    ) -> Result<*mut u8> {
+        let n = self.low_len(offset, len as u64) as usize;
+        if n == len {
+            let (m, at, _) = self.low_part(offset, len as u64, true).expect("a slice holds the range");
+            return m.mmap(std::ptr::null_mut(), at, len, prot, flags, what);
+        }
+        let whole = self.high()?.mmap(std::ptr::null_mut(), offset, len, prot, flags, what)?;
+        if let Some((m, at, n)) = self.low_part(offset, n as u64, true)
+            && let Err(e) = m.mmap(whole, at, n as usize, prot, flags | MapFlags::FIXED, what)
+        {
+            // SAFETY: our fresh mapping; nothing refers to it yet.
+            unsafe { unmap(whole, len) };
+            return Err(e);
+        }
+        Ok(whole)
+    }
+
+    /// Bytes of memory the object's own memfd holds (the slice's are counted by the arena).
+    pub(crate) fn own_allocated_bytes(&self) -> u64 {
+        self.high.get().map_or(0, Memfd::allocated_bytes)
+    }
+}
+
+impl Drop for Memory {
+    fn drop(&mut self) {
+        // The object punched every page it counted resident before this; this punch is for
+        // anything it did not count (none is known). Without it such memory would stay
+        // allocated until the whole shared memfd closes, as the slice is never handed out
+        // again. One `fallocate` per object that had pages.
+        let t = self.touched.load(Relaxed);
+        if t > 0
+            && let Some((m, base)) = &self.low
+        {
+            let _ = m.punch(*base, t);
+        }
+    }
+}
+
+/// One memfd: offsets are the memfd's own.
 pub(crate) struct Memfd {
     fd: OwnedFd,
 }
@@ -101,42 +374,27 @@ impl Memfd {
         Ok(())
     }
 
-    /// A user mapping of `len` bytes at `offset`: shared or private (copy-on-write),
-    /// writable or not.
-    pub(crate) fn map_user(&self, offset: u64, len: usize, sharing: Sharing, access: Access) -> Result<*mut u8> {
-        let prot = match access {
-            Access::ReadWrite => ProtFlags::READ | ProtFlags::WRITE,
-            Access::ReadOnly => ProtFlags::READ,
-        };
-        let flags = match sharing {
-            Sharing::Shared => MapFlags::SHARED,
-            Sharing::Private => MapFlags::PRIVATE,
-        };
-        // SAFETY: a fresh mapping at a kernel-chosen address; it aliases no Rust object.
-        let p = unsafe { rustix::mm::mmap(std::ptr::null_mut(), len, prot, flags, self.fd.as_fd(), offset) }
-            .map_err(|e| Error::os("mmap(user mapping)", e))?;
-        Ok(p as *mut u8)
-    }
-
     /// Bytes of memory the memfd holds (allocated pages), from `fstat`.
     pub(crate) fn allocated_bytes(&self) -> u64 {
         rustix::fs::fstat(&self.fd).map(|st| st.st_blocks as u64 * 512).unwrap_or(0)
     }
 
-    /// Map `len` bytes at `offset` shared, read-write.
-    pub(crate) fn map(&self, offset: u64, len: usize) -> Result<*mut u8> {
-        // SAFETY: a fresh mapping at a kernel-chosen address; it aliases no Rust object.
-        let p = unsafe {
-            rustix::mm::mmap(
-                std::ptr::null_mut(),
-                len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::SHARED,
-                self.fd.as_fd(),
-                offset,
-            )
-        }
-        .map_err(|e| Error::os("mmap(window)", e))?;
+    /// `mmap` `len` bytes at memfd offset `offset`, at `addr` (with `MAP_FIXED` in `flags`)
+    /// or where the kernel chooses (`addr` null). => with `MAP_FIXED`, `addr..addr+len` is a
+    /// mapping of ours that nothing uses yet.
+    fn mmap(
+        &self,
+        addr: *mut u8,
+        offset: u64,
+        len: usize,
+        prot: ProtFlags,
+        flags: MapFlags,
+        what: &'static str,
+    ) -> Result<*mut u8> {
+        // SAFETY: a fresh mapping at a kernel-chosen address, or (per the precondition) over
+        // our own unused one; it aliases no Rust object.
+        let p = unsafe { rustix::mm::mmap(addr as *mut _, len, prot, flags, self.fd.as_fd(), offset) }
+            .map_err(|e| Error::os(what, e))?;
         Ok(p as *mut u8)
     }
 }

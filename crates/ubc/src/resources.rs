@@ -135,6 +135,8 @@ pub(crate) struct Resources {
     pub(crate) policy: Mutex<Box<dyn EvictionPolicy>>,
     pub(crate) policy_name: String,
     pub(crate) windows: Windows,
+    /// The memfds objects' pages share (see `memfd.rs`).
+    pub(crate) arena: crate::memfd::Arena,
     /// Counters of objects already dropped.
     retired: Mutex<Stats>,
     /// The cache above, for reclaim (set once it is built).
@@ -169,6 +171,7 @@ impl Resources {
             policy: Mutex::new(p.policy),
             policy_name: p.policy_name,
             windows: p.windows,
+            arena: crate::memfd::Arena::new(),
             retired: Mutex::new(Stats::default()),
             up: OnceLock::new(),
         }

@@ -83,6 +83,9 @@ pub struct CacheStats {
     /// At most `totals.resident_bytes`: pages that are holes are counted resident but may
     /// not be allocated yet.
     pub allocated_bytes: u64,
+    /// The memfds objects' pages share (each object a slice of one; see the crate's
+    /// documentation of descriptors): one for up to 8,388,607 objects made.
+    pub shared_memfds: usize,
     pub page_size: usize,
     /// Objects (files) the cache knows, open or cached.
     pub objects: usize,

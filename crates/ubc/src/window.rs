@@ -24,7 +24,7 @@
 //! the store of RETIRING (and it takes the slow path, which waits on the table lock).
 
 use crate::error::Result;
-use crate::memfd::{self, Memfd};
+use crate::memfd::{self, Memory};
 
 use crate::page::table::{Chunk, WIN_NONE, WIN_RETIRING};
 use parking_lot::Mutex;
@@ -80,7 +80,7 @@ impl Windows {
     /// => caller holds at least one page of `chunk` (pin, BUSY, WRITING or WRITEBACK), and
     ///    touches only pages it holds.
     #[inline]
-    pub(crate) fn address(&self, chunk: &Chunk, memfd: &Memfd) -> Result<*mut u8> {
+    pub(crate) fn address(&self, chunk: &Chunk, memory: &Memory) -> Result<*mut u8> {
         let a = chunk.window.load(SeqCst);
         if a > WIN_RETIRING {
             if !chunk.window_ref.load(Relaxed) {
@@ -88,11 +88,11 @@ impl Windows {
             }
             return Ok(a as *mut u8);
         }
-        self.map_slow(chunk, memfd)
+        self.map_slow(chunk, memory)
     }
 
     #[cold]
-    fn map_slow(&self, chunk: &Chunk, memfd: &Memfd) -> Result<*mut u8> {
+    fn map_slow(&self, chunk: &Chunk, memory: &Memory) -> Result<*mut u8> {
         let mut s = self.slots.lock();
         // Retirement happens under this lock, so here the window is either mapped (someone
         // else mapped it while we waited) or NONE.
@@ -124,7 +124,7 @@ impl Windows {
                 },
             }
         };
-        let addr = match memfd.map(chunk.index * self.size as u64, self.map_len(chunk)) {
+        let addr = match memory.map(chunk.index * self.size as u64, self.map_len(chunk)) {
             Ok(p) => p,
             Err(e) => {
                 s.free.push(slot as u32);

@@ -15,20 +15,6 @@ use ubc::{Access, Cache, Error, Pager, Sharing};
 /// Largest file length ubc supports: 2^63 - 64 KiB.
 const MAX: u64 = (i64::MAX as u64) & !0xffff;
 
-/// Run `f` on its own thread; fail if it panics or runs longer than `secs`.
-fn guarded<T: Send + 'static>(what: &str, secs: u64, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
-        let _ = tx.send(r);
-    });
-    match rx.recv_timeout(Duration::from_secs(secs)) {
-        Ok(Ok(v)) => v,
-        Ok(Err(p)) => std::panic::resume_unwind(p),
-        Err(_) => panic!("{what}: no answer after {secs} s (hang)"),
-    }
-}
-
 fn overflow<T: std::fmt::Debug>(r: ubc::Result<T>, what: &str) {
     match r {
         Err(Error::OffsetOverflow { .. }) => {}

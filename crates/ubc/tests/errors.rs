@@ -309,7 +309,7 @@ fn a_writeback_failure_later_retried_successfully_is_not_an_error() {
 #[test]
 fn a_file_size_limit_is_an_error_past_it_not_a_signal() {
     const LIMIT: u64 = 4 << 20;
-    if std::env::var("UBC_CHILD").is_ok_and(|v| v == "fsize") {
+    if is_child("fsize") {
         let dir = tempfile::tempdir().unwrap();
         let cache = Cache::builder().budget(8 << 20).build().unwrap();
         let f = cache.create_path(dir.path().join("f")).unwrap();
@@ -333,24 +333,12 @@ fn a_file_size_limit_is_an_error_past_it_not_a_signal() {
         assert_eq!(back, data);
         return;
     }
-    use std::os::unix::process::{CommandExt, ExitStatusExt};
-    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
-    cmd.args(["--exact", "a_file_size_limit_is_an_error_past_it_not_a_signal", "--nocapture", "--test-threads=1"])
-        .env("UBC_CHILD", "fsize");
-    // SAFETY: setrlimit is async-signal-safe; it only changes the child's limit.
-    unsafe {
-        cmd.pre_exec(|| {
-            let r = libc::rlimit { rlim_cur: LIMIT, rlim_max: libc::RLIM_INFINITY };
-            if libc::setrlimit(libc::RLIMIT_FSIZE, &r) == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
-        });
-    }
-    let out = cmd.output().unwrap();
-    assert!(
-        out.status.success(),
-        "child under RLIMIT_FSIZE = {LIMIT}: {:?} (signal {:?})\n{}",
-        out.status,
-        out.status.signal(),
-        String::from_utf8_lossy(&out.stderr)
+    in_child_with_limit(
+        "a_file_size_limit_is_an_error_past_it_not_a_signal",
+        "fsize",
+        libc::RLIMIT_FSIZE,
+        LIMIT,
+        libc::RLIM_INFINITY,
     );
 }
 

@@ -296,6 +296,7 @@ impl Layer for Dir {
 
     fn remove(&self, path: &str) -> Result<()> {
         let (dir, name) = self.parent(path)?;
+        keep_open_before_unlink(&dir, name);
         rustix::fs::unlinkat(&dir, name, AtFlags::empty()).map_err(|e| io(path, e))
     }
 
@@ -311,6 +312,9 @@ impl Layer for Dir {
     fn rename_with(&self, from: &str, to: &str, how: Rename) -> Result<()> {
         let (fdir, fname) = self.parent(from)?;
         let (tdir, tname) = self.parent(to)?;
+        if how == Rename::Replace {
+            keep_open_before_unlink(&tdir, tname);
+        }
         let flags = match how {
             Rename::Replace => rustix::fs::RenameFlags::empty(),
             Rename::NoReplace => rustix::fs::RenameFlags::NOREPLACE,
@@ -414,5 +418,18 @@ impl Layer for Dir {
         let f = self.open_beneath(path, flags, 0)?;
         let pager = ubc::pager::FilePager::from_file(f, self.host(path), access).map_err(|e| Error::io(path, e))?;
         Ok(Opened::Store(Arc::new(pager)))
+    }
+}
+
+/// Before `name` in `dir` loses a name (unlink, or a rename over it): if it is a regular
+/// file a file pager of this process holds, its descriptor must stay open from now on — a
+/// parked descriptor (`ubc::pager::host_fds`) could not be reopened once the file has no
+/// name and no descriptor, and an open handle on a removed file keeps working like an
+/// open descriptor.
+fn keep_open_before_unlink(dir: &impl rustix::fd::AsFd, name: &str) {
+    if let Ok(st) = rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW)
+        && st.st_mode & libc::S_IFMT == libc::S_IFREG
+    {
+        ubc::pager::host_fds::keep_open(st.st_dev, st.st_ino);
     }
 }

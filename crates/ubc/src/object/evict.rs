@@ -62,7 +62,7 @@ impl Object {
         } else {
             pages
         };
-        if let Some(m) = self.memfd.get() {
+        if let Some(m) = self.memory.get() {
             for (a, b) in runs(pages) {
                 // A failed punch would leave memory allocated that we no longer account; it
                 // cannot fail for a valid range of a memfd, so there is nothing to undo.

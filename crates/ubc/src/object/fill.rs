@@ -118,7 +118,7 @@ impl Object {
             // Entirely past the end of the file: a hole, zero-filled by the memfd.
             return Ok(());
         }
-        let memfd = self.memfd()?;
+        let memfd = self.memory()?;
         let bytes = (n << self.ps()) as usize;
         // A small file's pages are filled through a buffer and `pwrite` (see `by_syscall`).
         let mut bounce = Vec::new();
@@ -306,7 +306,7 @@ impl Object {
                 }
             }
         }
-        match self.memfd().and_then(|m| self.res.windows.address(chunk, m)) {
+        match self.memory().and_then(|m| self.res.windows.address(chunk, m)) {
             Ok(w) => Ok(w),
             Err(e) => {
                 self.unpin_run(chunk, first, last + 1 - first);

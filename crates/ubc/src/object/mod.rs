@@ -29,7 +29,7 @@
 use crate::error::{Error, PagerOp, Result};
 use crate::evict::{Admission, EvictionPolicy, NO_SLOT, PageKey};
 use crate::map::{Holes, UserMap};
-use crate::memfd::Memfd;
+use crate::memfd::Memory;
 use crate::page::state::{self, Filled, IfHeld, Pin, WriteLock, Written};
 use crate::page::table::{Chunk, PageTable, WIN_RETIRING};
 use crate::pager::{Fill, Identity, Pager};
@@ -105,8 +105,9 @@ pub(crate) struct Object {
     pub(crate) res: Arc<Resources>,
     pager: RwLock<Arc<dyn Pager>>,
     pub(crate) table: PageTable,
-    memfd: OnceLock<Memfd>,
-    memfd_init: Mutex<()>,
+    /// The memory holding this object's pages (made on first use; see `memfd.rs`).
+    memory: OnceLock<Memory>,
+    memory_init: Mutex<()>,
     /// Logical length: the cache's, authoritative while the object lives.
     len: AtomicU64,
     pub(crate) size_lock: RwLock<()>,
@@ -164,8 +165,8 @@ impl Object {
             depth: AtomicU32::new(pager.depth()),
             pager: RwLock::new(pager),
             res,
-            memfd: OnceLock::new(),
-            memfd_init: Mutex::new(()),
+            memory: OnceLock::new(),
+            memory_init: Mutex::new(()),
             len: AtomicU64::new(len),
             size_lock: RwLock::new(()),
             handles: AtomicUsize::new(0),
@@ -266,8 +267,10 @@ impl Object {
         }
     }
 
-    pub(crate) fn allocated_bytes(&self) -> u64 {
-        self.memfd.get().map_or(0, |m| m.allocated_bytes())
+    /// Memory held by this object's own memfd (its pages past `memfd::SLICE`); the pages in
+    /// its slice are counted with the cache's arena.
+    pub(crate) fn own_allocated_bytes(&self) -> u64 {
+        self.memory.get().map_or(0, Memory::own_allocated_bytes)
     }
 
     pub(crate) fn stats(&self) -> Stats {
@@ -278,16 +281,16 @@ impl Object {
         s
     }
 
-    fn memfd(&self) -> Result<&Memfd> {
-        if let Some(m) = self.memfd.get() {
+    fn memory(&self) -> Result<&Memory> {
+        if let Some(m) = self.memory.get() {
             return Ok(m);
         }
-        let _g = self.memfd_init.lock();
-        if let Some(m) = self.memfd.get() {
+        let _g = self.memory_init.lock();
+        if let Some(m) = self.memory.get() {
             return Ok(m);
         }
-        let m = Memfd::create(&self.id.to_string())?;
-        Ok(self.memfd.get_or_init(|| m))
+        let m = Memory::new(&self.res.arena, &self.id.to_string())?;
+        Ok(self.memory.get_or_init(|| m))
     }
 
     fn io_err(&self, op: PagerOp, offset: u64, source: std::io::Error) -> Error {
@@ -316,16 +319,16 @@ impl Object {
         self.res.geo.page_shift
     }
 
-    /// The memfd holding this object's pages (made on first use).
-    pub(crate) fn memfd_for_map(&self) -> Result<&Memfd> {
-        self.memfd()
+    /// The memory holding this object's pages (made on first use).
+    pub(crate) fn memory_for_map(&self) -> Result<&Memory> {
+        self.memory()
     }
 
     /// Allocate (zeroed) memfd memory for `offset..offset+len` of a valid page that is a hole
     /// (counted resident, never written), so it can be mapped into a user mapping.
     /// => caller holds the page.
     pub(crate) fn materialize(&self, offset: u64, len: u64) {
-        if let Ok(m) = self.memfd() {
+        if let Ok(m) = self.memory() {
             let _ = m.allocate(offset, len);
         }
     }
@@ -386,8 +389,8 @@ impl Object {
 
     /// The address of file byte `pos` in `chunk`'s window, mapping one if needed.
     /// => caller holds a page of `chunk` and touches only pages it holds (see `window.rs`).
-    fn window_at(&self, chunk: &Chunk, memfd: &Memfd, pos: u64) -> Result<*mut u8> {
-        let win = self.res.windows.address(chunk, memfd)?;
+    fn window_at(&self, chunk: &Chunk, memory: &Memory, pos: u64) -> Result<*mut u8> {
+        let win = self.res.windows.address(chunk, memory)?;
         // SAFETY: the window maps the whole chunk, and `pos` lies in it.
         Ok(unsafe { win.add((pos - self.chunk_offset(chunk)) as usize) })
     }
@@ -395,7 +398,7 @@ impl Object {
     /// Copy the cached bytes at `pos..pos + dst.len()` (within `chunk`) into `dst`.
     /// => caller holds the pages (pinned, BUSY, WRITING or WRITEBACK).
     fn copy_out(&self, chunk: &Chunk, pos: u64, dst: &mut [u8]) -> Result<()> {
-        let m = self.memfd()?;
+        let m = self.memory()?;
         if self.by_syscall(chunk) {
             return m.read_at(dst, pos);
         }
@@ -408,7 +411,7 @@ impl Object {
     /// Copy `src` into the cached bytes at `pos..pos + src.len()` (within `chunk`).
     /// => caller holds the pages for writing (WRITING or BUSY).
     fn copy_in(&self, chunk: &Chunk, pos: u64, src: &[u8]) -> Result<()> {
-        let m = self.memfd()?;
+        let m = self.memory()?;
         if self.by_syscall(chunk) {
             return m.write_at(src, pos);
         }

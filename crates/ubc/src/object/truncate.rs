@@ -128,7 +128,7 @@ impl Object {
                     self.policy_forget(pol.as_mut(), chunk, p);
                 }
             }
-            if let Some(m) = self.memfd.get() {
+            if let Some(m) = self.memory.get() {
                 for (a, b) in runs(&dropped) {
                     if let Err(e) = m.punch(a << ps, (b - a) << ps) {
                         err = Err(e);

@@ -109,7 +109,7 @@ impl Object {
                 st.abort_write();
             }
             Held::Filled(chunk, page, _) => {
-                if let Some(m) = self.memfd.get() {
+                if let Some(m) = self.memory.get() {
                     let _ = m.punch(page << self.ps(), 1 << self.ps());
                 }
                 self.res.unreserve(1);
@@ -178,7 +178,7 @@ impl Object {
                 // (measured in docs/bench.md, table1 writes). The page is BUSY: no mapping
                 // maps it (they are registered MINOR), no reader reads it. `checked_end` kept the write below the memfd's
                 // size, so below any RLIMIT_FSIZE.
-                self.memfd().and_then(|m| m.write_at(src, pos))
+                self.memory().and_then(|m| m.write_at(src, pos))
             } else {
                 // We hold the page (WRITING or BUSY): no other writer, no eviction.
                 self.copy_in(chunk, pos, src)
@@ -248,7 +248,7 @@ impl Object {
                 }
             }
         }
-        match self.memfd().and_then(|m| self.res.windows.address(chunk, m)) {
+        match self.memory().and_then(|m| self.res.windows.address(chunk, m)) {
             Ok(w) => Ok(w),
             Err(e) => {
                 helds.into_iter().for_each(|h| self.abort_held(h));

@@ -188,9 +188,9 @@ impl Object {
             let mut bounce = Vec::new();
             let data = if self.by_syscall(chunk) {
                 bounce.resize(bytes, 0u8);
-                self.memfd().and_then(|m| m.read_at(&mut bounce, offset)).map(|()| &bounce[..])
+                self.memory().and_then(|m| m.read_at(&mut bounce, offset)).map(|()| &bounce[..])
             } else {
-                self.memfd().and_then(|m| self.window_at(chunk, m, offset)).map(|at| {
+                self.memory().and_then(|m| self.window_at(chunk, m, offset)).map(|at| {
                     // SAFETY: pages held WRITEBACK (stable: no writer, no eviction, no
                     // retirement).
                     unsafe { std::slice::from_raw_parts(at, bytes) }

@@ -53,6 +53,7 @@
 //! calls at once. The kernel cannot invalidate pages that another process has mapped and
 //! dirtied; like any cache, ubc is not coherent with outside writers of the file.
 
+use super::host_fds::HostFd;
 use super::{Fill, Identity, IoMode, Pager, Seek};
 use rustix::fs::{Advice, AtFlags, Mode, OFlags, StatxFlags};
 use std::alloc::Layout;
@@ -62,8 +63,8 @@ use std::num::NonZeroU64;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Arc, OnceLock};
 
 /// Whether a handle may modify the file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,9 +102,11 @@ const RAMFS_MAGIC: u64 = 0x8584_58f6;
 /// file system allows it (see the module documentation).
 #[derive(Debug)]
 pub struct FilePager {
-    /// The one descriptor held all the time: opened with `O_DIRECT` when `align` is set,
-    /// buffered otherwise. Metadata, `set_len` and `sync` use it in both modes.
-    file: File,
+    /// The pager's descriptor: opened with `O_DIRECT` when `align` is set, buffered
+    /// otherwise. Metadata, `set_len` and `sync` use it in both modes. It lives in the
+    /// process's pool of host descriptors (`host_fds.rs`): closed while the pool is full and
+    /// the file unused, reopened by file handle when next used.
+    file: HostFd,
     /// Alignment of direct I/O on `file`, if it was opened with `O_DIRECT`.
     align: Option<Align>,
     /// False once direct I/O was refused at run time (`EINVAL`): buffered for good.
@@ -127,8 +130,10 @@ struct Align {
     offset: usize,
 }
 
-/// A buffered descriptor: the pager's own, or a short-lived one for a transfer.
+/// A buffered descriptor: the pager's own (pooled, or the fallback kept after a refusal of
+/// direct I/O), or a short-lived one for a transfer.
 enum Fd<'a> {
+    Pooled(Arc<File>),
     Borrowed(&'a File),
     Owned(File),
 }
@@ -137,6 +142,7 @@ impl std::ops::Deref for Fd<'_> {
     type Target = File;
     fn deref(&self) -> &File {
         match self {
+            Fd::Pooled(f) => f,
             Fd::Borrowed(f) => f,
             Fd::Owned(f) => f,
         }
@@ -225,10 +231,11 @@ impl FilePager {
         if align.is_none() {
             no_readahead(&file);
         }
+        let flags = reopen_flags(access, align.is_some());
         FilePager {
             direct_on: AtomicBool::new(align.is_some()),
             align,
-            file,
+            file: HostFd::new(file, flags, dev, ino),
             fallback: OnceLock::new(),
             reopen_path,
             path: path.to_path_buf(),
@@ -242,14 +249,18 @@ impl FilePager {
     /// even where `O_DIRECT` would work: `FilePager::open(path, Access::ReadWrite)?.buffered()`.
     pub fn buffered(mut self) -> FilePager {
         if self.align.take().is_some() {
-            // Our own open file description (never shared): clear O_DIRECT on it.
-            if let Ok(fl) = rustix::fs::fcntl_getfl(&self.file) {
-                let _ = rustix::fs::fcntl_setfl(&self.file, fl - OFlags::DIRECT);
+            // Reopened buffered from now on; the open one is our own open file description
+            // (never shared): clear O_DIRECT on it.
+            self.file.set_flags(reopen_flags(self.access, false));
+            if let Ok(f) = self.file.get() {
+                if let Ok(fl) = rustix::fs::fcntl_getfl(&*f) {
+                    let _ = rustix::fs::fcntl_setfl(&*f, fl - OFlags::DIRECT);
+                }
+                no_readahead(&f);
             }
-            no_readahead(&self.file);
         }
         if let Some(f) = self.fallback.take() {
-            self.file = f;
+            self.file = HostFd::new(f, reopen_flags(self.access, false), self.dev, self.ino);
         }
         self.direct_on.store(false, Relaxed);
         self
@@ -273,13 +284,13 @@ impl FilePager {
     /// one for an unaligned tail, or the one kept after direct I/O was refused.
     fn buffered_fd(&self) -> io::Result<Fd<'_>> {
         if self.align.is_none() {
-            return Ok(Fd::Borrowed(&self.file));
+            return Ok(Fd::Pooled(self.file.get()?));
         }
         if let Some(f) = self.fallback.get() {
             return Ok(Fd::Borrowed(f));
         }
         let flags = self.access.flags() | OFlags::CLOEXEC;
-        let f = reopen(&self.file, self.reopen_path.as_deref(), flags, self.dev, self.ino)?;
+        let f = reopen(&*self.file.get()?, self.reopen_path.as_deref(), flags, self.dev, self.ino)?;
         if self.direct_on.load(Relaxed) {
             return Ok(Fd::Owned(f));
         }
@@ -342,13 +353,16 @@ impl FilePager {
     /// partial pages at the ends of the range, so it is widened to whole pages).
     fn drop_cached(&self, offset: u64, len: u64) {
         let (start, len) = page_span(offset, len);
-        if let Some(len) = NonZeroU64::new(len) {
-            let _ = rustix::fs::fadvise(&self.file, start, Some(len), Advice::DontNeed);
+        if let Some(len) = NonZeroU64::new(len)
+            && let Ok(f) = self.file.get()
+        {
+            let _ = rustix::fs::fadvise(&*f, start, Some(len), Advice::DontNeed);
         }
     }
 
     /// Direct read into `buf`; returns the bytes read (fewer at end of file).
     fn read_direct(&self, a: Align, offset: u64, buf: &mut [u8]) -> io::Result<usize> {
+        let file = self.file.get()?;
         let (ma, oa) = (a.mem, a.offset);
         let len = buf.len();
         let mut done = 0;
@@ -362,12 +376,12 @@ impl FilePager {
             let n = if want >= oa && (buf.as_ptr() as usize + done).is_multiple_of(ma) {
                 // Straight into the caller's buffer (the cache's page-aligned windows).
                 let k = want / oa * oa;
-                retry(|| self.file.read_at(&mut buf[done..done + k], pos))?
+                retry(|| file.read_at(&mut buf[done..done + k], pos))?
             } else {
                 let b = bounce
                     .get_or_insert_with(|| AlignedBuf::new(want.next_multiple_of(oa).min(BOUNCE_MAX), ma.max(oa)));
                 let k = want.next_multiple_of(oa).min(b.len());
-                let n = retry(|| self.file.read_at(&mut b.as_mut()[..k], pos))?.min(want);
+                let n = retry(|| file.read_at(&mut b.as_mut()[..k], pos))?.min(want);
                 buf[done..done + n].copy_from_slice(&b.as_mut()[..n]);
                 n
             };
@@ -386,6 +400,7 @@ impl FilePager {
 
     /// Direct write of the aligned prefix of `data`, buffered write of the rest.
     fn write_direct(&self, a: Align, offset: u64, data: &[u8]) -> io::Result<()> {
+        let file = self.file.get()?;
         let (ma, oa) = (a.mem, a.offset);
         let len = data.len();
         let mut done = 0;
@@ -394,12 +409,12 @@ impl FilePager {
             let pos = offset + done as u64;
             let k = (len - done) / oa * oa;
             let n = if (data.as_ptr() as usize + done).is_multiple_of(ma) {
-                retry(|| self.file.write_at(&data[done..done + k], pos))?
+                retry(|| file.write_at(&data[done..done + k], pos))?
             } else {
                 let b = bounce.get_or_insert_with(|| AlignedBuf::new(k.min(BOUNCE_MAX), ma.max(oa)));
                 let k = k.min(b.len());
                 b.as_mut()[..k].copy_from_slice(&data[done..done + k]);
-                retry(|| self.file.write_at(&b.as_mut()[..k], pos))?
+                retry(|| file.write_at(&b.as_mut()[..k], pos))?
             };
             if n == 0 {
                 return Err(io::Error::new(io::ErrorKind::WriteZero, "direct write wrote nothing"));
@@ -442,18 +457,19 @@ impl Pager for FilePager {
     }
 
     fn len(&self) -> io::Result<u64> {
-        Ok(self.file.metadata()?.len())
+        Ok(self.file.get()?.metadata()?.len())
     }
 
     fn set_len(&self, len: u64) -> io::Result<()> {
-        self.file.set_len(len)
+        self.file.get()?.set_len(len)
     }
 
     fn sync(&self) -> io::Result<()> {
-        self.file.sync_data()?;
+        let file = self.file.get()?;
+        file.sync_data()?;
         if self.direct_io().is_none() {
             // Everything is clean now: drop whatever the kernel still holds of the file.
-            let _ = rustix::fs::fadvise(&self.file, 0, None, Advice::DontNeed);
+            let _ = rustix::fs::fadvise(&*file, 0, None, Advice::DontNeed);
         }
         Ok(())
     }
@@ -467,7 +483,7 @@ impl Pager for FilePager {
     }
 
     fn sync_fs(&self) -> io::Result<()> {
-        rustix::fs::syncfs(&self.file).map_err(io::Error::from)
+        rustix::fs::syncfs(&*self.file.get()?).map_err(io::Error::from)
     }
 
     fn identity(&self) -> Option<Identity> {
@@ -480,7 +496,7 @@ impl Pager for FilePager {
 
     fn punch(&self, offset: u64, len: u64) -> io::Result<bool> {
         let mode = rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE;
-        match rustix::fs::fallocate(&self.file, mode, offset, len) {
+        match rustix::fs::fallocate(&*self.file.get()?, mode, offset, len) {
             Ok(()) => Ok(true),
             // The host file system cannot punch: the cache writes zeros instead.
             Err(rustix::io::Errno::OPNOTSUPP | rustix::io::Errno::NOSYS) => Ok(false),
@@ -489,7 +505,7 @@ impl Pager for FilePager {
     }
 
     fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
-        match rustix::fs::fallocate(&self.file, rustix::fs::FallocateFlags::KEEP_SIZE, offset, len) {
+        match rustix::fs::fallocate(&*self.file.get()?, rustix::fs::FallocateFlags::KEEP_SIZE, offset, len) {
             // A file system that cannot reserve (tmpfs before 3.5, some FUSE ones) allocates
             // at write time, as posix_fallocate's emulation would; nothing is promised then.
             Ok(()) | Err(rustix::io::Errno::OPNOTSUPP | rustix::io::Errno::NOSYS) => Ok(()),
@@ -505,7 +521,7 @@ impl Pager for FilePager {
         // The pager's transfers are positional, so the file position is nobody's; lseek
         // returns the offset it computed even when seeks race. ENXIO: no data (or `offset`
         // past the end).
-        match rustix::fs::seek(&self.file, whence) {
+        match rustix::fs::seek(&*self.file.get()?, whence) {
             Ok(at) => Ok(Some(at)),
             Err(rustix::io::Errno::NXIO) => match what {
                 Seek::Data => Ok(None),
@@ -585,6 +601,13 @@ fn reopen(file: &File, path: Option<&Path>, flags: OFlags, dev: u64, ino: u64) -
         return Err(io::Error::other("the file was replaced while reopening it"));
     }
     Ok(File::from(fd))
+}
+
+/// The flags a pooled descriptor is reopened with: the access, `O_CLOEXEC`, and `O_DIRECT`
+/// in direct mode.
+fn reopen_flags(access: Access, direct: bool) -> OFlags {
+    let f = access.flags() | OFlags::CLOEXEC;
+    if direct { f | OFlags::DIRECT } else { f }
 }
 
 /// ubc reads ahead itself; kernel read-ahead through a buffered descriptor would only leave

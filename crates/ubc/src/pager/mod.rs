@@ -9,6 +9,7 @@
 //! stores outside this crate implement it directly.
 
 pub(crate) mod file;
+pub mod host_fds;
 #[cfg(feature = "testing")]
 mod inject;
 mod mem;

@@ -149,3 +149,47 @@ impl Gate {
         *self.1.wait_timeout_while(g, d, |open| !*open).unwrap().0
     }
 }
+
+/// Run `f` on its own thread; fail if it panics or runs longer than `secs`.
+pub fn guarded<T: Send + 'static>(what: &str, secs: u64, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+        let _ = tx.send(r);
+    });
+    match rx.recv_timeout(std::time::Duration::from_secs(secs)) {
+        Ok(Ok(v)) => v,
+        Ok(Err(p)) => std::panic::resume_unwind(p),
+        Err(_) => panic!("{what}: no answer after {secs} s (hang)"),
+    }
+}
+
+/// Whether this process is the child `in_child_with_limit` started for `tag`.
+pub fn is_child(tag: &str) -> bool {
+    std::env::var("UBC_CHILD").is_ok_and(|v| v == tag)
+}
+
+/// Run test `test` of this binary again in a child process whose `resource` limit is
+/// `cur` (soft) and `max` (hard), set before `exec` (ubc reads some limits once, at first
+/// use); the child sees `is_child(tag)`. Panics with the child's output if it fails.
+pub fn in_child_with_limit(test: &str, tag: &str, resource: libc::__rlimit_resource_t, cur: u64, max: u64) {
+    use std::os::unix::process::{CommandExt, ExitStatusExt};
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", test, "--nocapture", "--test-threads=1"]).env("UBC_CHILD", tag);
+    // SAFETY: setrlimit is async-signal-safe; it only changes the child's limit.
+    unsafe {
+        cmd.pre_exec(move || {
+            let r = libc::rlimit { rlim_cur: cur, rlim_max: max };
+            if libc::setrlimit(resource, &r) == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+        });
+    }
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "child under limit {resource} = {cur}: {:?} (signal {:?})\n{}\n{}",
+        out.status,
+        out.status.signal(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -73,13 +73,15 @@
 //!
 //! # Descriptors
 //!
-//! Every file used through a mount holds descriptors while open (its host file and a memfd
-//! per layer object): closed files stay open only within the stack's pool of idle files
-//! (`--idle-files`, see `ubc_stack::stack`) and the cache's closed objects
-//! (`max_cached_files`, a quarter of the open-file limit), so a tree of any size can be
-//! copied in. A file removed or renamed over while open keeps working through its open
-//! descriptors (`fstat` included) and is gone, with every descriptor of it, at its last
-//! close.
+//! A file used through a mount holds at most one descriptor (its host file's; the pages of
+//! every layer's object are slices of the cache's shared memfds), and those descriptors live
+//! in the process's bounded pool of host descriptors (`--host-fds`, default a quarter of the
+//! open-file limit; `ubc::pager::host_fds`): beyond it the least recently used are closed and
+//! reopened by file handle when next used. Closed files stay known only within the stack's
+//! pool of idle files (`--idle-files`, see `ubc_stack::stack`) and the cache's closed
+//! objects (`--cached-files`), so a tree of any size can be copied in. A file removed or
+//! renamed over while open keeps working (its descriptor is pinned open before the unlink,
+//! `fstat` included) and is gone, with every descriptor of it, at its last close.
 //!
 //! SIGKILL of the daemon loses only what was not written back (`fsync`, the opener's
 //! `close`, or the shutdown); a crash of the host, what was not synced (`fsync`):
@@ -179,14 +181,19 @@ pub struct Args {
     kernel_dirty: Option<u64>,
     /// Closed files kept open (every layer's object of the file) for a quick reopen; beyond
     /// them the least recently used are flushed down and closed. Default: a quarter of the
-    /// open-file limit divided by the descriptors a file holds (2 + general layers)
+    /// open-file limit (a file holds one descriptor, its host file's)
     #[arg(long, value_name = "N")]
     idle_files: Option<usize>,
-    /// Closed files the cache keeps (with their pages; the stored file's descriptor and a
-    /// memfd each); beyond them the least recently closed are written back and dropped.
-    /// Default: a quarter of the open-file limit
+    /// Closed files the cache keeps (with their pages; the stored file's descriptor each);
+    /// beyond them the least recently closed are written back and dropped. Default: a
+    /// quarter of the open-file limit
     #[arg(long, value_name = "N")]
     cached_files: Option<usize>,
+    /// Host descriptors kept open for files; beyond them the least recently used are closed
+    /// and reopened by file handle when next used (needs CAP_DAC_READ_SEARCH; without it,
+    /// files keep their descriptors). Default: a quarter of the open-file limit
+    #[arg(long, value_name = "N")]
+    host_fds: Option<usize>,
     /// At shutdown, give up syncing after this many seconds: what is still dirty is listed
     /// and the command exits 75
     #[arg(long, value_name = "SECONDS", default_value_t = 60)]
@@ -213,6 +220,9 @@ pub fn run(a: Args) -> Result<()> {
     // Before any thread exists (the cache's own threads included): they inherit the mask,
     // and one thread takes the signals.
     let signals = Signals::block();
+    if let Some(n) = a.host_fds {
+        ubc::pager::host_fds::set_limit(n);
+    }
     let sa = StackArgs { stack: a.stack.clone(), layer: None, budget: a.budget };
     let (stack, _) = sa.open_caching(a.cached_files)?;
     if let Some(n) = a.idle_files {

@@ -1,0 +1,413 @@
+//! Host descriptors in a bounded pool: a file pager's descriptor may be closed ("parked")
+//! while the pool holds more than its limit, and is opened again on the pager's next call —
+//! by *file handle* (`name_to_handle_at` once, `open_by_handle_at` at each reopen), so a
+//! file renamed meanwhile is found where it is now, and nothing is ever reopened by a name
+//! that may name another file. So cached files, and open ones, are bounded by memory and
+//! not by `RLIMIT_NOFILE` (issue 19: a descriptor per file made 15,000 cached files fail
+//! with `EMFILE` under this machine's limit of 20,000).
+//!
+//! What is never parked (the file keeps its descriptor, as before):
+//! * a file whose link count is 0 when it would be parked: its inode lives only as long as a
+//!   descriptor does, so closing the last one would free its data;
+//! * a file [`keep_open`] was called for: a process about to unlink or rename over a file
+//!   it may have cached (the `dir` layer of a stack does, before every unlink and every
+//!   rename that replaces a file) pins it first, so an open handle on it keeps working like
+//!   an open descriptor would;
+//! * a file on a file system without file handles (`name_to_handle_at` fails: some FUSE
+//!   and network file systems), or where the process may not use them
+//!   (`open_by_handle_at` needs `CAP_DAC_READ_SEARCH`, tried once per mount): parking would
+//!   have no safe way back. [`stats`] counts such files.
+//!
+//! What is not covered: another process unlinking a cached file whose descriptor is
+//! parked. Its inode is then freed, and the pager's next call fails with `ESTALE` (a read
+//! miss is an error; dirty pages stay dirty and `sync` reports it) — where an open
+//! descriptor would have kept the unlinked data alive until its close.
+//!
+//! The pool is the process's (pagers are made apart from any cache). Its limit defaults to
+//! a quarter of the soft `RLIMIT_NOFILE` at first use, at least 64; [`set_limit`] changes it.
+//! Choosing what to park is CLOCK (each use sets a reference bit; the hand clears it or
+//! parks), so a pager's use costs an uncontended lock and an atomic store, never the pool's
+//! lock. A descriptor in use by a transfer when it is parked is closed when that transfer
+//! ends (users hold it through an `Arc`): the limit is soft by the transfers in flight.
+//!
+//! Lock order: an entry's lock, then the pool's; the pool takes other entries' locks only
+//! with `try_lock` (skipping busy ones), so no order between entries is needed.
+
+use parking_lot::Mutex;
+use rustix::fd::{AsRawFd, FromRawFd, OwnedFd};
+use rustix::fs::{AtFlags, OFlags, StatxFlags};
+use std::collections::HashMap;
+use std::fs::File;
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, LazyLock, Weak};
+
+/// One pager's descriptor, parked when the pool is over its limit.
+#[derive(Debug)]
+pub(crate) struct HostFd {
+    entry: Arc<Entry>,
+}
+
+struct Entry {
+    /// The open descriptor, or `None` while parked.
+    file: Mutex<Option<Arc<File>>>,
+    /// CLOCK's reference bit: used since the hand last passed.
+    recent: AtomicBool,
+    /// Never parked (see the module documentation).
+    pinned: AtomicBool,
+    /// The `open` flags a reopen uses (access, `O_DIRECT`, `O_CLOEXEC`).
+    flags: AtomicU32,
+    /// How to reopen it; `None`: it cannot be, so it is pinned.
+    handle: Option<Handle>,
+    dev: u64,
+    ino: u64,
+    /// Its index in the pool's clock.
+    slot: AtomicUsize,
+}
+
+impl std::fmt::Debug for Entry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostFd")
+            .field("open", &self.file.lock().is_some())
+            .field("pinned", &self.pinned.load(Relaxed))
+            .field("dev", &self.dev)
+            .field("ino", &self.ino)
+            .finish()
+    }
+}
+
+/// A file handle and a descriptor on its mount (`open_by_handle_at`'s `mount_fd`).
+struct Handle {
+    mount: Arc<OwnedFd>,
+    /// A `struct file_handle` with its `f_handle` bytes, as `name_to_handle_at` wrote it.
+    raw: Box<[u64]>,
+}
+
+struct Pool {
+    limit: AtomicUsize,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    /// The clock: every entry, parked or not; `None` for a free slot.
+    clock: Vec<Option<Weak<Entry>>>,
+    free: Vec<usize>,
+    hand: usize,
+    /// Descriptors open (entries not parked).
+    open: usize,
+    /// Entries by inode, for `keep_open`.
+    by_inode: HashMap<(u64, u64), Vec<Weak<Entry>>>,
+    /// Per mount id: a descriptor on the mount usable with `open_by_handle_at`, or `None`
+    /// where handles do not work.
+    mounts: HashMap<i32, Option<Arc<OwnedFd>>>,
+    parks: u64,
+    reopens: u64,
+}
+
+static POOL: LazyLock<Pool> = LazyLock::new(|| {
+    let nofile = rustix::process::getrlimit(rustix::process::Resource::Nofile).current.unwrap_or(1024);
+    Pool { limit: AtomicUsize::new((nofile as usize / 4).max(64)), state: Mutex::new(State::default()) }
+});
+
+/// What the pool holds now (for tests and benchmarks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct DescriptorPoolStats {
+    /// The limit on open descriptors of file pagers.
+    pub limit: usize,
+    /// File pagers alive.
+    pub files: usize,
+    /// Of them, with their descriptor open now.
+    pub open: usize,
+    /// Of them, never parked (unlinked, `keep_open`, or no file handles).
+    pub pinned: usize,
+    /// Descriptors closed to stay under the limit, and reopened by handle, so far.
+    pub parks: u64,
+    pub reopens: u64,
+}
+
+/// Set the limit on descriptors file pagers keep open (at least 1): beyond it the least
+/// recently used are closed, to be reopened by handle when next used.
+pub fn set_limit(n: usize) {
+    POOL.limit.store(n.max(1), Relaxed);
+    POOL.park_over_limit();
+}
+
+/// The pool's counts now.
+pub fn stats() -> DescriptorPoolStats {
+    let s = POOL.state.lock();
+    let entries: Vec<Arc<Entry>> = s.clock.iter().flatten().filter_map(Weak::upgrade).collect();
+    let (limit, open, parks, reopens) = (POOL.limit.load(Relaxed), s.open, s.parks, s.reopens);
+    drop(s);
+    DescriptorPoolStats {
+        limit,
+        files: entries.len(),
+        open,
+        pinned: entries.iter().filter(|e| e.pinned.load(Relaxed)).count(),
+        parks,
+        reopens,
+    }
+}
+
+/// Keep the descriptors of every file pager on inode `(dev, ino)` open from now on
+/// (reopening a parked one): call it before unlinking a file, or renaming another over it,
+/// that a pager of this process may hold — so an open handle on it keeps working after its
+/// last name is gone. Idempotent; costs a hash lookup when no pager holds the file.
+pub fn keep_open(dev: u64, ino: u64) {
+    let entries: Vec<Arc<Entry>> = match POOL.state.lock().by_inode.get(&(dev, ino)) {
+        Some(v) => v.iter().filter_map(Weak::upgrade).collect(),
+        None => return,
+    };
+    for e in entries {
+        // Reopen first (it still has a name), then pin: a reopen failure leaves it parked,
+        // and the unlink that follows makes that final — nothing better is possible.
+        if let Ok(f) = POOL.get(&e) {
+            e.pinned.store(true, Relaxed);
+            drop(f);
+        }
+    }
+}
+
+impl HostFd {
+    /// Pool `file` (open with `flags`, on inode `(dev, ino)`).
+    pub(crate) fn new(file: File, flags: OFlags, dev: u64, ino: u64) -> HostFd {
+        let handle = Pool::handle_of(&file);
+        let entry = Arc::new(Entry {
+            pinned: AtomicBool::new(handle.is_none()),
+            file: Mutex::new(Some(Arc::new(file))),
+            recent: AtomicBool::new(true),
+            flags: AtomicU32::new(flags.bits()),
+            handle,
+            dev,
+            ino,
+            slot: AtomicUsize::new(usize::MAX),
+        });
+        POOL.add(&entry);
+        HostFd { entry }
+    }
+
+    /// The descriptor, reopened if it was parked. The caller holds it only for the call it
+    /// makes (a parked descriptor closes when its last user lets go).
+    #[inline]
+    pub(crate) fn get(&self) -> io::Result<Arc<File>> {
+        let e = &self.entry;
+        if let Some(f) = &*e.file.lock() {
+            if !e.recent.load(Relaxed) {
+                e.recent.store(true, Relaxed);
+            }
+            return Ok(f.clone());
+        }
+        POOL.get(e)
+    }
+
+    /// Reopen with `flags` from now on (the pager switched to buffered I/O). => the caller
+    /// changed the open descriptor's flags alike, or is about to.
+    pub(crate) fn set_flags(&self, flags: OFlags) {
+        self.entry.flags.store(flags.bits(), Relaxed);
+    }
+}
+
+impl Drop for HostFd {
+    fn drop(&mut self) {
+        POOL.remove(&self.entry);
+    }
+}
+
+impl Pool {
+    /// The file handle of `file` and a descriptor on its mount, if reopening by handle works
+    /// there (tried once per mount).
+    fn handle_of(file: &File) -> Option<Handle> {
+        const HDR: usize = std::mem::size_of::<libc::file_handle>();
+        let mut raw = vec![0u64; (HDR + libc::MAX_HANDLE_SZ as usize).div_ceil(8)].into_boxed_slice();
+        let fh = raw.as_mut_ptr() as *mut libc::file_handle;
+        let mut mount_id: libc::c_int = 0;
+        // SAFETY: `raw` holds a file_handle header and MAX_HANDLE_SZ bytes, as handle_bytes
+        // says; the kernel writes at most that.
+        let ok = unsafe {
+            (*fh).handle_bytes = libc::MAX_HANDLE_SZ as u32;
+            libc::name_to_handle_at(file.as_raw_fd(), c"".as_ptr(), fh, &mut mount_id, libc::AT_EMPTY_PATH)
+        } == 0;
+        if !ok {
+            return None;
+        }
+        let known = POOL.state.lock().mounts.get(&mount_id).cloned();
+        let mount = match known {
+            Some(m) => m?,
+            None => {
+                let m = mount_fd(mount_id).filter(|m| {
+                    // Tried once per mount: EPERM without CAP_DAC_READ_SEARCH.
+                    let h = Handle { mount: m.clone(), raw: raw.clone() };
+                    h.open(OFlags::RDONLY | OFlags::CLOEXEC).is_ok()
+                });
+                POOL.state.lock().mounts.entry(mount_id).or_insert(m).clone()?
+            }
+        };
+        Some(Handle { mount, raw })
+    }
+
+    fn add(&self, e: &Arc<Entry>) {
+        let mut s = self.state.lock();
+        let i = match s.free.pop() {
+            Some(i) => i,
+            None => {
+                s.clock.push(None);
+                s.clock.len() - 1
+            }
+        };
+        s.clock[i] = Some(Arc::downgrade(e));
+        e.slot.store(i, Relaxed);
+        s.open += 1;
+        s.by_inode.entry((e.dev, e.ino)).or_default().push(Arc::downgrade(e));
+        self.park_locked(&mut s, Some(e));
+    }
+
+    fn remove(&self, e: &Arc<Entry>) {
+        let open = e.file.lock().take().is_some();
+        let mut s = self.state.lock();
+        let i = e.slot.load(Relaxed);
+        s.clock[i] = None;
+        s.free.push(i);
+        if open {
+            s.open -= 1;
+        }
+        let key = (e.dev, e.ino);
+        if let Some(v) = s.by_inode.get_mut(&key) {
+            v.retain(|w| w.strong_count() > 0 && !std::ptr::eq(w.as_ptr(), Arc::as_ptr(e)));
+            if v.is_empty() {
+                s.by_inode.remove(&key);
+            }
+        }
+    }
+
+    /// The descriptor of `e`, reopened by handle if parked.
+    fn get(&self, e: &Arc<Entry>) -> io::Result<Arc<File>> {
+        let mut slot = e.file.lock();
+        if let Some(f) = &*slot {
+            return Ok(f.clone());
+        }
+        let h = e.handle.as_ref().ok_or_else(|| io::Error::other("a pinned descriptor was closed"))?;
+        let f = h.open(OFlags::from_bits_retain(e.flags.load(Relaxed)))?;
+        let st = rustix::fs::fstat(&f)?;
+        if st.st_dev as u64 != e.dev || st.st_ino as u64 != e.ino {
+            return Err(io::Error::from_raw_os_error(libc::ESTALE));
+        }
+        if !OFlags::from_bits_retain(e.flags.load(Relaxed)).contains(OFlags::DIRECT) {
+            // ubc reads ahead itself (as `file.rs` sets on every buffered descriptor).
+            let _ = rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::Random);
+        }
+        let f = Arc::new(f);
+        *slot = Some(f.clone());
+        e.recent.store(true, Relaxed);
+        let mut s = self.state.lock();
+        s.open += 1;
+        s.reopens += 1;
+        self.park_locked(&mut s, Some(e));
+        Ok(f)
+    }
+
+    fn park_over_limit(&self) {
+        self.park_locked(&mut self.state.lock(), None);
+    }
+
+    /// Park descriptors (CLOCK) until at most `limit` are open, never `keep`'s (the one just
+    /// opened: its caller holds its lock). Two sweeps at most: the first may only clear
+    /// reference bits.
+    fn park_locked(&self, s: &mut State, keep: Option<&Arc<Entry>>) {
+        let limit = self.limit.load(Relaxed);
+        let mut steps = 2 * s.clock.len();
+        while s.open > limit && steps > 0 {
+            steps -= 1;
+            if s.hand >= s.clock.len() {
+                s.hand = 0;
+            }
+            let i = s.hand;
+            s.hand += 1;
+            let Some(e) = s.clock[i].as_ref().and_then(Weak::upgrade) else { continue };
+            if keep.is_some_and(|k| Arc::ptr_eq(&e, k)) || e.pinned.load(Relaxed) {
+                continue;
+            }
+            if e.recent.swap(false, Relaxed) {
+                continue;
+            }
+            let Some(mut slot) = e.file.try_lock() else { continue };
+            let Some(f) = slot.as_ref() else { continue };
+            // Unlinked: its data lives only while a descriptor does.
+            if rustix::fs::fstat(&**f).map_or(true, |st| st.st_nlink == 0) {
+                e.pinned.store(true, Relaxed);
+                continue;
+            }
+            *slot = None;
+            s.open -= 1;
+            s.parks += 1;
+        }
+    }
+}
+
+impl Handle {
+    fn open(&self, flags: OFlags) -> io::Result<File> {
+        let mut raw = self.raw.clone();
+        // SAFETY: `raw` is a file_handle as name_to_handle_at wrote it; the kernel reads it.
+        let fd = unsafe {
+            libc::open_by_handle_at(
+                self.mount.as_raw_fd(),
+                raw.as_mut_ptr() as *mut libc::file_handle,
+                flags.bits() as i32,
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a descriptor we just opened and own.
+        Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+}
+
+/// A descriptor on the mount with id `mount_id` (`/proc/self/mountinfo`'s first field):
+/// its mount point opened (read-only: `open_by_handle_at` refuses an `O_PATH` descriptor with
+/// `EBADF`), checked to be that mount (not one stacked over it).
+fn mount_fd(mount_id: i32) -> Option<Arc<OwnedFd>> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let point = info.lines().find_map(|l| {
+        let mut f = l.split(' ');
+        (f.next()? == mount_id.to_string()).then_some(())?;
+        Some(unescape(f.nth(3)?))
+    })?;
+    let fd = rustix::fs::open(
+        point.as_str(),
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )
+    .ok()?;
+    let sx = rustix::fs::statx(&fd, "", AtFlags::EMPTY_PATH, StatxFlags::MNT_ID).ok()?;
+    (sx.stx_mnt_id == mount_id as u64).then(|| Arc::new(fd))
+}
+
+/// A mountinfo path field: spaces, tabs, newlines and backslashes come as `\ooo`.
+fn unescape(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
+            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountinfo_paths_are_unescaped() {
+        assert_eq!(unescape(r"/mnt/a\040b\134c"), "/mnt/a b\\c");
+        assert_eq!(unescape("/plain"), "/plain");
+        assert_eq!(unescape(r"/end\04"), r"/end\04");
+    }
+}

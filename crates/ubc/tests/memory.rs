@@ -1,0 +1,173 @@
+//! Where cached pages live: objects share memfds (each a slice of one, see `memfd.rs`), so
+//! the number of cached files is bounded by memory, not by descriptors; a file's pages past
+//! the slice (1 TiB) live in a memfd of its own, and a mapping across that point is still
+//! one contiguous range serving the cache's pages.
+
+#[macro_use]
+mod common;
+use common::*;
+use std::sync::Arc;
+use ubc::pager::MemPager;
+use ubc::{Access, Cache, Pager, Sharing};
+
+/// Where an object's slice ends (`memfd::SLICE`).
+const SLICE: u64 = 1 << 40;
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+/// 10,000 files open at once, each with cached pages (written, read, one of every hundred
+/// mapped), under an open-file limit of 256: each used to hold a memfd, so the 250th
+/// failed with `EMFILE`. Runs in a child process with the limit set before `exec`.
+#[test]
+fn ten_thousand_open_files_under_a_256_descriptor_limit() {
+    const FILES: usize = 10_000;
+    if is_child("nofile") {
+        let cache = Cache::builder().budget(256 << 20).build().unwrap();
+        let base = open_fds();
+        let mut files = Vec::with_capacity(FILES);
+        for i in 0..FILES {
+            let f = cache.open(Arc::new(MemPager::new()), Access::ReadWrite).unwrap();
+            f.write_at(&pattern(i as u64, 0, 6000), 0).unwrap();
+            files.push(f);
+        }
+        let mut maps = Vec::new();
+        for (i, f) in files.iter().enumerate() {
+            let mut b = vec![0u8; 6000];
+            f.read_exact_at(&mut b, 0).unwrap();
+            assert_same(&b, &pattern(i as u64, 0, 6000), &format!("file {i}"));
+            if i % 100 == 0 {
+                let m = f.map(0..6000, Access::ReadWrite, Sharing::Shared).unwrap();
+                assert_same(&m[..], &pattern(i as u64, 0, 6000), &format!("mapping of file {i}"));
+                maps.push(m);
+            }
+        }
+        // A store through one mapping reaches only its own file.
+        maps[3][10] ^= 0xff;
+        let mut b = [0u8; 1];
+        files[300].read_exact_at(&mut b, 10).unwrap();
+        assert_eq!(b[0], pattern(300, 10, 1)[0] ^ 0xff);
+        files[301].read_exact_at(&mut b, 10).unwrap();
+        assert_eq!(b[0], pattern(301, 10, 1)[0]);
+        let s = cache.stats();
+        assert_eq!(s.objects, FILES);
+        assert_eq!(s.shared_memfds, 1, "{s:?}");
+        assert!(s.allocated_bytes >= (FILES as u64) * 8192, "{} bytes allocated", s.allocated_bytes);
+        let now = open_fds();
+        assert!(now <= base + 8, "{now} descriptors open with {FILES} files (at the start: {base})");
+        drop(maps);
+        for f in files {
+            f.sync().unwrap();
+        }
+        drop(cache);
+        return;
+    }
+    in_child_with_limit(
+        "ten_thousand_open_files_under_a_256_descriptor_limit",
+        "nofile",
+        libc::RLIMIT_NOFILE,
+        256,
+        256,
+    );
+}
+
+/// A file whose bytes straddle 1 TiB: the part below lives in the shared memfd, the part
+/// above in the file's own. Writes, reads, a mapping across the point (stores on both
+/// sides), write-back, a punched hole across it and truncation below it all see one file.
+#[test]
+fn a_file_across_one_tib_is_one_file() {
+    guarded("across 1 TiB", 60, || {
+        let cache = small_cache(8 << 20);
+        let mem = Arc::new(MemPager::new());
+        let f = cache.open(mem.clone(), Access::ReadWrite).unwrap();
+        let at = SLICE - 20_000;
+        let data = pattern(7, at, 40_000);
+        f.write_at(&data, at).unwrap();
+        let mut back = vec![0u8; 40_000];
+        f.read_exact_at(&mut back, at).unwrap();
+        assert_same(&back, &data, "read across 1 TiB");
+        assert!(cache.stats().shared_memfds >= 1);
+
+        // A mapping across the point: the same bytes, and stores on both sides reach the
+        // file through read_at and the pager.
+        let (a, b) = (SLICE - 16384, SLICE + 16384);
+        let mut m = f.map(a..b, Access::ReadWrite, Sharing::Shared).unwrap();
+        assert_same(&m[..], &data[(a - at) as usize..(b - at) as usize], "mapping across 1 TiB");
+        m[100] = 0xa1; // below
+        m[16384 + 100] = 0xb2; // above
+        m.flush().unwrap();
+        let mut one = [0u8; 1];
+        f.read_exact_at(&mut one, a + 100).unwrap();
+        assert_eq!(one[0], 0xa1);
+        f.read_exact_at(&mut one, SLICE + 100).unwrap();
+        assert_eq!(one[0], 0xb2);
+        // A write through read_at's path shows in the mapping on both sides.
+        f.write_at(&[0xc3, 0xd4], SLICE - 1).unwrap();
+        assert_eq!((m[16383], m[16384]), (0xc3, 0xd4));
+        drop(m);
+        f.sync().unwrap();
+        let mut stored = vec![0u8; 4];
+        mem.get_pages(SLICE - 2, &mut stored).unwrap();
+        assert_eq!(stored, [data[(SLICE - 2 - at) as usize], 0xc3, 0xd4, data[(SLICE + 1 - at) as usize]]);
+
+        // Evicted and read again from the pager: the same bytes.
+        cache.evict_all().unwrap();
+        assert_eq!(cache.stats().allocated_bytes, 0, "evicted pages free both memfds");
+        f.read_exact_at(&mut one, SLICE + 100).unwrap();
+        assert_eq!(one[0], 0xb2);
+
+        // A hole punched across the point reads as zeros on both sides.
+        f.punch_hole(SLICE - 8192..SLICE + 8192).unwrap();
+        let mut z = vec![1u8; 16384];
+        f.read_exact_at(&mut z, SLICE - 8192).unwrap();
+        assert!(z.iter().all(|&x| x == 0), "punched across 1 TiB");
+        f.read_exact_at(&mut one, SLICE + 8192).unwrap();
+        assert_eq!(one[0], data[(SLICE + 8192 - at) as usize]);
+
+        // Truncated below the point: the file's own memfd holds nothing any more.
+        f.set_len(SLICE - 4096).unwrap();
+        f.read_exact_at(&mut one, SLICE - 8193).unwrap();
+        assert_eq!(one[0], data[(SLICE - 8193 - at) as usize]);
+        f.sync().unwrap();
+        let s = cache.stats();
+        assert!(s.allocated_bytes <= s.totals.resident_bytes, "{s:?}");
+        assert_eq!(f.read_at(&mut one, SLICE).unwrap(), 0);
+    });
+}
+
+/// Dropped files give their memory back: pages of closed, evicted files — including memory
+/// allocated for holes, which no page count covers — are freed from the shared memfd, and
+/// many files' pages never show in another file.
+#[test]
+fn dropped_files_leave_no_memory_and_no_trace_in_others() {
+    guarded("dropped", 60, || {
+        let cache = Cache::builder().budget(16 << 20).max_cached_files(8).build().unwrap();
+        for round in 0..3u64 {
+            let mut files = Vec::new();
+            for i in 0..64u64 {
+                let f = cache.open(Arc::new(MemPager::new()), Access::ReadWrite).unwrap();
+                f.write_at(&pattern(round * 100 + i, 0, 20_000), 0).unwrap();
+                f.set_len(200_000).unwrap();
+                f.allocate(20_000..200_000).unwrap();
+                // A fresh file reads zeros where an earlier (dropped) file had data.
+                let mut z = vec![1u8; 4096];
+                f.read_exact_at(&mut z, 24_576).unwrap();
+                assert!(z.iter().all(|&x| x == 0), "round {round} file {i}: another file's bytes");
+                let m = f.map(0..200_000, Access::ReadOnly, Sharing::Shared).unwrap();
+                assert_same(&m[..20_000], &pattern(round * 100 + i, 0, 20_000), "mapped");
+                files.push(f);
+            }
+            drop(files);
+            cache.evict_all().unwrap();
+            let s = cache.stats();
+            assert!(s.objects <= 8, "{s:?}");
+            assert!(
+                s.allocated_bytes <= s.totals.resident_bytes,
+                "round {round}: {} bytes allocated, {} resident",
+                s.allocated_bytes,
+                s.totals.resident_bytes
+            );
+        }
+    });
+}
