@@ -18,8 +18,9 @@
 //! (8,388,607), and is closed when the last object of it is dropped; then the next one is
 //! made. A slice is punched whole (up to the highest offset ever touched) when its object
 //! is dropped. Not reusing them means a mapping that outlives its object — a forked
-//! child's copy of a user mapping, which ubc does not track — keeps showing that object's
-//! pages as they were, and never another object's.
+//! child's copy of a user mapping, which ubc does not track — never shows another object's
+//! pages (it reads zeros where the object's pages were punched, as it would after an
+//! eviction).
 //!
 //! Under a finite `RLIMIT_FSIZE` below 1 TiB there are no slices (every offset of a memfd
 //! must stay below the limit): every object then has a memfd of its own, as before.

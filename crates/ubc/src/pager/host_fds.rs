@@ -1,8 +1,8 @@
 //! Host descriptors in a bounded pool: a file pager's descriptor may be closed ("parked")
 //! while the pool holds more than its limit, and is opened again on the pager's next call —
-//! by *file handle* (`name_to_handle_at` once, `open_by_handle_at` at each reopen), so a
-//! file renamed meanwhile is found where it is now, and nothing is ever reopened by a name
-//! that may name another file. So cached files, and open ones, are bounded by memory and
+//! by *file handle* (`name_to_handle_at` when first parked, `open_by_handle_at` at each
+//! reopen), so a file renamed meanwhile is found where it is now, and nothing is ever
+//! reopened by a name that may name another file. So cached files, and open ones, are bounded by memory and
 //! not by `RLIMIT_NOFILE` (issue 19: a descriptor per file made 15,000 cached files fail
 //! with `EMFILE` under this machine's limit of 20,000).
 //!
@@ -40,7 +40,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering::Relaxed};
-use std::sync::{Arc, LazyLock, Weak};
+use std::sync::{Arc, LazyLock, OnceLock, Weak};
 
 /// One pager's descriptor, parked when the pool is over its limit.
 #[derive(Debug)]
@@ -57,8 +57,9 @@ struct Entry {
     pinned: AtomicBool,
     /// The `open` flags a reopen uses (access, `O_DIRECT`, `O_CLOEXEC`).
     flags: AtomicU32,
-    /// How to reopen it; `None`: it cannot be, so it is pinned.
-    handle: Option<Handle>,
+    /// How to reopen it, found when it is first parked (a file never parked costs no
+    /// `name_to_handle_at`); `None`: it cannot be, so it is pinned.
+    handle: OnceLock<Option<Handle>>,
     dev: u64,
     ino: u64,
     /// Its index in the pool's clock.
@@ -172,13 +173,12 @@ pub fn keep_open(dev: u64, ino: u64) {
 impl HostFd {
     /// Pool `file` (open with `flags`, on inode `(dev, ino)`).
     pub(crate) fn new(file: File, flags: OFlags, dev: u64, ino: u64) -> HostFd {
-        let handle = Pool::handle_of(&file);
         let entry = Arc::new(Entry {
-            pinned: AtomicBool::new(handle.is_none()),
+            pinned: AtomicBool::new(false),
             file: Mutex::new(Some(Arc::new(file))),
             recent: AtomicBool::new(true),
             flags: AtomicU32::new(flags.bits()),
-            handle,
+            handle: OnceLock::new(),
             dev,
             ino,
             slot: AtomicUsize::new(usize::MAX),
@@ -216,8 +216,9 @@ impl Drop for HostFd {
 
 impl Pool {
     /// The file handle of `file` and a descriptor on its mount, if reopening by handle works
-    /// there (tried once per mount).
-    fn handle_of(file: &File) -> Option<Handle> {
+    /// there (tried once per mount, under the pool's lock: a read of `/proc/self/mountinfo`
+    /// and an open, once).
+    fn handle_of(s: &mut State, file: &File) -> Option<Handle> {
         const HDR: usize = std::mem::size_of::<libc::file_handle>();
         let mut raw = vec![0u64; (HDR + libc::MAX_HANDLE_SZ as usize).div_ceil(8)].into_boxed_slice();
         let fh = raw.as_mut_ptr() as *mut libc::file_handle;
@@ -231,16 +232,16 @@ impl Pool {
         if !ok {
             return None;
         }
-        let known = POOL.state.lock().mounts.get(&mount_id).cloned();
-        let mount = match known {
-            Some(m) => m?,
+        let mount = match s.mounts.get(&mount_id) {
+            Some(m) => m.clone()?,
             None => {
                 let m = mount_fd(mount_id).filter(|m| {
-                    // Tried once per mount: EPERM without CAP_DAC_READ_SEARCH.
+                    // EPERM without CAP_DAC_READ_SEARCH.
                     let h = Handle { mount: m.clone(), raw: raw.clone() };
                     h.open(OFlags::RDONLY | OFlags::CLOEXEC).is_ok()
                 });
-                POOL.state.lock().mounts.entry(mount_id).or_insert(m).clone()?
+                s.mounts.insert(mount_id, m.clone());
+                m?
             }
         };
         Some(Handle { mount, raw })
@@ -286,7 +287,11 @@ impl Pool {
         if let Some(f) = &*slot {
             return Ok(f.clone());
         }
-        let h = e.handle.as_ref().ok_or_else(|| io::Error::other("a pinned descriptor was closed"))?;
+        let h = e
+            .handle
+            .get()
+            .and_then(Option::as_ref)
+            .ok_or_else(|| io::Error::other("a descriptor with no handle was closed"))?;
         let f = h.open(OFlags::from_bits_retain(e.flags.load(Relaxed)))?;
         let st = rustix::fs::fstat(&f)?;
         if st.st_dev as u64 != e.dev || st.st_ino as u64 != e.ino {
@@ -332,8 +337,9 @@ impl Pool {
             }
             let Some(mut slot) = e.file.try_lock() else { continue };
             let Some(f) = slot.as_ref() else { continue };
-            // Unlinked: its data lives only while a descriptor does.
-            if rustix::fs::fstat(&**f).map_or(true, |st| st.st_nlink == 0) {
+            // Unlinked: its data lives only while a descriptor does. No way back: neither.
+            let unlinked = rustix::fs::fstat(&**f).map_or(true, |st| st.st_nlink == 0);
+            if unlinked || e.handle.get_or_init(|| Self::handle_of(s, f)).is_none() {
                 e.pinned.store(true, Relaxed);
                 continue;
             }
