@@ -253,6 +253,9 @@ fn open_handles_max(ctx: &Ctx) -> Record {
     for i in 0..n {
         std::fs::write(d.join(format!("f{i}")), format!("file {i}")).expect("create");
     }
+    // Written out first: a direct read of a range the kernel holds dirty waits for its
+    // write-back (a device write per file, ~200 us each, which is not what is measured).
+    syncfs(&d);
     let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
     // SAFETY: getrlimit writes the struct we pass.
     unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) };
@@ -314,7 +317,10 @@ fn open_handles_max(ctx: &Ctx) -> Record {
         &[k as f64],
         "std::fs::File",
         &format!(
-            "host files of ~10 bytes opened one by one and all kept open, each with its page cached, until an error or              {n}; open-file limit {nofile}; ubc: {:.1} us per open + read, {:.0} bytes of anonymous memory per open file,              {fds} descriptors in the process at the end, pool {} open of limit {} ({} parked so far, {} pinned);              {wrong} files read wrong bytes at the end{}; target {n} (100,000 without --quick)",
+            "host files of ~10 bytes opened one by one and all kept open, each with its page cached, until an error or \
+             {n}; open-file limit {nofile}; ubc: {:.1} us per open + read, {:.0} bytes of anonymous memory per open \
+             file, {fds} descriptors in the process at the end, pool {} open of limit {} ({} parked so far, {} \
+             pinned); {wrong} files read wrong bytes at the end{}; target {n} (100,000 without --quick)",
             secs * 1e6 / u.max(1) as f64,
             grown,
             pool.open,
