@@ -256,7 +256,7 @@ mod tests {
             assert!(t0.elapsed().as_secs() < 10, "page 1 never became clean and idle: {:?}", st.snapshot());
             std::thread::yield_now();
         }
-        let slot = obj.table.get(0).unwrap().policy_slots[1].load(std::sync::atomic::Ordering::Relaxed);
+        let slot = obj.table.get(0).unwrap().pages.slot_at(1).load(std::sync::atomic::Ordering::Relaxed);
         obj.res.policy.lock().remove(slot, PageKey { object: obj.id, index: 1 });
         m[4096..4096 + 5].copy_from_slice(b"hello");
         drop(m);

@@ -216,7 +216,7 @@ impl Drop for Windows {
 fn try_retire(chunk: &Chunk) -> bool {
     let a = chunk.window.swap(WIN_RETIRING, SeqCst);
     debug_assert!(a > WIN_RETIRING);
-    let held = chunk.pages.iter().any(|p| p.snapshot().held());
+    let held = chunk.pages.any(|p| p.snapshot().held());
     if held {
         chunk.window.store(a, SeqCst);
         false

@@ -7,7 +7,7 @@ use super::*;
 impl Object {
     /// The state word of a cached page, if its chunk exists.
     pub(crate) fn page_state(&self, page: u64) -> Option<&state::PageState> {
-        self.chunk_of(page).map(|c| &c.pages[self.locate(page).1])
+        self.chunk_of(page).and_then(|c| c.pages.get(self.locate(page).1))
     }
 
     /// The chunk holding `page`, if it exists.
@@ -99,7 +99,10 @@ impl Object {
         self.table.for_each(from >> cs, ((to - 1) >> cs) + 1, |chunk| {
             let base = chunk.index << cs;
             let taken: Vec<u64> = (0..chunk.pages.len())
-                .filter(|&i| (from..to).contains(&(base + i as u64)) && chunk.pages[i].try_lock_for_evict())
+                .filter(|&i| {
+                    (from..to).contains(&(base + i as u64))
+                        && chunk.pages.get(i).is_some_and(|s| s.try_lock_for_evict())
+                })
                 .map(|i| base + i as u64)
                 .collect();
             if taken.is_empty() {

@@ -114,7 +114,7 @@ impl Object {
     /// (or anyone: a cheap over-approximation). Such a page is data whatever the store says.
     fn unstored(&self, page: u64) -> bool {
         let (ci, slot) = self.locate(page);
-        self.table.get(ci).is_some_and(|c| self.unstored_state(c.pages[slot].snapshot()))
+        self.table.get(ci).is_some_and(|c| self.unstored_state(c.pages.snapshot(slot)))
     }
 
     fn unstored_state(&self, s: crate::page::state::Snapshot) -> bool {
@@ -131,7 +131,7 @@ impl Object {
             }
             let base = chunk.index << cs;
             for p in from.max(base)..to.min(base + (1 << cs)) {
-                if self.unstored_state(chunk.pages[(p - base) as usize].snapshot()) {
+                if self.unstored_state(chunk.pages.snapshot((p - base) as usize)) {
                     found = Some(p);
                     return;
                 }

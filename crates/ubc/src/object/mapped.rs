@@ -107,7 +107,7 @@ impl Object {
             while p < hi {
                 let mut n = 0;
                 while p + n < hi {
-                    let st = &chunk.pages[(p + n - base) as usize];
+                    let Some(st) = chunk.pages.get((p + n - base) as usize) else { break };
                     if !st.snapshot().cached() || !matches!(st.pin(), Pin::Pinned { .. }) {
                         break;
                     }

@@ -355,7 +355,7 @@ impl Object {
     /// locked for eviction and kept back) and not known to the policy.
     fn policy_admit(&self, pol: &mut dyn EvictionPolicy, chunk: &Chunk, page: u64, admission: Admission) {
         let slot = pol.insert(self.key(page), admission);
-        chunk.policy_slots[self.locate(page).1].store(slot, Relaxed);
+        chunk.pages.slot_at(self.locate(page).1).store(slot, Relaxed);
     }
 
     /// Tell the policy that page `page` (of `chunk`) left the cache. Preconditions: `pol` is
@@ -363,7 +363,7 @@ impl Object {
     /// admitted again meanwhile. If the policy forgot the page already (a victim search found
     /// it gone), the kept slot no longer holds this key and the policy ignores it.
     fn policy_forget(&self, pol: &mut dyn EvictionPolicy, chunk: &Chunk, page: u64) {
-        let slot = chunk.policy_slots[self.locate(page).1].swap(NO_SLOT, Relaxed);
+        let slot = chunk.pages.slot_at(self.locate(page).1).swap(NO_SLOT, Relaxed);
         pol.remove(slot, self.key(page));
     }
 

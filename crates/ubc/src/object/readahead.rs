@@ -271,16 +271,16 @@ impl Object {
         let base = ci << self.res.geo.chunk_shift;
         if self.res.try_reserve(n).is_err() {
             // No room without waiting: read-ahead is optional.
-            chunk.pages[(first - base) as usize..(first + n - base) as usize].iter().for_each(|s| {
-                s.release_empty();
+            (first - base..first + n - base).for_each(|i| {
+                chunk.pages[i as usize].release_empty();
             });
             return;
         }
         if self.fill_locked(chunk, first, n).is_err() {
             // A read error is reported to whoever reads the page on demand.
             self.res.unreserve(n);
-            chunk.pages[(first - base) as usize..(first + n - base) as usize].iter().for_each(|s| {
-                s.release_empty();
+            (first - base..first + n - base).for_each(|i| {
+                chunk.pages[i as usize].release_empty();
             });
             return;
         }

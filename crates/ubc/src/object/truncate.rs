@@ -53,7 +53,7 @@ impl Object {
         let page = new_len >> ps;
         let (ci, slot) = self.locate(page);
         let Some(chunk) = self.table.get(ci) else { return Ok(()) };
-        let st = &chunk.pages[slot];
+        let Some(st) = chunk.pages.get(slot) else { return Ok(()) };
         if !st.snapshot().cached() {
             return Ok(()); // not cached, no fill in flight
         }
@@ -104,10 +104,9 @@ impl Object {
             }
             let mut dropped = Vec::new();
             for p in lo..hi {
-                let st = &chunk.pages[(p - base) as usize];
-                if !st.snapshot().cached() {
+                let Some(st) = chunk.pages.get((p - base) as usize).filter(|st| st.snapshot().cached()) else {
                     continue;
-                }
+                };
                 let prior = st.lock_for_drop();
                 if !prior.valid() {
                     st.release_empty(); // was empty by the time we got it

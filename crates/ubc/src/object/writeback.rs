@@ -82,11 +82,10 @@ impl Object {
             let hi = to.min(base + (1 << cs));
             let mut p = lo;
             while p < hi {
-                let st = &chunk.pages[(p - base) as usize];
-                if !st.snapshot().unclean() {
+                let Some(st) = chunk.pages.get((p - base) as usize).filter(|st| st.snapshot().unclean()) else {
                     p += 1;
                     continue;
-                }
+                };
                 let begun = st.begin_writeback(IfHeld::Skip)
                     || wait && {
                         if let Some(run) = held.take() {
@@ -99,7 +98,10 @@ impl Object {
                     continue;
                 }
                 let mut n = 1;
-                while p + n < hi && n < max_put && chunk.pages[(p + n - base) as usize].begin_writeback(IfHeld::Skip) {
+                while p + n < hi
+                    && n < max_put
+                    && chunk.pages.get((p + n - base) as usize).is_some_and(|s| s.begin_writeback(IfHeld::Skip))
+                {
                     n += 1;
                 }
                 // The run stops inside a unit whose next page is being written or is dirty
@@ -120,7 +122,7 @@ impl Object {
                 let q = p + n;
                 let mut resume = None;
                 if g > 1 && !q.is_multiple_of(g) && q < hi {
-                    let next = chunk.pages[(q - base) as usize].snapshot();
+                    let next = chunk.pages.snapshot((q - base) as usize);
                     if next.unclean() || next.held() {
                         let cut = (q / g * g).max(p);
                         self.abort_run(chunk, cut, q - cut);

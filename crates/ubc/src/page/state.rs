@@ -71,6 +71,13 @@ pub(crate) enum WriteLock {
 #[derive(Default)]
 pub(crate) struct PageState(AtomicU32);
 
+impl PageState {
+    /// An EMPTY page (no bits, no pins): what `Default` makes.
+    pub(crate) const fn empty() -> PageState {
+        PageState(AtomicU32::new(0))
+    }
+}
+
 #[inline]
 pub(crate) fn pins(s: u32) -> u32 {
     s >> PIN_SHIFT

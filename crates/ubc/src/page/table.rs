@@ -7,9 +7,9 @@
 //!
 //! Lookups take no lock: nodes and chunks are published with a CAS and are never freed
 //! while the table lives, so a reference obtained from `get` stays valid for `&self`'s
-//! lifetime. Memory is bounded by the number of chunks ever touched (two 4-byte words per
-//! page — its state and its policy slot — plus ~70 bytes per chunk): 0.2% of the touched
-//! file size with 4 KiB pages.
+//! lifetime. Memory is bounded by the groups of pages ever taken (two 4-byte words per
+//! page — its state and its policy slot — in groups of 32, see [`Pages`]) plus ~200 bytes
+//! per chunk: 0.2% of the touched file size with 4 KiB pages.
 
 use super::state::PageState;
 use parking_lot::Mutex;
@@ -28,12 +28,8 @@ pub(crate) const WIN_RETIRING: usize = 1;
 pub(crate) struct Chunk {
     /// Chunk index within the object (offset / window size).
     pub(crate) index: u64,
-    pub(crate) pages: Box<[PageState]>,
-    /// Where the replacement policy keeps each page ([`ubc_evict::Slot`], `NO_SLOT` when it
-    /// does not): read and written only under the policy lock, so `Relaxed` suffices. The
-    /// cache carries the slot as `struct page` carries its LRU links, so the policy needs no
-    /// index from key to page.
-    pub(crate) policy_slots: Box<[AtomicU32]>,
+    /// Each page's state word and policy slot, in groups made on first use.
+    pub(crate) pages: Pages,
     /// Address of the window mapping these pages, or `WIN_NONE` / `WIN_RETIRING`.
     pub(crate) window: AtomicUsize,
     /// Slot of that window in the cache's window table.
@@ -49,12 +45,140 @@ impl Chunk {
     fn new(index: u64, pages: usize) -> Chunk {
         Chunk {
             index,
-            pages: (0..pages).map(|_| PageState::default()).collect(),
-            policy_slots: (0..pages).map(|_| AtomicU32::new(ubc_evict::NO_SLOT)).collect(),
+            pages: Pages::new(pages),
             window: AtomicUsize::new(WIN_NONE),
             window_slot: AtomicU32::new(0),
             window_ref: AtomicBool::new(false),
             cold_copies: AtomicU32::new(0),
+        }
+    }
+}
+
+/// Pages per group of state words allocated together.
+const GROUP: usize = 32;
+
+/// The state words and policy slots of `GROUP` consecutive pages (256 bytes).
+struct Group {
+    states: [PageState; GROUP],
+    /// Where the replacement policy keeps each page ([`ubc_evict::Slot`], `NO_SLOT` when it
+    /// does not): read and written only under the policy lock, so `Relaxed` suffices. The
+    /// cache carries the slot as `struct page` carries its LRU links, so the policy needs no
+    /// index from key to page.
+    slots: [AtomicU32; GROUP],
+}
+
+/// A chunk's pages: state words and policy slots in groups of 32, each allocated when one
+/// of its pages is first taken (filled, written, reserved). A page of a group never made is
+/// EMPTY with no slot. Before, every chunk touched carried words for all its pages (512 with
+/// 2 MiB windows: 4 KiB), so a cached 4 KiB file cost 4 KiB of page table; now 128 bytes of
+/// group pointers and one 256-byte group. Groups are never freed before the chunk, so a
+/// reference to a state word stays valid like the chunk itself.
+pub(crate) struct Pages {
+    groups: Box<[AtomicPtr<Group>]>,
+    len: usize,
+}
+
+/// The state of a page whose group was never made (read through `Pages::snapshot`).
+static NEVER_TAKEN: PageState = PageState::empty();
+
+impl Pages {
+    fn new(len: usize) -> Pages {
+        Pages { groups: (0..len.div_ceil(GROUP)).map(|_| AtomicPtr::new(ptr::null_mut())).collect(), len }
+    }
+
+    /// Pages in the chunk.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    #[inline]
+    fn group(&self, i: usize) -> Option<&Group> {
+        assert!(i < self.len, "page {i} of a chunk of {}", self.len);
+        let g = self.groups[i / GROUP].load(Acquire);
+        // SAFETY: published groups live until the chunk is dropped.
+        (!g.is_null()).then(|| unsafe { &*g })
+    }
+
+    #[cold]
+    fn make_group(&self, i: usize) -> &Group {
+        let fresh = Box::into_raw(Box::new(Group {
+            states: std::array::from_fn(|_| PageState::default()),
+            slots: std::array::from_fn(|_| AtomicU32::new(ubc_evict::NO_SLOT)),
+        }));
+        let g = match self.groups[i / GROUP].compare_exchange(ptr::null_mut(), fresh, AcqRel, Acquire) {
+            Ok(_) => fresh,
+            Err(winner) => {
+                // SAFETY: `fresh` was never published.
+                unsafe { drop(Box::from_raw(fresh)) };
+                winner
+            }
+        };
+        // SAFETY: as in `group`.
+        unsafe { &*g }
+    }
+
+    /// Page `i`'s state word, its group made if needed: for whoever may take the page.
+    #[inline]
+    pub(crate) fn at(&self, i: usize) -> &PageState {
+        let g = match self.group(i) {
+            Some(g) => g,
+            None => self.make_group(i),
+        };
+        &g.states[i % GROUP]
+    }
+
+    /// Page `i`'s state word if its group exists (else the page is EMPTY): for scans, which
+    /// must not make groups.
+    #[inline]
+    pub(crate) fn get(&self, i: usize) -> Option<&PageState> {
+        self.group(i).map(|g| &g.states[i % GROUP])
+    }
+
+    /// Page `i`'s state now (EMPTY if its group was never made).
+    #[inline]
+    pub(crate) fn snapshot(&self, i: usize) -> super::state::Snapshot {
+        self.get(i).unwrap_or(&NEVER_TAKEN).snapshot()
+    }
+
+    /// Page `i`'s policy slot, its group made if needed.
+    pub(crate) fn slot_at(&self, i: usize) -> &AtomicU32 {
+        let g = match self.group(i) {
+            Some(g) => g,
+            None => self.make_group(i),
+        };
+        &g.slots[i % GROUP]
+    }
+
+    /// Whether `f` holds for a page of a group that exists.
+    pub(crate) fn any(&self, mut f: impl FnMut(&PageState) -> bool) -> bool {
+        (0..self.groups.len()).any(|gi| self.group(gi * GROUP).is_some_and(|g| g.states.iter().any(&mut f)))
+    }
+
+    /// Groups made so far (for tests).
+    #[cfg(test)]
+    fn groups_made(&self) -> usize {
+        self.groups.iter().filter(|g| !g.load(Relaxed).is_null()).count()
+    }
+}
+
+impl std::ops::Index<usize> for Pages {
+    type Output = PageState;
+
+    /// Page `i`'s state word, its group made if needed (`Pages::at`).
+    #[inline]
+    fn index(&self, i: usize) -> &PageState {
+        self.at(i)
+    }
+}
+
+impl Drop for Pages {
+    fn drop(&mut self) {
+        for g in self.groups.iter() {
+            let p = g.load(Relaxed);
+            if !p.is_null() {
+                // SAFETY: exclusive access in drop; published groups came from Box::into_raw.
+                unsafe { drop(Box::from_raw(p)) };
+            }
         }
     }
 }
@@ -78,6 +202,11 @@ struct Root {
 }
 
 pub(crate) struct PageTable {
+    /// Chunk 0, kept apart from the tree: most files are one chunk (2 MiB with the default
+    /// window), and for them the tree's 64-way root node (512 bytes) was most of the table.
+    first: AtomicPtr<Chunk>,
+    /// The tree of the other chunks, made when the first of them is (null before). Its slot
+    /// for chunk 0 stays empty.
     root: AtomicPtr<Root>,
     pages_per_chunk: usize,
     /// Roots replaced by growth; readers may still hold them, so they live until drop.
@@ -91,19 +220,29 @@ unsafe impl Sync for PageTable {}
 
 impl PageTable {
     pub(crate) fn new(pages_per_chunk: usize) -> PageTable {
-        let root = Box::into_raw(Box::new(Root { height: 1, node: Node::new() }));
-        PageTable { root: AtomicPtr::new(root), pages_per_chunk, retired: Mutex::new(Vec::new()) }
+        PageTable {
+            first: AtomicPtr::new(ptr::null_mut()),
+            root: AtomicPtr::new(ptr::null_mut()),
+            pages_per_chunk,
+            retired: Mutex::new(Vec::new()),
+        }
     }
 
-    fn root(&self) -> &Root {
+    fn root(&self) -> Option<&Root> {
+        let r = self.root.load(Acquire);
         // SAFETY: roots are never freed before the table.
-        unsafe { &*self.root.load(Acquire) }
+        (!r.is_null()).then(|| unsafe { &*r })
     }
 
     /// The chunk with index `ci`, if it was ever created.
     #[inline]
     pub(crate) fn get(&self, ci: u64) -> Option<&Chunk> {
-        let root = self.root();
+        if ci == 0 {
+            let c = self.first.load(Acquire);
+            // SAFETY: chunks are never freed before the table.
+            return (!c.is_null()).then(|| unsafe { &*c });
+        }
+        let root = self.root()?;
         if root.height * SHIFT < 64 && ci >> (root.height * SHIFT) != 0 {
             return None;
         }
@@ -130,8 +269,31 @@ impl PageTable {
         if let Some(c) = self.get(ci) {
             return c;
         }
+        if ci == 0 {
+            let fresh = Box::into_raw(Box::new(Chunk::new(0, self.pages_per_chunk)));
+            let c = match self.first.compare_exchange(ptr::null_mut(), fresh, AcqRel, Acquire) {
+                Ok(_) => fresh,
+                Err(winner) => {
+                    // SAFETY: `fresh` was never published.
+                    unsafe { drop(Box::from_raw(fresh)) };
+                    winner
+                }
+            };
+            // SAFETY: as in `get`.
+            return unsafe { &*c };
+        }
+        if self.root.load(Acquire).is_null() {
+            let fresh = Box::into_raw(Box::new(Root { height: 1, node: Node::new() }));
+            if self.root.compare_exchange(ptr::null_mut(), fresh, AcqRel, Acquire).is_err() {
+                // SAFETY: neither was published.
+                unsafe {
+                    drop(Box::from_raw((*fresh).node));
+                    drop(Box::from_raw(fresh));
+                }
+            }
+        }
         self.grow_to(ci);
-        let root = self.root();
+        let root = self.root().expect("made above");
         let mut node = root.node;
         let mut level = root.height;
         loop {
@@ -164,6 +326,7 @@ impl PageTable {
     }
 
     /// Make the tree tall enough to hold chunk index `ci`.
+    /// => the tree exists (`root` is not null).
     fn grow_to(&self, ci: u64) {
         loop {
             let cur = self.root.load(Acquire);
@@ -191,8 +354,15 @@ impl PageTable {
 
     /// Call `f` on every existing chunk with index in `from..to`, in ascending order.
     pub(crate) fn for_each(&self, from: u64, to: u64, mut f: impl FnMut(&Chunk)) {
-        let root = self.root();
-        visit(root.node, root.height, 0, from, to, &mut f);
+        if from == 0
+            && to > 0
+            && let Some(c) = self.get(0)
+        {
+            f(c);
+        }
+        if let Some(root) = self.root() {
+            visit(root.node, root.height, 0, from.max(1), to, &mut f);
+        }
     }
 }
 
@@ -240,7 +410,15 @@ unsafe fn free_child(child: *mut (), level: u32) {
 
 impl Drop for PageTable {
     fn drop(&mut self) {
+        let first = self.first.load(Relaxed);
+        if !first.is_null() {
+            // SAFETY: exclusive access in drop; published by `get_or_create` from a Box.
+            unsafe { drop(Box::from_raw(first)) };
+        }
         let root = self.root.load(Relaxed);
+        if root.is_null() {
+            return;
+        }
         // SAFETY: exclusive access in drop; retired roots share nodes with the live root, so
         // only the Root descriptors are freed for them.
         unsafe {
@@ -277,6 +455,39 @@ mod tests {
         let mut some = vec![];
         t.for_each(64, 1 << 21, |c| some.push(c.index));
         assert_eq!(some, vec![64, 4095, 1 << 20]);
+    }
+
+    #[test]
+    fn page_groups_are_made_on_first_take_only() {
+        let t = PageTable::new(512);
+        let c = t.get_or_create(0);
+        assert_eq!(c.pages.groups_made(), 0);
+        // Scans make nothing; an absent page reads EMPTY.
+        assert!(c.pages.get(100).is_none());
+        assert!(!c.pages.snapshot(511).cached());
+        assert!(!c.pages.any(|_| true));
+        // A take makes its group only.
+        assert!(c.pages.at(33).try_lock_empty());
+        assert_eq!(c.pages.groups_made(), 1);
+        assert!(c.pages.get(32).is_some() && c.pages.get(64).is_none());
+        assert!(c.pages.snapshot(33).held());
+        assert!(c.pages.any(|p| p.snapshot().held()));
+        c.pages.slot_at(511).store(7, Relaxed);
+        assert_eq!(c.pages.groups_made(), 2);
+        assert_eq!(c.pages.slot_at(510).load(Relaxed), ubc_evict::NO_SLOT);
+        // Concurrent first takes of one group agree on it.
+        let t = std::sync::Arc::new(PageTable::new(512));
+        let hs: Vec<_> = (0..4)
+            .map(|k| {
+                let t = t.clone();
+                std::thread::spawn(move || t.get_or_create(0).pages.at(200 + k) as *const PageState as usize)
+            })
+            .collect();
+        let addrs: Vec<usize> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        for (k, a) in addrs.iter().enumerate() {
+            assert_eq!(*a, t.get(0).unwrap().pages.get(200 + k).unwrap() as *const PageState as usize);
+        }
+        assert_eq!(t.get(0).unwrap().pages.groups_made(), 1);
     }
 
     #[test]
