@@ -384,6 +384,10 @@ impl CacheCore {
         if obj.handles.load(SeqCst) != 0 {
             return;
         }
+        if closed_now {
+            // Read-ahead state is for readers; a file reopened starts its streams afresh.
+            *obj.ra_streams.lock() = None;
+        }
         let mut reg = self.registry.write();
         // Re-check under the lock: `open` takes handles under it.
         if obj.handles.load(SeqCst) != 0 {

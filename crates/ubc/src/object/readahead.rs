@@ -135,6 +135,7 @@ impl Object {
         let req = req_last.min(eof) - page + 1;
         let size = {
             let mut t = self.ra_streams.lock();
+            let t = t.get_or_insert_with(Default::default);
             let known = t.continuing(page).map(|s| s.size);
             let size = match known {
                 // Continues one read seen before (a candidate): start small, as Linux's
@@ -192,6 +193,7 @@ impl Object {
         let start = mark + 1 + self.cached_run_after(mark + 1, max);
         let size = {
             let mut t = self.ra_streams.lock();
+            let t = t.get_or_insert_with(Default::default);
             let known = t.marked(mark).map(|s| s.size);
             let ramp = known.unwrap_or_else(|| (start - mark).max(g.ra_init_pages));
             let size = (ramp * 2).min(max);
