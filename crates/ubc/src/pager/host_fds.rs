@@ -163,12 +163,13 @@ pub fn keep_open(dev: u64, ino: u64) {
         None => return,
     };
     for e in entries {
-        // Reopen first (it still has a name), then pin: a reopen failure leaves it parked,
-        // and the unlink that follows makes that final — nothing better is possible.
-        if let Ok(f) = POOL.get(&e) {
-            e.pinned.store(true, Relaxed);
-            drop(f);
-        }
+        // Pinned first, so no park can come between the reopen and the pin; then reopened
+        // while the file still has its name. (A park that read the flag just before holds
+        // the entry's lock: the reopen waits for it and finds the descriptor parked.) A
+        // reopen failure leaves it parked, and the unlink that follows makes that final —
+        // nothing better is possible.
+        e.pinned.store(true, Relaxed);
+        let _ = POOL.get(&e);
     }
 }
 
