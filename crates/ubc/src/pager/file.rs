@@ -235,7 +235,7 @@ impl FilePager {
         FilePager {
             direct_on: AtomicBool::new(align.is_some()),
             align,
-            file: HostFd::new(file, flags, dev, ino),
+            file: HostFd::new(file, flags, dev, ino, path.parent()),
             fallback: OnceLock::new(),
             reopen_path,
             path: path.to_path_buf(),
@@ -260,7 +260,7 @@ impl FilePager {
             }
         }
         if let Some(f) = self.fallback.take() {
-            self.file = HostFd::new(f, reopen_flags(self.access, false), self.dev, self.ino);
+            self.file = HostFd::new(f, reopen_flags(self.access, false), self.dev, self.ino, self.path.parent());
         }
         self.direct_on.store(false, Relaxed);
         self

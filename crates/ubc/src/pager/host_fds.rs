@@ -15,7 +15,7 @@
 //!   an open descriptor would;
 //! * a file on a file system without file handles (`name_to_handle_at` fails: some FUSE
 //!   and network file systems), or where the process may not use them
-//!   (`open_by_handle_at` needs `CAP_DAC_READ_SEARCH`, tried once per mount): parking would
+//!   (`open_by_handle_at` needs `CAP_DAC_READ_SEARCH`, tried once per device): parking would
 //!   have no safe way back. [`stats`] counts such files.
 //!
 //! What is not covered: another process unlinking a cached file whose descriptor is
@@ -35,10 +35,11 @@
 
 use parking_lot::Mutex;
 use rustix::fd::{AsRawFd, FromRawFd, OwnedFd};
-use rustix::fs::{AtFlags, OFlags, StatxFlags};
+use rustix::fs::OFlags;
 use std::collections::HashMap;
 use std::fs::File;
 use std::io;
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, LazyLock, OnceLock, Weak};
 
@@ -103,9 +104,9 @@ struct State {
     files: usize,
     /// Entries by inode, for `keep_open`.
     by_inode: HashMap<(u64, u64), Vec<Weak<Entry>>>,
-    /// Per mount id: a descriptor on the mount usable with `open_by_handle_at`, or `None`
-    /// where handles do not work.
-    mounts: HashMap<i32, Option<Arc<OwnedFd>>>,
+    /// Per device: a directory on it to pass `open_by_handle_at` as its `mount_fd`, or `None`
+    /// where handles do not work (found once per device, by `mount_of`).
+    mounts: HashMap<u64, Option<Arc<OwnedFd>>>,
     parks: u64,
     reopens: u64,
 }
@@ -174,8 +175,8 @@ pub fn keep_open(dev: u64, ino: u64) {
 }
 
 impl HostFd {
-    /// Pool `file` (open with `flags`, on inode `(dev, ino)`).
-    pub(crate) fn new(file: File, flags: OFlags, dev: u64, ino: u64) -> HostFd {
+    /// Pool `file` (open with `flags`, on inode `(dev, ino)`, in directory `dir` if known).
+    pub(crate) fn new(file: File, flags: OFlags, dev: u64, ino: u64, dir: Option<&Path>) -> HostFd {
         let entry = Arc::new(Entry {
             pinned: AtomicBool::new(false),
             file: Mutex::new(Some(Arc::new(file))),
@@ -187,7 +188,13 @@ impl HostFd {
             open_idx: AtomicUsize::new(usize::MAX),
             gone: AtomicBool::new(false),
         });
-        POOL.add(&entry);
+        if !POOL.add(&entry) {
+            // The first file of its device: outside the pool's lock (an open and a probe).
+            let file = entry.file.lock().clone().expect("just opened");
+            if let Some(m) = mount_of(&file, dir, dev) {
+                POOL.state.lock().mounts.entry(dev).or_insert(m);
+            }
+        }
         HostFd { entry }
     }
 
@@ -219,44 +226,21 @@ impl Drop for HostFd {
 }
 
 impl Pool {
-    /// The file handle of `file` and a descriptor on its mount, if reopening by handle works
-    /// there (tried once per mount, under the pool's lock: a read of `/proc/self/mountinfo`
-    /// and an open, once).
-    fn handle_of(s: &mut State, file: &File) -> Option<Handle> {
-        const HDR: usize = std::mem::size_of::<libc::file_handle>();
-        let mut raw = vec![0u64; (HDR + libc::MAX_HANDLE_SZ as usize).div_ceil(8)].into_boxed_slice();
-        let fh = raw.as_mut_ptr() as *mut libc::file_handle;
-        let mut mount_id: libc::c_int = 0;
-        // SAFETY: `raw` holds a file_handle header and MAX_HANDLE_SZ bytes, as handle_bytes
-        // says; the kernel writes at most that.
-        let ok = unsafe {
-            (*fh).handle_bytes = libc::MAX_HANDLE_SZ as u32;
-            libc::name_to_handle_at(file.as_raw_fd(), c"".as_ptr(), fh, &mut mount_id, libc::AT_EMPTY_PATH)
-        } == 0;
-        if !ok {
-            return None;
-        }
-        let mount = match s.mounts.get(&mount_id) {
-            Some(m) => m.clone()?,
-            None => {
-                let m = mount_fd(mount_id).filter(|m| {
-                    // EPERM without CAP_DAC_READ_SEARCH.
-                    let h = Handle { mount: m.clone(), raw: raw.clone() };
-                    h.open(OFlags::RDONLY | OFlags::CLOEXEC).is_ok()
-                });
-                s.mounts.insert(mount_id, m.clone());
-                m?
-            }
-        };
-        Some(Handle { mount, raw })
+    /// The file handle of `file` (of entry `e`) with its device's directory, if reopening by
+    /// handle works there.
+    fn handle_of(s: &State, e: &Entry, file: &File) -> Option<Handle> {
+        let mount = s.mounts.get(&e.dev)?.clone()?;
+        Some(Handle { mount, raw: file_handle(file)? })
     }
 
-    fn add(&self, e: &Arc<Entry>) {
+    /// List a new entry; whether its device's directory was looked for already.
+    fn add(&self, e: &Arc<Entry>) -> bool {
         let mut s = self.state.lock();
         s.files += 1;
         Self::list(&mut s, e);
         s.by_inode.entry((e.dev, e.ino)).or_default().push(Arc::downgrade(e));
         self.park_locked(&mut s, Some(e));
+        s.mounts.contains_key(&e.dev)
     }
 
     /// Put `e` (its descriptor just opened) on the clock.
@@ -355,7 +339,7 @@ impl Pool {
             let Some(f) = slot.as_ref() else { continue };
             // Unlinked: its data lives only while a descriptor does. No way back: neither.
             let unlinked = rustix::fs::fstat(&**f).map_or(true, |st| st.st_nlink == 0);
-            if unlinked || e.handle.get_or_init(|| Self::handle_of(s, f)).is_none() {
+            if unlinked || e.handle.get_or_init(|| Self::handle_of(s, &e, f)).is_none() {
                 e.pinned.store(true, Relaxed);
                 continue;
             }
@@ -388,51 +372,36 @@ impl Handle {
     }
 }
 
-/// A descriptor on the mount with id `mount_id` (`/proc/self/mountinfo`'s first field):
-/// its mount point opened (read-only: `open_by_handle_at` refuses an `O_PATH` descriptor with
-/// `EBADF`), checked to be that mount (not one stacked over it).
-fn mount_fd(mount_id: i32) -> Option<Arc<OwnedFd>> {
-    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    let point = info.lines().find_map(|l| {
-        let mut f = l.split(' ');
-        (f.next()? == mount_id.to_string()).then_some(())?;
-        Some(unescape(f.nth(3)?))
-    })?;
-    let fd = rustix::fs::open(
-        point.as_str(),
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-        rustix::fs::Mode::empty(),
-    )
-    .ok()?;
-    let sx = rustix::fs::statx(&fd, "", AtFlags::EMPTY_PATH, StatxFlags::MNT_ID).ok()?;
-    (sx.stx_mnt_id == mount_id as u64).then(|| Arc::new(fd))
+/// `file`'s handle (`name_to_handle_at`): a `struct file_handle` and its bytes.
+fn file_handle(file: &File) -> Option<Box<[u64]>> {
+    const HDR: usize = std::mem::size_of::<libc::file_handle>();
+    let mut raw = vec![0u64; (HDR + libc::MAX_HANDLE_SZ as usize).div_ceil(8)].into_boxed_slice();
+    let fh = raw.as_mut_ptr() as *mut libc::file_handle;
+    let mut mount_id: libc::c_int = 0;
+    // SAFETY: `raw` holds a file_handle header and MAX_HANDLE_SZ bytes, as handle_bytes says;
+    // the kernel writes at most that.
+    let ok = unsafe {
+        (*fh).handle_bytes = libc::MAX_HANDLE_SZ as u32;
+        libc::name_to_handle_at(file.as_raw_fd(), c"".as_ptr(), fh, &mut mount_id, libc::AT_EMPTY_PATH)
+    } == 0;
+    ok.then_some(raw)
 }
 
-/// A mountinfo path field: spaces, tabs, newlines and backslashes come as `\ooo`.
-fn unescape(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
-            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
-            i += 4;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
+/// A descriptor `open_by_handle_at` accepts as `mount_fd` for files of device `dev` — any
+/// object on the file system; here the directory `dir` holding `file` (opened read-only:
+/// an `O_PATH` descriptor is refused with `EBADF`) — if a handle of `file` opens through it
+/// (`EPERM` without `CAP_DAC_READ_SEARCH`; no handle at all on file systems without export
+/// support). `Some(None)`: handles do not work on this device, its files are never parked;
+/// `None`: no directory of the device to try (`dir` unknown, gone, or elsewhere), ask again
+/// with the device's next file.
+fn mount_of(file: &File, dir: Option<&Path>, dev: u64) -> Option<Option<Arc<OwnedFd>>> {
+    let dir = dir.map(|d| if d.as_os_str().is_empty() { Path::new(".") } else { d })?;
+    let fd =
+        rustix::fs::open(dir, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, rustix::fs::Mode::empty()).ok()?;
+    if rustix::fs::fstat(&fd).ok()?.st_dev != dev {
+        return None;
     }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn mountinfo_paths_are_unescaped() {
-        assert_eq!(unescape(r"/mnt/a\040b\134c"), "/mnt/a b\\c");
-        assert_eq!(unescape("/plain"), "/plain");
-        assert_eq!(unescape(r"/end\04"), r"/end\04");
-    }
+    let Some(raw) = file_handle(file) else { return Some(None) };
+    let h = Handle { mount: Arc::new(fd), raw };
+    Some(h.open(OFlags::RDONLY | OFlags::CLOEXEC).ok().map(|_| h.mount))
 }
