@@ -126,80 +126,79 @@ impl Arena {
     }
 }
 
-/// One object's memory: offsets below `split` in a slice of a shared memfd, the rest in a
-/// memfd of its own (see the module documentation). Every method takes file offsets.
+/// One object's memory: offsets below `SLICE` in a slice of a shared memfd (where there are
+/// slices), the rest in a memfd of its own (see the module documentation). Every method
+/// takes file offsets.
 pub(crate) struct Memory {
     /// The shared memfd and the slice's base; `None` where there are no slices.
     low: Option<(Arc<Memfd>, u64)>,
-    /// Offsets below this are in the slice: `SLICE`, or 0 without one.
-    split: u64,
-    /// The memfd for offsets at or past `split`, made on first use.
+    /// The memfd for the other offsets, made on first use.
     high: OnceLock<Memfd>,
     high_init: Mutex<()>,
-    /// The object's name (for the own memfd's name).
-    name: String,
+    /// The object's id (the own memfd's name).
+    id: u64,
     /// One past the highest slice offset ever written, allocated or mapped: what a drop
     /// punches.
     touched: AtomicU64,
 }
 
+/// `cell`'s value, made by `make` if there is none yet; `lock` serializes the makers, so
+/// `make` runs once unless it fails (`OnceLock::get_or_try_init` is not stable).
+pub(crate) fn get_or_try_init<'a, T>(
+    cell: &'a OnceLock<T>,
+    lock: &Mutex<()>,
+    make: impl FnOnce() -> Result<T>,
+) -> Result<&'a T> {
+    if let Some(v) = cell.get() {
+        return Ok(v);
+    }
+    let _g = lock.lock();
+    if let Some(v) = cell.get() {
+        return Ok(v);
+    }
+    let v = make()?;
+    Ok(cell.get_or_init(|| v))
+}
+
 impl Memory {
-    /// An object's memory, empty: a slice of `arena` (no system call) where there are slices.
-    pub(crate) fn new(arena: &Arena, name: &str) -> Result<Memory> {
-        let low = arena.slice()?;
-        let split = if low.is_some() { SLICE } else { 0 };
+    /// Object `id`'s memory, empty: a slice of `arena` (no system call) where there are
+    /// slices.
+    pub(crate) fn new(arena: &Arena, id: u64) -> Result<Memory> {
         Ok(Memory {
-            low,
-            split,
+            low: arena.slice()?,
             high: OnceLock::new(),
             high_init: Mutex::new(()),
-            name: name.to_string(),
+            id,
             touched: AtomicU64::new(0),
         })
     }
 
     /// The own memfd, made if needed.
     fn high(&self) -> Result<&Memfd> {
-        if let Some(m) = self.high.get() {
-            return Ok(m);
-        }
-        let _g = self.high_init.lock();
-        if let Some(m) = self.high.get() {
-            return Ok(m);
-        }
-        let m = Memfd::create(&self.name)?;
-        Ok(self.high.get_or_init(|| m))
+        get_or_try_init(&self.high, &self.high_init, || Memfd::create(&self.id.to_string()))
     }
 
-    /// The low part of `offset..offset+len` as (memfd, memfd offset, length), if any, noting
-    /// it touched when `touch`.
-    fn low_part(&self, offset: u64, len: u64, touch: bool) -> Option<(&Memfd, u64, u64)> {
-        let (m, base) = self.low.as_ref()?;
-        if offset >= self.split {
-            return None;
+    /// The part of `offset..offset+len` in the slice: the shared memfd, the offset there and
+    /// the length (0, and no memfd, when none of it is).
+    fn in_slice(&self, offset: u64, len: u64) -> (Option<(&Memfd, u64)>, u64) {
+        match &self.low {
+            Some((m, base)) if offset < SLICE && len > 0 => (Some((m, base + offset)), len.min(SLICE - offset)),
+            _ => (None, 0),
         }
-        let n = len.min(self.split - offset);
-        if n == 0 {
-            return None;
-        }
-        if touch {
-            self.touched.fetch_max(offset + n, Relaxed);
-        }
-        Some((m, base + offset, n))
     }
 
-    /// Bytes of `offset..offset+len` that lie below `split`.
-    fn low_len(&self, offset: u64, len: u64) -> u64 {
-        if offset >= self.split { 0 } else { len.min(self.split - offset) }
+    /// Note slice offsets below `end` as touched.
+    fn touch(&self, end: u64) {
+        self.touched.fetch_max(end.min(SLICE), Relaxed);
     }
 
     /// Free the pages in `offset..offset+len` (and unmap them from every mapping).
     pub(crate) fn punch(&self, offset: u64, len: u64) -> Result<()> {
         let len = len.min(max_size().saturating_sub(offset));
-        if let Some((m, at, n)) = self.low_part(offset, len, false) {
+        let (low, n) = self.in_slice(offset, len);
+        if let Some((m, at)) = low {
             m.punch(at, n)?;
         }
-        let n = self.low_len(offset, len);
         if n < len
             && let Some(h) = self.high.get()
         {
@@ -210,10 +209,11 @@ impl Memory {
 
     /// Allocate zeroed memory for the holes in `offset..offset+len` (existing pages stay).
     pub(crate) fn allocate(&self, offset: u64, len: u64) -> Result<()> {
-        if let Some((m, at, n)) = self.low_part(offset, len, true) {
+        let (low, n) = self.in_slice(offset, len);
+        if let Some((m, at)) = low {
+            self.touch(offset + n);
             m.allocate(at, n)?;
         }
-        let n = self.low_len(offset, len);
         if n < len {
             self.high()?.allocate(offset + n, len - n)?;
         }
@@ -222,8 +222,10 @@ impl Memory {
 
     /// Write `buf` at `offset` with `pwrite` (see `Memfd::write_at`).
     pub(crate) fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
-        let n = self.low_len(offset, buf.len() as u64) as usize;
-        if let Some((m, at, _)) = self.low_part(offset, n as u64, true) {
+        let (low, n) = self.in_slice(offset, buf.len() as u64);
+        let n = n as usize;
+        if let Some((m, at)) = low {
+            self.touch(offset + n as u64);
             m.write_at(&buf[..n], at)?;
         }
         if n < buf.len() {
@@ -234,8 +236,9 @@ impl Memory {
 
     /// Read `buf.len()` bytes at `offset` with `pread` (a hole reads as zeros and stays one).
     pub(crate) fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        let n = self.low_len(offset, buf.len() as u64) as usize;
-        if let Some((m, at, _)) = self.low_part(offset, n as u64, false) {
+        let (low, n) = self.in_slice(offset, buf.len() as u64);
+        let n = n as usize;
+        if let Some((m, at)) = low {
             m.read_at(&mut buf[..n], at)?;
         }
         if n < buf.len() {
@@ -277,14 +280,17 @@ impl Memory {
         flags: MapFlags,
         what: &'static str,
     ) -> Result<*mut u8> {
-        let n = self.low_len(offset, len as u64) as usize;
-        if n == len {
-            let (m, at, _) = self.low_part(offset, len as u64, true).expect("a slice holds the range");
-            return m.mmap(std::ptr::null_mut(), at, len, prot, flags, what);
+        let (low, n) = self.in_slice(offset, len as u64);
+        let n = n as usize;
+        if let Some((m, at)) = low {
+            self.touch(offset + n as u64);
+            if n == len {
+                return m.mmap(std::ptr::null_mut(), at, len, prot, flags, what);
+            }
         }
         let whole = self.high()?.mmap(std::ptr::null_mut(), offset, len, prot, flags, what)?;
-        if let Some((m, at, n)) = self.low_part(offset, n as u64, true)
-            && let Err(e) = m.mmap(whole, at, n as usize, prot, flags | MapFlags::FIXED, what)
+        if let Some((m, at)) = low
+            && let Err(e) = m.mmap(whole, at, n, prot, flags | MapFlags::FIXED, what)
         {
             // SAFETY: our fresh mapping; nothing refers to it yet.
             unsafe { unmap(whole, len) };

@@ -284,15 +284,7 @@ impl Object {
     }
 
     fn memory(&self) -> Result<&Memory> {
-        if let Some(m) = self.memory.get() {
-            return Ok(m);
-        }
-        let _g = self.memory_init.lock();
-        if let Some(m) = self.memory.get() {
-            return Ok(m);
-        }
-        let m = Memory::new(&self.res.arena, &self.id.to_string())?;
-        Ok(self.memory.get_or_init(|| m))
+        crate::memfd::get_or_try_init(&self.memory, &self.memory_init, || Memory::new(&self.res.arena, self.id))
     }
 
     fn io_err(&self, op: PagerOp, offset: u64, source: std::io::Error) -> Error {
