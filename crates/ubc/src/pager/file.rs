@@ -323,7 +323,7 @@ impl FilePager {
             }
         }
         if done > 0 {
-            self.drop_cached(offset, done as u64);
+            drop_cached(&f, offset, done as u64);
         }
         Ok(done)
     }
@@ -345,19 +345,8 @@ impl FilePager {
                 _ => return Err(e),
             }
         }
-        self.drop_cached(offset, data.len() as u64);
+        drop_cached(&f, offset, data.len() as u64);
         Ok(())
-    }
-
-    /// `POSIX_FADV_DONTNEED` on the pages covering `offset..offset+len` (the kernel keeps
-    /// partial pages at the ends of the range, so it is widened to whole pages).
-    fn drop_cached(&self, offset: u64, len: u64) {
-        let (start, len) = page_span(offset, len);
-        if let Some(len) = NonZeroU64::new(len)
-            && let Ok(f) = self.file.get()
-        {
-            let _ = rustix::fs::fadvise(&*f, start, Some(len), Advice::DontNeed);
-        }
     }
 
     /// Direct read into `buf`; returns the bytes read (fewer at end of file).
@@ -601,6 +590,16 @@ fn reopen(file: &File, path: Option<&Path>, flags: OFlags, dev: u64, ino: u64) -
         return Err(io::Error::other("the file was replaced while reopening it"));
     }
     Ok(File::from(fd))
+}
+
+/// `POSIX_FADV_DONTNEED` on `f`'s pages covering `offset..offset+len` (the kernel keeps
+/// partial pages at the ends of the range, so it is widened to whole pages). `f` is the
+/// descriptor the transfer used: any of the file's drops the inode's pages.
+fn drop_cached(f: &File, offset: u64, len: u64) {
+    let (start, len) = page_span(offset, len);
+    if let Some(len) = NonZeroU64::new(len) {
+        let _ = rustix::fs::fadvise(f, start, Some(len), Advice::DontNeed);
+    }
 }
 
 /// The flags a pooled descriptor is reopened with: the access, `O_CLOEXEC`, and `O_DIRECT`
