@@ -103,7 +103,7 @@ impl Mount {
     fn start(spec: &str, layer: usize, mp: &Path, err: &Path) -> Mount {
         let child = Command::new(env!("CARGO_BIN_EXE_ubc"))
             // A pool of 4 host descriptors: files' descriptors are closed and reopened by
-            // handle all the time, so every case also runs through that path.
+            // handle all the time, so the cases run through that path too.
             .args(["mount", "--stack", spec, "--budget", "8", "--host-fds", "4", "--allow-other", "--at"])
             .arg(format!("{layer}:{}", mp.display()))
             .stdin(Stdio::null())

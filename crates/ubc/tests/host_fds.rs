@@ -21,8 +21,14 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd").unwrap().count()
+/// Create, write and sync `n` small files named `{prefix}{i}`: each takes the pool's
+/// descriptor in turn.
+fn churn(cache: &Cache, dir: &std::path::Path, prefix: &str, n: usize) {
+    for i in 0..n {
+        let c = cache.create_path(dir.join(format!("{prefix}{i}"))).unwrap();
+        c.write_at(prefix.as_bytes(), 0).unwrap();
+        c.sync().unwrap();
+    }
 }
 
 fn cache() -> Cache {
@@ -129,11 +135,7 @@ fn removed_files_keep_working_through_their_handles() {
     host_fds::keep_open(st.dev(), st.ino());
     std::fs::remove_file(dir.path().join("a")).unwrap();
     // Still open: other files come and go through the one pooled descriptor.
-    for i in 0..5 {
-        let c = cache.create_path(dir.path().join(format!("c{i}"))).unwrap();
-        c.write_at(b"c", 0).unwrap();
-        c.sync().unwrap();
-    }
+    churn(&cache, dir.path(), "c", 5);
     cache.evict_all().unwrap();
     let mut got = vec![0u8; 50_000];
     a.read_exact_at(&mut got, 0).unwrap();
@@ -148,11 +150,7 @@ fn removed_files_keep_working_through_their_handles() {
     d.write_at(&pattern(2, 0, 20_000), 0).unwrap();
     d.sync().unwrap();
     std::fs::remove_file(dir.path().join("d")).unwrap();
-    for i in 0..5 {
-        let c = cache.create_path(dir.path().join(format!("e{i}"))).unwrap();
-        c.write_at(b"e", 0).unwrap();
-        c.sync().unwrap();
-    }
+    churn(&cache, dir.path(), "e", 5);
     cache.evict_all().unwrap();
     let mut got = vec![0u8; 20_000];
     d.read_exact_at(&mut got, 0).unwrap();

@@ -193,3 +193,8 @@ pub fn in_child_with_limit(test: &str, tag: &str, resource: libc::__rlimit_resou
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Descriptors this process holds now.
+pub fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
