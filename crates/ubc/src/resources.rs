@@ -26,8 +26,10 @@ use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 mod dirty;
+mod policy;
 
 pub(crate) use dirty::{DirtyAccount, DirtyWriter};
+pub(crate) use policy::AdmitStaged;
 
 /// What the resources need from the cache above them: freeing memory and cleaning pages
 /// means visiting other objects, which only the cache's registry knows.
@@ -132,7 +134,8 @@ pub(crate) struct Resources {
     pub(crate) maps: OnceLock<Arc<crate::map::MapService>>,
     serve: Serve,
     fault_threads: usize,
-    pub(crate) policy: Mutex<Box<dyn EvictionPolicy>>,
+    /// The replacement policy, and the pages fills left for it (see `resources/policy.rs`).
+    pub(crate) policy: policy::PolicyLock,
     pub(crate) policy_name: String,
     pub(crate) windows: Windows,
     /// The memfds objects' pages share (see `memfd.rs`).
@@ -168,7 +171,7 @@ impl Resources {
             maps: OnceLock::new(),
             serve: p.serve,
             fault_threads: p.fault_threads,
-            policy: Mutex::new(p.policy),
+            policy: policy::PolicyLock::new(p.policy),
             policy_name: p.policy_name,
             windows: p.windows,
             arena: crate::memfd::Arena::new(),

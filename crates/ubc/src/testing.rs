@@ -16,6 +16,9 @@ pub enum Point {
     /// write-back) is done — a write-back job has told its caller — and is about to let go
     /// of the file.
     WorkDone,
+    /// A fill found the replacement policy's lock taken and left its pages for the next
+    /// holder to admit (`resources/policy.rs`); they are valid already.
+    FillStaged,
 }
 
 type Hook = Arc<dyn Fn(Point) + Send + Sync>;

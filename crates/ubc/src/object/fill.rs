@@ -169,14 +169,25 @@ impl Object {
     ) {
         let (dirty, pin) = (publish == Publish::Dirty, publish == Publish::Pinned);
         let base = chunk.index << self.res.geo.chunk_shift;
-        // Insert into the policy before the pages become visible as valid: a page must
-        // never be valid (evictable) without the policy knowing it.
-        {
-            let mut pol = self.res.policy.lock();
-            for p in first..first + n {
-                self.policy_admit(pol.as_mut(), chunk, p, admission);
+        // Into the policy before the pages become visible as valid, if its lock is free;
+        // if the page daemon (or another fill) holds it, the pages are staged instead and
+        // admitted by the next holder, after they are valid (`resources/policy.rs`: a fill
+        // never sleeps on the lock that eviction holds). Their slots say "not in the policy"
+        // meanwhile; the pages are still BUSY, so nobody else reads or sets them.
+        let staged = match self.res.policy.try_lock() {
+            Some(mut pol) => {
+                for p in first..first + n {
+                    self.policy_admit(pol.as_mut(), chunk, p, admission);
+                }
+                false
             }
-        }
+            None => {
+                for p in first..first + n {
+                    chunk.pages.slot_at((p - base) as usize).store(NO_SLOT, Relaxed);
+                }
+                true
+            }
+        };
         // Valid first, then mapped into every user mapping, held by a pin meanwhile (a page
         // reaches a user page table only while held: it cannot be evicted in between).
         // Mapped while still BUSY, a store through the mapping could land before the page is
@@ -199,6 +210,11 @@ impl Object {
                 speculative: admission == Admission::ReadAhead,
                 ra_mark: mark == Some(p),
             });
+        }
+        if staged {
+            self.res.policy.stage(self.me.clone() as Weak<dyn crate::resources::AdmitStaged>, first, n, admission);
+            #[cfg(feature = "testing")]
+            crate::testing::reached(crate::testing::Point::FillStaged);
         }
         if let Some(svc) = svc {
             for m in self.maps.read().iter() {
@@ -246,7 +262,7 @@ impl Object {
                 }
             }
         }
-        bump(&self.counters.mine().hits, n);
+        self.counters.hit(n);
         Ok(n)
     }
 

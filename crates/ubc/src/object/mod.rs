@@ -434,6 +434,21 @@ impl Drop for Object {
     }
 }
 
+impl crate::resources::AdmitStaged for Object {
+    /// Pages a fill staged (`resources/policy.rs`), each admitted only if it is still the page
+    /// that was staged: valid, not taken for a drop, and not in the policy already (its slot
+    /// `NO_SLOT`).
+    fn admit_staged(&self, pol: &mut dyn EvictionPolicy, first: u64, n: u64, admission: Admission) {
+        for p in first..first + n {
+            let (Some(chunk), Some(st)) = (self.chunk_of(p), self.page_state(p)) else { continue };
+            let st = st.snapshot();
+            if st.valid() && !st.busy() && chunk.pages.slot_at(self.locate(p).1).load(Relaxed) == NO_SLOT {
+                self.policy_admit(pol, chunk, p, admission);
+            }
+        }
+    }
+}
+
 impl DirtyWriter for Object {
     fn id(&self) -> u64 {
         self.id

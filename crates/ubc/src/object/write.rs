@@ -36,7 +36,7 @@ impl Object {
         let st = &chunk.pages[slot];
         match st.begin_write() {
             WriteLock::Resident => {
-                bump(&self.counters.mine().hits, 1);
+                self.counters.hit(1);
                 if let Err(e) = self.dirty_held(st) {
                     st.abort_write();
                     return Err(e);

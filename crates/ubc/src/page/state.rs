@@ -155,6 +155,11 @@ impl Snapshot {
     pub(crate) fn speculative(self) -> bool {
         self.0 & SPECULATIVE != 0
     }
+    /// Owned by one thread: being filled, or taken for eviction or truncation.
+    #[inline]
+    pub(crate) fn busy(self) -> bool {
+        self.0 & BUSY != 0
+    }
     /// Pinned, being filled, written or written back: its memory is in use.
     #[inline]
     pub(crate) fn held(self) -> bool {
