@@ -30,12 +30,12 @@ struct Record {
 }
 
 impl Record {
-    fn to_error(&self, object: &str, lost: bool) -> Error {
+    fn to_error(&self, object: String, lost: bool) -> Error {
         let source = match self.errno {
             Some(e) => io::Error::from_raw_os_error(e),
             None => io::Error::new(self.kind, self.message.clone()),
         };
-        Error::WritebackFailed { op: self.op, object: object.to_string(), source, lost }
+        Error::WritebackFailed { op: self.op, object, source, lost }
     }
 }
 
@@ -46,8 +46,9 @@ struct State {
     lost_seq: u64,
     /// The highest lost sequence some handle has been told about.
     lost_reported: u64,
-    last_retained: Option<Record>,
-    last_lost: Option<Record>,
+    /// Boxed: most objects never fail, and every cached object carries this state.
+    last_retained: Option<Box<Record>>,
+    last_lost: Option<Box<Record>>,
 }
 
 /// The failures of one cached object.
@@ -67,14 +68,15 @@ impl WbErrors {
     pub(crate) fn retained(&self, op: PagerOp, e: &io::Error) {
         let mut s = self.state.lock();
         s.retained_seq += 1;
-        s.last_retained = Some(Record { op, errno: e.raw_os_error(), kind: e.kind(), message: e.to_string() });
+        s.last_retained =
+            Some(Box::new(Record { op, errno: e.raw_os_error(), kind: e.kind(), message: e.to_string() }));
     }
 
     /// Record a failed pager `sync`: data the store accepted may be lost.
     pub(crate) fn lost(&self, op: PagerOp, e: &io::Error) {
         let mut s = self.state.lock();
         s.lost_seq += 1;
-        s.last_lost = Some(Record { op, errno: e.raw_os_error(), kind: e.kind(), message: e.to_string() });
+        s.last_lost = Some(Box::new(Record { op, errno: e.raw_os_error(), kind: e.kind(), message: e.to_string() }));
     }
 
     /// A new handle's cursor: it will hear of lost data nobody has been told about yet (as
@@ -84,23 +86,24 @@ impl WbErrors {
         Cursor { retained: AtomicU64::new(s.retained_seq), lost: AtomicU64::new(s.lost_reported) }
     }
 
-    /// A lost-data failure this handle has not been told about; marks it told.
-    pub(crate) fn take_lost(&self, c: &Cursor, object: &str) -> Option<Error> {
+    /// A lost-data failure this handle has not been told about; marks it told. `object`
+    /// names the object in the error (made only when there is one).
+    pub(crate) fn take_lost(&self, c: &Cursor, object: impl FnOnce() -> String) -> Option<Error> {
         let mut s = self.state.lock();
         let seen = c.lost.swap(s.lost_seq, SeqCst);
         if s.lost_seq > seen {
             s.lost_reported = s.lost_seq;
-            return s.last_lost.as_ref().map(|r| r.to_error(object, true));
+            return s.last_lost.as_ref().map(|r| r.to_error(object(), true));
         }
         None
     }
 
     /// A failed writeback since this handle last looked (marks it told).
-    pub(crate) fn take_retained(&self, c: &Cursor, object: &str) -> Option<Error> {
+    pub(crate) fn take_retained(&self, c: &Cursor, object: impl FnOnce() -> String) -> Option<Error> {
         let s = self.state.lock();
         let seen = c.retained.swap(s.retained_seq, SeqCst);
         if s.retained_seq > seen {
-            return s.last_retained.as_ref().map(|r| r.to_error(object, false));
+            return s.last_retained.as_ref().map(|r| r.to_error(object(), false));
         }
         None
     }

@@ -103,7 +103,7 @@ impl File {
     pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         let n = self.read_at(buf, offset)?;
         if n < buf.len() {
-            return Err(Error::UnexpectedEof { object: self.obj.describe().to_string(), offset: offset + n as u64 });
+            return Err(Error::UnexpectedEof { object: self.obj.describe(), offset: offset + n as u64 });
         }
         Ok(())
     }
@@ -182,9 +182,9 @@ impl File {
     pub fn sync(&self) -> Result<()> {
         let o = self.live()?;
         let r = o.sync();
-        let lost = o.wb_errors.take_lost(&self.errors, o.describe());
+        let lost = o.wb_errors.take_lost(&self.errors, || o.describe());
         // This sync retried every dirty page: earlier put failures are settled by `r`.
-        let _ = o.wb_errors.take_retained(&self.errors, o.describe());
+        let _ = o.wb_errors.take_retained(&self.errors, || o.describe());
         r?;
         lost.map_or(Ok(()), Err)
     }
@@ -246,8 +246,8 @@ impl File {
             return Err(Error::Closed);
         }
         let o = &self.obj;
-        let lost = o.wb_errors.take_lost(&self.errors, o.describe());
-        let retained = o.wb_errors.take_retained(&self.errors, o.describe());
+        let lost = o.wb_errors.take_lost(&self.errors, || o.describe());
+        let retained = o.wb_errors.take_retained(&self.errors, || o.describe());
         let pending = self.writable && o.dirty_pages() > 0;
         self.release_handle();
         match (lost, retained) {

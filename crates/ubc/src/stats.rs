@@ -212,13 +212,17 @@ pub(crate) struct Shard {
 /// (`cached_random_read_4k_2t`): the first thread to count a hit owns the set's `hits`, and
 /// the first hit counted by another thread gives the object one padded hit counter per
 /// thread shard. An object read by one thread — nearly every cached file — costs one padded
-/// set (128 bytes) instead of eight (1 KiB: that was most of an idle cached object).
+/// line pair (128 bytes) instead of eight (1 KiB: the largest part of an idle cached object).
 #[derive(Default)]
-pub(crate) struct Counters {
-    home: CachePadded<Shard>,
-    /// This thread shard's hits, once a second thread counted one (see above).
+pub(crate) struct Counters(CachePadded<Home>);
+
+/// The counters of one object, in one cache line pair (`CachePadded`: 128 bytes).
+#[derive(Default)]
+struct Home {
+    counts: Shard,
+    /// Each thread shard's hits, once a second thread counted one (see `Counters`).
     spread: OnceLock<Box<[CachePadded<AtomicU64>; SHARDS]>>,
-    /// The shard (+ 1) of the thread that owns `home.hits`; 0 before the first hit.
+    /// The shard (+ 1) of the thread that owns `counts.hits`; 0 before the first hit.
     hitter: AtomicUsize,
 }
 
@@ -244,33 +248,34 @@ impl Counters {
     /// The object's counters (for every counter but `hits`: see [`Counters::hit`]).
     #[inline]
     pub(crate) fn mine(&self) -> &Shard {
-        &self.home
+        &self.0.counts
     }
 
     /// Count `n` hits.
     #[inline]
     pub(crate) fn hit(&self, n: u64) {
-        if let Some(s) = self.spread.get() {
+        let home = &*self.0;
+        if let Some(s) = home.spread.get() {
             s[my_shard()].fetch_add(n, Relaxed);
             return;
         }
         let me = my_shard() + 1;
-        let owner = match self.hitter.load(Relaxed) {
-            0 => match self.hitter.compare_exchange(0, me, Relaxed, Relaxed) {
+        let owner = match home.hitter.load(Relaxed) {
+            0 => match home.hitter.compare_exchange(0, me, Relaxed, Relaxed) {
                 Ok(_) => me,
                 Err(o) => o,
             },
             o => o,
         };
         if owner == me {
-            self.home.hits.fetch_add(n, Relaxed);
+            home.counts.hits.fetch_add(n, Relaxed);
         } else {
-            self.spread.get_or_init(Default::default)[me - 1].fetch_add(n, Relaxed);
+            home.spread.get_or_init(Default::default)[me - 1].fetch_add(n, Relaxed);
         }
     }
 
     pub(crate) fn snapshot(&self) -> Stats {
-        let s = &self.home;
+        let s = &self.0.counts;
         let mut st = Stats {
             hits: s.hits.load(Relaxed),
             misses: s.misses.load(Relaxed),
@@ -286,7 +291,7 @@ impl Counters {
             readahead_waste: s.readahead_waste.load(Relaxed),
             ..Stats::default()
         };
-        if let Some(spread) = self.spread.get() {
+        if let Some(spread) = self.0.spread.get() {
             st.hits += spread.iter().map(|h| h.load(Relaxed)).sum::<u64>();
         }
         st
@@ -296,4 +301,26 @@ impl Counters {
 #[inline]
 pub(crate) fn bump(c: &AtomicU64, n: u64) {
     c.fetch_add(n, Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every cached object carries its counters: one padded line pair, not a set per thread
+    /// shard (8 x 128 bytes were the largest part of an idle cached file, issue 19).
+    #[test]
+    fn an_objects_counters_are_one_line_pair_until_a_second_thread_counts_hits() {
+        assert!(std::mem::size_of::<Counters>() <= 128, "{}", std::mem::size_of::<Counters>());
+        let c = Counters::default();
+        c.hit(3);
+        assert!(c.0.spread.get().is_none(), "one thread: no shards");
+        std::thread::scope(|s| {
+            s.spawn(|| c.hit(4));
+        });
+        // The second thread's shard may be the first's (8 shards, threads assigned in turn):
+        // then it counted in the home set too. Either way nothing is lost.
+        c.hit(5);
+        assert_eq!(c.snapshot().hits, 12);
+    }
 }

@@ -134,7 +134,6 @@ pub(crate) struct Object {
     pub(crate) counters: Counters,
     /// The registry key this object is filed under.
     pub(crate) key: ObjectKey,
-    name: String,
     /// The pager's depth (the highest any of its pagers reported): reclaim inside a pager
     /// call writes back only objects of lower depth.
     depth: AtomicU32,
@@ -163,7 +162,6 @@ impl Object {
             ra_streams: Mutex::new(None),
             table: PageTable::new(1 << res.geo.chunk_shift),
             key,
-            name: pager.describe(),
             depth: AtomicU32::new(pager.depth()),
             pager: RwLock::new(pager),
             res,
@@ -230,8 +228,10 @@ impl Object {
         self.depth.load(Relaxed)
     }
 
-    pub(crate) fn describe(&self) -> &str {
-        &self.name
+    /// What the object is, for messages: its pager's description (made when asked, not
+    /// kept: every cached object would carry the string).
+    pub(crate) fn describe(&self) -> String {
+        self.pager().describe()
     }
 
     #[inline]
@@ -288,7 +288,7 @@ impl Object {
     }
 
     fn io_err(&self, op: PagerOp, offset: u64, source: std::io::Error) -> Error {
-        Error::Io { op, offset, object: self.name.clone(), source }
+        Error::Io { op, offset, object: self.describe(), source }
     }
 
     /// Call the pager (every call after the object is made goes through here). The call

@@ -113,8 +113,9 @@ pub struct FilePager {
     direct_on: AtomicBool,
     /// The buffered descriptor kept after such a refusal.
     fallback: OnceLock<File>,
-    /// Where to reopen the file if `/proc/self/fd` is not available (`open`/`create` only).
-    reopen_path: Option<PathBuf>,
+    /// Whether `path` is where to reopen the file if `/proc/self/fd` is not available
+    /// (`open`/`create` only; `from_file`'s path is only for messages).
+    reopenable: bool,
     path: PathBuf,
     access: Access,
     dev: u64,
@@ -192,7 +193,7 @@ impl FilePager {
             // Of the flags F_SETFL can change we set only O_DIRECT at open: clear them all.
             rustix::fs::fcntl_setfl(&file, OFlags::empty())?;
         }
-        Ok(FilePager::with(file, align, path, Some(path.to_path_buf()), access, dev, sx.stx_ino))
+        Ok(FilePager::with(file, align, path, true, access, dev, sx.stx_ino))
     }
 
     /// Wrap an already open host file. `path` is only used in messages. Direct I/O is tried
@@ -208,13 +209,13 @@ impl FilePager {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "not a regular file"));
         }
         let (dev, ino) = (meta.dev(), meta.ino());
-        let reopen_path = (role == PathRole::Reopenable).then(|| path.to_path_buf());
+        let reopenable = role == PathRole::Reopenable;
         // In direct mode the buffered descriptor is closed: one descriptor per pager.
-        let (file, align) = match open_direct(&file, reopen_path.as_deref(), access, dev, ino) {
+        let (file, align) = match open_direct(&file, reopenable.then_some(path), access, dev, ino) {
             Some((direct, align)) => (direct, Some(align)),
             None => (file, None),
         };
-        Ok(FilePager::with(file, align, path, reopen_path, access, dev, ino))
+        Ok(FilePager::with(file, align, path, reopenable, access, dev, ino))
     }
 
     /// The pager over `file`, direct with `align` or else buffered (without the kernel's
@@ -223,7 +224,7 @@ impl FilePager {
         file: File,
         align: Option<Align>,
         path: &Path,
-        reopen_path: Option<PathBuf>,
+        reopenable: bool,
         access: Access,
         dev: u64,
         ino: u64,
@@ -237,7 +238,7 @@ impl FilePager {
             align,
             file: HostFd::new(file, flags, dev, ino, path.parent()),
             fallback: OnceLock::new(),
-            reopen_path,
+            reopenable,
             path: path.to_path_buf(),
             access,
             dev,
@@ -290,7 +291,7 @@ impl FilePager {
             return Ok(Fd::Borrowed(f));
         }
         let flags = self.access.flags() | OFlags::CLOEXEC;
-        let f = reopen(&*self.file.get()?, self.reopen_path.as_deref(), flags, self.dev, self.ino)?;
+        let f = reopen(&*self.file.get()?, self.reopenable.then_some(&*self.path), flags, self.dev, self.ino)?;
         if self.direct_on.load(Relaxed) {
             return Ok(Fd::Owned(f));
         }
