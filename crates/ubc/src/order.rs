@@ -173,6 +173,12 @@ pub fn may_call_pager(depth: u32) -> bool {
     top().is_none_or(|t| Rank::page(depth) >= t)
 }
 
+/// Whether this thread holds no rank at all (no pages, no pager call, no size lock): the
+/// last hold of an object may be dropped here, which tears it down (taking its pages).
+pub(crate) fn holds_nothing() -> bool {
+    top().is_none()
+}
+
 /// Whether this thread is inside a pager call (of any depth).
 pub(crate) fn in_pager() -> bool {
     HELD.with(|h| h.borrow().iter().any(|r| r.level() == Level::Pager as u32))

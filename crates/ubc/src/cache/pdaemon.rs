@@ -79,6 +79,7 @@ impl CacheCore {
     fn daemon_loop(self: Arc<Self>) {
         lower_priority();
         let res = &*self.res;
+        res.policy.set_daemon(true);
         while res.daemon.wait(Some(Duration::from_millis(250))) {
             // Pages fills staged while the policy lock was taken are admitted by the next
             // holder; on a quiet cache that may be nobody, so each round takes the lock once.
@@ -93,6 +94,10 @@ impl CacheCore {
                 }
             }
         }
+        // Nobody admits staged pages from now on but threads holding nothing: fills wait
+        // for the lock again, and what is staged now is admitted here.
+        res.policy.set_daemon(false);
+        drop(res.policy.lock());
     }
 }
 

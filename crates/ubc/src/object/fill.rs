@@ -174,7 +174,7 @@ impl Object {
         // admitted by the next holder, after they are valid (`resources/policy.rs`: a fill
         // never sleeps on the lock that eviction holds). Their slots say "not in the policy"
         // meanwhile; the pages are still BUSY, so nobody else reads or sets them.
-        let staged = match self.res.policy.try_lock() {
+        let staged = match self.res.policy.lock_or_stage() {
             Some(mut pol) => {
                 for p in first..first + n {
                     self.policy_admit(pol.as_mut(), chunk, p, admission);

@@ -8,20 +8,27 @@
 //! same reads, where nothing waits for a background thread).
 //!
 //! So a fill never waits for it: it tries the lock, and if the lock is taken it *stages* its
-//! pages — a few words in a short list — and goes on. Whoever holds the lock next (the daemon
-//! before each batch of victims, the next fill that gets it, `stats`, a truncation) admits
-//! the staged pages first. This is Linux's LRU batching (`mm/swap.c`: a new folio goes to a
+//! pages — a few words in a short list — and goes on; a later holder of the lock admits them
+//! (below). This is Linux's LRU batching (`mm/swap.c`: a new folio goes to a
 //! per-CPU `folio_batch` and reaches the LRU lists — and `lru_lock` — only when the batch is
 //! drained), for the same reason: the lock that eviction holds is kept off the path of the
 //! page that was just read.
 //!
 //! A staged page is valid but not yet known to the policy, so it cannot be chosen as a victim
-//! until it is admitted; every path that takes the lock admits first, so reclaim always sees
-//! it, and so does a truncation: a page it drops after it was staged is either admitted first
-//! and then forgotten by that truncation under the same lock, or — taken for the drop already
-//! (BUSY) — skipped. Admission inserts only a page still valid, not BUSY and not in the policy
-//! (slot `NO_SLOT`), so the policy never keeps a page that is gone, nor one page twice
-//! (`budget.rs`: `pages_staged_while_the_policy_is_busy_are_admitted_exactly_once`).
+//! until it is admitted. The lock admits staged pages when it is taken by a thread that holds
+//! no rank (`order.rs`): the page daemon on each round and tick, a fill reserving memory (which
+//! it does before it takes pages), `stats`. Admission looks the object up through a weak
+//! reference, and the strong one it makes may be the object's last: dropped, it tears the
+//! object down, taking its pages — which a thread holding pages of another object must not do
+//! (the lock order). Between stage and admission a truncation may drop the page, and a fill
+//! may make it again and admit or stage it; so admission inserts only a page still valid, not
+//! BUSY, and not in the policy (slot `NO_SLOT`: a fill stages with `NO_SLOT`, an admission or a
+//! direct insert sets the slot, a truncation resets it). The policy then never keeps a page
+//! that is gone, nor one page twice (`budget.rs`:
+//! `pages_staged_while_the_policy_is_busy_are_admitted_exactly_once`). Reclaim that finds too
+//! little to evict wakes the page daemon, which admits what is staged. Without a page daemon
+//! (`CacheBuilder::daemon(false)`) a fill waits for the lock as before: a cache used only by
+//! writers, who hold their file's size lock while they fill, might otherwise never admit.
 
 use crate::evict::{Admission, EvictionPolicy};
 use parking_lot::{Mutex, MutexGuard};
@@ -49,11 +56,16 @@ pub(crate) struct PolicyLock {
     staged: Mutex<Vec<Staged>>,
     /// Whether `staged` may hold something: lets the lock holder skip taking it.
     any_staged: AtomicBool,
+    /// Whether a page daemon runs to admit what is staged (without one, a fill waits for
+    /// the lock as before: only threads that hold nothing admit, and a cache of writers
+    /// might have none).
+    daemon: AtomicBool,
 }
 
-/// The policy, locked, with every staged page admitted. The objects that admission looked
-/// up are released after the lock (`keep` drops after `guard`): the last hold of an object
-/// dropped under the lock would run its teardown, which takes the lock again.
+/// The policy, locked (with the staged pages admitted, if the taker holds nothing). The
+/// objects that admission looked up are released after the lock (`keep` drops after
+/// `guard`): the last hold of an object dropped under the lock would run its teardown, which
+/// takes the lock again.
 pub(crate) struct PolicyGuard<'a> {
     guard: MutexGuard<'a, Box<dyn EvictionPolicy>>,
     #[allow(dead_code)] // held for its drop order only
@@ -75,15 +87,32 @@ impl std::ops::DerefMut for PolicyGuard<'_> {
 
 impl PolicyLock {
     pub(crate) fn new(policy: Box<dyn EvictionPolicy>) -> PolicyLock {
-        PolicyLock { policy: Mutex::new(policy), staged: Mutex::new(Vec::new()), any_staged: AtomicBool::new(false) }
+        PolicyLock {
+            policy: Mutex::new(policy),
+            staged: Mutex::new(Vec::new()),
+            any_staged: AtomicBool::new(false),
+            daemon: AtomicBool::new(false),
+        }
     }
 
-    /// Lock the policy (may wait for the holder), admitting the staged pages first.
+    /// A page daemon runs (true) or stopped (false).
+    pub(crate) fn set_daemon(&self, running: bool) {
+        self.daemon.store(running, SeqCst);
+    }
+
+    /// For a fill publishing pages: the policy, locked, or `None` when the lock is taken and
+    /// the fill should stage its pages instead (only while a page daemon runs).
+    pub(crate) fn lock_or_stage(&self) -> Option<PolicyGuard<'_>> {
+        if self.daemon.load(Relaxed) { self.try_lock() } else { Some(self.lock()) }
+    }
+
+    /// Lock the policy (may wait for the holder), admitting the staged pages first if this
+    /// thread holds nothing (see above).
     pub(crate) fn lock(&self) -> PolicyGuard<'_> {
         self.admitted(self.policy.lock())
     }
 
-    /// Lock the policy if nobody holds it, admitting the staged pages first.
+    /// Lock the policy if nobody holds it, as `lock`.
     pub(crate) fn try_lock(&self) -> Option<PolicyGuard<'_>> {
         self.policy.try_lock().map(|g| self.admitted(g))
     }
@@ -104,7 +133,7 @@ impl PolicyLock {
 
     fn admitted<'a>(&'a self, mut guard: MutexGuard<'a, Box<dyn EvictionPolicy>>) -> PolicyGuard<'a> {
         let mut keep = Vec::new();
-        if self.any_staged.load(Acquire) {
+        if self.any_staged.load(Acquire) && crate::order::holds_nothing() {
             let staged = {
                 let mut s = self.staged.lock();
                 self.any_staged.store(false, Relaxed);
