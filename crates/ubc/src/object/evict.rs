@@ -11,7 +11,7 @@ impl Object {
     }
 
     /// The chunk holding `page`, if it exists.
-    pub(super) fn chunk_of(&self, page: u64) -> Option<&Chunk> {
+    pub(crate) fn chunk_of(&self, page: u64) -> Option<&Chunk> {
         self.table.get(self.locate(page).0)
     }
 

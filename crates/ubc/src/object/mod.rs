@@ -356,7 +356,7 @@ impl Object {
     /// the cache's policy, locked; the page is locked for drop or eviction, so it cannot be
     /// admitted again meanwhile. If the policy forgot the page already (a victim search found
     /// it gone), the kept slot no longer holds this key and the policy ignores it.
-    fn policy_forget(&self, pol: &mut dyn EvictionPolicy, chunk: &Chunk, page: u64) {
+    pub(crate) fn policy_forget(&self, pol: &mut dyn EvictionPolicy, chunk: &Chunk, page: u64) {
         let slot = chunk.pages.slot_at(self.locate(page).1).swap(NO_SLOT, Relaxed);
         pol.remove(slot, self.key(page));
     }
@@ -490,57 +490,4 @@ fn runs(pages: &[u64]) -> impl Iterator<Item = (u64, u64)> + '_ {
         }
         Some((a, b))
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use crate::resources::AdmitStaged;
-    use crate::{Access, Cache, evict::Admission, pager::MemPager};
-    use std::sync::Arc;
-
-    /// A staged run is checked again when it is admitted (`resources/policy.rs`): between
-    /// stage and admission the page may have been admitted by a new fill (a truncation dropped
-    /// it and a writer, who does not admit, made it again), dropped for good, or be taken for
-    /// a drop right now. Only a page valid, not BUSY and not in the policy is inserted: the
-    /// policy then holds each resident page once (the stress test in `budget.rs` rarely meets
-    /// these windows; this one makes each).
-    #[test]
-    fn a_staged_page_is_admitted_only_if_it_is_still_the_one_staged() {
-        let cache = Cache::builder().budget(4 << 20).daemon(false).build().unwrap();
-        let f = cache.open(Arc::new(MemPager::new()), Access::ReadWrite).unwrap();
-        f.write_at(&[7u8; 8192], 0).unwrap();
-        let obj = f.obj.clone();
-        let pages = || obj.res.policy.lock().len();
-        assert_eq!(pages(), 2, "both pages admitted by their fills");
-        // Already in the policy (a stale run of page 0): not inserted again.
-        obj.admit_staged(obj.res.policy.lock().as_mut(), 0, 2, Admission::Demand);
-        assert_eq!(pages(), 2, "a page in the policy was admitted twice");
-        // Dropped since: nothing to admit.
-        f.set_len(4096).unwrap();
-        assert_eq!(pages(), 1);
-        obj.admit_staged(obj.res.policy.lock().as_mut(), 1, 1, Admission::Demand);
-        assert_eq!(pages(), 1, "a dropped page was admitted");
-        // Valid and not in the policy (what a fill that staged leaves): admitted, once.
-        let chunk = obj.chunk_of(0).unwrap();
-        {
-            let mut pol = obj.res.policy.lock();
-            obj.policy_forget(pol.as_mut(), chunk, 0);
-        }
-        assert_eq!(pages(), 0);
-        obj.admit_staged(obj.res.policy.lock().as_mut(), 0, 1, Admission::Demand);
-        obj.admit_staged(obj.res.policy.lock().as_mut(), 0, 1, Admission::Demand);
-        assert_eq!(pages(), 1, "a staged page is admitted exactly once");
-        // Taken for a drop (BUSY): left to the dropper.
-        {
-            let mut pol = obj.res.policy.lock();
-            obj.policy_forget(pol.as_mut(), chunk, 0);
-        }
-        let st = obj.page_state(0).unwrap();
-        let _prior = st.lock_for_drop();
-        obj.admit_staged(obj.res.policy.lock().as_mut(), 0, 1, Admission::Demand);
-        assert_eq!(pages(), 0, "a page being dropped was admitted");
-        st.cancel_evict();
-        obj.admit_staged(obj.res.policy.lock().as_mut(), 0, 1, Admission::Demand);
-        assert_eq!(pages(), 1);
-    }
 }
