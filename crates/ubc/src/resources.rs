@@ -144,6 +144,28 @@ pub(crate) struct Resources {
     retired: Mutex<Stats>,
     /// The cache above, for reclaim (set once it is built).
     up: OnceLock<Weak<dyn Reclaim>>,
+    /// Last, so dropped last: every object is gone by then (each holds `Resources`), and so
+    /// is every other part of the cache.
+    _heap: ReturnHeap,
+}
+
+/// Gives the heap the cache freed back to the system when dropped. glibc returns freed
+/// memory to the kernel only from the top of the main heap (`M_TRIM_THRESHOLD`); the page
+/// states, page-table groups and objects of a cache are many small blocks allocated by many
+/// threads, each from its own arena, so after a cache was dropped most of its metadata stayed
+/// resident (issue 19: 70 MiB after a 1 GiB working set; 7.4 MiB after 64 MiB read by four
+/// threads and 3,000 small files, `tests/memory.rs`). `malloc_trim` walks every arena and
+/// releases their free pages. Dropping a cache is rare, and the walk takes milliseconds.
+struct ReturnHeap;
+
+impl Drop for ReturnHeap {
+    fn drop(&mut self) {
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        // SAFETY: malloc_trim has no preconditions; it only releases free memory.
+        unsafe {
+            libc::malloc_trim(0);
+        }
+    }
 }
 
 /// The settings `Resources::new` needs besides the geometry.
@@ -177,6 +199,7 @@ impl Resources {
             arena: crate::memfd::Arena::new(),
             retired: Mutex::new(Stats::default()),
             up: OnceLock::new(),
+            _heap: ReturnHeap,
         }
     }
 

@@ -48,10 +48,15 @@ fn ten_thousand_open_files_under_a_256_descriptor_limit() {
         assert_eq!(b[0], pattern(301, 10, 1)[0]);
         let s = cache.stats();
         assert_eq!(s.objects, FILES);
-        assert_eq!(s.shared_memfds, 1, "{s:?}");
+        // The arena's lanes (`memfd.rs`): at most 16 memfds, however many files.
+        assert!((1..=16).contains(&s.shared_memfds), "{s:?}");
         assert!(s.allocated_bytes >= (FILES as u64) * 8192, "{} bytes allocated", s.allocated_bytes);
         let now = open_fds();
-        assert!(now <= base + 8, "{now} descriptors open with {FILES} files (at the start: {base})");
+        assert!(
+            now <= base + s.shared_memfds + 8,
+            "{now} descriptors open with {FILES} files (at the start: {base}; {} shared memfds)",
+            s.shared_memfds
+        );
         drop(maps);
         for f in files {
             f.sync().unwrap();
@@ -168,4 +173,100 @@ fn dropped_files_leave_no_memory_and_no_trace_in_others() {
             );
         }
     });
+}
+
+/// Anonymous memory of this process (`RssAnon`), bytes.
+fn rss_anon() -> u64 {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap();
+    s.lines()
+        .find_map(|l| l.strip_prefix("RssAnon:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .unwrap()
+        * 1024
+}
+
+/// A cache that is dropped gives its memory back to the system, not only to the allocator:
+/// a program that used a cache for a while and dropped it should not keep tens of MiB of
+/// freed metadata (issue 19: 70 MiB stayed resident after a 1 GiB working set until
+/// `malloc_trim`; 14 MiB after the metadata shrank). Here a file twice the budget is read
+/// sequentially and at random by four threads (each allocates from its own malloc arena),
+/// and 3,000 small host files are cached; after the drop `RssAnon` is within 4 MiB of where
+/// it started. In a child process: the other tests' threads allocate too.
+#[test]
+fn a_dropped_cache_gives_its_memory_back_to_the_system() {
+    if is_child("rss") {
+        let dir = tempfile::tempdir().unwrap();
+        let big = dir.path().join("big");
+        let len: u64 = 64 << 20;
+        std::fs::write(&big, pattern(5, 0, len as usize)).unwrap();
+        let small: Vec<_> = (0..3000u64)
+            .map(|i| {
+                let p = dir.path().join(format!("s{i}"));
+                std::fs::write(&p, pattern(i, 0, 3000)).unwrap();
+                p
+            })
+            .collect();
+        // Start from a trimmed heap: what the test itself freed is not the cache's.
+        // SAFETY: glibc's malloc_trim has no preconditions.
+        unsafe { libc::malloc_trim(0) };
+        let before = rss_anon();
+        let cache = Cache::builder().budget(32 << 20).build().unwrap();
+        let mut peak = 0;
+        std::thread::scope(|s| {
+            for t in 0..4u64 {
+                let (cache, big) = (&cache, &big);
+                s.spawn(move || {
+                    let f = cache.open_path(big, Access::ReadOnly).unwrap();
+                    let mut b = vec![0u8; 64 << 10];
+                    let mut off = t * (len / 4);
+                    for _ in 0..2 * len / (b.len() as u64) / 4 {
+                        f.read_exact_at(&mut b, off % len).unwrap();
+                        off += b.len() as u64;
+                    }
+                    let mut x = t + 1;
+                    let mut p = [0u8; 4096];
+                    for _ in 0..4000 {
+                        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                        let at = (x >> 20) % (len / 4096) * 4096;
+                        f.read_exact_at(&mut p, at).unwrap();
+                        assert_same(&p, &pattern(5, at, 4096), "random read");
+                    }
+                });
+            }
+        });
+        let mut files = Vec::new();
+        for (i, p) in small.iter().enumerate() {
+            let f = cache.open_path(p, Access::ReadOnly).unwrap();
+            let mut b = vec![0u8; 3000];
+            f.read_exact_at(&mut b, 0).unwrap();
+            assert_same(&b, &pattern(i as u64, 0, 3000), "small file");
+            files.push(f);
+        }
+        peak = peak.max(rss_anon());
+        drop(files);
+        drop(cache);
+        let after = rss_anon();
+        println!(
+            "RssAnon before {} KiB, with the cache {} KiB, after the drop {} KiB",
+            before >> 10,
+            peak >> 10,
+            after >> 10
+        );
+        assert!(
+            after <= before + (4 << 20),
+            "{} KiB more anonymous memory after the cache was dropped",
+            (after - before) >> 10
+        );
+        return;
+    }
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes the struct we pass.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) }, 0);
+    in_child_with_limit(
+        "a_dropped_cache_gives_its_memory_back_to_the_system",
+        "rss",
+        libc::RLIMIT_NOFILE,
+        r.rlim_cur,
+        r.rlim_max,
+    );
 }
