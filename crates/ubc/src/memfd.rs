@@ -352,10 +352,10 @@ impl Memory {
 
 impl Drop for Memory {
     fn drop(&mut self) {
-        // The object punched every page it counted resident before this; this punch is for
-        // anything it did not count (none is known). Without it such memory would stay
-        // allocated until the whole shared memfd closes, as the slice is never handed out
-        // again. One `fallocate` per object that had pages.
+        // The object's teardown leaves its pages to this (it accounts them gone, and punches
+        // nothing): one `fallocate` of every slice offset ever written, allocated or mapped,
+        // per object that had pages. Without it that memory would stay allocated until the
+        // whole shared memfd closes, as the slice is never handed out again.
         let t = self.touched.load(Relaxed);
         if t > 0
             && let Some((m, base)) = &self.low

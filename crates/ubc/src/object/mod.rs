@@ -424,9 +424,10 @@ const COLD_COPIES: u32 = 16;
 impl Drop for Object {
     fn drop(&mut self) {
         // Teardown: the registry no longer lists us and no File exists, so no page is held.
+        // The pages' memory is freed when `memory` drops, after this (one punch of the slice).
         let resident = self.resident.load(Relaxed);
         if resident > 0 {
-            let _ = self.drop_pages(0, u64::MAX);
+            let _ = self.drop_pages_punching(0, u64::MAX, false);
         }
         let table = &self.table;
         self.res.windows.release_all(|f| table.for_each(0, u64::MAX, |c| f(c)));
