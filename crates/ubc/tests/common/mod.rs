@@ -164,18 +164,46 @@ pub fn guarded<T: Send + 'static>(what: &str, secs: u64, f: impl FnOnce() -> T +
     }
 }
 
-/// Whether this process is the child `in_child_with_limit` started for `tag`.
+/// Whether this process is the child `in_child` or `in_child_with_limit` started for `tag`.
 pub fn is_child(tag: &str) -> bool {
     std::env::var("UBC_CHILD").is_ok_and(|v| v == tag)
+}
+
+/// The command that runs test `test` of this binary again, alone, in a child process that
+/// sees `is_child(tag)`.
+fn child_command(test: &str, tag: &str) -> std::process::Command {
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", test, "--nocapture", "--test-threads=1"]).env("UBC_CHILD", tag);
+    cmd
+}
+
+/// Run `cmd` to the end; panics with its output (`what` saying which child) if it fails.
+fn expect_child_success(mut cmd: std::process::Command, what: &str) {
+    use std::os::unix::process::ExitStatusExt;
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{what}: {:?} (signal {:?})\n{}\n{}",
+        out.status,
+        out.status.signal(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Run test `test` of this binary again in a child process (no other test's threads
+/// allocating or opening files beside it); the child sees `is_child(tag)`. Panics with the
+/// child's output if it fails.
+pub fn in_child(test: &str, tag: &str) {
+    expect_child_success(child_command(test, tag), &format!("child {tag}"));
 }
 
 /// Run test `test` of this binary again in a child process whose `resource` limit is
 /// `cur` (soft) and `max` (hard), set before `exec` (ubc reads some limits once, at first
 /// use); the child sees `is_child(tag)`. Panics with the child's output if it fails.
 pub fn in_child_with_limit(test: &str, tag: &str, resource: libc::__rlimit_resource_t, cur: u64, max: u64) {
-    use std::os::unix::process::{CommandExt, ExitStatusExt};
-    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
-    cmd.args(["--exact", test, "--nocapture", "--test-threads=1"]).env("UBC_CHILD", tag);
+    use std::os::unix::process::CommandExt;
+    let mut cmd = child_command(test, tag);
     // SAFETY: setrlimit is async-signal-safe; it only changes the child's limit.
     unsafe {
         cmd.pre_exec(move || {
@@ -183,15 +211,7 @@ pub fn in_child_with_limit(test: &str, tag: &str, resource: libc::__rlimit_resou
             if libc::setrlimit(resource, &r) == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
         });
     }
-    let out = cmd.output().unwrap();
-    assert!(
-        out.status.success(),
-        "child under limit {resource} = {cur}: {:?} (signal {:?})\n{}\n{}",
-        out.status,
-        out.status.signal(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    expect_child_success(cmd, &format!("child under limit {resource} = {cur}"));
 }
 
 /// Descriptors this process holds now.
