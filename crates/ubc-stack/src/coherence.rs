@@ -74,11 +74,14 @@ pub trait Translate: Send + Sync {
     fn up(&self, lower: Range<u64>) -> Option<Range<u64>>;
     /// Re-read in-memory state (index, header) after the lower domain changed underneath.
     fn reload(&self) -> std::io::Result<()>;
-    /// Write in-memory metadata (a header's length) into the lower domain without making
-    /// it durable, so that the lower bytes are a complete file for a reader there. Returns
-    /// `false` if the layer cannot do that short of its pager's full `sync` (then the
-    /// manager syncs).
-    fn flush_metadata(&self) -> std::io::Result<bool> {
+    /// Write in-memory metadata (a header's length, an index) into the lower domain without
+    /// making it durable, so that the lower bytes are a complete file for a reader there.
+    /// `for_sync`: a `sync` of this file follows at once, so a layer whose metadata has a
+    /// cheaper durable form than "written, then synced" (zstd: one durable commit instead of
+    /// a published one and then a durable one) may answer `false`. Returns `false` if the
+    /// manager must `sync` the layer's file instead (the default).
+    fn flush_metadata(&self, for_sync: bool) -> std::io::Result<bool> {
+        let _ = for_sync;
         Ok(false)
     }
 }
@@ -271,18 +274,27 @@ impl<F: Actions> Domain<F> {
     /// Push this domain's dirty pages in `ranges` (stores through mappings included) and
     /// its layer's metadata (a length only in memory) into the domain below, so that the
     /// bytes below are a complete, current file. A layer that cannot write its metadata
-    /// short of a full `sync` (zstd: its commit must follow durable data) is synced.
-    fn push_down(&self, ranges: &[Range<u64>]) -> ubc::Result<()> {
+    /// short of a full `sync` is synced (see [`Translate::flush_metadata`]; `flush` says
+    /// whether a sync follows).
+    fn push_down(&self, ranges: &[Range<u64>], flush: Flush) -> ubc::Result<()> {
         for r in ranges {
             self.file.clean(r.clone())?;
         }
         if let Some(x) = &self.xlate
-            && !x.flush_metadata().map_err(|e| layer_err("writing", e))?
+            && !x.flush_metadata(flush == Flush::ForSync).map_err(|e| layer_err("writing", e))?
         {
             self.file.sync()?;
         }
         Ok(())
     }
+}
+
+/// Why data is pushed down: for readers below (a close, another layer's access) — layers
+/// publish their metadata the cheap way — or for a `sync` that follows at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Flush {
+    Publish,
+    ForSync,
 }
 
 /// Counters of coherence work, for statistics and benchmarks.
@@ -776,7 +788,7 @@ impl<F: Actions> Group<F> {
         for e in (low + 1..=top).rev() {
             let (re, _) = Self::translate(doms, base, e, r.clone());
             let mut t = doms[e].tokens.write();
-            doms[e].push_down(&re)?;
+            doms[e].push_down(&re, Flush::Publish)?;
             for x in &re {
                 t.write.remove(x.clone());
                 t.dirty.remove(x.clone());
@@ -860,7 +872,7 @@ impl<F: Actions> Group<F> {
             if flush_first {
                 // What this domain holds that is not below yet goes down first: the
                 // reload would otherwise forget it.
-                e.push_down(&[ALL])?;
+                e.push_down(&[ALL], Flush::Publish)?;
             }
             e.file.invalidate(ALL, ubc::Length::Keep)?;
             if let Some(x) = &e.xlate {
@@ -946,7 +958,7 @@ impl<F: Actions> Group<F> {
     /// Flush every domain above `d` down to it (for `sync` at `d`: data written through
     /// upper layers is part of the file at `d`). => no permit held by the caller.
     pub(crate) fn flush_above(&self, d: usize) -> crate::error::Result<()> {
-        self.flush_above_as(d, false)
+        self.flush_above_as(d, false, Flush::ForSync)
     }
 
     /// [`Group::flush_above`] of only what is not below yet: domains above `d` with nothing
@@ -954,11 +966,13 @@ impl<F: Actions> Group<F> {
     /// pushed (a zstd push is a commit and a sync of every store below). For closing a
     /// group whose files were synced already: its state is then the same as after a
     /// `flush_above`. => no permit held by the caller.
-    pub(crate) fn flush_dirty_above(&self, d: usize) -> crate::error::Result<()> {
-        self.flush_above_as(d, true)
+    /// `flush`: for a close (`Publish`: in the store below, not durable) or for a sync of
+    /// every file that follows (`ForSync`).
+    pub(crate) fn flush_dirty_above(&self, d: usize, flush: Flush) -> crate::error::Result<()> {
+        self.flush_above_as(d, true, flush)
     }
 
-    fn flush_above_as(&self, d: usize, only_dirty: bool) -> crate::error::Result<()> {
+    fn flush_above_as(&self, d: usize, only_dirty: bool, flush: Flush) -> crate::error::Result<()> {
         if self.disabled {
             return Ok(());
         }
@@ -974,7 +988,7 @@ impl<F: Actions> Group<F> {
             }
             // Metadata too: syncing d must make what was written above part of the file
             // at d (an aead length only in memory would otherwise be missing).
-            doms[e].push_down(&[ALL])?;
+            doms[e].push_down(&[ALL], flush)?;
             t.write = RangeSet::default();
             t.dirty = RangeSet::default();
         }

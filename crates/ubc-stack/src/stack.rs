@@ -40,7 +40,7 @@
 //! data, and at the last close every domain's pages are dropped and the group closed at
 //! once (no pool), so no descriptor of the deleted file outlives its last close.
 
-use crate::coherence::{ALL, CoherenceStats, Counters, Group, Mode};
+use crate::coherence::{ALL, CoherenceStats, Counters, Flush, Group, Mode};
 pub use crate::coherence::{Coherence, LockConflict, LockKind, LockWait};
 use crate::error::{Error, Result};
 use crate::layer::{Attr, Below, DirEntry, Kind, Layer, Opened, Rename, SetAttr, norm};
@@ -463,7 +463,7 @@ impl Stack {
         let next = AtomicUsize::new(0);
         let work = || {
             while let Some(g) = groups.get(next.fetch_add(1, Relaxed)) {
-                if let Err(e) = g.flush_dirty_above(0) {
+                if let Err(e) = g.flush_dirty_above(0, Flush::ForSync) {
                     first.lock().get_or_insert(e);
                 }
             }
@@ -655,7 +655,7 @@ impl Inner {
             Coherence::Off => (1..group.depth())
                 .rev()
                 .try_for_each(|d| group.domain(d).map_or(Ok(()), |dom| dom.file.sync()).map_err(Error::from)),
-            _ => group.flush_dirty_above(0),
+            _ => group.flush_dirty_above(0, Flush::Publish),
         };
         if flushed.is_err() {
             let mut g = self.groups.lock();
@@ -1395,12 +1395,12 @@ impl File {
     /// for it, without the store's own `sync` where the layers allow: what `close(2)` does
     /// on a host file system that reports write-back errors at close (NFS). A failed write
     /// into the store (`ENOSPC`, `EIO`) is returned, and the pages stay dirty. Every domain
-    /// holding dirty data is pushed down, top first, as for a read at the bottom; a layer
-    /// whose metadata can only follow durable data (zstd's commit) syncs as it is pushed
-    /// ([`crate::Translate::flush_metadata`]), so through zstd this is a `sync`. Then the stored
-    /// bytes' pages are written. Durable only after [`File::sync`].
+    /// holding dirty data is pushed down, top first, as for a read at the bottom; a zstd
+    /// layer publishes a commit as it is pushed (written through to the store, not waited
+    /// for: [`crate::compress::CompressPager::publish`]). Then the stored bytes' pages are
+    /// written. Durable only after [`File::sync`].
     pub fn write_back(&self) -> Result<()> {
-        self.group.flush_dirty_above(0)?;
+        self.group.flush_dirty_above(0, Flush::Publish)?;
         match self.group.domain(0) {
             Some(d) => Ok(d.file.clean(0..u64::MAX)?),
             None => Ok(()),

@@ -650,6 +650,125 @@ fn corrupt_newest_superblock_falls_back_to_previous_commit() {
     assert_bytes!(read_through(&path).unwrap(), a, "previous commit");
 }
 
+/// The slot holding a published commit (superblock flags bit 0), if any.
+fn published_slot(file: &[u8]) -> Option<usize> {
+    (0..2).find(|&s| &file[s * 4096..s * 4096 + 8] == b"UBCZSTD1" && u32le(file, s * 4096 + 52) & 1 == 1)
+}
+
+/// Stats of the file stored at `path`, opened afresh.
+fn stats_of(path: &Path) -> ubc_stack::compress::CompressStats {
+    open_env(path, opts(16 * KB)).unwrap().pager.stored_stats()
+}
+
+/// A close publishes a commit (`File::write_through`: written through, not waited for); the last
+/// durable one stays whole under any number of them. A machine crash can lose any write
+/// made since that durable commit: the images below are the worst cases — the published
+/// superblock lost, or it arrived but its index did not — and each must read as the
+/// durable state, exactly. Fails if a publish reuses the durable commit's extents or index,
+/// or writes into its slot.
+#[test]
+fn published_commits_keep_the_last_durable_one_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("p.z");
+    let cs = 16 * KB;
+    let env = open_env(&path, opts(cs)).unwrap();
+    let a = gen_data(21, 12 * cs + 500, 1);
+    env.upper.write_at(&a, 0).unwrap();
+    env.upper.sync().unwrap();
+    assert!(!env.pager.stored_stats().published);
+    let mut b = a.clone();
+    for i in 0..6u64 {
+        // Rewrites of chunks the durable commit holds, a growth, and a cut.
+        let d = gen_data(30 + i, cs + 777, (i % 2) as u8);
+        let off = (i as usize * 5 % 12) * cs + 100;
+        env.upper.write_at(&d, off as u64).unwrap();
+        model_write(&mut b, off, &d);
+        if i == 4 {
+            env.upper.set_len(9 * cs as u64 + 3).unwrap();
+            b.resize(9 * cs + 3, 0);
+        }
+        env.upper.write_through().unwrap();
+        let st = env.pager.stored_stats();
+        assert!(st.published, "after flush {i}: {st:?}");
+        assert_bytes!(host_stack_read(&path), b, "the store holds the published state after flush {i}");
+    }
+    let image = host_bytes(&path);
+    let slot = published_slot(&image).expect("a published superblock");
+    let durable = 1 - slot;
+    assert_eq!(u32le(&image, durable * 4096 + 52), 0, "the other slot is the durable commit");
+    let crash = dir.path().join("crash.z");
+    // 1. The published superblock never reached the device.
+    let mut f = image.clone();
+    f[slot * 4096..slot * 4096 + 68].fill(0);
+    std::fs::write(&crash, &f).unwrap();
+    assert_bytes!(read_through(&crash).unwrap(), a, "published superblock lost: the durable state");
+    // 2. It did, its index did not (overwritten by whatever was there).
+    let mut f = image.clone();
+    let sb = newest_sb(&f);
+    assert_eq!(sb.slot, slot);
+    f[sb.index_off as usize + 24 + 3] ^= 0x20;
+    std::fs::write(&crash, &f).unwrap();
+    assert_bytes!(read_through(&crash).unwrap(), a, "published index damaged: the durable state");
+    assert!(stats_of(&crash).recovered_durable);
+    // 3. Everything arrived: the published state, and it keeps the durable one protected
+    //    after the reopen too (a new publish there must not take its extents).
+    std::fs::write(&crash, &image).unwrap();
+    let mut f = {
+        let e = open_env(&crash, opts(cs)).unwrap();
+        assert_bytes!(e.read_all(), b, "the published state");
+        assert!(e.pager.stored_stats().published && !e.pager.stored_stats().recovered_durable);
+        for i in 0..4u64 {
+            e.upper.write_at(&gen_data(60 + i, 3 * cs, 0), i * cs as u64).unwrap();
+            e.upper.write_through().unwrap();
+        }
+        // Before the teardown, which syncs.
+        host_bytes(&crash)
+    };
+    let s2 = published_slot(&f).expect("still published");
+    assert_eq!(s2, slot, "publishes after a reopen stay out of the durable slot");
+    f[s2 * 4096..s2 * 4096 + 68].fill(0);
+    std::fs::write(&crash, &f).unwrap();
+    assert_bytes!(read_through(&crash).unwrap(), a, "the durable state survives publishes after a reopen");
+    // 4. A sync makes the newest state durable (flags clear) and frees the old extents.
+    env.upper.sync().unwrap();
+    let st = env.pager.stored_stats();
+    assert!(!st.published && st.pending_bytes == 0, "{st:?}");
+    let f = host_bytes(&path);
+    assert_eq!(published_slot(&f), None);
+    assert_bytes!(read_through(&path).unwrap(), b);
+    drop(env);
+}
+
+/// Read `path` as a zstd file through a fresh cache (what a process started after a kill
+/// of this one would see).
+fn host_stack_read(path: &Path) -> Vec<u8> {
+    let copy = path.with_extension("copy");
+    std::fs::copy(path, &copy).unwrap();
+    let v = read_through(&copy).unwrap();
+    std::fs::remove_file(&copy).unwrap();
+    v
+}
+
+/// Closes of a file rewritten over and over, never synced, do not grow its store without
+/// bound: past `PUBLISH_KEEP_MAX` (16 MiB) of superseded bytes kept for the durable commit a
+/// publish is made durable instead, and the old extents are freed.
+#[test]
+fn repeated_publishes_keep_the_store_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("r.z");
+    let env = open_env(&path, opts(64 * KB)).unwrap();
+    let mb = 1 << 20;
+    for i in 0..60u64 {
+        // Incompressible: each rewrite supersedes 1 MiB of stored bytes.
+        env.upper.write_at(&gen_data(200 + i, mb, 0), 0).unwrap();
+        env.upper.write_through().unwrap();
+    }
+    let len = std::fs::metadata(&path).unwrap().len();
+    assert!(len < 20 * mb as u64, "store of a 1 MiB file after 60 unsynced rewrites: {len} bytes");
+    assert_bytes!(host_stack_read(&path), gen_data(259, mb, 0));
+    drop(env);
+}
+
 #[test]
 fn corrupt_both_superblocks_is_invalid_data() {
     let dir = tempfile::tempdir().unwrap();

@@ -189,6 +189,15 @@ impl File {
         lost.map_or(Ok(()), Err)
     }
 
+    /// Write back every dirty page and have the pager push what it holds through to its
+    /// store ([`crate::Pager::write_through`]), without making anything durable: a reader of the
+    /// store — another process, or this one restarted after being killed — then sees it, as
+    /// after `write(2)` without `fsync`. A layer stacked on this cache uses it to publish a
+    /// file to the layers below at close; `sync` is the durable version.
+    pub fn write_through(&self) -> Result<()> {
+        self.live()?.write_through()
+    }
+
     /// Write back the dirty pages in byte `range` — stores through mappings included — and
     /// wait for them (Mach's `pager_clean_request`; `msync(MS_SYNC)` without the pager's
     /// sync). On error the pages stay dirty.

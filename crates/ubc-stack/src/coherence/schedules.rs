@@ -225,7 +225,7 @@ impl Translate for Identity {
     fn reload(&self) -> std::io::Result<()> {
         Ok(())
     }
-    fn flush_metadata(&self) -> std::io::Result<bool> {
+    fn flush_metadata(&self, _for_sync: bool) -> std::io::Result<bool> {
         Ok(self.metadata)
     }
 }

@@ -26,6 +26,11 @@ pub(crate) const IDX_HEADER: usize = 24;
 pub(crate) const IDX_ENTRY: usize = 32;
 /// Index entry flag: the chunk is stored uncompressed.
 pub(crate) const FLAG_RAW: u32 = 1;
+/// Superblock flag: a *published* commit, written without waiting for the device (at a
+/// close): its index and extents may not all have reached it. The other slot then holds the
+/// last durable commit, whose extents are kept until the next durable one, and a reader
+/// that finds this commit's index damaged uses that one.
+pub(crate) const SB_FLAG_PUBLISHED: u32 = 1;
 pub(crate) const MIN_CHUNK_SHIFT: u32 = 12;
 pub(crate) const MAX_CHUNK_SHIFT: u32 = 24;
 /// Largest logical length accepted (the cache's offsets stay far below this).
@@ -66,6 +71,8 @@ pub(crate) struct Superblock {
     pub index_off: u64,
     pub index_len: u64,
     pub index_crc: u32,
+    /// Written without waiting for the device ([`SB_FLAG_PUBLISHED`]).
+    pub published: bool,
 }
 
 /// What a superblock slot holds.
@@ -101,7 +108,8 @@ pub(crate) fn encode_superblock(sb: &Superblock) -> Vec<u8> {
     b[32..40].copy_from_slice(&sb.index_off.to_le_bytes());
     b[40..48].copy_from_slice(&sb.index_len.to_le_bytes());
     b[48..52].copy_from_slice(&sb.index_crc.to_le_bytes());
-    // 52..56 flags (0), 56..64 reserved (0).
+    b[52..56].copy_from_slice(&(if sb.published { SB_FLAG_PUBLISHED } else { 0 }).to_le_bytes());
+    // 56..64 reserved (0).
     let crc = crc32fast::hash(&b[..SB_BODY]);
     b[SB_BODY..SB_LEN].copy_from_slice(&crc.to_le_bytes());
     b
@@ -132,9 +140,10 @@ pub(crate) fn decode_superblock(b: &[u8], slot: u64) -> Slot {
         index_off: u64_at(b, 32),
         index_len: u64_at(b, 40),
         index_crc: u32_at(b, 48),
+        published: u32_at(b, 52) & SB_FLAG_PUBLISHED != 0,
     };
     let (flags, reserved) = (u32_at(b, 52), u64_at(b, 56));
-    if flags != 0 || reserved != 0 {
+    if flags & !SB_FLAG_PUBLISHED != 0 || reserved != 0 {
         return Slot::Bad(format!("unknown flags {flags:#x} / reserved {reserved:#x}"));
     }
     if !(MIN_CHUNK_SHIFT..=MAX_CHUNK_SHIFT).contains(&sb.chunk_shift) {
@@ -156,16 +165,17 @@ pub(crate) fn decode_superblock(b: &[u8], slot: u64) -> Slot {
     Slot::Valid(sb)
 }
 
-/// Pick the superblock to use from both slots: the valid one with the highest generation.
-/// `Ok(None)`: never committed (both slots empty). A bad slot next to a valid one is ignored
-/// (a torn write of the newer slot: the older is the last commit).
-pub(crate) fn choose_superblock(header: &[u8]) -> io::Result<Option<Superblock>> {
+/// The valid superblocks of both slots, newest first: the first is the one to use, the
+/// second the one to fall back to (see `CompressPager::load`). Empty: never committed (both
+/// slots empty). A bad slot next to a valid one is ignored (a torn write of the newer slot:
+/// the older is the last commit); both bad, or one bad and one empty, is an error.
+pub(crate) fn superblocks(header: &[u8]) -> io::Result<Vec<Superblock>> {
     let a = decode_superblock(&header[0..SB_LEN], 0);
     let b = decode_superblock(&header[SLOT_SIZE as usize..SLOT_SIZE as usize + SB_LEN], 1);
     match (&a, &b) {
-        (Slot::Valid(x), Slot::Valid(y)) => Ok(Some(if x.generation > y.generation { *x } else { *y })),
-        (Slot::Valid(x), _) | (_, Slot::Valid(x)) => Ok(Some(*x)),
-        (Slot::Empty, Slot::Empty) => Ok(None),
+        (Slot::Valid(x), Slot::Valid(y)) => Ok(if x.generation > y.generation { vec![*x, *y] } else { vec![*y, *x] }),
+        (Slot::Valid(x), _) | (_, Slot::Valid(x)) => Ok(vec![*x]),
+        (Slot::Empty, Slot::Empty) => Ok(Vec::new()),
         _ => {
             let d = |s: &Slot| match s {
                 Slot::Empty => "empty".to_string(),
@@ -372,9 +382,20 @@ mod tests {
             index_off: DATA_START,
             index_len: IDX_HEADER as u64,
             index_crc: 7,
+            published: false,
         };
         let b = encode_superblock(&sb);
         assert!(matches!(decode_superblock(&b, 1), Slot::Valid(x) if x == sb));
+        let p = Superblock { published: true, ..sb };
+        let pb = encode_superblock(&p);
+        assert_eq!(u32::from_le_bytes(pb[52..56].try_into().unwrap()), SB_FLAG_PUBLISHED);
+        assert!(matches!(decode_superblock(&pb, 1), Slot::Valid(x) if x == p));
+        // An unknown flag bit (checksum fixed up) makes the slot unusable.
+        let mut u = pb.clone();
+        u[52] |= 2;
+        let crc = crc32fast::hash(&u[..SB_BODY]);
+        u[SB_BODY..SB_LEN].copy_from_slice(&crc.to_le_bytes());
+        assert!(matches!(decode_superblock(&u, 1), Slot::Bad(_)));
         assert!(matches!(decode_superblock(&b, 0), Slot::Bad(_)));
         let mut c = b.clone();
         c[20] ^= 1;
@@ -393,6 +414,7 @@ mod tests {
             index_off: DATA_START + 512,
             index_len: b.len() as u64,
             index_crc: crc32fast::hash(&b),
+            published: false,
         };
         assert_eq!(decode_index(&b, &sb, 1 << 20).unwrap(), vec![(2, ext)]);
         let mut c = b.clone();

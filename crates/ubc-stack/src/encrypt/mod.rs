@@ -726,6 +726,13 @@ impl Pager for EncryptPager {
         self.lower.sync().map_err(ubc_io)
     }
 
+    /// The header if stale, then the lower file flushed: the stored bytes are a complete
+    /// file in the store below, not yet durable.
+    fn write_through(&self) -> io::Result<()> {
+        self.flush_metadata()?;
+        self.lower.write_through().map_err(ubc_io)
+    }
+
     fn identity(&self) -> Option<Identity> {
         self.lower.identity().map(|id| Identity::Named { kind: "aead", name: format!("{:?}", Some(id)) })
     }

@@ -44,8 +44,8 @@ impl Zstd {
 
 /// Compressed chunks move when rewritten, so stored ranges say nothing precise about
 /// logical ones: every translation is the whole file. Its index becomes visible only by a
-/// commit, and a commit must follow durable data (crash consistency), so a flush is a full
-/// `sync` (the default of `flush_metadata`).
+/// commit; a flush publishes one (written through, not waited for: `CompressPager::publish`)
+/// unless the space kept for the last durable commit calls for a durable one.
 struct ZstdXlate(Arc<CompressPager>);
 
 impl Translate for ZstdXlate {
@@ -57,6 +57,16 @@ impl Translate for ZstdXlate {
     }
     fn reload(&self) -> std::io::Result<()> {
         self.0.reload()
+    }
+    /// Published, or committed durably (`publish` decides, see there): either way the
+    /// stored bytes are a complete file now, so the manager need not `sync`. A file with
+    /// nothing to commit is complete already. Before a sync: the sync's one durable commit
+    /// (a published one first would write the index twice).
+    fn flush_metadata(&self, for_sync: bool) -> std::io::Result<bool> {
+        if for_sync {
+            return Ok(false);
+        }
+        self.0.publish().map(|_| true)
     }
 }
 
@@ -153,7 +163,7 @@ impl Translate for AeadXlate {
     fn reload(&self) -> std::io::Result<()> {
         self.0.reload()
     }
-    fn flush_metadata(&self) -> std::io::Result<bool> {
+    fn flush_metadata(&self, _for_sync: bool) -> std::io::Result<bool> {
         self.0.flush_metadata().map(|()| true)
     }
 }

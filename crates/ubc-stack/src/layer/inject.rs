@@ -153,6 +153,9 @@ impl Pager for LowerFile {
     fn sync(&self) -> io::Result<()> {
         Ok(self.0.sync()?)
     }
+    fn write_through(&self) -> io::Result<()> {
+        Ok(self.0.write_through()?)
+    }
     fn identity(&self) -> Option<Identity> {
         self.0.identity().map(|id| Identity::Named { kind: "fault", name: format!("{id:?}") })
     }

@@ -241,6 +241,13 @@ impl Object {
         self.pager_sync()
     }
 
+    /// `sync` without durability: every dirty page written back, the stored length ours,
+    /// then the pager's `write_through` (see [`crate::Pager::write_through`]).
+    pub(crate) fn write_through(&self) -> Result<()> {
+        self.sync_up_to_pager()?;
+        self.call_pager(PagerOp::WriteThrough, 0, |p| p.write_through())
+    }
+
     /// `sync` without the pager's own sync: every dirty page written back, the stored length
     /// ours. [`crate::Cache::sync_all`] then syncs many pagers at once (`Pager::sync_fs`).
     pub(crate) fn sync_up_to_pager(&self) -> Result<()> {

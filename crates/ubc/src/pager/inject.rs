@@ -248,6 +248,9 @@ impl Pager for InjectingPager {
             Some(e) => Err(err(e)),
         }
     }
+    fn write_through(&self) -> io::Result<()> {
+        self.inner.write_through()
+    }
     fn identity(&self) -> Option<Identity> {
         self.inner.identity()
     }

@@ -86,6 +86,16 @@ pub trait Pager: Send + Sync + 'static {
     /// Make everything stored so far durable (fsync for a host file).
     fn sync(&self) -> io::Result<()>;
 
+    /// Push everything stored so far through to the backing store, *without* making it
+    /// durable: afterwards a reader of the store (another process, or this one after it was
+    /// killed) finds it, as after a `write(2)` without `fsync`. A store written in place at
+    /// `put_pages` (a host file, memory) has nothing to do: the default. A layer that
+    /// stores into another `ubc::File` writes its own metadata and flushes that file
+    /// ([`crate::File::write_through`]); `sync` stays the only promise of durability.
+    fn write_through(&self) -> io::Result<()> {
+        Ok(())
+    }
+
     /// The file system whose `syncfs(2)` makes this store durable together with every other
     /// store answering the same key: [`crate::Cache::sync_all`] then syncs many such stores
     /// with one [`Pager::sync_fs`] instead of a `sync` each (one flush of the device instead
