@@ -788,10 +788,10 @@ impl CompressPager {
     }
 
     /// Publish the file: a commit written through to the store below without waiting for
-    /// the device (see [`CompressPager::commit`]), as a close does — readers of the layers
+    /// the device (`docs/formats.md`, "Published commits"), as a close does — readers of the layers
     /// below then see a complete file, and a killed process loses nothing of it, but only
     /// `sync` makes it durable. Until then the last durable commit's extents stay allocated;
-    /// when they hold more than [`PUBLISH_KEEP_MAX`] (and more than the file's own
+    /// when they hold more than 16 MiB (and more than the file's own
     /// stored bytes) this commit is made durable instead, so that repeated closes of a
     /// rewritten file do not grow its store without bound. Returns whether it published
     /// (`false`: it committed durably, or there was nothing to commit).
