@@ -1296,7 +1296,16 @@ fn kernel_caches_of_every_mount_follow_changes_through_the_others() {
     w.sync_all().unwrap();
     let on_disk = std::fs::read(t.path().join("data/f")).unwrap();
     assert_ne!(before, on_disk);
-    assert_eq!(std::fs::read(m0.join("f")).unwrap(), on_disk);
+    let seen = std::fs::read(m0.join("f")).unwrap();
+    if seen != on_disk {
+        let first = seen.iter().zip(&on_disk).position(|(a, b)| a != b);
+        panic!(
+            "m0 shows {} bytes, the disk has {} (first difference at {first:?}; before: {} bytes)",
+            seen.len(),
+            on_disk.len(),
+            before.len()
+        );
+    }
 
     // Names and attributes: looked up and listed (cached for 60 s) through m2, changed
     // through m3.

@@ -714,6 +714,9 @@ impl CompressPager {
             if !st.dirty && st.uncertain.is_empty() && !(durable && st.published) {
                 return Ok(false);
             }
+            // The free tail the last commit left: cut before this commit's writes, so that
+            // its syncs (or its writing through) cover the cut too.
+            self.cut_tail(&st);
             let (_, generation) = st.next_commit();
             let bytes = encode_index(generation, st.index.iter().map(|(c, e)| (*c, &e.ext)));
             // Lowest free block, not best fit: after a compaction the index must not land in
@@ -777,14 +780,18 @@ impl CompressPager {
             st.pending.push(old);
         }
         st.flush_pending();
-        // Give the free tail back. Page-aligned, so the lower truncation dirties nothing and
-        // cannot re-enter this layer; under the lock so no writer allocates past it meanwhile.
-        let keep = st.alloc.end().div_ceil(self.lower_page) * self.lower_page;
-        if self.lower.len().is_ok_and(|l| l > keep) {
-            // Only space is at stake: a failure here is not a failed commit.
-            let _ = self.lower.set_len(keep);
-        }
         Ok(true)
+    }
+
+    /// Give back the free tail of the lower file (superseded extents a commit freed), if
+    /// any; returns whether it cut. Page-aligned, so the lower truncation dirties nothing and
+    /// cannot re-enter this layer; under the state lock (`st`) so no writer allocates past
+    /// it meanwhile. Only space is at stake: a failure is ignored. The cut changes the
+    /// layer below (an aead header with the new length): a caller after a commit's last
+    /// sync must sync again, or the sync it returns from leaves that change behind.
+    fn cut_tail(&self, st: &State) -> bool {
+        let keep = st.alloc.end().div_ceil(self.lower_page) * self.lower_page;
+        self.lower.len().is_ok_and(|l| l > keep) && self.lower.set_len(keep).is_ok()
     }
 
     /// Publish the file: a commit written through to the store below without waiting for
@@ -1044,10 +1051,16 @@ impl Pager for CompressPager {
             if self.compact() {
                 synced = self.commit(true)?;
             }
+            // What the last commit freed at the end (a shrink, a compaction): given back
+            // now, and made durable with one more sync, rather than at the next commit.
+            let st = self.state.lock();
+            if synced && self.cut_tail(&st) {
+                drop(st);
+                return self.lower.sync().map_err(ubc_err);
+            }
         }
         // A commit ends with `lower.sync()`; a third one (each a device wait through every
         // layer below: an `fdatasync` of the host file) would make nothing more durable.
-        // The tail truncation after it is space only, as above.
         if synced { Ok(()) } else { self.lower.sync().map_err(ubc_err) }
     }
 

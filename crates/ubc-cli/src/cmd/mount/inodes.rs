@@ -16,7 +16,7 @@
 //! [`Attr::dev`]: ubc_stack::Attr::dev
 //! [`Attr::ino`]: ubc_stack::Attr::ino
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 /// First node id of the private range (numbers a store's own would not reach).
 const PRIVATE: u64 = 1 << 56;
@@ -34,7 +34,11 @@ struct Node {
 
 pub(super) struct Inodes {
     nodes: HashMap<u64, Node>,
-    by_path: HashMap<String, u64>,
+    /// Ordered, so that the names under a directory are one range (`at_or_under`): a
+    /// removal or rename looks at the names it changes, not at every name known (a scan of
+    /// all of them made each `unlink` and each lookup of a missing name O(files), which took
+    /// 13 % of the daemon's CPU at 2,000 files).
+    by_path: BTreeMap<String, u64>,
     by_key: HashMap<Key, u64>,
     next_private: u64,
 }
@@ -42,7 +46,7 @@ pub(super) struct Inodes {
 impl Inodes {
     pub(super) fn new() -> Inodes {
         let mut i =
-            Inodes { nodes: HashMap::new(), by_path: HashMap::new(), by_key: HashMap::new(), next_private: PRIVATE };
+            Inodes { nodes: HashMap::new(), by_path: BTreeMap::new(), by_key: HashMap::new(), next_private: PRIVATE };
         i.nodes.insert(1, Node { key: None, paths: vec![String::new()], lookups: 1 });
         i.by_path.insert(String::new(), 1);
         i
@@ -206,12 +210,19 @@ impl Inodes {
         }
     }
 
-    /// `path` and the paths under it, with their node ids.
+    /// `path` and the paths under it, with their node ids: the names from `path/` up to (not
+    /// including) `path0` (`'0'` follows `'/'`) are exactly those starting with `path/`.
     fn at_or_under(&self, path: &str) -> Vec<(String, u64)> {
-        let prefix = format!("{path}/");
+        let (from, to) = (format!("{path}/"), format!("{path}0"));
         self.by_path
-            .iter()
-            .filter(|(p, _)| p.as_str() == path || p.starts_with(&prefix))
+            .get_key_value(path)
+            .into_iter()
+            .chain(
+                self.by_path.range::<str, _>((
+                    std::ops::Bound::Included(from.as_str()),
+                    std::ops::Bound::Excluded(to.as_str()),
+                )),
+            )
             .map(|(p, i)| (p.clone(), *i))
             .collect()
     }
@@ -273,6 +284,31 @@ mod tests {
         assert_eq!((t.known("a"), t.known("b"), t.known("b/x")), (Some(b), Some(a), Some(a1)));
         assert_eq!(t.known("a/x"), None);
         assert_eq!(t.path(a1).as_deref(), Some("b/x"));
+    }
+
+    #[test]
+    fn removing_or_renaming_a_directory_takes_exactly_the_names_under_it() {
+        let mut t = Inodes::new();
+        // Names that sort between "d/" and "d0" and around them: "d-x" and "d.x" sort
+        // before "d/", "d0" and "dz" after, "d" itself is the directory.
+        let names = ["d", "d/a", "d/b/c", "d-x", "d.x", "d0", "dz", "e/d/a"];
+        for (i, n) in names.iter().enumerate() {
+            t.node(n, (1, 10 + i as u64), true);
+        }
+        let mut under: Vec<String> = t.at_or_under("d").into_iter().map(|(p, _)| p).collect();
+        under.sort();
+        assert_eq!(under, ["d", "d/a", "d/b/c"]);
+        t.rename("d", "n");
+        for (old, new) in [("d", "n"), ("d/a", "n/a"), ("d/b/c", "n/b/c")] {
+            assert_eq!(t.known(old), None, "{old}");
+            assert!(t.known(new).is_some(), "{new}");
+        }
+        for kept in ["d-x", "d.x", "d0", "dz", "e/d/a"] {
+            assert!(t.known(kept).is_some(), "{kept} stays");
+        }
+        t.remove("n");
+        assert_eq!((t.known("n"), t.known("n/a"), t.known("n/b/c")), (None, None, None));
+        assert!(t.known("dz").is_some() && t.known("e/d/a").is_some());
     }
 
     #[test]
