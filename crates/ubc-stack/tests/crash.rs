@@ -146,6 +146,9 @@ enum Rec {
     },
     /// `Mapping::flush` (an msync: commits what was written back so far).
     MapFlush(String),
+    /// `File::write_back` (what the mount does at `close`: the file pushed through every
+    /// layer into the store; through zstd a published commit, not waited for).
+    WriteBack(String),
     /// Intent to sync one file (`None`: `Stack::sync_all`).
     Sync(Option<String>),
     /// That sync returned Ok.
@@ -165,6 +168,7 @@ impl Rec {
             Rec::Write { f, off, len, seed, map } => format!("{} {f} {off} {len} {seed}", if *map { "M" } else { "W" }),
             Rec::SetLen { f, len } => format!("T {f} {len}"),
             Rec::MapFlush(f) => format!("F {f}"),
+            Rec::WriteBack(f) => format!("P {f}"),
             Rec::Sync(f) => format!("S {}", o(f)),
             Rec::Synced(f) => format!("D {}", o(f)),
             Rec::Closing => "Q".into(),
@@ -182,6 +186,7 @@ impl Rec {
             "W" | "M" => Rec::Write { f: f()?, off: n(2)?, len: n(3)?, seed: n(4)?, map: w[0] == "M" },
             "T" => Rec::SetLen { f: f()?, len: n(2)? },
             "F" => Rec::MapFlush(f()?),
+            "P" => Rec::WriteBack(f()?),
             "S" => Rec::Sync(o()?),
             "D" => Rec::Synced(o()?),
             "Q" => Rec::Closing,
@@ -330,6 +335,11 @@ fn child_main(cfg: ChildCfg) {
                 f.set_len(new).unwrap();
                 model.resize(new as usize, 0);
             }
+            // The mount's close of a written file: pushed into the store, not synced.
+            63..67 => {
+                j.log(&Rec::WriteBack(name.clone()));
+                f.write_back().unwrap();
+            }
             // Stores through a shared mapping, flushed (msync) half of the time.
             55..63 if len > 0 => {
                 let off = rng.random_range(0..len);
@@ -475,6 +485,12 @@ fn replay(recs: &[Rec]) -> Result<BTreeMap<String, Hist>, String> {
             Rec::MapFlush(f) => {
                 let h = files.get_mut(f).ok_or_else(|| format!("journal: {f} used before created"))?;
                 h.msync = true;
+                h.commit_points.push(h.states.len() - 1);
+            }
+            // A published commit is one more state the store may hold whole (never a mix:
+            // its index and extents reach the host file before its superblock).
+            Rec::WriteBack(f) => {
+                let h = files.get_mut(f).ok_or_else(|| format!("journal: {f} used before created"))?;
                 h.commit_points.push(h.states.len() - 1);
             }
             Rec::Sync(f) => {
@@ -1101,7 +1117,11 @@ fn crash_inspect() {
         );
         for r in &recs[from..] {
             let mine = match r {
-                Rec::Write { f, .. } | Rec::SetLen { f, .. } | Rec::MapFlush(f) | Rec::Create(f) => f == &fname,
+                Rec::Write { f, .. }
+                | Rec::SetLen { f, .. }
+                | Rec::MapFlush(f)
+                | Rec::WriteBack(f)
+                | Rec::Create(f) => f == &fname,
                 Rec::Sync(f) | Rec::Synced(f) => f.as_deref().is_none_or(|x| x == fname),
                 Rec::Closing | Rec::Closed => true,
             };
