@@ -963,11 +963,10 @@ impl<F: Actions> Group<F> {
 
     /// [`Group::flush_above`] of only what is not below yet: domains above `d` with nothing
     /// dirty (nor a writable mapping) — and nothing pushed into them from above — are not
-    /// pushed (a zstd push is a commit and a sync of every store below). For closing a
-    /// group whose files were synced already: its state is then the same as after a
-    /// `flush_above`. => no permit held by the caller.
-    /// `flush`: for a close (`Publish`: in the store below, not durable) or for a sync of
-    /// every file that follows (`ForSync`).
+    /// pushed (a zstd push is a commit written through every store below). For closing a
+    /// group, or before syncing every file: its state is then the same as after a
+    /// `flush_above`. `flush`: for a close (`Publish`: in the store below, not durable) or
+    /// for a sync that follows (`ForSync`). => no permit held by the caller.
     pub(crate) fn flush_dirty_above(&self, d: usize, flush: Flush) -> crate::error::Result<()> {
         self.flush_above_as(d, true, flush)
     }

@@ -80,6 +80,16 @@ fn model_write(model: &mut Vec<u8>, off: usize, data: &[u8]) {
 }
 
 /// Host file bytes.
+/// A new zstd file at `path` (chunks of `cs` bytes) holding `gen_data(seed, len, 1)`,
+/// synced: the durable state later steps are checked against.
+fn synced_file(path: &Path, cs: usize, seed: u64, len: usize) -> (Env, Vec<u8>) {
+    let env = open_env(path, opts(cs)).unwrap();
+    let a = gen_data(seed, len, 1);
+    env.upper.write_at(&a, 0).unwrap();
+    env.upper.sync().unwrap();
+    (env, a)
+}
+
 fn host_bytes(p: &Path) -> Vec<u8> {
     std::fs::read(p).unwrap()
 }
@@ -407,10 +417,7 @@ fn crash_between_syncs_recovers_last_sync() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("f.z");
     let cs = 16 * KB;
-    let env = open_env(&path, opts(cs)).unwrap();
-    let a = gen_data(5, 20 * cs + 300, 1);
-    env.upper.write_at(&a, 0).unwrap();
-    env.upper.sync().unwrap();
+    let (env, a) = synced_file(&path, cs, 5, 20 * cs + 300);
     // After state A: writes straight to the pager (as writeback would), a truncation, an
     // extension — all reaching the lower file, which is synced, but no compress-layer sync.
     for i in 0..20u64 {
@@ -592,10 +599,7 @@ fn reload_after_restore() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("f.z");
     let cs = 16 * KB;
-    let env = open_env(&path, opts(cs)).unwrap();
-    let a = gen_data(1, 5 * cs, 1);
-    env.upper.write_at(&a, 0).unwrap();
-    env.upper.sync().unwrap();
+    let (env, a) = synced_file(&path, cs, 1, 5 * cs);
     let saved = host_bytes(&path);
     env.upper.write_at(&gen_data(2, 9 * cs, 0), 0).unwrap();
     env.upper.sync().unwrap();
@@ -617,10 +621,7 @@ fn reload_after_restore() {
 fn two_commits(dir: &Path) -> (PathBuf, Vec<u8>, Vec<u8>) {
     let path = dir.join("c.z");
     let cs = 16 * KB;
-    let env = open_env(&path, opts(cs)).unwrap();
-    let a = gen_data(11, 8 * cs, 1);
-    env.upper.write_at(&a, 0).unwrap();
-    env.upper.sync().unwrap();
+    let (env, a) = synced_file(&path, cs, 11, 8 * cs);
     let mut b = a.clone();
     let d = gen_data(12, cs, 1);
     env.upper.write_at(&d, 0).unwrap();
@@ -671,10 +672,7 @@ fn published_commits_keep_the_last_durable_one_whole() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("p.z");
     let cs = 16 * KB;
-    let env = open_env(&path, opts(cs)).unwrap();
-    let a = gen_data(21, 12 * cs + 500, 1);
-    env.upper.write_at(&a, 0).unwrap();
-    env.upper.sync().unwrap();
+    let (env, a) = synced_file(&path, cs, 21, 12 * cs + 500);
     assert!(!env.pager.stored_stats().published);
     let mut b = a.clone();
     for i in 0..6u64 {
@@ -749,23 +747,40 @@ fn host_stack_read(path: &Path) -> Vec<u8> {
     v
 }
 
-/// Closes of a file rewritten over and over, never synced, do not grow its store without
-/// bound: past `PUBLISH_KEEP_MAX` (16 MiB) of superseded bytes kept for the durable commit a
-/// publish is made durable instead, and the old extents are freed.
+/// What a publish keeps for the last durable commit is that commit's superseded extents —
+/// at most its own size, however often the file is rewritten and closed (each publish frees
+/// the one before it) — and no more than 16 MiB beyond the file's own stored bytes: a file
+/// synced large, then cut and closed, is committed durably at that close, which frees the
+/// old extents, instead of keeping them until a sync that may never come.
 #[test]
-fn repeated_publishes_keep_the_store_bounded() {
+fn publishes_keep_at_most_the_durable_commit_and_never_much_more_than_the_file() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("r.z");
     let env = open_env(&path, opts(64 * KB)).unwrap();
     let mb = 1 << 20;
-    for i in 0..60u64 {
-        // Incompressible: each rewrite supersedes 1 MiB of stored bytes.
-        env.upper.write_at(&gen_data(200 + i, mb, 0), 0).unwrap();
+    // Incompressible, so stored bytes are logical bytes.
+    env.upper.write_at(&gen_data(200, 2 * mb, 0), 0).unwrap();
+    env.upper.sync().unwrap();
+    for i in 0..30u64 {
+        env.upper.write_at(&gen_data(201 + i, 2 * mb, 0), 0).unwrap();
         env.upper.write_through().unwrap();
+        let st = env.pager.stored_stats();
+        assert!(st.published, "rewrite {i}: a 2 MiB file keeps its durable commit: {st:?}");
+        assert!(
+            st.pending_bytes <= 2 * mb as u64 + 64 * KB as u64,
+            "rewrite {i}: kept only the durable commit: {st:?}"
+        );
     }
-    let len = std::fs::metadata(&path).unwrap().len();
-    assert!(len < 20 * mb as u64, "store of a 1 MiB file after 60 unsynced rewrites: {len} bytes");
-    assert_bytes!(host_stack_read(&path), gen_data(259, mb, 0));
+    assert_bytes!(host_stack_read(&path), gen_data(230, 2 * mb, 0));
+    // Synced at 20 MiB, cut to 1 MiB and closed: 20 MiB kept for 1 MiB of file is past the
+    // bound, so this close commits durably and keeps nothing.
+    env.upper.write_at(&gen_data(300, 20 * mb, 0), 0).unwrap();
+    env.upper.sync().unwrap();
+    env.upper.set_len(mb as u64).unwrap();
+    env.upper.write_through().unwrap();
+    let st = env.pager.stored_stats();
+    assert!(!st.published && st.pending_bytes == 0, "a cut file's close commits durably: {st:?}");
+    assert_bytes!(host_stack_read(&path), gen_data(300, mb, 0));
     drop(env);
 }
 

@@ -140,16 +140,15 @@ struct State {
     alloc: Alloc,
     /// Offsets of extents the last commit references (its index extent included).
     committed: HashSet<u64>,
-    /// Offsets of extents the last *durable* commit references: a published commit (see
-    /// [`CompressPager::publish`]) does not replace it, so its extents stay protected until
-    /// the next durable commit, and a crash that loses what was written since finds it
-    /// whole.
-    durable: HashSet<u64>,
+    /// While the last commit is a published one (see [`CompressPager::publish`]): the
+    /// offsets of extents the last *durable* commit references (empty if there is none),
+    /// protected until the next durable commit, so that a crash that loses what was written
+    /// since finds that commit whole. `None`: the last commit is durable (`committed` is its
+    /// set).
+    durable: Option<HashSet<u64>>,
     /// The slot of the last durable commit (`None`: none known). Commits go into the other
     /// one.
     durable_slot: Option<u64>,
-    /// The last commit was published, not made durable.
-    published: bool,
     /// `load` fell back from a damaged published commit to the durable one.
     recovered_durable: bool,
     /// Offsets referenced by the snapshot a `sync` is committing right now.
@@ -175,20 +174,16 @@ impl State {
 
     fn protected(&self, off: u64) -> bool {
         self.committed.contains(&off)
-            || self.durable.contains(&off)
+            || self.durable.as_ref().is_some_and(|d| d.contains(&off))
             || self.inflight.contains(&off)
             || self.uncertain.contains(&off)
     }
 
-    /// Slot and generation of the next commit: never the last durable commit's slot, so a
-    /// torn or lost write of this one leaves that one in force.
-    fn next_commit(&self) -> (u64, u64) {
-        let slot = match self.durable_slot {
-            Some(d) => 1 - d,
-            None => (self.generation + 1) % 2,
-        };
+    /// Generation of the next commit, whose parity names its slot: never the last durable
+    /// commit's slot, so a torn or lost write of this one leaves that one in force.
+    fn next_generation(&self) -> u64 {
         let g = self.generation + 1;
-        (slot, if g % 2 == slot { g } else { g + 1 })
+        if self.durable_slot == Some(g % 2) { g + 1 } else { g }
     }
 
     /// Give back a block nobody references any more (or park it while a commit may need it).
@@ -402,9 +397,8 @@ impl CompressPager {
             next_id: 1,
             alloc: Alloc::from_used(DATA_START, Vec::new()),
             committed: HashSet::new(),
-            durable: HashSet::new(),
+            durable: None,
             durable_slot: None,
-            published: false,
             recovered_durable: false,
             inflight: HashSet::new(),
             uncertain: HashSet::new(),
@@ -448,24 +442,24 @@ impl CompressPager {
             st.index.insert(chunk, Entry { ext, id });
         }
         if !sb.published {
-            st.durable = st.committed.clone();
             st.durable_slot = Some(sb.generation % 2);
         } else {
-            st.published = true;
+            let mut durable = HashSet::new();
             if let Some(d) = sbs.get(i + 1) {
                 // The durable commit below the published one: unreadable, it protects nothing
                 // (it is then no fallback either), and the next commit may take its slot.
                 if let Ok(entries) = Self::read_index(lower, d, lower_len) {
                     let dext = (d.index_off, align_up(d.index_len));
                     used.entry(dext.0).or_insert(dext.1);
-                    st.durable.insert(dext.0);
+                    durable.insert(dext.0);
                     for (_, ext) in entries {
                         used.entry(ext.off).or_insert(ext.alloc_len());
-                        st.durable.insert(ext.off);
+                        durable.insert(ext.off);
                     }
                     st.durable_slot = Some(d.generation % 2);
                 }
             }
+            st.durable = Some(durable);
         }
         st.alloc = Alloc::from_used(DATA_START, used.into_iter().collect());
         Ok(st)
@@ -543,7 +537,7 @@ impl CompressPager {
             free_bytes: st.alloc.free_bytes(),
             pending_bytes: st.pending.iter().map(|p| p.1).sum(),
             generation: st.generation,
-            published: st.published,
+            published: st.durable.is_some(),
             recovered_durable: st.recovered_durable,
         }
     }
@@ -711,13 +705,13 @@ impl CompressPager {
             // created and closed unwritten stores nothing (and its ctime stays put, as on
             // any file system where a close changes nothing). A published commit is made
             // durable by a new durable commit (its superblock says which it is).
-            if !st.dirty && st.uncertain.is_empty() && !(durable && st.published) {
+            if !st.dirty && st.uncertain.is_empty() && !(durable && st.durable.is_some()) {
                 return Ok(false);
             }
             // The free tail the last commit left: cut before this commit's writes, so that
             // its syncs (or its writing through) cover the cut too.
             self.cut_tail(&st);
-            let (_, generation) = st.next_commit();
+            let generation = st.next_generation();
             let bytes = encode_index(generation, st.index.iter().map(|(c, e)| (*c, &e.ext)));
             // Lowest free block, not best fit: after a compaction the index must not land in
             // a small hole near the top, where it would keep the file from shrinking.
@@ -768,13 +762,16 @@ impl CompressPager {
             st.dirty = true;
             return Err(ubc_err(e));
         }
-        st.committed = std::mem::take(&mut st.inflight);
+        let inflight = std::mem::take(&mut st.inflight);
+        let previous = std::mem::replace(&mut st.committed, inflight);
         st.uncertain.clear();
         st.generation = sb.generation;
-        st.published = !durable;
         if durable {
-            st.durable = st.committed.clone();
+            st.durable = None;
             st.durable_slot = Some(slot);
+        } else if st.durable.is_none() {
+            // The commit this one supersedes was the durable one: its extents stay protected.
+            st.durable = Some(previous);
         }
         if let Some(old) = st.index_ext.replace(idx_ext) {
             st.pending.push(old);
@@ -797,27 +794,23 @@ impl CompressPager {
     /// Publish the file: a commit written through to the store below without waiting for
     /// the device (`docs/formats.md`, "Published commits"), as a close does — readers of the layers
     /// below then see a complete file, and a killed process loses nothing of it, but only
-    /// `sync` makes it durable. Until then the last durable commit's extents stay allocated;
-    /// when they hold more than 16 MiB (and more than the file's own
-    /// stored bytes) this commit is made durable instead, so that repeated closes of a
-    /// rewritten file do not grow its store without bound. Returns whether it published
-    /// (`false`: it committed durably, or there was nothing to commit).
-    pub fn publish(&self) -> io::Result<bool> {
+    /// `sync` makes it durable. Until then the last durable commit's superseded extents stay
+    /// allocated (at most that commit's size: each publish frees the one before it); when
+    /// they hold more than 16 MiB and more than the file's own stored bytes (a file synced
+    /// large, then cut), this commit is made durable instead, which frees them. A file with
+    /// nothing to commit writes nothing.
+    pub fn publish(&self) -> io::Result<()> {
         if !self.writable {
-            return Ok(false);
+            return Ok(());
         }
         let _scope = self.scope();
         let _s = self.sync_lock.lock();
-        let over = {
+        let durable = {
             let st = self.state.lock();
             let kept: u64 = st.pending.iter().map(|p| p.1).sum();
             kept > PUBLISH_KEEP_MAX.max(st.stored_bytes)
         };
-        if over {
-            self.commit(true)?;
-            return Ok(false);
-        }
-        self.commit(false)
+        self.commit(durable).map(drop)
     }
 }
 
@@ -1066,7 +1059,7 @@ impl Pager for CompressPager {
 
     /// A published commit (see [`CompressPager::publish`]).
     fn write_through(&self) -> io::Result<()> {
-        self.publish().map(|_| ())
+        self.publish()
     }
 
     fn identity(&self) -> Option<Identity> {

@@ -66,7 +66,7 @@ impl Translate for ZstdXlate {
         if for_sync {
             return Ok(false);
         }
-        self.0.publish().map(|_| true)
+        self.0.publish().map(|()| true)
     }
 }
 

@@ -17,6 +17,7 @@
 //! [`Attr::ino`]: ubc_stack::Attr::ino
 
 use std::collections::{BTreeMap, HashMap};
+use std::ops::Bound;
 
 /// First node id of the private range (numbers a store's own would not reach).
 const PRIVATE: u64 = 1 << 56;
@@ -217,12 +218,7 @@ impl Inodes {
         self.by_path
             .get_key_value(path)
             .into_iter()
-            .chain(
-                self.by_path.range::<str, _>((
-                    std::ops::Bound::Included(from.as_str()),
-                    std::ops::Bound::Excluded(to.as_str()),
-                )),
-            )
+            .chain(self.by_path.range::<str, _>((Bound::Included(from.as_str()), Bound::Excluded(to.as_str()))))
             .map(|(p, i)| (p.clone(), *i))
             .collect()
     }
