@@ -171,8 +171,9 @@ impl CacheBuilder {
         self.high_watermark = Some(high);
         self
     }
-    /// How long a fill may wait for pinned pages to be released before it fails with
-    /// [`Error::BudgetExceeded`] (default 10 s).
+    /// How long a fill may wait for room (pinned pages to be released, dirty pages whose
+    /// writeback fails to be written) before it fails (default 10 s): with the writeback
+    /// error if one kept pages from leaving, else [`Error::BudgetExceeded`].
     pub fn reserve_timeout(mut self, t: Duration) -> Self {
         self.reserve_timeout = t;
         self

@@ -237,8 +237,9 @@ impl Resources {
     }
 
     /// Reserve budget for `n` pages about to be filled, reclaiming if needed.
-    /// Fails with `BudgetExceeded` only if nothing can be freed for `reserve_timeout`
-    /// (every page pinned), or with the writeback error that kept dirty pages from leaving.
+    /// Fails only if nothing can be freed for `reserve_timeout`: with the writeback error
+    /// that kept dirty pages from leaving if there was one, else `BudgetExceeded` (every
+    /// page pinned).
     /// => the caller holds no policy or registry lock (reclaim takes them).
     pub(crate) fn reserve(&self, n: u64) -> Result<()> {
         let g = &self.geo;
@@ -248,6 +249,12 @@ impl Resources {
         }
         let mut deadline: Option<Instant> = None;
         let mut spins = 0u32;
+        // The last writeback error that kept reclaim from freeing anything. It is not
+        // returned at once: it may be another file's, and transient (the flusher or a sync
+        // may succeed a moment later); a fill that failed on it would fail a read of a file
+        // that has no error of its own, or raise SIGBUS in a mapping. It is what the caller
+        // learns if nothing can be freed until the deadline.
+        let mut writeback_err = None;
         loop {
             let cur = self.resident.load(SeqCst);
             if cur + n <= limit {
@@ -269,12 +276,13 @@ impl Resources {
                     continue;
                 }
                 Ok(_) => {}
-                Err(e) => return Err(e),
+                Err(e) => writeback_err = Some(e),
             }
-            // Nothing evictable right now (pinned, busy or in writeback): wait for holders.
+            // Nothing evictable right now (pinned, busy, in writeback, or dirty and failing
+            // to be written): wait for holders and retry.
             let d = *deadline.get_or_insert_with(|| Instant::now() + g.reserve_timeout);
             if Instant::now() > d {
-                return Err(self.budget_exceeded(n));
+                return Err(writeback_err.unwrap_or_else(|| self.budget_exceeded(n)));
             }
             spins += 1;
             if spins < 16 {

@@ -213,6 +213,60 @@ fn truncate_at_the_dirty_limit_with_a_failing_store_loses_no_zeroing() {
     assert!(stored[cut as usize..5 * 4096].iter().all(|&b| b == 0), "old bytes past the cut in the store");
 }
 
+/// A fill that finds the budget full of one file's dirty pages, whose writeback fails for a
+/// moment, and pages pinned by another, waits for room instead of failing: a read of a third
+/// file, which has no error of its own, succeeds once the store recovers. (Before, the first
+/// failed writeback in reclaim failed the fill at once: the read got EIO, and a store
+/// through a mapping that needed the page got SIGBUS — `tests/stats.rs` died of it in CI.)
+#[test]
+fn a_fill_waits_out_another_files_transient_writeback_failure() {
+    let cache = Cache::builder()
+        .budget(16 * 4096)
+        .reserve_timeout(std::time::Duration::from_secs(1))
+        .daemon(false)
+        .build()
+        .unwrap();
+    let (a, fault, _) = injected_file(&cache);
+    fault.fail_writes(Some(libc::EIO));
+    // A's dirty pages up to the dirty limit, none of which can leave.
+    let mut dirty = 0;
+    while a.write_at(&[1u8; 4096], dirty * 4096).is_ok() {
+        dirty += 1;
+        assert!(dirty < 16, "the dirty limit stops a writer whose pages cannot be written");
+    }
+    assert!(dirty > 0);
+    // B's pinned pages take the rest; the window that finds no room fails with A's error.
+    let b_store = Arc::new(MemPager::new());
+    b_store.put_pages(0, &[2u8; 16 * 4096]).unwrap();
+    let b = cache.open(b_store, Access::ReadOnly).unwrap();
+    let mut windows = Vec::new();
+    let e = loop {
+        match b.window(windows.len() as u64 * 4096, 4096) {
+            Ok(w) => windows.push(w),
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(e.raw_os_error(), Some(libc::EIO), "after the timeout, the error that kept pages: {e:?}");
+    // C needs a page; A's store recovers while C waits.
+    let c_store = Arc::new(MemPager::new());
+    c_store.put_pages(0, &pattern(3, 0, 4096)).unwrap();
+    let c = cache.open(c_store, Access::ReadOnly).unwrap();
+    let healer = std::thread::spawn({
+        let fault = fault.clone();
+        move || {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            fault.heal();
+        }
+    });
+    let mut buf = vec![0u8; 4096];
+    let r = c.read_at(&mut buf, 0);
+    healer.join().unwrap();
+    assert_eq!(r.unwrap(), 4096, "the read waited for room");
+    assert_same(&buf, &pattern(3, 0, 4096), "C's page");
+    drop(windows);
+    a.sync().unwrap();
+}
+
 // ---- every handle hears of a writeback failure (errseq, "fsyncgate") ----
 
 fn is_lost(r: ubc::Result<()>, errno: i32) -> bool {
