@@ -47,6 +47,56 @@ impl Channel {
         }
     }
 
+    /// (ubc patch) As `receive_retrying`, but first polls the device without sleeping
+    /// for up to `spin` after `last` (the end of this thread's previous request): a
+    /// program issuing requests back to back finds its next one picked up at once instead
+    /// of waking a sleeping thread (on a VM, an idle vCPU's halt and wake-up dominate a
+    /// round trip). The fd is made non-blocking the first time; only the thread that owns
+    /// this (cloned) fd reads it, so the flag is this thread's alone. Then it waits in
+    /// `poll`.
+    pub(crate) fn receive_spinning(
+        &self,
+        buffer: &mut [u8],
+        spin: std::time::Duration,
+        last: std::time::Instant,
+        nonblocking: &mut bool,
+    ) -> nix::Result<usize> {
+        use std::os::fd::AsRawFd;
+        if !*nonblocking {
+            let fd = self.0.as_raw_fd();
+            // SAFETY: fcntl on a descriptor this channel owns.
+            unsafe {
+                let fl = libc::fcntl(fd, libc::F_GETFL);
+                if fl < 0 || libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK) < 0 {
+                    return Err(Errno::last());
+                }
+            }
+            *nonblocking = true;
+        }
+        loop {
+            match self.receive(buffer) {
+                Ok(size) => return Ok(size),
+                Err(Errno::ENOENT | Errno::EINTR) => continue,
+                Err(Errno::EAGAIN) => {
+                    if last.elapsed() < spin {
+                        std::hint::spin_loop();
+                        continue;
+                    }
+                    let mut pfd = libc::pollfd { fd: self.0.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+                    // SAFETY: one valid pollfd.
+                    let r = unsafe { libc::poll(&mut pfd, 1, -1) };
+                    if r < 0 && Errno::last() != Errno::EINTR {
+                        return Err(Errno::last());
+                    }
+                    if pfd.revents & (libc::POLLERR | libc::POLLHUP) != 0 && pfd.revents & libc::POLLIN == 0 {
+                        return Err(Errno::ENODEV);
+                    }
+                }
+                Err(err) => return Err(err),
+            }
+        }
+    }
+
     /// Returns a sender object for this channel. The sender object can be
     /// used to send to the channel. Multiple sender objects can be used
     /// and they can safely be sent to other threads.

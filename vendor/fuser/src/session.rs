@@ -298,6 +298,7 @@ impl<FS: Filesystem> Session<FS> {
                 ch,
                 allowed,
                 session_owner,
+                spin: config.spin,
             };
             threads.push(
                 thread::Builder::new()
@@ -518,6 +519,8 @@ pub(crate) struct SessionEventLoop<FS: Filesystem> {
     pub(crate) filesystem: Arc<FilesystemHolder<FS>>,
     pub(crate) allowed: SessionACL,
     pub(crate) session_owner: Uid,
+    /// (ubc patch) How long the first thread polls after a request before it sleeps.
+    pub(crate) spin: std::time::Duration,
 }
 
 impl<FS: Filesystem> SessionEventLoop<FS> {
@@ -526,10 +529,28 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
         // it is reused immediately after dispatching to conserve memory and allocations.
         let mut buf = FuseReadBuf::new();
         let buf = buf.as_mut();
+        // (ubc patch) The first thread polls for a while after each request (see
+        // `Channel::receive_spinning`).
+        // Adaptive, like an adaptive mutex: it polls only while requests have been coming
+        // back to back (the last one came within the polling time); after a longer pause it
+        // sleeps at once, so a program that sends a request now and then (an `fsync` every
+        // 100 writes) does not pay a core's worth of polling for each.
+        let spin = if self.thread_name == "fuser-0" { self.spin } else { std::time::Duration::ZERO };
+        let mut nonblocking = false;
+        let mut last = std::time::Instant::now();
+        let mut back_to_back = true;
         loop {
             // Read the next request from the given channel to kernel driver
             // The kernel driver makes sure that we get exactly one request per read
-            match self.ch.receive_retrying(buf) {
+            let r = if spin.is_zero() {
+                self.ch.receive_retrying(buf)
+            } else {
+                let window = if back_to_back { spin } else { std::time::Duration::ZERO };
+                let r = self.ch.receive_spinning(buf, window, last, &mut nonblocking);
+                back_to_back = last.elapsed() <= spin;
+                r
+            };
+            match r {
                 Ok(size) => match RequestWithSender::new(self.ch.sender(), &buf[..size]) {
                     // Dispatch request
                     Some(req) => {
@@ -537,7 +558,8 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
                             req.reply::<ReplyEmpty>().ok();
                             return Ok(());
                         } else {
-                            req.dispatch(self)
+                            req.dispatch(self);
+                            last = std::time::Instant::now();
                         }
                     }
                     // Quit loop on illegal request

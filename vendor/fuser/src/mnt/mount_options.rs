@@ -18,6 +18,9 @@ pub struct Config {
     /// This enables more efficient request processing
     /// when multiple threads are used. Requires Linux 4.5+.
     pub clone_fd: bool,
+    /// (ubc patch) How long the first event loop thread keeps polling the device after
+    /// each request before it sleeps (zero: it sleeps at once, as fuser does).
+    pub spin: std::time::Duration,
 }
 
 /// Mount options accepted by the FUSE filesystem type
