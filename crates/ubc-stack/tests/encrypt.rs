@@ -417,6 +417,73 @@ fn gaps_are_encrypted_zeros() {
     ));
 }
 
+/// Puts arriving out of order, as the cache's writeback threads deliver them, leave a gap of
+/// promised zeros instead of zero blocks the next put would overwrite: nothing is written
+/// into the gap until a put fills it or the header is brought up to date; the gap reads as
+/// zeros meanwhile; the stored header never covers a block not stored; a sync stores the rest
+/// of the gap as encrypted zeros.
+#[test]
+fn a_put_past_the_end_leaves_promised_zeros_until_the_header_is_written() {
+    let dir = tmp();
+    let key = key();
+    let path = dir.path().join("f.enc");
+    let c = cache();
+    let lower = c.create_path(&path).unwrap();
+    let p = EncryptPager::open(lower.try_clone().unwrap(), key.clone()).unwrap();
+    let slot = |i: u64| (HEADER_LEN + i * STORED_BLOCK) as usize;
+    let stored = |lower: &File| {
+        let mut v = vec![0u8; lower.len().unwrap() as usize];
+        lower.read_exact_at(&mut v, 0).unwrap();
+        v
+    };
+    p.put_pages(0, &data(B as usize, 1)).unwrap();
+    p.sync().unwrap();
+    p.put_pages(20 * B, &data(B as usize, 2)).unwrap(); // blocks 1..20: a gap
+    let s = stored(&lower);
+    assert_eq!(s.len(), slot(21));
+    assert!(s[slot(1)..slot(20)].iter().all(|&b| b == 0), "nothing written into the gap yet");
+    let mut buf = vec![0xFFu8; 3 * B as usize];
+    p.get_pages(18 * B, &mut buf).unwrap(); // blocks 18, 19 (gap) and 20 (stored)
+    assert!(buf[..2 * B as usize].iter().all(|&b| b == 0), "the gap reads as zeros");
+    assert_eq!(&buf[2 * B as usize..], &data(B as usize, 2)[..]);
+    assert_eq!(EncryptPager::logical_len(&lower, &key).unwrap(), B, "the header still says one block");
+    // A put into the gap stores its blocks, once.
+    p.put_pages(5 * B, &data(2 * B as usize, 3)).unwrap();
+    let s = stored(&lower);
+    assert!(s[slot(1)..slot(5)].iter().all(|&b| b == 0) && s[slot(7)..slot(20)].iter().all(|&b| b == 0));
+    assert!(s[slot(5)..slot(7)].iter().any(|&b| b != 0));
+    // A sync stores the rest of the gap (sealed zeros, never zero bytes) and the header.
+    p.sync().unwrap();
+    let s = stored(&lower);
+    for i in (1..5).chain(7..20) {
+        assert!(s[slot(i)..slot(i + 1)].iter().any(|&b| b != 0), "block {i} stored as sealed zeros");
+    }
+    assert_eq!(EncryptPager::logical_len(&lower, &key).unwrap(), 21 * B);
+    drop(p);
+    let p = EncryptPager::open(lower.try_clone().unwrap(), key.clone()).unwrap();
+    let mut all = vec![0u8; 21 * B as usize];
+    p.get_pages(0, &mut all).unwrap();
+    let mut want = vec![0u8; 21 * B as usize];
+    want[..B as usize].copy_from_slice(&data(B as usize, 1));
+    want[5 * B as usize..7 * B as usize].copy_from_slice(&data(2 * B as usize, 3));
+    want[20 * B as usize..].copy_from_slice(&data(B as usize, 2));
+    assert!(all == want, "contents after the reopen");
+    // A header written while a gap exists (a publish or flush for a reader below fills it
+    // first; here the length is cut to the middle of a new gap, then grown) never covers
+    // an unstored block: the cut-off gap is forgotten, the rest filled.
+    p.put_pages(30 * B, &data(B as usize, 4)).unwrap(); // gap 21..30
+    p.set_len(25 * B + 100).unwrap(); // cut inside the gap
+    let s = stored(&lower);
+    assert_eq!(s.len(), slot(26));
+    for i in 21..26 {
+        assert!(s[slot(i)..slot(i + 1)].iter().any(|&b| b != 0), "block {i} stored before the header covers it");
+    }
+    assert_eq!(EncryptPager::logical_len(&lower, &key).unwrap(), 25 * B + 100);
+    let mut tail = vec![0xFFu8; 5 * B as usize];
+    p.get_pages(21 * B, &mut tail).unwrap();
+    assert!(tail.iter().all(|&b| b == 0));
+}
+
 #[test]
 fn shrink_then_grow_reads_zeros_without_sync() {
     let dir = tmp();

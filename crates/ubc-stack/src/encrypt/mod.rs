@@ -18,9 +18,11 @@
 //!   off the end (truncation) would be invisible. The header is sealed with the same key
 //!   (an AEAD tag over the header fields, fresh nonce per header write), so a wrong key is
 //!   reported at open, before any block is read.
-//! * **Every block inside the length exists and is full-size on store.** Holes are written
-//!   as encrypted zero blocks (when `set_len` grows the file or a write lands past the
-//!   end), so a run of zero bytes in the store can never pass for cleartext zeros, and the
+//! * **Every block inside the header's length exists and is full-size on store.** Holes
+//!   are written as encrypted zero blocks (when `set_len` grows the file; a write landing
+//!   past the end leaves a gap of promised zeros, stored before the next header write
+//!   unless a write fills it first: `gaps`), so a run of zero bytes in the store can
+//!   never pass for cleartext zeros, and the
 //!   last, partial block is padded with encrypted zeros to the full block size: the position
 //!   and size of every stored block is a function of its index only, which keeps blocks
 //!   decryptable whatever a crash did to the header's length. Cost: a hole costs its full
@@ -31,10 +33,10 @@
 //! # Concurrency
 //!
 //! The cache calls `get_pages`/`put_pages` from several threads for different ranges. Reads
-//! and writes inside the current length run in parallel under a shared lock; a write that
-//! extends the file, `set_len`, `sync` and `reload` take the lock exclusively, so the
-//! zero-filling of a gap can never overwrite data another thread is putting there, and no
-//! reader sees a half-written gap block.
+//! and writes run in parallel under a shared lock, wherever they land; `set_len`, `reload`
+//! and the filling of gaps (at `sync` and other header writes, only if there is a gap) take
+//! it exclusively, so zeros written into a gap can never overwrite data another thread is
+//! putting there.
 //!
 //! # Crashes
 //!
@@ -55,8 +57,11 @@
 //! copies undetected. Lengths and the positions of writes are visible to whoever sees the
 //! store.
 
+mod gaps;
 mod key;
 pub mod xattr;
+
+use gaps::Gaps;
 
 pub use key::{ARGON2_M_COST_KIB, ARGON2_P_COST, ARGON2_T_COST, Key};
 
@@ -179,6 +184,55 @@ struct State {
     len: AtomicU64,
     /// The length in the stored header (differs from `len` until the next header write).
     header_len: AtomicU64,
+    /// Blocks inside `len` not stored yet: promised zeros (see `gaps`).
+    gaps: Mutex<Gaps>,
+    /// `gaps` has a gap (reads must look) / is not settled (a header must wait for a fill).
+    /// Written under the `gaps` mutex; read without it.
+    has_gaps: AtomicBool,
+    unsettled: AtomicBool,
+}
+
+impl State {
+    fn new(file_id: [u8; 16], header_on_store: bool, len: u64) -> State {
+        State {
+            file_id,
+            header_on_store: AtomicBool::new(header_on_store),
+            len: AtomicU64::new(len),
+            header_len: AtomicU64::new(len),
+            gaps: Mutex::new(Gaps::new(blocks(len))),
+            has_gaps: AtomicBool::new(false),
+            unsettled: AtomicBool::new(false),
+        }
+    }
+
+    /// Run `f` on the gaps and publish their flags.
+    fn with_gaps<T>(&self, f: impl FnOnce(&mut Gaps) -> T) -> T {
+        let mut g = self.gaps.lock();
+        let r = f(&mut g);
+        self.has_gaps.store(g.has_gaps(), SeqCst);
+        self.unsettled.store(!g.is_settled(), SeqCst);
+        r
+    }
+
+    /// The gaps among blocks `a..b` (cheap when there are none).
+    fn gaps_within(&self, a: u64, b: u64) -> Vec<Range<u64>> {
+        if !self.has_gaps.load(SeqCst) {
+            return Vec::new();
+        }
+        self.gaps.lock().within(a, b)
+    }
+
+    /// The length a header may carry now: `len`, cut at the first block not stored yet.
+    fn storable_len(&self) -> u64 {
+        let len = self.len.load(SeqCst);
+        if !self.unsettled.load(SeqCst) {
+            return len;
+        }
+        match self.gaps.lock().first_unstored() {
+            Some(b) => len.min(b * BLOCK),
+            None => len,
+        }
+    }
 }
 
 /// What `flush_header` does when another thread is writing the header.
@@ -202,8 +256,7 @@ pub struct EncryptPager {
     lower: ubc::File,
     cipher: XChaCha20Poly1305,
     writable: bool,
-    /// Shared: reads, puts that start inside the stored blocks, header writes. Exclusive:
-    /// puts that leave a gap (zero-fill), `set_len`, `reload`. Shared acquisitions are
+    /// Shared: reads, puts, header writes. Exclusive: filling gaps, `set_len`, `reload`. Shared acquisitions are
     /// recursive (`RecursiveRwLock`: readers never queue behind a waiting writer): a lower write may re-enter this pager from the same
     /// thread through the cache's writeback (see the report on throttling).
     state: RecursiveRwLock<State>,
@@ -332,21 +385,11 @@ impl EncryptPager {
 
     fn load(lower: &ubc::File, cipher: &XChaCha20Poly1305) -> io::Result<State> {
         Ok(match read_header(lower, cipher)? {
-            Some((file_id, len)) => State {
-                file_id,
-                header_on_store: AtomicBool::new(true),
-                len: AtomicU64::new(len),
-                header_len: AtomicU64::new(len),
-            },
+            Some((file_id, len)) => State::new(file_id, true, len),
             None => {
                 let mut file_id = [0u8; 16];
                 random(&mut file_id)?;
-                State {
-                    file_id,
-                    header_on_store: AtomicBool::new(false),
-                    len: AtomicU64::new(0),
-                    header_len: AtomicU64::new(0),
-                }
+                State::new(file_id, false, 0)
             }
         })
     }
@@ -365,9 +408,35 @@ impl EncryptPager {
             return Ok(());
         }
         let _scope = self.scope();
+        self.fill_gaps()?;
         let st = self.state.read();
         if Self::header_due(&st) {
             self.flush_header(&st, Writer::Wait)?;
+        }
+        Ok(())
+    }
+
+    /// Store the promised zeros of every gap inside the length, so that the header can
+    /// carry the whole length. Takes the lock exclusively, only if there is a gap or a put
+    /// into one is in flight. => not under this pager's lock (the cache's sync or flush
+    /// paths, or `Drop`).
+    fn fill_gaps(&self) -> io::Result<()> {
+        if !self.state.read().unsettled.load(SeqCst) {
+            return Ok(());
+        }
+        let st = self.state.write();
+        self.fill_gaps_locked(&st)
+    }
+
+    /// As `fill_gaps`, and forget what lies past the length (blocks of failed puts, or cut
+    /// off). => exclusive lock held (no put in flight).
+    fn fill_gaps_locked(&self, st: &State) -> io::Result<()> {
+        let todo = st.with_gaps(|g| g.settle(blocks(st.len.load(SeqCst))));
+        for (k, r) in todo.iter().enumerate() {
+            if let Err(e) = self.write_zero_blocks(&st.file_id, r.start, r.end) {
+                st.with_gaps(|g| g.give_back(&todo[k..]));
+                return Err(e);
+            }
         }
         Ok(())
     }
@@ -421,10 +490,13 @@ impl EncryptPager {
         Some(first * BLOCK..last * BLOCK)
     }
 
-    /// Seal and write the header with the current length. => the state lock held, either
-    /// exclusively or shared together with `header_lock` (header writers never overlap).
+    /// Seal and write the header with the current length — cut at the first block not
+    /// stored yet (a gap, or a gap a put is filling), so that the store always holds a
+    /// complete file of the header's length; `fill_gaps` first for the whole length. =>
+    /// the state lock held, either exclusively or shared together with `header_lock`
+    /// (header writers never overlap).
     fn write_header(&self, st: &State) -> io::Result<()> {
-        let len = st.len.load(SeqCst);
+        let len = st.storable_len();
         let mut h = [0u8; H];
         h[..8].copy_from_slice(MAGIC);
         h[8..12].copy_from_slice(&VERSION.to_le_bytes());
@@ -606,8 +678,14 @@ impl Pager for EncryptPager {
         let mut stored = vec![0u8; n * S];
         let got = read_full(&self.lower, &mut stored, slot(first))?;
         crate::layer::general::drop_read_below(&self.lower, slot(first)..slot(first) + (n * S) as u64);
+        let gaps = st.gaps_within(first, first + n as u64);
         for k in 0..n {
             let out_end = ((k + 1) * B).min(buf.len());
+            if gaps.iter().any(|r| r.contains(&(first + k as u64))) {
+                // Promised zeros, not stored yet.
+                buf[k * B..out_end].fill(0);
+                continue;
+            }
             self.open_slot(
                 &st.file_id,
                 first + k as u64,
@@ -623,9 +701,10 @@ impl Pager for EncryptPager {
     }
 
     /// Precondition: `offset` is a multiple of 4096; `data` runs to a block boundary or is
-    /// clipped at the file's length. A write past the end fills the gap with encrypted zero
-    /// blocks (cost: the gap's full stored size) and moves the in-memory length; the header
-    /// follows at the next `sync`/`set_len`.
+    /// clipped at the file's length. A write past the end leaves a gap of promised zeros
+    /// (stored as encrypted zero blocks before the next header write, unless a put fills
+    /// them first) and moves the in-memory length; the header follows at the next
+    /// `sync`/`set_len`/publish.
     fn put_pages(&self, offset: u64, data: &[u8]) -> io::Result<()> {
         self.check_writable()?;
         Self::check_aligned(offset)?;
@@ -639,32 +718,24 @@ impl Pager for EncryptPager {
             )
         })?;
         let first = offset / BLOCK;
-        {
-            // Starting at or before the end of the stored blocks leaves no gap: every block
-            // below `first` exists, so this put needs no zero-fill and runs shared.
-            let st = self.state.read();
-            if first <= blocks(st.len.load(SeqCst)) {
-                // A new file's header goes to the store *before* its first blocks, with the
-                // length from before this put: a crash in between must leave an aead file
-                // showing its last length. Written after the blocks, a crash could leave
-                // blocks without any header ("not an aead file") or a header with a length
-                // the file never had (tests/crash.rs checks both).
-                self.first_header(&st, Held::Shared)?;
-                self.write_blocks(&st.file_id, first, data)?;
-                // A failed put leaves the length alone (the cache retries it).
-                st.len.fetch_max(end, SeqCst);
-                return Ok(());
-            }
+        let st = self.state.read();
+        // A new file's header goes to the store *before* its first blocks, with the length
+        // from before this put: a crash in between must leave an aead file showing its last
+        // length. Written after the blocks, a crash could leave blocks without any header
+        // ("not an aead file") or a header with a length the file never had (tests/crash.rs
+        // checks both).
+        self.first_header(&st, Held::Shared)?;
+        // Blocks between the ones accounted for and this put become a gap: promised zeros,
+        // stored at the next header write if no put fills them first (see `gaps`). The put
+        // runs under the shared lock, in parallel with every other put, wherever it lands.
+        let fresh = st.with_gaps(|g| g.take(first, blocks(end)));
+        let r = self.write_blocks(&st.file_id, first, data);
+        if r.is_ok() {
+            // A failed put leaves the length alone (the cache retries it).
+            st.len.fetch_max(end, SeqCst);
         }
-        // A gap between the stored blocks and this put: fill it with encrypted zero blocks
-        // (a hole must not read as unauthenticated zeros), exclusively so that no other put
-        // into the gap can be overwritten by the zeros and no reader sees a gap half-filled.
-        let st = self.state.write();
-        self.first_header(&st, Held::Exclusive)?; // first, as above
-        self.write_zero_blocks(&st.file_id, blocks(st.len.load(SeqCst)), first)?;
-        self.write_blocks(&st.file_id, first, data)?;
-        st.len.fetch_max(end, SeqCst);
-        Ok(())
+        st.with_gaps(|g| g.finish(fresh, r.is_ok()));
+        r
     }
 
     fn len(&self) -> io::Result<u64> {
@@ -689,12 +760,17 @@ impl Pager for EncryptPager {
             // A new file's header (with the old length) goes first, as in `put_pages`: zero
             // blocks without a header on the store would make it "not an aead file".
             self.first_header(&st, Held::Exclusive)?;
-            // Blocks past `old` are new: the last old block's tail is already zero.
+            // The gaps inside the old length first, then blocks past `old`: they are new
+            // (the last old block's tail is already zero).
+            self.fill_gaps_locked(&st)?;
             self.write_zero_blocks(&id, blocks(old), blocks(len))?;
             st.len.store(len, SeqCst);
+            st.with_gaps(|g| g.settle(blocks(len)));
             self.write_header(&st)?;
         } else if len < old {
-            if !len.is_multiple_of(BLOCK) {
+            // A cut block that is promised zeros has nothing stored to re-encrypt: it is
+            // filled below, like every gap inside the new length.
+            if !len.is_multiple_of(BLOCK) && !st.gaps.lock().contains(len / BLOCK) {
                 let index = len / BLOCK;
                 let mut b = Box::new([0u8; B]);
                 let r = self.read_block(&id, index, &mut b).and_then(|()| {
@@ -704,11 +780,14 @@ impl Pager for EncryptPager {
                 b.zeroize();
                 r?;
             }
-            // Header first: a crash after it leaves extra blocks (ignored), not missing ones.
+            // Gaps past the new end are forgotten, those below it stored.
             st.len.store(len, SeqCst);
+            self.fill_gaps_locked(&st)?;
+            // Header first: a crash after it leaves extra blocks (ignored), not missing ones.
             self.write_header(&st)?;
             self.lower.set_len(slot(blocks(len))).map_err(ubc_io)?;
         } else if Self::header_due(&st) {
+            self.fill_gaps_locked(&st)?;
             self.write_header(&st)?;
         }
         Ok(())
@@ -718,6 +797,7 @@ impl Pager for EncryptPager {
     /// lower file (durability goes down the stack).
     fn sync(&self) -> io::Result<()> {
         if self.writable {
+            self.fill_gaps()?;
             let st = self.state.read();
             if Self::header_due(&st) {
                 self.flush_header(&st, Writer::Wait)?;
