@@ -619,6 +619,41 @@ fn direct_mode_round_trips() {
     d.unmount();
 }
 
+/// CPU time (user + system, in clock ticks) the process `pid` has used so far.
+fn cpu_ticks(pid: i32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name (in parentheses, may hold spaces): utime is the 14th
+    // field of the line, stime the 15th.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+/// A request thread polls /dev/fuse after a request only while requests come back to back
+/// (`--poll-us`): once the programs pause, the daemon sleeps — an idle mount costs no CPU.
+/// (A poller that never gave up would burn a core: ~100 ticks a second.)
+#[test]
+fn an_idle_mount_stops_polling() {
+    if !fuse_available() {
+        return;
+    }
+    let (t, spec, mnt) = stack_dir("");
+    let mut d = Daemon::start(&spec, &[(0, &mnt)], &["--poll-us", "5000"], &t.path().join("err"));
+    // A burst of back-to-back requests: the first thread polls between them.
+    for i in 0..300 {
+        let p = mnt.join(format!("f{i}"));
+        std::fs::write(&p, b"x").unwrap();
+        assert_eq!(std::fs::metadata(&p).unwrap().len(), 1);
+        std::fs::remove_file(&p).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let before = cpu_ticks(d.pid());
+    std::thread::sleep(Duration::from_secs(1));
+    let used = cpu_ticks(d.pid()) - before;
+    assert!(used <= 10, "an idle daemon used {used} clock ticks in a second (polling on?)");
+    d.unmount();
+}
+
 /// `cmd` run as user nobody (65534): (exit ok, stdout, stderr).
 fn as_nobody(args: &[&str]) -> (bool, Vec<u8>, String) {
     let out = Command::new("setpriv")
