@@ -431,15 +431,10 @@ fn a_put_past_the_end_leaves_promised_zeros_until_the_header_is_written() {
     let lower = c.create_path(&path).unwrap();
     let p = EncryptPager::open(lower.try_clone().unwrap(), key.clone()).unwrap();
     let slot = |i: u64| (HEADER_LEN + i * STORED_BLOCK) as usize;
-    let stored = |lower: &File| {
-        let mut v = vec![0u8; lower.len().unwrap() as usize];
-        lower.read_exact_at(&mut v, 0).unwrap();
-        v
-    };
     p.put_pages(0, &data(B as usize, 1)).unwrap();
     p.sync().unwrap();
     p.put_pages(20 * B, &data(B as usize, 2)).unwrap(); // blocks 1..20: a gap
-    let s = stored(&lower);
+    let s = read_all(&lower);
     assert_eq!(s.len(), slot(21));
     assert!(s[slot(1)..slot(20)].iter().all(|&b| b == 0), "nothing written into the gap yet");
     let mut buf = vec![0xFFu8; 3 * B as usize];
@@ -449,12 +444,12 @@ fn a_put_past_the_end_leaves_promised_zeros_until_the_header_is_written() {
     assert_eq!(EncryptPager::logical_len(&lower, &key).unwrap(), B, "the header still says one block");
     // A put into the gap stores its blocks, once.
     p.put_pages(5 * B, &data(2 * B as usize, 3)).unwrap();
-    let s = stored(&lower);
+    let s = read_all(&lower);
     assert!(s[slot(1)..slot(5)].iter().all(|&b| b == 0) && s[slot(7)..slot(20)].iter().all(|&b| b == 0));
     assert!(s[slot(5)..slot(7)].iter().any(|&b| b != 0));
     // A sync stores the rest of the gap (sealed zeros, never zero bytes) and the header.
     p.sync().unwrap();
-    let s = stored(&lower);
+    let s = read_all(&lower);
     for i in (1..5).chain(7..20) {
         assert!(s[slot(i)..slot(i + 1)].iter().any(|&b| b != 0), "block {i} stored as sealed zeros");
     }
@@ -473,7 +468,7 @@ fn a_put_past_the_end_leaves_promised_zeros_until_the_header_is_written() {
     // an unstored block: the cut-off gap is forgotten, the rest filled.
     p.put_pages(30 * B, &data(B as usize, 4)).unwrap(); // gap 21..30
     p.set_len(25 * B + 100).unwrap(); // cut inside the gap
-    let s = stored(&lower);
+    let s = read_all(&lower);
     assert_eq!(s.len(), slot(26));
     for i in 21..26 {
         assert!(s[slot(i)..slot(i + 1)].iter().any(|&b| b != 0), "block {i} stored before the header covers it");

@@ -298,7 +298,7 @@ impl<FS: Filesystem> Session<FS> {
                 ch,
                 allowed,
                 session_owner,
-                spin: config.spin,
+                spin: if i == 0 { config.spin } else { std::time::Duration::ZERO },
             };
             threads.push(
                 thread::Builder::new()
@@ -519,7 +519,8 @@ pub(crate) struct SessionEventLoop<FS: Filesystem> {
     pub(crate) filesystem: Arc<FilesystemHolder<FS>>,
     pub(crate) allowed: SessionACL,
     pub(crate) session_owner: Uid,
-    /// (ubc patch) How long the first thread polls after a request before it sleeps.
+    /// (ubc patch) How long this thread polls after a request before it sleeps (only the
+    /// first thread polls; the others have zero).
     pub(crate) spin: std::time::Duration,
 }
 
@@ -535,7 +536,7 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
         // back to back (the last one came within the polling time); after a longer pause it
         // sleeps at once, so a program that sends a request now and then (an `fsync` every
         // 100 writes) does not pay a core's worth of polling for each.
-        let spin = if self.thread_name == "fuser-0" { self.spin } else { std::time::Duration::ZERO };
+        let spin = self.spin;
         let mut nonblocking = false;
         let mut last = std::time::Instant::now();
         let mut back_to_back = true;

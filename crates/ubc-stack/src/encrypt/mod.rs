@@ -765,7 +765,10 @@ impl Pager for EncryptPager {
             self.fill_gaps_locked(&st)?;
             self.write_zero_blocks(&id, blocks(old), blocks(len))?;
             st.len.store(len, SeqCst);
-            st.with_gaps(|g| g.settle(blocks(len)));
+            // Every block below the new length is stored now: that is the accounted end
+            // (the gaps were emptied above, so nothing is returned to fill).
+            let none = st.with_gaps(|g| g.settle(blocks(len)));
+            debug_assert!(none.is_empty());
             self.write_header(&st)?;
         } else if len < old {
             // A cut block that is promised zeros has nothing stored to re-encrypt: it is
