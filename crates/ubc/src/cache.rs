@@ -345,10 +345,64 @@ impl CacheBuilder {
 #[derive(Default)]
 pub(crate) struct Registry {
     pub(crate) by_id: HashMap<u64, Arc<Object>>,
-    by_identity: HashMap<ObjectKey, u64>,
+    by_identity: Identities,
     /// Objects in the order their last handle was closed (may hold stale ids: an object
     /// reopened or already forgotten is skipped when popped).
     closed: std::collections::VecDeque<u64>,
+}
+
+/// Which listed object is the current one for each key (an object that was forgotten, see
+/// [`Cache::forget`], stays listed without being current): the objects' ids in a table
+/// hashed by their keys, which live in the objects — a map from key to id held every key
+/// twice (an `ObjectKey` is 40 bytes, and a host file's path-named key more) and took 49
+/// bytes a slot where this takes 9.
+///
+/// Invariant: every id in the table is listed in `by_id` (ids leave the table before or
+/// with the object's entry), so the table's rehash can find each id's key.
+#[derive(Default)]
+struct Identities {
+    table: hashbrown::HashTable<u64>,
+    hasher: std::hash::RandomState,
+}
+
+impl Identities {
+    fn hash(&self, key: &ObjectKey) -> u64 {
+        use std::hash::BuildHasher;
+        self.hasher.hash_one(key)
+    }
+
+    /// The current object's id for `key`.
+    fn get(&self, key: &ObjectKey, by_id: &HashMap<u64, Arc<Object>>) -> Option<u64> {
+        self.table.find(self.hash(key), |id| by_id.get(id).is_some_and(|o| o.key == *key)).copied()
+    }
+
+    /// Make listed object `id` the current one for its key. Precondition: `id` is in
+    /// `by_id`, and its key has no current object (`get` said so under the same lock).
+    fn insert(&mut self, id: u64, by_id: &HashMap<u64, Arc<Object>>) {
+        use std::hash::BuildHasher;
+        let h = self.hash(&by_id[&id].key);
+        let hasher = &self.hasher;
+        self.table.insert_unique(h, id, |id| hasher.hash_one(&by_id[id].key));
+    }
+
+    /// `id` is no longer current for `key` (its object's key), if it was.
+    fn remove_id(&mut self, key: &ObjectKey, id: u64) {
+        if let Ok(e) = self.table.find_entry(self.hash(key), |&x| x == id) {
+            e.remove();
+        }
+    }
+
+    /// `key` has no current object any more.
+    fn remove_key(&mut self, key: &ObjectKey, by_id: &HashMap<u64, Arc<Object>>) {
+        let h = self.hash(key);
+        if let Ok(e) = self.table.find_entry(h, |id| by_id.get(id).is_some_and(|o| o.key == *key)) {
+            e.remove();
+        }
+    }
+
+    fn clear(&mut self) {
+        self.table.clear();
+    }
 }
 
 pub(crate) struct CacheCore {
@@ -452,9 +506,7 @@ impl CacheCore {
     fn forget_locked(reg: &mut Registry, id: u64) -> Option<Arc<Object>> {
         let o = reg.by_id.remove(&id)?;
         o.holders.unlist();
-        if reg.by_identity.get(&o.key) == Some(&id) {
-            reg.by_identity.remove(&o.key);
-        }
+        reg.by_identity.remove_id(&o.key, id);
         Some(o)
     }
 
@@ -687,7 +739,7 @@ impl Cache {
         let id = core.next_id.fetch_add(1, Relaxed);
         let fresh = Object::new(id, core.res.clone(), pager.clone(), key.clone())?;
         let mut reg = core.registry.write();
-        let existing = reg.by_identity.get(&key).copied();
+        let existing = reg.by_identity.get(&key, &reg.by_id);
         Ok(match existing.and_then(|id| reg.by_id.get(&id).cloned()) {
             // Lost a race with another open of the same data: use theirs.
             Some(o) => {
@@ -697,8 +749,9 @@ impl Cache {
             }
             None => {
                 fresh.handles.fetch_add(1, SeqCst);
-                reg.by_id.insert(id, fresh.clone());
-                reg.by_identity.insert(key, id);
+                let Registry { by_id, by_identity, .. } = &mut *reg;
+                by_id.insert(id, fresh.clone());
+                by_identity.insert(id, by_id);
                 fresh
             }
         })
@@ -707,7 +760,7 @@ impl Cache {
     /// Take a new handle on the cached object with this identity, if there is one.
     fn attach_existing(&self, key: &ObjectKey, pager: &Arc<dyn Pager>) -> Option<Arc<Object>> {
         let reg = self.core().registry.read();
-        let o = reg.by_id.get(reg.by_identity.get(key)?)?.clone();
+        let o = reg.by_id.get(&reg.by_identity.get(key, &reg.by_id)?)?.clone();
         // Under the registry lock, so `object_idle` cannot drop it between check and use.
         o.handles.fetch_add(1, SeqCst);
         drop(reg);
@@ -739,7 +792,8 @@ impl Cache {
     /// file — so that the new file never sees the old one's pages.
     pub fn forget(&self, identity: &Identity) {
         let mut reg = self.core().registry.write();
-        reg.by_identity.remove(&ObjectKey::Data(identity.clone()));
+        let Registry { by_id, by_identity, .. } = &mut *reg;
+        by_identity.remove_key(&ObjectKey::Data(identity.clone()), by_id);
     }
 
     /// Write back and evict everything that is not in use; returns bytes freed.

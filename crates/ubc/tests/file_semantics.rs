@@ -483,3 +483,36 @@ fn sync_all_of_many_host_files_stores_every_byte() {
     }
     assert_eq!(cache.stats().unclean_bytes, 0);
 }
+
+/// `Cache::forget`: a later open of the same data gets a new object, while handles open on
+/// the old one keep it; the old object leaving the cache later does not take the new one's
+/// place as the identity's current object.
+#[test]
+fn a_forgotten_identity_opens_a_new_object_and_the_old_one_leaving_does_not_unlist_it() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("f");
+    std::fs::write(&p, b"on disk").unwrap();
+    let cache = Cache::builder().budget(4 << 20).build().unwrap();
+    let old = cache.open_path(&p, Access::ReadOnly).unwrap();
+    let mut b = [0u8; 7];
+    old.read_exact_at(&mut b, 0).unwrap();
+    let id = old.identity().expect("a host file has an identity");
+    // Changed behind the cache's back: its cached page is stale now.
+    std::fs::write(&p, b"changed").unwrap();
+    let same = cache.open_path(&p, Access::ReadOnly).unwrap();
+    same.read_exact_at(&mut b, 0).unwrap();
+    assert_eq!(&b, b"on disk", "not forgotten: a second open shares the cached object");
+    drop(same);
+    cache.forget(&id);
+    let new = cache.open_path(&p, Access::ReadOnly).unwrap();
+    new.read_exact_at(&mut b, 0).unwrap();
+    assert_eq!(&b, b"changed", "a forgotten identity's next open reads the store");
+    assert_eq!(cache.stats().objects, 2);
+    // The old object leaves the cache; the new one (open) stays, still the current one.
+    drop(old);
+    cache.evict_all().unwrap();
+    assert_eq!(cache.stats().objects, 1, "the old object left");
+    let again = cache.open_path(&p, Access::ReadOnly).unwrap();
+    assert_eq!(cache.stats().objects, 1, "the reopen shares the current object");
+    drop((new, again));
+}

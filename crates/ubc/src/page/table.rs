@@ -12,7 +12,6 @@
 //! per chunk: 0.2% of the touched file size with 4 KiB pages.
 
 use super::state::PageState;
-use parking_lot::Mutex;
 use std::ptr;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicUsize, Ordering::*};
 
@@ -70,11 +69,17 @@ struct Group {
 /// A chunk's pages: state words and policy slots in groups of 32, each allocated when one
 /// of its pages is first taken (filled, written, reserved). A page of a group never made is
 /// EMPTY with no slot. Before, every chunk touched carried words for all its pages (512 with
-/// 2 MiB windows: 4 KiB), so a cached 4 KiB file cost 4 KiB of page table; now 128 bytes of
-/// group pointers and one 256-byte group. Groups are never freed before the chunk, so a
-/// reference to a state word stays valid like the chunk itself.
+/// 2 MiB windows: 4 KiB), so a cached 4 KiB file cost 4 KiB of page table; now one 256-byte
+/// group (group 0's pointer is in the chunk; the array of the others' pointers, 120 bytes
+/// with 2 MiB windows, is made with the first group past it). Groups are never freed before
+/// the chunk, so a reference to a state word stays valid like the chunk itself.
 pub(crate) struct Pages {
-    groups: Box<[AtomicPtr<Group>]>,
+    /// Group 0, apart from the others: a small file has only it, and the array of the
+    /// others' pointers (128 bytes with 2 MiB windows) would be most of its page table.
+    first: AtomicPtr<Group>,
+    /// Pointers to groups 1.., made when the first of them is (null before); never freed
+    /// before the chunk.
+    rest: AtomicPtr<AtomicPtr<Group>>,
     len: usize,
 }
 
@@ -83,7 +88,43 @@ static NEVER_TAKEN: PageState = PageState::empty();
 
 impl Pages {
     fn new(len: usize) -> Pages {
-        Pages { groups: (0..len.div_ceil(GROUP)).map(|_| AtomicPtr::new(ptr::null_mut())).collect(), len }
+        Pages { first: AtomicPtr::new(ptr::null_mut()), rest: AtomicPtr::new(ptr::null_mut()), len }
+    }
+
+    /// Groups 1.. (the length of `rest` once made).
+    fn rest_len(&self) -> usize {
+        self.len.div_ceil(GROUP).saturating_sub(1)
+    }
+
+    /// The pointer to group `gi`, or `None` if it lies in `rest` and `rest` is not made.
+    #[inline]
+    fn slot(&self, gi: usize) -> Option<&AtomicPtr<Group>> {
+        if gi == 0 {
+            return Some(&self.first);
+        }
+        let r = self.rest.load(Acquire);
+        // SAFETY: a published `rest` holds `rest_len()` pointers and lives until drop.
+        (!r.is_null()).then(|| unsafe { &*r.add(gi - 1) })
+    }
+
+    /// The pointer to group `gi`, `rest` made if needed.
+    #[cold]
+    fn slot_made(&self, gi: usize) -> &AtomicPtr<Group> {
+        if let Some(s) = self.slot(gi) {
+            return s;
+        }
+        let fresh: Box<[AtomicPtr<Group>]> = (0..self.rest_len()).map(|_| AtomicPtr::new(ptr::null_mut())).collect();
+        let fresh = Box::into_raw(fresh) as *mut AtomicPtr<Group>;
+        if let Err(_winner) = self.rest.compare_exchange(ptr::null_mut(), fresh, AcqRel, Acquire) {
+            // SAFETY: `fresh` was never published; it came from a boxed slice of this length.
+            unsafe { drop(Box::from_raw(ptr::slice_from_raw_parts_mut(fresh, self.rest_len()))) };
+        }
+        self.slot(gi).expect("rest made")
+    }
+
+    /// The groups' pointers, for scans and drop.
+    fn slots(&self) -> impl Iterator<Item = &AtomicPtr<Group>> {
+        (0..self.len.div_ceil(GROUP)).map_while(|gi| self.slot(gi))
     }
 
     /// Pages in the chunk.
@@ -94,7 +135,7 @@ impl Pages {
     #[inline]
     fn group(&self, i: usize) -> Option<&Group> {
         assert!(i < self.len, "page {i} of a chunk of {}", self.len);
-        let g = self.groups[i / GROUP].load(Acquire);
+        let g = self.slot(i / GROUP)?.load(Acquire);
         // SAFETY: published groups live until the chunk is dropped.
         (!g.is_null()).then(|| unsafe { &*g })
     }
@@ -105,7 +146,7 @@ impl Pages {
             states: std::array::from_fn(|_| PageState::default()),
             slots: std::array::from_fn(|_| AtomicU32::new(ubc_evict::NO_SLOT)),
         }));
-        let g = match self.groups[i / GROUP].compare_exchange(ptr::null_mut(), fresh, AcqRel, Acquire) {
+        let g = match self.slot_made(i / GROUP).compare_exchange(ptr::null_mut(), fresh, AcqRel, Acquire) {
             Ok(_) => fresh,
             Err(winner) => {
                 // SAFETY: `fresh` was never published.
@@ -151,13 +192,13 @@ impl Pages {
 
     /// Whether `f` holds for a page of a group that exists.
     pub(crate) fn any(&self, mut f: impl FnMut(&PageState) -> bool) -> bool {
-        (0..self.groups.len()).any(|gi| self.group(gi * GROUP).is_some_and(|g| g.states.iter().any(&mut f)))
+        (0..self.len.div_ceil(GROUP)).any(|gi| self.group(gi * GROUP).is_some_and(|g| g.states.iter().any(&mut f)))
     }
 
     /// Groups made so far (for tests).
     #[cfg(test)]
     fn groups_made(&self) -> usize {
-        self.groups.iter().filter(|g| !g.load(Relaxed).is_null()).count()
+        self.slots().filter(|g| !g.load(Relaxed).is_null()).count()
     }
 }
 
@@ -173,12 +214,17 @@ impl std::ops::Index<usize> for Pages {
 
 impl Drop for Pages {
     fn drop(&mut self) {
-        for g in self.groups.iter() {
+        for g in self.slots() {
             let p = g.load(Relaxed);
             if !p.is_null() {
                 // SAFETY: exclusive access in drop; published groups came from Box::into_raw.
                 unsafe { drop(Box::from_raw(p)) };
             }
+        }
+        let r = *self.rest.get_mut();
+        if !r.is_null() {
+            // SAFETY: exclusive access; `rest` came from a boxed slice of `rest_len()` pointers.
+            unsafe { drop(Box::from_raw(ptr::slice_from_raw_parts_mut(r, self.rest_len()))) };
         }
     }
 }
@@ -199,6 +245,9 @@ struct Root {
     /// Level of `node`: it covers chunk indexes below 64^height.
     height: u32,
     node: *mut Node,
+    /// The root this one replaced (null for the first): readers may still hold it, so the
+    /// replaced roots live, chained here, until the table is dropped.
+    prev: *mut Root,
 }
 
 pub(crate) struct PageTable {
@@ -209,8 +258,6 @@ pub(crate) struct PageTable {
     /// for chunk 0 stays empty.
     root: AtomicPtr<Root>,
     pages_per_chunk: usize,
-    /// Roots replaced by growth; readers may still hold them, so they live until drop.
-    retired: Mutex<Vec<*mut Root>>,
 }
 
 // SAFETY: all shared state is reached through atomics; nodes, chunks and roots are only
@@ -220,12 +267,7 @@ unsafe impl Sync for PageTable {}
 
 impl PageTable {
     pub(crate) fn new(pages_per_chunk: usize) -> PageTable {
-        PageTable {
-            first: AtomicPtr::new(ptr::null_mut()),
-            root: AtomicPtr::new(ptr::null_mut()),
-            pages_per_chunk,
-            retired: Mutex::new(Vec::new()),
-        }
+        PageTable { first: AtomicPtr::new(ptr::null_mut()), root: AtomicPtr::new(ptr::null_mut()), pages_per_chunk }
     }
 
     fn root(&self) -> Option<&Root> {
@@ -283,7 +325,7 @@ impl PageTable {
             return unsafe { &*c };
         }
         if self.root.load(Acquire).is_null() {
-            let fresh = Box::into_raw(Box::new(Root { height: 1, node: Node::new() }));
+            let fresh = Box::into_raw(Box::new(Root { height: 1, node: Node::new(), prev: ptr::null_mut() }));
             if self.root.compare_exchange(ptr::null_mut(), fresh, AcqRel, Acquire).is_err() {
                 // SAFETY: neither was published.
                 unsafe {
@@ -338,11 +380,11 @@ impl PageTable {
             let top = Node::new();
             // SAFETY: `top` is fresh and unshared.
             unsafe { (*top).slots[0].store(root.node as *mut (), Release) };
-            let new = Box::into_raw(Box::new(Root { height: root.height + 1, node: top }));
+            let new = Box::into_raw(Box::new(Root { height: root.height + 1, node: top, prev: cur }));
             match self.root.compare_exchange(cur, new, AcqRel, Acquire) {
-                Ok(_) => self.retired.lock().push(cur),
+                Ok(_) => {}
                 Err(_) => {
-                    // SAFETY: neither was published.
+                    // SAFETY: neither was published (`new.prev` is not ours to free).
                     unsafe {
                         drop(Box::from_raw(top));
                         drop(Box::from_raw(new));
@@ -419,13 +461,15 @@ impl Drop for PageTable {
         if root.is_null() {
             return;
         }
-        // SAFETY: exclusive access in drop; retired roots share nodes with the live root, so
+        // SAFETY: exclusive access in drop; replaced roots share nodes with the live root, so
         // only the Root descriptors are freed for them.
         unsafe {
             let r = Box::from_raw(root);
             free_child(r.node as *mut (), r.height + 1);
-            for old in self.retired.get_mut().drain(..) {
-                drop(Box::from_raw(old));
+            let mut old = r.prev;
+            while !old.is_null() {
+                let o = Box::from_raw(old);
+                old = o.prev;
             }
         }
     }

@@ -238,7 +238,8 @@ impl Pool {
         let mut s = self.state.lock();
         s.files += 1;
         Self::list(&mut s, e);
-        s.by_inode.entry((e.dev, e.ino)).or_default().push(Arc::downgrade(e));
+        // Nearly every inode has one entry: room for one (a default `Vec` grows to four).
+        s.by_inode.entry((e.dev, e.ino)).or_insert_with(|| Vec::with_capacity(1)).push(Arc::downgrade(e));
         self.park_locked(&mut s, Some(e));
         s.mounts.contains_key(&e.dev)
     }
