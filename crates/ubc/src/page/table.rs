@@ -53,33 +53,82 @@ impl Chunk {
     }
 }
 
-/// Pages per group of state words allocated together.
+/// Pages per group of state words allocated together, past the chunk's first 32 pages.
 const GROUP: usize = 32;
+/// The chunk's first group is smaller (`HEAD` pages, then `GROUP - HEAD` in the second): a
+/// file of a page or two is most cached files, and a 32-page group is 256 bytes.
+const HEAD: usize = 8;
 
-/// The state words and policy slots of `GROUP` consecutive pages (256 bytes).
-struct Group {
-    states: [PageState; GROUP],
+/// The state words and policy slots of `N` consecutive pages (8 bytes a page).
+struct Group<const N: usize> {
+    states: [PageState; N],
     /// Where the replacement policy keeps each page ([`ubc_evict::Slot`], `NO_SLOT` when it
     /// does not): read and written only under the policy lock, so `Relaxed` suffices. The
     /// cache carries the slot as `struct page` carries its LRU links, so the policy needs no
     /// index from key to page.
-    slots: [AtomicU32; GROUP],
+    slots: [AtomicU32; N],
 }
 
-/// A chunk's pages: state words and policy slots in groups of 32, each allocated when one
-/// of its pages is first taken (filled, written, reserved). A page of a group never made is
-/// EMPTY with no slot. Before, every chunk touched carried words for all its pages (512 with
-/// 2 MiB windows: 4 KiB), so a cached 4 KiB file cost 4 KiB of page table; now one 256-byte
-/// group (group 0's pointer is in the chunk; the array of the others' pointers, 120 bytes
-/// with 2 MiB windows, is made with the first group past it). Groups are never freed before
-/// the chunk, so a reference to a state word stays valid like the chunk itself.
+impl<const N: usize> Group<N> {
+    /// The group `p` points to, if it was made.
+    #[inline]
+    fn loaded(p: &AtomicPtr<Group<N>>) -> Option<&Group<N>> {
+        let g = p.load(Acquire);
+        // SAFETY: published groups live until the chunk is dropped.
+        (!g.is_null()).then(|| unsafe { &*g })
+    }
+
+    /// The group `p` points to, made if it was not (concurrent makers agree on one).
+    #[cold]
+    fn made(p: &AtomicPtr<Group<N>>) -> &Group<N> {
+        let fresh = Box::into_raw(Box::new(Group::<N> {
+            states: std::array::from_fn(|_| PageState::default()),
+            slots: std::array::from_fn(|_| AtomicU32::new(ubc_evict::NO_SLOT)),
+        }));
+        let g = match p.compare_exchange(ptr::null_mut(), fresh, AcqRel, Acquire) {
+            Ok(_) => fresh,
+            Err(winner) => {
+                // SAFETY: `fresh` was never published.
+                unsafe { drop(Box::from_raw(fresh)) };
+                winner
+            }
+        };
+        // SAFETY: as in `loaded`.
+        unsafe { &*g }
+    }
+
+    /// Free the group `p` points to, if any. Precondition: exclusive access (drop).
+    fn free(p: &mut AtomicPtr<Group<N>>) {
+        let g = *p.get_mut();
+        if !g.is_null() {
+            // SAFETY: exclusive access; published groups came from Box::into_raw.
+            unsafe { drop(Box::from_raw(g)) };
+        }
+    }
+
+    /// Whether `f` holds for one of the group's pages.
+    fn any(p: &AtomicPtr<Group<N>>, f: &mut impl FnMut(&PageState) -> bool) -> bool {
+        Self::loaded(p).is_some_and(|g| g.states.iter().any(f))
+    }
+}
+
+/// A chunk's pages: state words and policy slots in groups (of 8 and 24 pages for its first
+/// 32 pages, of 32 past them), each allocated when one of its pages is first taken (filled,
+/// written, reserved). A page of a group never made is EMPTY with no slot. Before, every
+/// chunk touched carried words for all its pages (512 with 2 MiB windows: 4 KiB), so a
+/// cached 4 KiB file cost 4 KiB of page table; then 128 bytes of group pointers and a
+/// 256-byte group; now one 64-byte group (the pointers to the first two groups are in the
+/// chunk; the array of the others', 120 bytes with 2 MiB windows, is made with the first
+/// of them). Groups are never freed before the chunk, so a reference to a state word stays
+/// valid like the chunk itself.
 pub(crate) struct Pages {
-    /// Group 0, apart from the others: a small file has only it, and the array of the
-    /// others' pointers (128 bytes with 2 MiB windows) would be most of its page table.
-    first: AtomicPtr<Group>,
-    /// Pointers to groups 1.., made when the first of them is (null before); never freed
-    /// before the chunk.
-    rest: AtomicPtr<AtomicPtr<Group>>,
+    /// Pages `0..HEAD`.
+    head: AtomicPtr<Group<HEAD>>,
+    /// Pages `HEAD..GROUP`.
+    second: AtomicPtr<Group<{ GROUP - HEAD }>>,
+    /// Pointers to the groups of 32 pages from page `GROUP` on (`rest_len()` of them), made
+    /// when the first of those groups is (null before); never freed before the chunk.
+    rest: AtomicPtr<AtomicPtr<Group<GROUP>>>,
     len: usize,
 }
 
@@ -88,43 +137,47 @@ static NEVER_TAKEN: PageState = PageState::empty();
 
 impl Pages {
     fn new(len: usize) -> Pages {
-        Pages { first: AtomicPtr::new(ptr::null_mut()), rest: AtomicPtr::new(ptr::null_mut()), len }
-    }
-
-    /// Groups 1.. (the length of `rest` once made).
-    fn rest_len(&self) -> usize {
-        self.len.div_ceil(GROUP).saturating_sub(1)
-    }
-
-    /// The pointer to group `gi`, or `None` if it lies in `rest` and `rest` is not made.
-    #[inline]
-    fn slot(&self, gi: usize) -> Option<&AtomicPtr<Group>> {
-        if gi == 0 {
-            return Some(&self.first);
+        Pages {
+            head: AtomicPtr::new(ptr::null_mut()),
+            second: AtomicPtr::new(ptr::null_mut()),
+            rest: AtomicPtr::new(ptr::null_mut()),
+            len,
         }
-        let r = self.rest.load(Acquire);
-        // SAFETY: a published `rest` holds `rest_len()` pointers and lives until drop.
-        (!r.is_null()).then(|| unsafe { &*r.add(gi - 1) })
     }
 
-    /// The pointer to group `gi`, `rest` made if needed.
+    /// Groups of 32 from page `GROUP` on (the length of `rest` once made).
+    fn rest_len(&self) -> usize {
+        self.len.saturating_sub(GROUP).div_ceil(GROUP)
+    }
+
+    /// The pointer to rest group `gi`, or `None` if `rest` is not made.
+    #[inline]
+    fn rest_slot(&self, gi: usize) -> Option<&AtomicPtr<Group<GROUP>>> {
+        let r = self.rest.load(Acquire);
+        debug_assert!(gi < self.rest_len());
+        // SAFETY: a published `rest` holds `rest_len()` pointers and lives until drop.
+        (!r.is_null()).then(|| unsafe { &*r.add(gi) })
+    }
+
+    /// The pointer to rest group `gi`, `rest` made if needed.
     #[cold]
-    fn slot_made(&self, gi: usize) -> &AtomicPtr<Group> {
-        if let Some(s) = self.slot(gi) {
+    fn rest_slot_made(&self, gi: usize) -> &AtomicPtr<Group<GROUP>> {
+        if let Some(s) = self.rest_slot(gi) {
             return s;
         }
-        let fresh: Box<[AtomicPtr<Group>]> = (0..self.rest_len()).map(|_| AtomicPtr::new(ptr::null_mut())).collect();
-        let fresh = Box::into_raw(fresh) as *mut AtomicPtr<Group>;
+        let fresh: Box<[AtomicPtr<Group<GROUP>>]> =
+            (0..self.rest_len()).map(|_| AtomicPtr::new(ptr::null_mut())).collect();
+        let fresh = Box::into_raw(fresh) as *mut AtomicPtr<Group<GROUP>>;
         if let Err(_winner) = self.rest.compare_exchange(ptr::null_mut(), fresh, AcqRel, Acquire) {
             // SAFETY: `fresh` was never published; it came from a boxed slice of this length.
             unsafe { drop(Box::from_raw(ptr::slice_from_raw_parts_mut(fresh, self.rest_len()))) };
         }
-        self.slot(gi).expect("rest made")
+        self.rest_slot(gi).expect("rest made")
     }
 
-    /// The groups' pointers, for scans and drop.
-    fn slots(&self) -> impl Iterator<Item = &AtomicPtr<Group>> {
-        (0..self.len.div_ceil(GROUP)).map_while(|gi| self.slot(gi))
+    /// The rest groups' pointers made so far (none before `rest` is).
+    fn rest_slots(&self) -> impl Iterator<Item = &AtomicPtr<Group<GROUP>>> {
+        (0..self.rest_len()).map_while(|gi| self.rest_slot(gi))
     }
 
     /// Pages in the chunk.
@@ -132,47 +185,48 @@ impl Pages {
         self.len
     }
 
+    /// Page `i`'s state word and policy slot; its group made if `make`, else `None` when
+    /// the group was never made.
     #[inline]
-    fn group(&self, i: usize) -> Option<&Group> {
+    fn words(&self, i: usize, make: bool) -> Option<(&PageState, &AtomicU32)> {
         assert!(i < self.len, "page {i} of a chunk of {}", self.len);
-        let g = self.slot(i / GROUP)?.load(Acquire);
-        // SAFETY: published groups live until the chunk is dropped.
-        (!g.is_null()).then(|| unsafe { &*g })
-    }
-
-    #[cold]
-    fn make_group(&self, i: usize) -> &Group {
-        let fresh = Box::into_raw(Box::new(Group {
-            states: std::array::from_fn(|_| PageState::default()),
-            slots: std::array::from_fn(|_| AtomicU32::new(ubc_evict::NO_SLOT)),
-        }));
-        let g = match self.slot_made(i / GROUP).compare_exchange(ptr::null_mut(), fresh, AcqRel, Acquire) {
-            Ok(_) => fresh,
-            Err(winner) => {
-                // SAFETY: `fresh` was never published.
-                unsafe { drop(Box::from_raw(fresh)) };
-                winner
-            }
+        if i < HEAD {
+            let g = if make {
+                Group::loaded(&self.head).unwrap_or_else(|| Group::made(&self.head))
+            } else {
+                Group::loaded(&self.head)?
+            };
+            return Some((&g.states[i], &g.slots[i]));
+        }
+        if i < GROUP {
+            let (g, o) = (&self.second, i - HEAD);
+            let g = if make { Group::loaded(g).unwrap_or_else(|| Group::made(g)) } else { Group::loaded(g)? };
+            return Some((&g.states[o], &g.slots[o]));
+        }
+        let (gi, o) = ((i - GROUP) / GROUP, (i - GROUP) % GROUP);
+        let g = if make {
+            let p = match self.rest_slot(gi) {
+                Some(p) => p,
+                None => self.rest_slot_made(gi),
+            };
+            Group::loaded(p).unwrap_or_else(|| Group::made(p))
+        } else {
+            Group::loaded(self.rest_slot(gi)?)?
         };
-        // SAFETY: as in `group`.
-        unsafe { &*g }
+        Some((&g.states[o], &g.slots[o]))
     }
 
     /// Page `i`'s state word, its group made if needed: for whoever may take the page.
     #[inline]
     pub(crate) fn at(&self, i: usize) -> &PageState {
-        let g = match self.group(i) {
-            Some(g) => g,
-            None => self.make_group(i),
-        };
-        &g.states[i % GROUP]
+        self.words(i, true).expect("made").0
     }
 
     /// Page `i`'s state word if its group exists (else the page is EMPTY): for scans, which
     /// must not make groups.
     #[inline]
     pub(crate) fn get(&self, i: usize) -> Option<&PageState> {
-        self.group(i).map(|g| &g.states[i % GROUP])
+        self.words(i, false).map(|w| w.0)
     }
 
     /// Page `i`'s state now (EMPTY if its group was never made).
@@ -183,22 +237,22 @@ impl Pages {
 
     /// Page `i`'s policy slot, its group made if needed.
     pub(crate) fn slot_at(&self, i: usize) -> &AtomicU32 {
-        let g = match self.group(i) {
-            Some(g) => g,
-            None => self.make_group(i),
-        };
-        &g.slots[i % GROUP]
+        self.words(i, true).expect("made").1
     }
 
     /// Whether `f` holds for a page of a group that exists.
     pub(crate) fn any(&self, mut f: impl FnMut(&PageState) -> bool) -> bool {
-        (0..self.len.div_ceil(GROUP)).any(|gi| self.group(gi * GROUP).is_some_and(|g| g.states.iter().any(&mut f)))
+        Group::any(&self.head, &mut f)
+            || Group::any(&self.second, &mut f)
+            || self.rest_slots().any(|p| Group::any(p, &mut f))
     }
 
     /// Groups made so far (for tests).
     #[cfg(test)]
     fn groups_made(&self) -> usize {
-        self.slots().filter(|g| !g.load(Relaxed).is_null()).count()
+        usize::from(Group::loaded(&self.head).is_some())
+            + usize::from(Group::loaded(&self.second).is_some())
+            + self.rest_slots().filter(|p| Group::loaded(p).is_some()).count()
     }
 }
 
@@ -214,17 +268,15 @@ impl std::ops::Index<usize> for Pages {
 
 impl Drop for Pages {
     fn drop(&mut self) {
-        for g in self.slots() {
-            let p = g.load(Relaxed);
-            if !p.is_null() {
-                // SAFETY: exclusive access in drop; published groups came from Box::into_raw.
-                unsafe { drop(Box::from_raw(p)) };
-            }
-        }
+        Group::free(&mut self.head);
+        Group::free(&mut self.second);
         let r = *self.rest.get_mut();
         if !r.is_null() {
             // SAFETY: exclusive access; `rest` came from a boxed slice of `rest_len()` pointers.
-            unsafe { drop(Box::from_raw(ptr::slice_from_raw_parts_mut(r, self.rest_len()))) };
+            let mut rest = unsafe { Box::from_raw(ptr::slice_from_raw_parts_mut(r, self.rest_len())) };
+            for p in rest.iter_mut() {
+                Group::free(p);
+            }
         }
     }
 }
@@ -506,6 +558,18 @@ mod tests {
         let t = PageTable::new(512);
         let c = t.get_or_create(0);
         assert_eq!(c.pages.groups_made(), 0);
+        // The first 32 pages come in groups of 8 and 24.
+        let small = PageTable::new(512);
+        let s = small.get_or_create(0);
+        assert!(s.pages.at(0).try_lock_empty());
+        assert_eq!(s.pages.groups_made(), 1);
+        assert!(s.pages.get(7).is_some() && s.pages.get(8).is_none());
+        s.pages.slot_at(31).store(3, Relaxed);
+        assert_eq!(s.pages.groups_made(), 2);
+        assert!(s.pages.get(8).is_some() && s.pages.get(32).is_none());
+        assert_eq!(s.pages.slot_at(31).load(Relaxed), 3);
+        assert_eq!(s.pages.slot_at(30).load(Relaxed), ubc_evict::NO_SLOT);
+        assert!(s.pages.any(|p| p.snapshot().held()));
         // Scans make nothing; an absent page reads EMPTY.
         assert!(c.pages.get(100).is_none());
         assert!(!c.pages.snapshot(511).cached());
