@@ -793,7 +793,7 @@ impl Cache {
     pub fn forget(&self, identity: &Identity) {
         let mut reg = self.core().registry.write();
         let Registry { by_id, by_identity, .. } = &mut *reg;
-        by_identity.remove_key(&ObjectKey::Data(identity.clone()), by_id);
+        by_identity.remove_key(&ObjectKey::data(identity.clone()), by_id);
     }
 
     /// Write back and evict everything that is not in use; returns bytes freed.

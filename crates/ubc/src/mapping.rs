@@ -203,7 +203,7 @@ impl Drop for Mapping {
         }
         {
             let mut maps = self.obj.maps.write();
-            maps.retain(|m| !Arc::ptr_eq(m, &self.map));
+            maps.remove(&self.map);
             self.obj.nmaps.store(maps.len(), std::sync::atomic::Ordering::SeqCst);
         }
         // SAFETY: nobody maps pages into it any more (unregistered under its `alive` lock);

@@ -28,8 +28,9 @@ pub(crate) struct Holders {
 
 #[derive(Default)]
 struct State {
-    /// Holds taken and not yet let go.
-    n: usize,
+    /// Holds taken and not yet let go. (32 bits: with the flag, 8 bytes, so that the
+    /// holds of every cached object take 40 bytes of heap, not 48.)
+    n: u32,
     /// The object left the registry: holds through an `ObjectRef` are refused.
     unlisted: bool,
 }

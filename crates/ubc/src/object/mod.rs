@@ -75,18 +75,60 @@ pub(crate) fn checked_end(offset: u64, len: usize) -> Result<u64> {
 /// What makes two opens reach the same cached object: the data's identity if the pager
 /// has one, else the pager instance itself (its address: the object keeps the pager alive,
 /// so the address cannot be reused while the entry exists).
+///
+/// Every cached object carries its key: a host file's is kept inline (24 bytes), the rarer
+/// named identity boxed (an `Identity` is 40 bytes).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) enum ObjectKey {
-    Data(Identity),
+    HostFile { dev: u64, ino: u64 },
+    Named(Box<Identity>),
     Instance(usize),
 }
 
 impl ObjectKey {
     pub(crate) fn of(pager: &Arc<dyn Pager>) -> ObjectKey {
         match pager.identity() {
-            Some(i) => ObjectKey::Data(i),
+            Some(i) => ObjectKey::data(i),
             None => ObjectKey::Instance(Arc::as_ptr(pager) as *const () as usize),
         }
+    }
+
+    /// The key of the data with `identity`.
+    pub(crate) fn data(identity: Identity) -> ObjectKey {
+        match identity {
+            Identity::HostFile { dev, ino } => ObjectKey::HostFile { dev, ino },
+            named => ObjectKey::Named(Box::new(named)),
+        }
+    }
+}
+
+/// The user mappings of an object (`File::map`): none for nearly every object, so the list
+/// is made with the first (8 bytes in each object instead of a 24-byte `Vec`).
+#[derive(Default)]
+#[allow(clippy::box_collection)] // the point: one pointer in the object, the Vec's 24 bytes apart
+pub(crate) struct MapList(Option<Box<Vec<Arc<UserMap>>>>);
+
+impl MapList {
+    pub(crate) fn iter(&self) -> std::slice::Iter<'_, Arc<UserMap>> {
+        self.0.as_deref().map_or([].iter(), |v| v.iter())
+    }
+
+    pub(crate) fn push(&mut self, m: Arc<UserMap>) {
+        self.0.get_or_insert_with(Default::default).push(m);
+    }
+
+    /// Remove `m`; the list goes with its last mapping.
+    pub(crate) fn remove(&mut self, m: &Arc<UserMap>) {
+        if let Some(v) = &mut self.0 {
+            v.retain(|x| !Arc::ptr_eq(x, m));
+            if v.is_empty() {
+                self.0 = None;
+            }
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.0.as_ref().map_or(0, |v| v.len())
     }
 }
 
@@ -139,7 +181,7 @@ pub(crate) struct Object {
     depth: AtomicU32,
     /// User mappings of this object (`File::map`), and how many there are (checked on every
     /// fill, so kept apart from the lock).
-    pub(crate) maps: RwLock<Vec<Arc<UserMap>>>,
+    pub(crate) maps: RwLock<MapList>,
     pub(crate) nmaps: AtomicUsize,
     /// Serializes finding stores through mappings (a scan takes the written state and
     /// re-protects): eviction holds it from zapping its pages to punching them, so a store
@@ -148,7 +190,8 @@ pub(crate) struct Object {
     /// Writeback failures, reported to every handle once (see `errseq.rs`).
     pub(crate) wb_errors: crate::errseq::WbErrors,
     /// Told of every change to the bytes or the length (see [`crate::File::watch`]).
-    watcher: OnceLock<Watcher>,
+    /// (Boxed: a thin pointer, where the watcher is a wide one, in every object.)
+    watcher: OnceLock<Box<Watcher>>,
 }
 
 impl Object {
@@ -174,7 +217,7 @@ impl Object {
             dirty: AtomicU64::new(0),
             dirtied_at: AtomicU64::new(0),
             counters: Counters::default(),
-            maps: RwLock::new(Vec::new()),
+            maps: RwLock::new(MapList::default()),
             nmaps: AtomicUsize::new(0),
             scan_lock: Mutex::new(()),
             wb_errors: Default::default(),
@@ -195,7 +238,7 @@ impl Object {
 
     /// Set the watcher; false if one was set already (it stays).
     pub(crate) fn set_watcher(&self, w: Watcher) -> bool {
-        self.watcher.set(w).is_ok()
+        self.watcher.set(Box::new(w)).is_ok()
     }
 
     pub(crate) fn pager(&self) -> Arc<dyn Pager> {

@@ -118,17 +118,16 @@ pub struct FilePager {
     reopenable: bool,
     path: PathBuf,
     access: Access,
-    dev: u64,
-    ino: u64,
 }
 
-/// Alignment required by direct I/O.
+/// Alignment required by direct I/O (powers of two that `statx` gives as 32-bit numbers;
+/// kept as such, since every cached host file carries one).
 #[derive(Debug, Clone, Copy)]
 struct Align {
     /// Of buffer addresses.
-    mem: usize,
+    mem: u32,
     /// Of file offsets and transfer lengths.
-    offset: usize,
+    offset: u32,
 }
 
 /// A buffered descriptor: the pager's own (pooled, or the fallback kept after a refusal of
@@ -241,8 +240,6 @@ impl FilePager {
             reopenable,
             path: path.to_path_buf(),
             access,
-            dev,
-            ino,
         }
     }
 
@@ -261,7 +258,8 @@ impl FilePager {
             }
         }
         if let Some(f) = self.fallback.take() {
-            self.file = HostFd::new(f, reopen_flags(self.access, false), self.dev, self.ino, self.path.parent());
+            let (dev, ino) = (self.file.dev(), self.file.ino());
+            self.file = HostFd::new(f, reopen_flags(self.access, false), dev, ino, self.path.parent());
         }
         self.direct_on.store(false, Relaxed);
         self
@@ -274,7 +272,7 @@ impl FilePager {
 
     /// `(memory, offset)` alignment of direct I/O, or `None` in buffered mode.
     pub fn direct_alignment(&self) -> Option<(usize, usize)> {
-        self.direct_io().map(|a| (a.mem, a.offset))
+        self.direct_io().map(|a| (a.mem as usize, a.offset as usize))
     }
 
     fn direct_io(&self) -> Option<Align> {
@@ -291,7 +289,13 @@ impl FilePager {
             return Ok(Fd::Borrowed(f));
         }
         let flags = self.access.flags() | OFlags::CLOEXEC;
-        let f = reopen(&*self.file.get()?, self.reopenable.then_some(&*self.path), flags, self.dev, self.ino)?;
+        let f = reopen(
+            &*self.file.get()?,
+            self.reopenable.then_some(&*self.path),
+            flags,
+            self.file.dev(),
+            self.file.ino(),
+        )?;
         if self.direct_on.load(Relaxed) {
             return Ok(Fd::Owned(f));
         }
@@ -353,7 +357,7 @@ impl FilePager {
     /// Direct read into `buf`; returns the bytes read (fewer at end of file).
     fn read_direct(&self, a: Align, offset: u64, buf: &mut [u8]) -> io::Result<usize> {
         let file = self.file.get()?;
-        let (ma, oa) = (a.mem, a.offset);
+        let (ma, oa) = (a.mem as usize, a.offset as usize);
         let len = buf.len();
         let mut done = 0;
         let mut bounce: Option<AlignedBuf> = None;
@@ -391,7 +395,7 @@ impl FilePager {
     /// Direct write of the aligned prefix of `data`, buffered write of the rest.
     fn write_direct(&self, a: Align, offset: u64, data: &[u8]) -> io::Result<()> {
         let file = self.file.get()?;
-        let (ma, oa) = (a.mem, a.offset);
+        let (ma, oa) = (a.mem as usize, a.offset as usize);
         let len = data.len();
         let mut done = 0;
         let mut bounce: Option<AlignedBuf> = None;
@@ -469,7 +473,7 @@ impl Pager for FilePager {
     /// cache flushed). Written buffered, `sync` also drops the kernel's copy of the file
     /// afterwards, which a `syncfs` would not: synced on its own.
     fn sync_domain(&self) -> Option<u64> {
-        self.direct_io().map(|_| self.dev)
+        self.direct_io().map(|_| self.file.dev())
     }
 
     fn sync_fs(&self) -> io::Result<()> {
@@ -477,7 +481,7 @@ impl Pager for FilePager {
     }
 
     fn identity(&self) -> Option<Identity> {
-        Some(Identity::HostFile { dev: self.dev, ino: self.ino })
+        Some(Identity::HostFile { dev: self.file.dev(), ino: self.file.ino() })
     }
 
     fn can_punch(&self) -> bool {
@@ -571,7 +575,7 @@ fn direct_alignment(file: &File, sx: Option<&rustix::fs::Statx>) -> Option<Align
     if !mem.is_power_of_two() || !offset.is_power_of_two() || offset > BOUNCE_MAX {
         return None;
     }
-    Some(Align { mem, offset })
+    Some(Align { mem: u32::try_from(mem).ok()?, offset: u32::try_from(offset).ok()? })
 }
 
 /// Open `file` again (a new open file description) with `flags`, through `/proc/self/fd`,

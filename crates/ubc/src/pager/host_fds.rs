@@ -61,7 +61,7 @@ struct Entry {
     flags: AtomicU32,
     /// How to reopen it, found when it is first parked (a file never parked costs no
     /// `name_to_handle_at`); `None`: it cannot be, so it is pinned.
-    handle: OnceLock<Option<Handle>>,
+    handle: OnceLock<Option<Box<Handle>>>,
     dev: u64,
     ino: u64,
     /// Its index in the pool's list of open descriptors (`usize::MAX` while parked). Changed
@@ -241,6 +241,15 @@ impl HostFd {
 
     /// Reopen with `flags` from now on (the pager switched to buffered I/O). => the caller
     /// changed the open descriptor's flags alike, or is about to.
+    /// The host file's device and inode number.
+    pub(crate) fn dev(&self) -> u64 {
+        self.entry.dev
+    }
+
+    pub(crate) fn ino(&self) -> u64 {
+        self.entry.ino
+    }
+
     pub(crate) fn set_flags(&self, flags: OFlags) {
         self.entry.flags.store(flags.bits(), Relaxed);
     }
@@ -371,7 +380,7 @@ impl Pool {
             let Some(f) = slot.as_ref() else { continue };
             // Unlinked: its data lives only while a descriptor does. No way back: neither.
             let unlinked = rustix::fs::fstat(&**f).map_or(true, |st| st.st_nlink == 0);
-            if unlinked || e.handle.get_or_init(|| Self::handle_of(s, &e, f)).is_none() {
+            if unlinked || e.handle.get_or_init(|| Self::handle_of(s, &e, f).map(Box::new)).is_none() {
                 e.pinned.store(true, Relaxed);
                 continue;
             }
