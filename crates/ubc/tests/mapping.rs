@@ -31,6 +31,16 @@ fn child_signal(test: &str) -> Option<i32> {
     out.status.signal()
 }
 
+/// As `child_signal`, with what the child wrote on stderr.
+fn child_signal_and_stderr(test: &str) -> (Option<i32>, String) {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .env("UBC_CHILD", test)
+        .output()
+        .unwrap();
+    (out.status.signal(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
 fn in_child(test: &str) -> bool {
     std::env::var("UBC_CHILD").is_ok_and(|v| v == test)
 }
@@ -263,7 +273,9 @@ fn truncation_makes_touches_past_the_end_raise_sigbus_and_growth_undoes_it() {
         let _ = std::hint::black_box(m[40_000]); // past the end: SIGBUS
         std::process::exit(0);
     }
-    assert_eq!(child_signal(NAME), Some(libc::SIGBUS));
+    let (signal, stderr) = child_signal_and_stderr(NAME);
+    assert_eq!(signal, Some(libc::SIGBUS));
+    assert!(!stderr.contains("could not be filled"), "past the end is no fill error: {stderr}");
     // Touch past the end here too (in a child so this process survives)... then grow: the
     // pages read as zeros, and stores work again.
     f.set_len(64 << 10).unwrap();
@@ -310,7 +322,14 @@ fn a_pager_error_raises_sigbus_and_other_mappings_keep_working() {
         let _ = std::hint::black_box(mf[123_456]);
         std::process::exit(0);
     }
-    assert_eq!(child_signal(NAME), Some(libc::SIGBUS));
+    // The process dies of SIGBUS, and says why first (the pager's error, on stderr).
+    let (signal, stderr) = child_signal_and_stderr(NAME);
+    assert_eq!(signal, Some(libc::SIGBUS));
+    assert!(
+        stderr.contains("could not be filled")
+            && stderr.contains(&std::io::Error::from_raw_os_error(libc::EIO).to_string()),
+        "the cause is told: {stderr}"
+    );
     // Here: the other mapping works, and the failing one too once the pager heals.
     assert_same(&mg, &pattern(10, 0, 1 << 20), "other mapping");
     bad.heal();

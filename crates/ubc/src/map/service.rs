@@ -60,8 +60,16 @@ pub(crate) struct MapService {
     pub(crate) faults: AtomicU64,
     pub(crate) fault_pages: AtomicU64,
     pub(crate) sigbus: AtomicU64,
+    /// Faults whose pager failed (a part of `sigbus`); the first few are told on stderr.
+    fill_errors: AtomicU64,
     pub(crate) scan_dirty: AtomicU64,
 }
+
+/// Fill errors told on stderr, per process. A SIGBUS usually ends the process with no word of
+/// its cause, and nothing else reports it (stats.rs died of SIGBUS in CI, and which error the
+/// fill had met could only be reasoned out afterwards); a program that handles SIGBUS and
+/// goes on is told of only the first few.
+const FILL_ERRORS_TOLD: u64 = 8;
 
 /// What the fault service needs from a mapped object (`object/mapped.rs` implements it). The
 /// service sits below objects: it reaches them only through this, and objects call down
@@ -183,6 +191,7 @@ impl MapService {
             faults: AtomicU64::new(0),
             fault_pages: AtomicU64::new(0),
             sigbus: AtomicU64::new(0),
+            fill_errors: AtomicU64::new(0),
             scan_dirty: AtomicU64::new(0),
         });
         if svc.kernel.is_some() {
@@ -464,7 +473,15 @@ impl MapService {
                     m.next.store(page + n, Relaxed);
                 }
             }
-            Err(_) => self.poison(k, &m, addr, sys),
+            Err(e) => {
+                if self.fill_errors.fetch_add(1, Relaxed) < FILL_ERRORS_TOLD {
+                    eprintln!(
+                        "ubc: a fault on page {page} of a mapping could not be filled, so the access \
+                         gets SIGBUS: {e}"
+                    );
+                }
+                self.poison(k, &m, addr, sys)
+            }
         }
     }
 
