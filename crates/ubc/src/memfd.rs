@@ -183,8 +183,6 @@ pub(crate) struct Memory {
     /// The memfd for the other offsets, made on first use.
     high: OnceLock<Memfd>,
     high_init: Mutex<()>,
-    /// The object's id (the own memfd's name).
-    id: u64,
     /// One past the highest slice offset ever written, allocated or mapped: what a drop
     /// punches.
     touched: AtomicU64,
@@ -209,21 +207,16 @@ pub(crate) fn get_or_try_init<'a, T>(
 }
 
 impl Memory {
-    /// Object `id`'s memory, empty: a slice of `arena` (no system call) where there are
+    /// An object's memory, empty: a slice of `arena` (no system call) where there are
     /// slices.
-    pub(crate) fn new(arena: &Arena, id: u64) -> Result<Memory> {
-        Ok(Memory {
-            low: arena.slice()?,
-            high: OnceLock::new(),
-            high_init: Mutex::new(()),
-            id,
-            touched: AtomicU64::new(0),
-        })
+    pub(crate) fn new(arena: &Arena) -> Result<Memory> {
+        Ok(Memory { low: arena.slice()?, high: OnceLock::new(), high_init: Mutex::new(()), touched: AtomicU64::new(0) })
     }
 
-    /// The own memfd, made if needed.
+    /// The own memfd, made if needed. (Named by what it is, not by its object's id: an id
+    /// kept for the name was 8 bytes in every cached object, for the rare one past 1 TiB.)
     fn high(&self) -> Result<&Memfd> {
-        get_or_try_init(&self.high, &self.high_init, || Memfd::create(&self.id.to_string()))
+        get_or_try_init(&self.high, &self.high_init, || Memfd::create("object"))
     }
 
     /// The part of `offset..offset+len` in the slice: the shared memfd, the offset there and

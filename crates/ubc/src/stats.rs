@@ -188,18 +188,25 @@ impl std::fmt::Display for CacheStats {
 
 const SHARDS: usize = 8;
 
+/// The counters every object read moves.
 #[derive(Default)]
 pub(crate) struct Shard {
     pub(crate) hits: AtomicU64,
     pub(crate) misses: AtomicU64,
     pub(crate) read_bytes: AtomicU64,
-    pub(crate) written_bytes: AtomicU64,
     pub(crate) get_calls: AtomicU64,
+    pub(crate) readahead_pages: AtomicU64,
+}
+
+/// The counters only writing back, eviction and read-ahead hits move: made by the first of
+/// those (an object read and left idle — most cached files — never has them: 56 bytes).
+#[derive(Default)]
+pub(crate) struct Cold {
+    pub(crate) written_bytes: AtomicU64,
     pub(crate) put_calls: AtomicU64,
     pub(crate) evictions: AtomicU64,
     pub(crate) writebacks: AtomicU64,
     pub(crate) writeback_errors: AtomicU64,
-    pub(crate) readahead_pages: AtomicU64,
     pub(crate) readahead_hits: AtomicU64,
     pub(crate) readahead_waste: AtomicU64,
 }
@@ -216,7 +223,8 @@ pub(crate) struct Shard {
 /// padded to a cache line pair of its own: that padding (128-byte alignment) made every
 /// object's allocation 128 bytes of header and tail larger (768 bytes where 540 do) for a
 /// line no second thread writes. An object read by one thread — nearly every cached file —
-/// costs 120 bytes of counters instead of eight padded sets (1 KiB).
+/// costs 80 bytes of counters (the write-back and eviction ones made when first moved)
+/// instead of eight padded sets (1 KiB).
 #[derive(Default)]
 pub(crate) struct Counters(Home);
 
@@ -224,6 +232,7 @@ pub(crate) struct Counters(Home);
 #[derive(Default)]
 struct Home {
     counts: Shard,
+    cold: OnceLock<Box<Cold>>,
     /// Each thread shard's hits, once a second thread counted one (see `Counters`).
     spread: OnceLock<Box<[CachePadded<AtomicU64>; SHARDS]>>,
     /// The shard (+ 1) of the thread that owns `counts.hits`; 0 before the first hit.
@@ -255,6 +264,12 @@ impl Counters {
         &self.0.counts
     }
 
+    /// The object's write-back, eviction and read-ahead-hit counters, made if needed.
+    #[inline]
+    pub(crate) fn cold(&self) -> &Cold {
+        self.0.cold.get_or_init(Default::default)
+    }
+
     /// Count `n` hits.
     #[inline]
     pub(crate) fn hit(&self, n: u64) {
@@ -284,17 +299,19 @@ impl Counters {
             hits: s.hits.load(Relaxed),
             misses: s.misses.load(Relaxed),
             read_bytes: s.read_bytes.load(Relaxed),
-            written_bytes: s.written_bytes.load(Relaxed),
             get_calls: s.get_calls.load(Relaxed),
-            put_calls: s.put_calls.load(Relaxed),
-            evictions: s.evictions.load(Relaxed),
-            writebacks: s.writebacks.load(Relaxed),
-            writeback_errors: s.writeback_errors.load(Relaxed),
             readahead_pages: s.readahead_pages.load(Relaxed),
-            readahead_hits: s.readahead_hits.load(Relaxed),
-            readahead_waste: s.readahead_waste.load(Relaxed),
             ..Stats::default()
         };
+        if let Some(c) = self.0.cold.get() {
+            st.written_bytes = c.written_bytes.load(Relaxed);
+            st.put_calls = c.put_calls.load(Relaxed);
+            st.evictions = c.evictions.load(Relaxed);
+            st.writebacks = c.writebacks.load(Relaxed);
+            st.writeback_errors = c.writeback_errors.load(Relaxed);
+            st.readahead_hits = c.readahead_hits.load(Relaxed);
+            st.readahead_waste = c.readahead_waste.load(Relaxed);
+        }
         if let Some(spread) = self.0.spread.get() {
             st.hits += spread.iter().map(|h| h.load(Relaxed)).sum::<u64>();
         }

@@ -79,7 +79,7 @@ impl Object {
         let n = pages.len() as u64;
         self.resident.fetch_sub(n, Relaxed);
         self.res.unreserve(n);
-        let sh = self.counters.mine();
+        let sh = self.counters.cold();
         bump(&sh.evictions, n);
         bump(&sh.readahead_waste, waste);
     }

@@ -243,7 +243,7 @@ impl Object {
                 Pin::Pinned { ra_mark, first_use } => {
                     n += 1;
                     if first_use {
-                        bump(&self.counters.mine().readahead_hits, 1);
+                        bump(&self.counters.cold().readahead_hits, 1);
                     }
                     if ra_mark && req_last.is_some() {
                         self.readahead_on_mark(p);

@@ -327,7 +327,7 @@ impl Object {
     }
 
     fn memory(&self) -> Result<&Memory> {
-        crate::memfd::get_or_try_init(&self.memory, &self.memory_init, || Memory::new(&self.res.arena, self.id))
+        crate::memfd::get_or_try_init(&self.memory, &self.memory_init, || Memory::new(&self.res.arena))
     }
 
     fn io_err(&self, op: PagerOp, offset: u64, source: std::io::Error) -> Error {

@@ -339,31 +339,4 @@ mod tests {
         assert_eq!(initial_size(300, 32, 512), 512);
         assert_eq!(initial_size(1, 32, 16), 16, "init above max is clipped");
     }
-
-    /// A read of a whole small file from its start makes no stream table (392 bytes that
-    /// each open of a small file allocated and its close freed, leaving a hole among the
-    /// objects that stay: `open_handles_max` measured 1,586 bytes of memory per idle cached
-    /// file with it, 1,192 without); a partial read of a larger one still starts a stream.
-    #[test]
-    fn a_whole_small_file_read_makes_no_stream_table() {
-        use crate::pager::{MemPager, Pager};
-        use crate::{Access, Cache};
-        use std::sync::Arc;
-        let cache = Cache::builder().budget(4 << 20).build().unwrap();
-        let file = |len: usize| {
-            let mem = Arc::new(MemPager::new());
-            mem.put_pages(0, &vec![7u8; len]).unwrap();
-            cache.open(mem, Access::ReadOnly).unwrap()
-        };
-        let mut b = vec![0u8; 8192];
-        let small = file(100);
-        assert_eq!(small.read_at(&mut b, 0).unwrap(), 100);
-        assert!(small.obj.ra_streams.lock().is_none(), "a whole read of a one-page file");
-        let two = file(6000);
-        assert_eq!(two.read_at(&mut b, 0).unwrap(), 6000);
-        assert!(two.obj.ra_streams.lock().is_none(), "a whole read of a two-page file");
-        let big = file(1 << 20);
-        assert_eq!(big.read_at(&mut b[..4096], 0).unwrap(), 4096);
-        assert!(big.obj.ra_streams.lock().is_some(), "the start of a stream is remembered");
-    }
 }

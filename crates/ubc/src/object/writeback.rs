@@ -182,7 +182,7 @@ impl Object {
         let offset = first << ps;
         // Clip at the end of the file: the store must not grow past the length we know.
         let bytes = ((n << ps).min(self.len().saturating_sub(offset))) as usize;
-        let sh = self.counters.mine();
+        let sh = self.counters.cold();
         let r = if bytes == 0 {
             Ok(())
         } else {
