@@ -298,7 +298,14 @@ impl<FS: Filesystem> Session<FS> {
                 ch,
                 allowed,
                 session_owner,
-                spin: if i == 0 { config.spin } else { std::time::Duration::ZERO },
+                // Polling makes the descriptor non-blocking: only a thread that reads its
+                // descriptor alone may poll (a cloned one, or the only thread); on a
+                // descriptor shared with blocking readers they would spin on EAGAIN.
+                spin: if i == 0 && (config.clone_fd || n_threads == 1) {
+                    config.spin
+                } else {
+                    std::time::Duration::ZERO
+                },
             };
             threads.push(
                 thread::Builder::new()

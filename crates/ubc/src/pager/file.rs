@@ -328,16 +328,9 @@ impl FilePager {
             }
         }
         if done > 0 {
-            self.drop_cached(&f, offset, done as u64);
+            drop_cached(&f, offset, done as u64);
         }
         Ok(done)
-    }
-
-    /// Drop what a buffered transfer of `offset..offset+len` left in the kernel's cache: in
-    /// direct mode (where only an unaligned tail goes buffered) everything from the 2 MiB
-    /// boundary below to the end of the file (`drop_cached_tail`), else the transfer's pages.
-    fn drop_cached(&self, f: &File, offset: u64, len: u64) {
-        if self.direct_io().is_some() { drop_cached_tail(f, offset) } else { drop_cached(f, offset, len) }
     }
 
     /// Buffered write, written out to the device and dropped from the page cache.
@@ -357,7 +350,7 @@ impl FilePager {
                 _ => return Err(e),
             }
         }
-        self.drop_cached(&f, offset, data.len() as u64);
+        drop_cached(&f, offset, data.len() as u64);
         Ok(())
     }
 
@@ -612,17 +605,6 @@ fn drop_cached(f: &File, offset: u64, len: u64) {
     if let Some(len) = NonZeroU64::new(len) {
         let _ = rustix::fs::fadvise(f, start, Some(len), Advice::DontNeed);
     }
-}
-
-/// `drop_cached` for a direct-mode pager's buffered tail: from the 2 MiB boundary below it to
-/// the end of the file. Nothing of a direct-mode file belongs in the kernel's cache, and a
-/// folio the kernel made larger than the tail's page (or one straddling it) is dropped only
-/// when the range covers it whole: `direct_io.rs::direct_mode_leaves_no_kernel_copy` once
-/// found the tail page still cached after `./scripts/test`'s run (not reproduced in 10 runs
-/// alone; the cause is not known, this covers the folio case).
-fn drop_cached_tail(f: &File, offset: u64) {
-    const SPAN: u64 = 2 << 20;
-    let _ = rustix::fs::fadvise(f, offset / SPAN * SPAN, None, Advice::DontNeed);
 }
 
 /// The flags a pooled descriptor is reopened with: the access, `O_CLOEXEC`, and `O_DIRECT`
