@@ -19,6 +19,7 @@ use crate::stats::CacheStats;
 use crate::window::Windows;
 use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
+use std::hash::BuildHasher;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::*};
 use std::thread::JoinHandle;
@@ -367,7 +368,6 @@ struct Identities {
 
 impl Identities {
     fn hash(&self, key: &ObjectKey) -> u64 {
-        use std::hash::BuildHasher;
         self.hasher.hash_one(key)
     }
 
@@ -379,7 +379,6 @@ impl Identities {
     /// Make listed object `id` the current one for its key. Precondition: `id` is in
     /// `by_id`, and its key has no current object (`get` said so under the same lock).
     fn insert(&mut self, id: u64, by_id: &HashMap<u64, Arc<Object>>) {
-        use std::hash::BuildHasher;
         let h = self.hash(&by_id[&id].key);
         let hasher = &self.hasher;
         self.table.insert_unique(h, id, |id| hasher.hash_one(&by_id[id].key));

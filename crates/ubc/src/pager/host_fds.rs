@@ -132,6 +132,15 @@ impl State {
     fn inode_hash(&self, dev: u64, ino: u64) -> u64 {
         self.inode_hasher.hash_one((dev, ino))
     }
+
+    /// File `e` under its inode.
+    fn index_inode(&mut self, e: &Arc<Entry>) {
+        let h = self.inode_hash(e.dev, e.ino);
+        let hasher = &self.inode_hasher;
+        self.by_inode.insert_unique(h, ByInode { dev: e.dev, ino: e.ino, entry: Arc::downgrade(e) }, |x| {
+            hasher.hash_one((x.dev, x.ino))
+        });
+    }
 }
 
 static POOL: LazyLock<Pool> = LazyLock::new(|| {
@@ -239,17 +248,18 @@ impl HostFd {
         POOL.get(e)
     }
 
-    /// Reopen with `flags` from now on (the pager switched to buffered I/O). => the caller
-    /// changed the open descriptor's flags alike, or is about to.
-    /// The host file's device and inode number.
+    /// The host file's device number.
     pub(crate) fn dev(&self) -> u64 {
         self.entry.dev
     }
 
+    /// The host file's inode number.
     pub(crate) fn ino(&self) -> u64 {
         self.entry.ino
     }
 
+    /// Reopen with `flags` from now on (the pager switched to buffered I/O). => the caller
+    /// changed the open descriptor's flags alike, or is about to.
     pub(crate) fn set_flags(&self, flags: OFlags) {
         self.entry.flags.store(flags.bits(), Relaxed);
     }
@@ -274,12 +284,7 @@ impl Pool {
         let mut s = self.state.lock();
         s.files += 1;
         Self::list(&mut s, e);
-        let h = s.inode_hash(e.dev, e.ino);
-        let State { by_inode, inode_hasher, .. } = &mut *s;
-        let inode_hasher = &*inode_hasher;
-        by_inode.insert_unique(h, ByInode { dev: e.dev, ino: e.ino, entry: Arc::downgrade(e) }, |x| {
-            inode_hasher.hash_one((x.dev, x.ino))
-        });
+        s.index_inode(e);
         self.park_locked(&mut s, Some(e));
         s.mounts.contains_key(&e.dev)
     }
