@@ -573,7 +573,9 @@ impl CacheCore {
     fn sync_all(&self) -> Result<()> {
         // Held one at a time, as each is worked on (`holders.rs`): an object that leaves
         // the cache meanwhile has nothing to sync.
-        let objects = self.listed(|_| true);
+        // Only those with something to sync (`Object::needs_sync`): a cache of files
+        // synced before (or never written) neither starts helpers nor syncs a file system.
+        let objects = self.listed(|o| o.needs_sync());
         // Group by file system first: a domain with too few members is synced per object.
         let mut domains: HashMap<u64, Vec<usize>> = HashMap::new();
         for (i, o) in objects.iter().enumerate() {
@@ -603,6 +605,9 @@ impl CacheCore {
             } else if let Err(e) = o.sync_up_to_pager() {
                 failed[i].store(true, Relaxed);
                 note(Err(e));
+            } else {
+                // Its pager's sync is the `syncfs` below, or its own if that fails.
+                o.begin_pager_sync();
             }
         });
         let ok = |i: usize| !failed[i].load(Relaxed);
@@ -637,6 +642,7 @@ impl CacheCore {
         // handle is how to learn about them.
         let _ = self.sync_all();
         self.res.io.shutdown();
+        self.res.arena.retire();
         let objects: Vec<Arc<Object>> = {
             let mut reg = self.registry.write();
             reg.by_identity.clear();

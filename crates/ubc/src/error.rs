@@ -89,6 +89,13 @@ pub enum PagerOp {
     Seek,
 }
 
+impl PagerOp {
+    /// Whether the call changes the store (what a later sync must make durable).
+    pub(crate) fn changes_store(self) -> bool {
+        matches!(self, PagerOp::PutPages | PagerOp::SetLen | PagerOp::WriteThrough | PagerOp::Punch | PagerOp::Allocate)
+    }
+}
+
 impl std::fmt::Display for PagerOp {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {

@@ -429,3 +429,114 @@ fn close_and_wait_returns_once_a_write_back_job_has_let_go_of_the_file() {
     assert!(!dropped_early, "the pager went while a job held the file");
     assert!(dropped.load(SeqCst), "close_and_wait returned and the file's pager is still open");
 }
+
+/// A sync reaches the pager only when something changed since the last one that succeeded,
+/// and never misses a change: pages the flusher or a `clean` wrote back before the sync
+/// (none dirty when it starts, the store changed), a resize with no page dirty, stores
+/// through a mapping, a pager sync that failed — each makes the next `sync` (and
+/// `Cache::sync_all`) call the pager's sync; a sync after nothing changed calls nothing
+/// (a cache of files synced once, dropped, synced each again at the drop before).
+#[test]
+fn a_sync_skips_only_a_file_that_did_not_change() {
+    let cache = Cache::builder().budget(64 * 4096).writeback(Duration::from_millis(5), Duration::ZERO).build().unwrap();
+    let fault = Arc::new(InjectingPager::new(Arc::new(MemPager::new())));
+    let f = cache.open(fault.clone(), Access::ReadWrite).unwrap();
+    let syncs = || fault.counts().syncs;
+    // A writable file's first sync goes to the pager: the cache cannot know what it holds.
+    f.sync().unwrap();
+    assert_eq!(syncs(), 1);
+    f.sync().unwrap();
+    cache.sync_all().unwrap();
+    assert_eq!(syncs(), 1, "nothing changed, nothing synced");
+    f.write_at(b"one", 0).unwrap();
+    f.set_len(16 * 4096).unwrap();
+    f.sync().unwrap();
+    assert_eq!(syncs(), 2, "a write");
+    // Written back by the flusher before the sync: nothing dirty when it starts (and
+    // within the length: no resize tells of it either).
+    f.write_at(b"two", 4096).unwrap();
+    eventually("the flusher wrote the page back", || f.stats().dirty_bytes == 0);
+    f.sync().unwrap();
+    assert_eq!(syncs(), 3, "pages written back before the sync");
+    // And by an explicit clean, synced cache-wide.
+    f.write_at(b"three", 8192).unwrap();
+    f.clean(0..u64::MAX).unwrap();
+    cache.sync_all().unwrap();
+    assert_eq!(syncs(), 4, "pages cleaned before sync_all");
+    // A resize dirties no page.
+    f.set_len(100).unwrap();
+    f.sync().unwrap();
+    assert_eq!(syncs(), 5, "a truncation");
+    f.set_len(3 * 4096).unwrap();
+    cache.sync_all().unwrap();
+    assert_eq!(syncs(), 6, "an extension");
+    // A failed sync is tried again by the next one, even with nothing new.
+    f.write_at(b"four", 0).unwrap();
+    fault.fail_syncs(Some(libc::EIO));
+    assert!(f.sync().is_err());
+    fault.heal();
+    let before = syncs();
+    assert!(f.sync().is_ok());
+    assert_eq!(syncs(), before + 1, "the failed sync retried");
+    f.sync().unwrap();
+    assert_eq!(syncs(), before + 1);
+    // Stores through a mapping are found by the sync itself.
+    let mut m = f.map(0..4096, Access::ReadWrite, ubc::Sharing::Shared).unwrap();
+    m[..4].copy_from_slice(b"five");
+    f.sync().unwrap();
+    assert_eq!(syncs(), before + 2, "a store through a mapping");
+    drop(m);
+    let mut page = vec![0u8; 4096];
+    fault.get_pages(0, &mut page).unwrap();
+    assert_eq!(&page[..4], b"five", "the mapped store reached the store");
+}
+
+/// A store that keeps what its last `sync` made durable apart from what it was given.
+struct Durable {
+    stored: MemPager,
+    durable: Mutex<Vec<u8>>,
+}
+
+impl Pager for Durable {
+    forward_to!(stored: get_pages, put_pages, len, set_len);
+    fn sync(&self) -> std::io::Result<()> {
+        let mut all = vec![0u8; self.stored.len()? as usize];
+        self.stored.get_pages(0, &mut all)?;
+        *self.durable.lock() = all;
+        Ok(())
+    }
+    fn describe(&self) -> String {
+        "durable".into()
+    }
+}
+
+/// Every write is durable once a `sync` after it returns, while the flusher writes the same
+/// pages back all the time (1 ms): a sync that meets a writeback between taking the pages
+/// and storing them must not take the file for unchanged (a skipped sync would leave the
+/// write out of what the store made durable).
+#[test]
+fn a_sync_racing_the_flusher_misses_no_write() {
+    let cache =
+        Cache::builder().budget(256 * 4096).writeback(Duration::from_millis(1), Duration::ZERO).build().unwrap();
+    let store = Arc::new(Durable { stored: MemPager::new(), durable: Mutex::new(vec![]) });
+    let f = cache.open(store.clone(), Access::ReadWrite).unwrap();
+    const PAGES: u64 = 8;
+    f.set_len(PAGES * 4096).unwrap();
+    f.sync().unwrap();
+    let t = Instant::now();
+    let mut i = 0u64;
+    while t.elapsed() < Duration::from_secs(2) {
+        let page = i % PAGES;
+        let v = (i as u32).to_le_bytes();
+        f.write_at(&v, page * 4096).unwrap();
+        // Now and then let the flusher take the page first.
+        if i.is_multiple_of(3) {
+            std::thread::yield_now();
+        }
+        f.sync().unwrap();
+        let durable = store.durable.lock();
+        let at = (page * 4096) as usize;
+        assert_eq!(&durable[at..at + 4], &v, "write {i} to page {page} not durable after its sync");
+        i += 1;
+    }
+}

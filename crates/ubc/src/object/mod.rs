@@ -36,7 +36,7 @@ use crate::pager::{Fill, Identity, Pager};
 use crate::resources::{DirtyWriter, Resources};
 use crate::stats::{Counters, Stats, bump};
 use parking_lot::{Mutex, RwLock};
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
 use std::sync::{Arc, OnceLock, Weak};
 
 mod evict;
@@ -173,6 +173,12 @@ pub(crate) struct Object {
     // `resident` wrapped below zero and `Cache::stats` overflowed summing them.)
     /// When the object last went from clean to dirty (flusher clock, ms; see writeback.rs).
     dirtied_at: AtomicU64,
+    /// The store may hold something its last successful sync did not make durable, or
+    /// differ in length from ours with no page dirty: set before and after every call that
+    /// changes the store, when the length changes, and for a writable pager at the start
+    /// (the first sync always goes to the pager); cleared as a sync hands over to the
+    /// pager's own (see `writeback.rs`, "Syncing what changed").
+    unsynced: AtomicBool,
     pub(crate) counters: Counters,
     /// The registry key this object is filed under.
     pub(crate) key: ObjectKey,
@@ -198,6 +204,7 @@ impl Object {
     pub(crate) fn new(id: u64, res: Arc<Resources>, pager: Arc<dyn Pager>, key: ObjectKey) -> Result<Arc<Object>> {
         let len =
             pager.len().map_err(|e| Error::Io { op: PagerOp::Len, offset: 0, object: pager.describe(), source: e })?;
+        let writable = pager.is_writable();
         Ok(Arc::new_cyclic(|me| Object {
             id,
             me: me.clone(),
@@ -216,6 +223,7 @@ impl Object {
             resident: AtomicU64::new(0),
             dirty: AtomicU64::new(0),
             dirtied_at: AtomicU64::new(0),
+            unsynced: AtomicBool::new(writable),
             counters: Counters::default(),
             maps: RwLock::new(MapList::default()),
             nmaps: AtomicUsize::new(0),
@@ -249,6 +257,7 @@ impl Object {
     pub(crate) fn upgrade_pager(&self, pager: Arc<dyn Pager>) {
         let mut p = self.pager.write();
         self.depth.fetch_max(pager.depth(), SeqCst);
+        self.mark_unsynced();
         if !p.is_writable() && pager.is_writable() {
             *p = pager;
         }
@@ -344,7 +353,17 @@ impl Object {
     fn call_pager<T>(&self, op: PagerOp, offset: u64, f: impl FnOnce(&dyn Pager) -> std::io::Result<T>) -> Result<T> {
         let pager = self.pager();
         let _in = crate::pager::PagerScope::enter(self.depth());
-        f(&*pager).map_err(|e| self.io_err(op, offset, e))
+        // A change to the store is news to the next sync: before (a sync looking while it
+        // runs) and after (a sync that cleared the mark while it ran had not waited for it).
+        let changes = op.changes_store();
+        if changes {
+            self.mark_unsynced();
+        }
+        let r = f(&*pager).map_err(|e| self.io_err(op, offset, e));
+        if changes {
+            self.mark_unsynced();
+        }
+        r
     }
 
     #[inline]

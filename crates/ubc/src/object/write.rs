@@ -194,7 +194,9 @@ impl Object {
             }
             // Extend the file before the page is published (released): once published it
             // may be written back and evicted, and writeback clips at the length.
-            self.len.fetch_max(to, SeqCst);
+            if self.len.fetch_max(to, SeqCst) < to {
+                self.unsynced.store(true, SeqCst);
+            }
             held = Some(h);
             pos = to;
         }
@@ -260,7 +262,9 @@ impl Object {
     /// Publish the pages of a writable window and extend the file to `to`.
     pub(crate) fn unlock_range_written(&self, chunk: &Chunk, from: u64, to: u64) {
         let ps = self.ps();
-        self.len.fetch_max(to, SeqCst);
+        if self.len.fetch_max(to, SeqCst) < to {
+            self.unsynced.store(true, SeqCst);
+        }
         for page in from >> ps..=(to - 1) >> ps {
             let (_, slot) = self.locate(page);
             let st = &chunk.pages[slot];

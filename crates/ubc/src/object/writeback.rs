@@ -178,7 +178,9 @@ impl Object {
         let ps = self.ps();
         let base = chunk.index << self.res.geo.chunk_shift;
         // begin_writeback cleared DIRTY; the pages stay unclean until they are written.
-        self.dirty.fetch_sub(n, Relaxed);
+        // Marked unsynced before they stop counting dirty: a sync that finds neither skips.
+        self.mark_unsynced();
+        self.dirty.fetch_sub(n, SeqCst);
         let offset = first << ps;
         // Clip at the end of the file: the store must not grow past the length we know.
         let bytes = ((n << ps).min(self.len().saturating_sub(offset))) as usize;
@@ -235,10 +237,48 @@ impl Object {
     }
 
     /// `sync`: every dirty page reaches the pager, the stored length matches, then the
-    /// pager's own sync. On error the pages stay dirty and the error is returned.
+    /// pager's own sync. On error the pages stay dirty and the error is returned. Nothing
+    /// at all if nothing changed since the last sync that succeeded ([`Object::needs_sync`]).
     pub(crate) fn sync(&self) -> Result<()> {
+        if !self.needs_sync() {
+            return Ok(());
+        }
         self.sync_up_to_pager()?;
+        self.begin_pager_sync();
         self.pager_sync()
+    }
+
+    /// Whether a sync has anything to do. Syncing what changed: an object whose store
+    /// holds nothing its last successful sync did not cover — no page dirty or being
+    /// written back, the store neither written nor resized since (`unsynced`), no mapping
+    /// whose stores are yet to be found — needs no write-back, no length check and no
+    /// `fdatasync` (a cache of many files written once and synced, dropped, syncs each
+    /// again at the drop otherwise: a `statx` each and a `syncfs`). A write or a writeback
+    /// in progress as this is read is not one that returned before the sync began.
+    ///
+    /// Why it cannot miss a change: a page is counted dirty before it is seen dirty, and
+    /// the object is marked unsynced before a writeback counts its pages out (`write_run`)
+    /// and before and after any call that changes the store (`call_pager`); the mark is
+    /// cleared ([`Object::begin_pager_sync`]) only once everything stored so far is in the
+    /// store, just before the pager's sync, and set again if that sync fails.
+    pub(crate) fn needs_sync(&self) -> bool {
+        self.unsynced.load(SeqCst) || self.dirty.load(SeqCst) > 0 || self.nmaps.load(SeqCst) > 0
+    }
+
+    /// Mark the store changed since the last sync (see [`Object::needs_sync`]). A mark
+    /// seen set may be cleared by a sync right after: that sync's pager sync then covers
+    /// the change, which the caller made before marking or marks again after making.
+    pub(crate) fn mark_unsynced(&self) {
+        if !self.unsynced.load(SeqCst) {
+            self.unsynced.store(true, SeqCst);
+        }
+    }
+
+    /// Everything of this object is in the store and its pager's sync comes next: clear
+    /// the mark ([`Object::pager_sync`] sets it again on failure; a grouped `syncfs` that
+    /// fails falls back to it).
+    pub(crate) fn begin_pager_sync(&self) {
+        self.unsynced.store(false, SeqCst);
     }
 
     /// `sync` without durability: every dirty page written back, the stored length ours,
@@ -265,7 +305,12 @@ impl Object {
 
     /// The pager's `sync`; a failure is recorded for every handle (`wb_errors`).
     pub(crate) fn pager_sync(&self) -> Result<()> {
-        self.call_pager(PagerOp::Sync, 0, |p| p.sync().inspect_err(|e| self.wb_errors.lost(PagerOp::Sync, e)))
+        self.call_pager(PagerOp::Sync, 0, |p| {
+            p.sync().inspect_err(|e| {
+                self.mark_unsynced();
+                self.wb_errors.lost(PagerOp::Sync, e)
+            })
+        })
     }
 
     /// The pager's file system (`Pager::sync_domain`), if many of its files can be synced
