@@ -262,7 +262,12 @@ impl Object {
     /// cleared ([`Object::begin_pager_sync`]) only once everything stored so far is in the
     /// store, just before the pager's sync, and set again if that sync fails.
     pub(crate) fn needs_sync(&self) -> bool {
-        self.unsynced.load(SeqCst) || self.dirty.load(SeqCst) > 0 || self.nmaps.load(SeqCst) > 0
+        // `dirty` first: a writeback marks before it counts its pages out, so a count seen
+        // fallen is followed by the mark seen set (all SeqCst). Read the other way round, the
+        // mark could be read clear just before the writeback set it, and the count just after
+        // it fell — a sync skipped while the page it should write was still on its way
+        // (`a_sync_racing_the_flusher_misses_no_write` caught it, 3 runs in 27 under load).
+        self.dirty.load(SeqCst) > 0 || self.unsynced.load(SeqCst) || self.nmaps.load(SeqCst) > 0
     }
 
     /// Mark the store changed since the last sync (see [`Object::needs_sync`]). A mark
