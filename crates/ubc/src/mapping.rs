@@ -204,7 +204,7 @@ impl Drop for Mapping {
         {
             let mut maps = self.obj.maps.write();
             maps.remove(&self.map);
-            self.obj.nmaps.store(maps.len(), std::sync::atomic::Ordering::SeqCst);
+            self.obj.nmaps.store(maps.len() as u32, std::sync::atomic::Ordering::SeqCst);
         }
         // SAFETY: nobody maps pages into it any more (unregistered under its `alive` lock);
         // the caller gave the mapping up.

@@ -10,7 +10,8 @@
 
 use crossbeam_utils::CachePadded;
 use std::cell::Cell;
-use std::sync::OnceLock;
+// Set-once boxes in one pointer each (a `OnceLock` of a box takes two words).
+use once_cell::race::OnceBox;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 
 /// Counts for one object or, summed, for the whole cache.
@@ -223,7 +224,7 @@ pub(crate) struct Cold {
 /// padded to a cache line pair of its own: that padding (128-byte alignment) made every
 /// object's allocation 128 bytes of header and tail larger (768 bytes where 540 do) for a
 /// line no second thread writes. An object read by one thread — nearly every cached file —
-/// costs 80 bytes of counters (the write-back and eviction ones made when first moved)
+/// costs 64 bytes of counters (the write-back and eviction ones made when first moved)
 /// instead of eight padded sets (1 KiB).
 #[derive(Default)]
 pub(crate) struct Counters(Home);
@@ -232,9 +233,9 @@ pub(crate) struct Counters(Home);
 #[derive(Default)]
 struct Home {
     counts: Shard,
-    cold: OnceLock<Box<Cold>>,
+    cold: OnceBox<Cold>,
     /// Each thread shard's hits, once a second thread counted one (see `Counters`).
-    spread: OnceLock<Box<[CachePadded<AtomicU64>; SHARDS]>>,
+    spread: OnceBox<[CachePadded<AtomicU64>; SHARDS]>,
     /// The shard (+ 1) of the thread that owns `counts.hits`; 0 before the first hit.
     hitter: AtomicUsize,
 }
@@ -267,7 +268,7 @@ impl Counters {
     /// The object's write-back, eviction and read-ahead-hit counters, made if needed.
     #[inline]
     pub(crate) fn cold(&self) -> &Cold {
-        self.0.cold.get_or_init(Default::default)
+        self.0.cold.get_or_init(Box::default)
     }
 
     /// Count `n` hits.
@@ -289,7 +290,7 @@ impl Counters {
         if owner == me {
             home.counts.hits.fetch_add(n, Relaxed);
         } else {
-            home.spread.get_or_init(Default::default)[me - 1].fetch_add(n, Relaxed);
+            home.spread.get_or_init(Box::default)[me - 1].fetch_add(n, Relaxed);
         }
     }
 

@@ -323,7 +323,9 @@ fn dropped_objects_leave_no_memory_in_the_shared_memfds() {
 /// before, per cached object. Runs alone in a child process, so no other test's
 /// allocations count (allocations of the cache's own threads, in their own arenas, are not
 /// seen: the bench's `open_handles_max` measures the process's RSS instead). It was 1,958
-/// bytes; 1,012 after the changes of 2026-11-29 (design.md, "An idle cached file").
+/// bytes; 1,012 after the changes of 2026-11-29 (design.md, "An idle cached file"), 861 after
+/// those of the evening (the bound leaves ~10 % for the hash tables' load, which moves with
+/// the number of files).
 #[test]
 fn an_idle_cached_file_costs_the_heap_little() {
     const FILES: usize = 2_000;
@@ -361,5 +363,5 @@ fn an_idle_cached_file_costs_the_heap_little() {
     assert_eq!(cache.stats().objects, FILES + 1, "every file stays cached");
     let per = in_use().saturating_sub(before) / FILES;
     eprintln!("heap per idle cached file: {per} bytes");
-    assert!(per <= 1_150, "an idle cached file costs {per} bytes of heap");
+    assert!(per <= 960, "an idle cached file costs {per} bytes of heap");
 }

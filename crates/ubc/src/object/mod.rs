@@ -36,7 +36,7 @@ use crate::pager::{Fill, Identity, Pager};
 use crate::resources::{DirtyWriter, Resources};
 use crate::stats::{Counters, Stats, bump};
 use parking_lot::{Mutex, RwLock};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::*};
 use std::sync::{Arc, OnceLock, Weak};
 
 mod evict;
@@ -156,7 +156,7 @@ pub(crate) struct Object {
     len: AtomicU64,
     pub(crate) size_lock: RwLock<()>,
     /// Open `File` handles.
-    pub(crate) handles: AtomicUsize,
+    pub(crate) handles: AtomicU32,
     /// Valid pages of this object.
     resident: AtomicU64,
     /// Pages with the DIRTY bit.
@@ -188,7 +188,7 @@ pub(crate) struct Object {
     /// User mappings of this object (`File::map`), and how many there are (checked on every
     /// fill, so kept apart from the lock).
     pub(crate) maps: RwLock<MapList>,
-    pub(crate) nmaps: AtomicUsize,
+    pub(crate) nmaps: AtomicU32,
     /// Serializes finding stores through mappings (a scan takes the written state and
     /// re-protects): eviction holds it from zapping its pages to punching them, so a store
     /// found by another scan meanwhile is never lost with the page.
@@ -196,8 +196,9 @@ pub(crate) struct Object {
     /// Writeback failures, reported to every handle once (see `errseq.rs`).
     pub(crate) wb_errors: crate::errseq::WbErrors,
     /// Told of every change to the bytes or the length (see [`crate::File::watch`]).
-    /// (Boxed: a thin pointer, where the watcher is a wide one, in every object.)
-    watcher: OnceLock<Box<Watcher>>,
+    /// (In a `OnceBox`: one thin pointer in every object, where the watcher is a wide one
+    /// and a `OnceLock` of a box two words.)
+    watcher: once_cell::race::OnceBox<Watcher>,
 }
 
 impl Object {
@@ -219,17 +220,17 @@ impl Object {
             memory_init: Mutex::new(()),
             len: AtomicU64::new(len),
             size_lock: RwLock::new(()),
-            handles: AtomicUsize::new(0),
+            handles: AtomicU32::new(0),
             resident: AtomicU64::new(0),
             dirty: AtomicU64::new(0),
             dirtied_at: AtomicU64::new(0),
             unsynced: AtomicBool::new(writable),
             counters: Counters::default(),
             maps: RwLock::new(MapList::default()),
-            nmaps: AtomicUsize::new(0),
+            nmaps: AtomicU32::new(0),
             scan_lock: Mutex::new(()),
             wb_errors: Default::default(),
-            watcher: OnceLock::new(),
+            watcher: once_cell::race::OnceBox::new(),
         }))
     }
 

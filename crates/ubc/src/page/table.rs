@@ -78,13 +78,18 @@ impl<const N: usize> Group<N> {
         (!g.is_null()).then(|| unsafe { &*g })
     }
 
+    /// A group of EMPTY pages with no slots.
+    fn empty() -> Group<N> {
+        Group {
+            states: std::array::from_fn(|_| PageState::default()),
+            slots: std::array::from_fn(|_| AtomicU32::new(ubc_evict::NO_SLOT)),
+        }
+    }
+
     /// The group `p` points to, made if it was not (concurrent makers agree on one).
     #[cold]
     fn made(p: &AtomicPtr<Group<N>>) -> &Group<N> {
-        let fresh = Box::into_raw(Box::new(Group::<N> {
-            states: std::array::from_fn(|_| PageState::default()),
-            slots: std::array::from_fn(|_| AtomicU32::new(ubc_evict::NO_SLOT)),
-        }));
+        let fresh = Box::into_raw(Box::new(Group::<N>::empty()));
         let g = match p.compare_exchange(ptr::null_mut(), fresh, AcqRel, Acquire) {
             Ok(_) => fresh,
             Err(winner) => {
@@ -113,17 +118,19 @@ impl<const N: usize> Group<N> {
 }
 
 /// A chunk's pages: state words and policy slots in groups (of 8 and 24 pages for its first
-/// 32 pages, of 32 past them), each allocated when one of its pages is first taken (filled,
-/// written, reserved). A page of a group never made is EMPTY with no slot. Before, every
-/// chunk touched carried words for all its pages (512 with 2 MiB windows: 4 KiB), so a
-/// cached 4 KiB file cost 4 KiB of page table; then 128 bytes of group pointers and a
-/// 256-byte group; now one 64-byte group (the pointers to the first two groups are in the
-/// chunk; the array of the others', 120 bytes with 2 MiB windows, is made with the first
-/// of them). Groups are never freed before the chunk, so a reference to a state word stays
-/// valid like the chunk itself.
+/// 32 pages, of 32 past them). The first group is part of the chunk; the others are each
+/// allocated when one of their pages is first taken (filled, written, reserved). A page of a
+/// group never made is EMPTY with no slot. Before, every chunk touched carried words for
+/// all its pages (512 with 2 MiB windows: 4 KiB), so a cached 4 KiB file cost 4 KiB of
+/// page table; then 128 bytes of group pointers and a 256-byte group; then a 64-byte chunk
+/// and a 64-byte group, two allocations (160 bytes of heap with malloc's headers); now one
+/// 120-byte chunk holding its first 8 pages' words (128 bytes of heap). The pointer to the
+/// second group is in the chunk; the array of the others', 120 bytes with 2 MiB windows, is
+/// made with the first of them. Groups are never freed before the chunk, so a reference to
+/// a state word stays valid like the chunk itself.
 pub(crate) struct Pages {
-    /// Pages `0..HEAD`.
-    head: AtomicPtr<Group<HEAD>>,
+    /// Pages `0..HEAD` (words past `len` unused).
+    head: Group<HEAD>,
     /// Pages `HEAD..GROUP`.
     second: AtomicPtr<Group<{ GROUP - HEAD }>>,
     /// Pointers to the groups of 32 pages from page `GROUP` on (`rest_len()` of them), made
@@ -138,7 +145,7 @@ static NEVER_TAKEN: PageState = PageState::empty();
 impl Pages {
     fn new(len: usize) -> Pages {
         Pages {
-            head: AtomicPtr::new(ptr::null_mut()),
+            head: Group::empty(),
             second: AtomicPtr::new(ptr::null_mut()),
             rest: AtomicPtr::new(ptr::null_mut()),
             len,
@@ -191,12 +198,7 @@ impl Pages {
     fn words(&self, i: usize, make: bool) -> Option<(&PageState, &AtomicU32)> {
         assert!(i < self.len, "page {i} of a chunk of {}", self.len);
         if i < HEAD {
-            let g = if make {
-                Group::loaded(&self.head).unwrap_or_else(|| Group::made(&self.head))
-            } else {
-                Group::loaded(&self.head)?
-            };
-            return Some((&g.states[i], &g.slots[i]));
+            return Some((&self.head.states[i], &self.head.slots[i]));
         }
         if i < GROUP {
             let (g, o) = (&self.second, i - HEAD);
@@ -242,7 +244,7 @@ impl Pages {
 
     /// Whether `f` holds for a page of a group that exists.
     pub(crate) fn any(&self, mut f: impl FnMut(&PageState) -> bool) -> bool {
-        Group::any(&self.head, &mut f)
+        self.head.states[..self.len.min(HEAD)].iter().any(&mut f)
             || Group::any(&self.second, &mut f)
             || self.rest_slots().any(|p| Group::any(p, &mut f))
     }
@@ -250,8 +252,7 @@ impl Pages {
     /// Groups made so far (for tests).
     #[cfg(test)]
     fn groups_made(&self) -> usize {
-        usize::from(Group::loaded(&self.head).is_some())
-            + usize::from(Group::loaded(&self.second).is_some())
+        1 + usize::from(Group::loaded(&self.second).is_some())
             + self.rest_slots().filter(|p| Group::loaded(p).is_some()).count()
     }
 }
@@ -268,7 +269,6 @@ impl std::ops::Index<usize> for Pages {
 
 impl Drop for Pages {
     fn drop(&mut self) {
-        Group::free(&mut self.head);
         Group::free(&mut self.second);
         let r = *self.rest.get_mut();
         if !r.is_null() {
@@ -557,7 +557,7 @@ mod tests {
     fn page_groups_are_made_on_first_take_only() {
         let t = PageTable::new(512);
         let c = t.get_or_create(0);
-        assert_eq!(c.pages.groups_made(), 0);
+        assert_eq!(c.pages.groups_made(), 1, "the first 8 pages' words are the chunk's");
         // The first 32 pages come in groups of 8 and 24.
         let small = PageTable::new(512);
         let s = small.get_or_create(0);
@@ -573,15 +573,15 @@ mod tests {
         // Scans make nothing; an absent page reads EMPTY.
         assert!(c.pages.get(100).is_none());
         assert!(!c.pages.snapshot(511).cached());
-        assert!(!c.pages.any(|_| true));
+        assert!(!c.pages.any(|p| !p.is_empty()));
         // A take makes its group only.
         assert!(c.pages.at(33).try_lock_empty());
-        assert_eq!(c.pages.groups_made(), 1);
+        assert_eq!(c.pages.groups_made(), 2);
         assert!(c.pages.get(32).is_some() && c.pages.get(64).is_none());
         assert!(c.pages.snapshot(33).held());
         assert!(c.pages.any(|p| p.snapshot().held()));
         c.pages.slot_at(511).store(7, Relaxed);
-        assert_eq!(c.pages.groups_made(), 2);
+        assert_eq!(c.pages.groups_made(), 3);
         assert_eq!(c.pages.slot_at(510).load(Relaxed), ubc_evict::NO_SLOT);
         // Concurrent first takes of one group agree on it.
         let t = std::sync::Arc::new(PageTable::new(512));
@@ -595,7 +595,7 @@ mod tests {
         for (k, a) in addrs.iter().enumerate() {
             assert_eq!(*a, t.get(0).unwrap().pages.get(200 + k).unwrap() as *const PageState as usize);
         }
-        assert_eq!(t.get(0).unwrap().pages.groups_made(), 1);
+        assert_eq!(t.get(0).unwrap().pages.groups_made(), 2);
     }
 
     #[test]

@@ -62,7 +62,7 @@ use std::io;
 use std::num::NonZeroU64;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, MetadataExt};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, OnceLock};
 
@@ -116,18 +116,34 @@ pub struct FilePager {
     /// Whether `path` is where to reopen the file if `/proc/self/fd` is not available
     /// (`open`/`create` only; `from_file`'s path is only for messages).
     reopenable: bool,
-    path: PathBuf,
+    path: Box<Path>,
     access: Access,
 }
 
-/// Alignment required by direct I/O (powers of two that `statx` gives as 32-bit numbers;
-/// kept as such, since every cached host file carries one).
+/// Alignment required by direct I/O: powers of two, kept as their logarithms (every cached
+/// host file carries one: two bytes, where the two 32-bit numbers `statx` gives took eight
+/// and, with the option's tag, twelve).
 #[derive(Debug, Clone, Copy)]
 struct Align {
     /// Of buffer addresses.
-    mem: u32,
+    mem_shift: u8,
     /// Of file offsets and transfer lengths.
-    offset: u32,
+    offset_shift: u8,
+}
+
+impl Align {
+    /// => `mem` and `offset` are powers of two.
+    fn new(mem: usize, offset: usize) -> Align {
+        Align { mem_shift: mem.trailing_zeros() as u8, offset_shift: offset.trailing_zeros() as u8 }
+    }
+
+    fn mem(self) -> usize {
+        1 << self.mem_shift
+    }
+
+    fn offset(self) -> usize {
+        1 << self.offset_shift
+    }
 }
 
 /// A buffered descriptor: the pager's own (pooled, or the fallback kept after a refusal of
@@ -238,7 +254,7 @@ impl FilePager {
             file: HostFd::new(file, flags, dev, ino, path.parent()),
             fallback: OnceLock::new(),
             reopenable,
-            path: path.to_path_buf(),
+            path: path.into(),
             access,
         }
     }
@@ -272,7 +288,7 @@ impl FilePager {
 
     /// `(memory, offset)` alignment of direct I/O, or `None` in buffered mode.
     pub fn direct_alignment(&self) -> Option<(usize, usize)> {
-        self.direct_io().map(|a| (a.mem as usize, a.offset as usize))
+        self.direct_io().map(|a| (a.mem(), a.offset()))
     }
 
     fn direct_io(&self) -> Option<Align> {
@@ -357,7 +373,7 @@ impl FilePager {
     /// Direct read into `buf`; returns the bytes read (fewer at end of file).
     fn read_direct(&self, a: Align, offset: u64, buf: &mut [u8]) -> io::Result<usize> {
         let file = self.file.get()?;
-        let (ma, oa) = (a.mem as usize, a.offset as usize);
+        let (ma, oa) = (a.mem(), a.offset());
         let len = buf.len();
         let mut done = 0;
         let mut bounce: Option<AlignedBuf> = None;
@@ -395,7 +411,7 @@ impl FilePager {
     /// Direct write of the aligned prefix of `data`, buffered write of the rest.
     fn write_direct(&self, a: Align, offset: u64, data: &[u8]) -> io::Result<()> {
         let file = self.file.get()?;
-        let (ma, oa) = (a.mem as usize, a.offset as usize);
+        let (ma, oa) = (a.mem(), a.offset());
         let len = data.len();
         let mut done = 0;
         let mut bounce: Option<AlignedBuf> = None;
@@ -575,7 +591,7 @@ fn direct_alignment(file: &File, sx: Option<&rustix::fs::Statx>) -> Option<Align
     if !mem.is_power_of_two() || !offset.is_power_of_two() || offset > BOUNCE_MAX {
         return None;
     }
-    Some(Align { mem: u32::try_from(mem).ok()?, offset: u32::try_from(offset).ok()? })
+    Some(Align::new(mem, offset))
 }
 
 /// Open `file` again (a new open file description) with `flags`, through `/proc/self/fd`,

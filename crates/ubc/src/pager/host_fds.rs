@@ -42,7 +42,7 @@ use std::hash::BuildHasher;
 use std::io;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering::Relaxed};
-use std::sync::{Arc, LazyLock, OnceLock, Weak};
+use std::sync::{Arc, LazyLock};
 
 /// One pager's descriptor, parked when the pool is over its limit.
 #[derive(Debug)]
@@ -61,7 +61,8 @@ struct Entry {
     flags: AtomicU32,
     /// How to reopen it, found when it is first parked (a file never parked costs no
     /// `name_to_handle_at`); `None`: it cannot be, so it is pinned.
-    handle: OnceLock<Option<Box<Handle>>>,
+    /// (A `OnceBox`: one pointer in every entry, where a `OnceLock` took two words.)
+    handle: once_cell::race::OnceBox<Option<Handle>>,
     dev: u64,
     ino: u64,
     /// Its index in the pool's list of open descriptors (`usize::MAX` while parked). Changed
@@ -104,28 +105,17 @@ struct State {
     /// Entries alive (file pagers).
     files: usize,
     /// Entries by inode, for `keep_open`: one element per entry (a file opened twice has
-    /// two), hashed by its inode. (A map from inode to a `Vec` of entries took 41 bytes a
-    /// slot and an allocation per file; this 25 bytes a slot.)
-    by_inode: hashbrown::HashTable<ByInode>,
+    /// two), hashed by its inode, which the entry holds. (A map from inode to a `Vec` of
+    /// entries took 41 bytes a slot and an allocation per file; the inode and a weak
+    /// reference in each slot 25 bytes; a strong reference 9 — an entry is indexed from its
+    /// `HostFd`'s making to its drop, which unindexes it.)
+    by_inode: hashbrown::HashTable<Arc<Entry>>,
     inode_hasher: std::hash::RandomState,
     /// Per device: a directory on it to pass `open_by_handle_at` as its `mount_fd`, or `None`
     /// where handles do not work (found once per device, by `mount_of`).
     mounts: HashMap<u64, Option<Arc<OwnedFd>>>,
     parks: u64,
     reopens: u64,
-}
-
-/// An entry of `State::by_inode`.
-struct ByInode {
-    dev: u64,
-    ino: u64,
-    entry: Weak<Entry>,
-}
-
-impl ByInode {
-    fn is(&self, dev: u64, ino: u64) -> bool {
-        self.dev == dev && self.ino == ino
-    }
 }
 
 impl State {
@@ -137,9 +127,7 @@ impl State {
     fn index_inode(&mut self, e: &Arc<Entry>) {
         let h = self.inode_hash(e.dev, e.ino);
         let hasher = &self.inode_hasher;
-        self.by_inode.insert_unique(h, ByInode { dev: e.dev, ino: e.ino, entry: Arc::downgrade(e) }, |x| {
-            hasher.hash_one((x.dev, x.ino))
-        });
+        self.by_inode.insert_unique(h, e.clone(), |x| hasher.hash_one((x.dev, x.ino)));
     }
 }
 
@@ -175,7 +163,7 @@ pub fn set_limit(n: usize) {
 /// The pool's counts now.
 pub fn stats() -> DescriptorPoolStats {
     let s = POOL.state.lock();
-    let pinned = s.by_inode.iter().filter_map(|x| x.entry.upgrade()).filter(|e| e.pinned.load(Relaxed)).count();
+    let pinned = s.by_inode.iter().filter(|e| e.pinned.load(Relaxed)).count();
     DescriptorPoolStats {
         limit: POOL.limit.load(Relaxed),
         files: s.files,
@@ -193,11 +181,7 @@ pub fn stats() -> DescriptorPoolStats {
 pub fn keep_open(dev: u64, ino: u64) {
     let entries: Vec<Arc<Entry>> = {
         let s = POOL.state.lock();
-        s.by_inode
-            .iter_hash(s.inode_hash(dev, ino))
-            .filter(|x| x.is(dev, ino))
-            .filter_map(|x| x.entry.upgrade())
-            .collect()
+        s.by_inode.iter_hash(s.inode_hash(dev, ino)).filter(|e| e.dev == dev && e.ino == ino).cloned().collect()
     };
     for e in entries {
         // Pinned first, so no park can come between the reopen and the pin; then reopened
@@ -218,7 +202,7 @@ impl HostFd {
             file: Mutex::new(Some(Arc::new(file))),
             recent: AtomicBool::new(true),
             flags: AtomicU32::new(flags.bits()),
-            handle: OnceLock::new(),
+            handle: once_cell::race::OnceBox::new(),
             dev,
             ino,
             open_idx: AtomicUsize::new(usize::MAX),
@@ -316,11 +300,9 @@ impl Pool {
         }
         s.files -= 1;
         drop(file);
-        // Its element, and any of the inode's whose entry is gone.
+        // Its element (the index's reference to it).
         let h = s.inode_hash(e.dev, e.ino);
-        while let Ok(x) = s.by_inode.find_entry(h, |x| {
-            x.is(e.dev, e.ino) && (x.entry.strong_count() == 0 || std::ptr::eq(x.entry.as_ptr(), Arc::as_ptr(e)))
-        }) {
+        if let Ok(x) = s.by_inode.find_entry(h, |x| Arc::ptr_eq(x, e)) {
             x.remove();
         }
     }
@@ -334,7 +316,7 @@ impl Pool {
         let h = e
             .handle
             .get()
-            .and_then(Option::as_ref)
+            .and_then(|h| h.as_ref())
             .ok_or_else(|| io::Error::other("a descriptor with no handle was closed"))?;
         let f = h.open(OFlags::from_bits_retain(e.flags.load(Relaxed)))?;
         let st = rustix::fs::fstat(&f)?;
@@ -385,7 +367,7 @@ impl Pool {
             let Some(f) = slot.as_ref() else { continue };
             // Unlinked: its data lives only while a descriptor does. No way back: neither.
             let unlinked = rustix::fs::fstat(&**f).map_or(true, |st| st.st_nlink == 0);
-            if unlinked || e.handle.get_or_init(|| Self::handle_of(s, &e, f).map(Box::new)).is_none() {
+            if unlinked || e.handle.get_or_init(|| Box::new(Self::handle_of(s, &e, f))).is_none() {
                 e.pinned.store(true, Relaxed);
                 continue;
             }
