@@ -120,6 +120,9 @@ impl Object {
         }
         let memfd = self.memory()?;
         let bytes = (n << self.ps()) as usize;
+        if self.pager.read().io_mode() == crate::pager::IoMode::Direct {
+            return self.fill_through_bounce(memfd, offset, bytes, len);
+        }
         // A small file's pages are filled through a buffer and `pwrite` (see `by_syscall`).
         let mut bounce = Vec::new();
         let buf = if self.by_syscall(chunk) {
@@ -154,6 +157,42 @@ impl Object {
                 Err(e)
             }
         }
+    }
+
+    /// `fill_locked` for a pager that reads with `O_DIRECT`: into this thread's page-aligned
+    /// bounce buffer (made once, reused), then `pwrite` into the memfd. Read straight into
+    /// the window, the device's DMA needed the memfd's pages first: a fault per page, each a
+    /// fresh shmem page zeroed (`clear_page`) and pinned (`get_user_pages`) for the transfer,
+    /// and the window's page-table entries that eviction must later zap on every CPU. A
+    /// `pwrite` allocates the page without zeroing it and maps nothing; the copy it makes
+    /// costs less than the zeroing and the faults did (a one-thread C check on this host:
+    /// 0.78–1.14 GB/s against 0.71–0.73 GB/s). => as `fill_locked`, `offset < len`.
+    fn fill_through_bounce(&self, memfd: &Memory, offset: u64, bytes: usize, len: u64) -> Result<()> {
+        thread_local! {
+            static BOUNCE: std::cell::Cell<Option<Bounce>> = const { std::cell::Cell::new(None) };
+        }
+        // Taken out while in use: a pager that reads through this cache re-enters here on
+        // the same thread, and gets a buffer of its own.
+        let mut b = BOUNCE.take().filter(|b| b.len() >= bytes).unwrap_or_else(|| Bounce::new(bytes));
+        let buf = &mut b.as_mut()[..bytes];
+        let sh = self.counters.mine();
+        bump(&sh.get_calls, 1);
+        let r = match self.call_pager(PagerOp::GetPages, offset, |p| p.get_pages(offset, buf)) {
+            Ok(Fill::Data) => {
+                bump(&sh.read_bytes, bytes as u64);
+                if offset + bytes as u64 > len {
+                    buf[(len - offset) as usize..].fill(0);
+                }
+                memfd.write_at(buf, offset).inspect_err(|_| {
+                    let _ = memfd.punch(offset, bytes as u64);
+                })
+            }
+            // Nothing stored there: the memfd's hole reads as zeros.
+            Ok(Fill::Hole) => Ok(()),
+            Err(e) => Err(e),
+        };
+        BOUNCE.set(Some(b));
+        r
     }
 
     /// Make filled BUSY pages valid (as `publish` says) and hand them to the replacement
@@ -333,5 +372,41 @@ impl Object {
 
     pub(crate) fn unpin_range(&self, chunk: &Chunk, first: u64, last: u64) {
         self.unpin_run(chunk, first, last + 1 - first);
+    }
+}
+
+/// A page-aligned buffer for `fill_through_bounce` (direct I/O needs the alignment).
+struct Bounce {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
+impl Bounce {
+    const ALIGN: usize = 4096;
+
+    fn new(len: usize) -> Bounce {
+        let len = len.next_multiple_of(Self::ALIGN).max(Self::ALIGN);
+        let layout = std::alloc::Layout::from_size_align(len, Self::ALIGN).expect("bounce layout");
+        // SAFETY: the layout's size is not zero. Zeroed: the bytes are read as `u8`s.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = std::ptr::NonNull::new(ptr).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        Bounce { ptr, len }
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn as_mut(&mut self) -> &mut [u8] {
+        // SAFETY: `len` initialized bytes, owned by `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for Bounce {
+    fn drop(&mut self) {
+        let layout = std::alloc::Layout::from_size_align(self.len, Self::ALIGN).expect("bounce layout");
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
     }
 }
