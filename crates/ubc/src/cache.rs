@@ -332,7 +332,6 @@ impl CacheBuilder {
             next_id: AtomicU64::new(1),
             daemon_runs: AtomicU64::new(0),
             daemon_evictions: AtomicU64::new(0),
-            unsynced_domains: Mutex::new(Vec::new()),
         });
         let up: std::sync::Weak<dyn Reclaim> = Arc::downgrade(&core) as _;
         res.install(up);
@@ -461,10 +460,6 @@ pub(crate) struct CacheCore {
     next_id: AtomicU64,
     daemon_runs: AtomicU64,
     daemon_evictions: AtomicU64,
-    /// File systems that stores of forgotten objects wrote to since their last sync, each
-    /// with one such store's pager to `syncfs` it by (see `CacheCore::forget_locked`); a
-    /// leaf lock, taken under the registry's.
-    unsynced_domains: Mutex<Vec<(u64, Arc<dyn Pager>)>>,
 }
 
 impl CacheCore {
@@ -498,7 +493,7 @@ impl CacheCore {
             return;
         }
         if obj.resident_pages() == 0 {
-            let gone = self.forget_locked(&mut reg, obj.id);
+            let gone = Self::forget_locked(&mut reg, obj.id);
             drop(reg);
             drop(gone); // may run Object::drop, which takes other locks
             return;
@@ -546,33 +541,16 @@ impl CacheCore {
         obj.evict_clean();
         let mut reg = self.registry.write();
         if obj.handles.load(SeqCst) == 0 && obj.resident_pages() == 0 {
-            let gone = self.forget_locked(&mut reg, obj.id);
+            let gone = Self::forget_locked(&mut reg, obj.id);
             drop(reg);
             drop(gone);
         }
     }
 
-    /// Take object `id` out of the registry (it has no handle and no page). A store it
-    /// changed since its last sync — pages written back by reclaim, then the last page
-    /// evicted, all before any sync — would otherwise be out of reach of the next
-    /// `sync_all`: for a host file written with direct I/O its data is on the device but
-    /// its size and new blocks are not committed. Its file system is remembered (one pager
-    /// per file system, kept for its `syncfs`), and `sync_all` syncs it, as the kernel's
-    /// `sync` reaches an inode whose pages it has already dropped. A store with no sync
-    /// domain (a layer, memory) is not followed: a layer's data lives in the files below,
-    /// whose objects are followed in turn.
-    fn forget_locked(&self, reg: &mut Registry, id: u64) -> Option<Arc<Object>> {
+    fn forget_locked(reg: &mut Registry, id: u64) -> Option<Arc<Object>> {
         let o = reg.by_id.remove(id)?;
         o.holders.unlist();
         reg.by_identity.remove_id(&o.key, id);
-        if o.needs_sync()
-            && let Some(d) = o.sync_domain()
-        {
-            let mut u = self.unsynced_domains.lock();
-            if !u.iter().any(|(x, _)| *x == d) {
-                u.push((d, o.pager()));
-            }
-        }
         Some(o)
     }
 
@@ -643,9 +621,6 @@ impl CacheCore {
         // Only those with something to sync (`Object::needs_sync`): a cache of files
         // synced before (or never written) neither starts helpers nor syncs a file system.
         let objects = self.listed(|o| o.needs_sync());
-        if objects.is_empty() && self.unsynced_domains.lock().is_empty() {
-            return Ok(());
-        }
         // Group by file system first: a domain with too few members is synced per object.
         let mut domains: HashMap<u64, Vec<usize>> = HashMap::new();
         for (i, o) in objects.iter().enumerate() {
@@ -681,41 +656,16 @@ impl CacheCore {
             }
         });
         let ok = |i: usize| !failed[i].load(Relaxed);
-        // Taken now: objects forgotten from here on are the next sync's.
-        let forgotten = std::mem::take(&mut *self.unsynced_domains.lock());
-        let mut synced_fs = Vec::new();
-        for (&d, members) in &domains {
+        for members in domains.values() {
             // Any member still cached leads: a `syncfs` covers the members gone meanwhile.
             let Some(lead) = members.iter().filter(|&&i| ok(i)).find_map(|&i| objects[i].hold()) else { continue };
-            if lead.pager_sync_fs().is_ok() {
-                synced_fs.push(d);
-            } else {
+            if lead.pager_sync_fs().is_err() {
                 // Find out whose data it was: each pager's own sync records its error.
                 run_workers(members.len(), &|k| {
                     if let Some(o) = objects[members[k]].hold().filter(|_| ok(members[k])) {
                         note(o.pager_sync());
                     }
                 });
-            }
-        }
-        // File systems that forgotten objects' stores changed (`forget_locked`): a `syncfs`
-        // each, unless one was synced above; kept for the next sync if it fails.
-        for (d, pager) in forgotten {
-            if synced_fs.contains(&d) {
-                continue;
-            }
-            let _in = crate::pager::PagerScope::enter(pager.depth());
-            if let Err(e) = pager.sync_fs() {
-                note(Err(Error::Io {
-                    op: crate::error::PagerOp::Sync,
-                    offset: 0,
-                    object: pager.describe(),
-                    source: e,
-                }));
-                let mut u = self.unsynced_domains.lock();
-                if !u.iter().any(|(x, _)| *x == d) {
-                    u.push((d, pager));
-                }
             }
         }
         match first.into_inner() {
