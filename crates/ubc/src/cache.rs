@@ -332,6 +332,7 @@ impl CacheBuilder {
             next_id: AtomicU64::new(1),
             daemon_runs: AtomicU64::new(0),
             daemon_evictions: AtomicU64::new(0),
+            unsynced_domains: Mutex::new(Vec::new()),
         });
         let up: std::sync::Weak<dyn Reclaim> = Arc::downgrade(&core) as _;
         res.install(up);
@@ -460,6 +461,10 @@ pub(crate) struct CacheCore {
     next_id: AtomicU64,
     daemon_runs: AtomicU64,
     daemon_evictions: AtomicU64,
+    /// File systems that stores of forgotten objects wrote to since their last sync, each
+    /// with a way to sync it that holds none of those stores (`Pager::domain_syncer`; see
+    /// `CacheCore::remember_unsynced`). A leaf lock.
+    unsynced_domains: Mutex<Vec<(u64, crate::pager::DomainSyncer)>>,
 }
 
 impl CacheCore {
@@ -495,6 +500,7 @@ impl CacheCore {
         if obj.resident_pages() == 0 {
             let gone = Self::forget_locked(&mut reg, obj.id);
             drop(reg);
+            self.remember_unsynced(gone.as_deref());
             drop(gone); // may run Object::drop, which takes other locks
             return;
         }
@@ -543,6 +549,7 @@ impl CacheCore {
         if obj.handles.load(SeqCst) == 0 && obj.resident_pages() == 0 {
             let gone = Self::forget_locked(&mut reg, obj.id);
             drop(reg);
+            self.remember_unsynced(gone.as_deref());
             drop(gone);
         }
     }
@@ -552,6 +559,31 @@ impl CacheCore {
         o.holders.unlist();
         reg.by_identity.remove_id(&o.key, id);
         Some(o)
+    }
+
+    /// `o` was just forgotten (no handle, no page). A store it changed since its last sync
+    /// — pages written back by reclaim, then the last page evicted, all before any sync —
+    /// would be out of reach of the next `sync_all`, which syncs the objects it knows: for
+    /// a host file written with direct I/O its data is on the device but its size and new
+    /// blocks are not committed. So its file system is remembered, with a way to sync it
+    /// that holds no file open (`Pager::domain_syncer`: for a host file, a directory of its
+    /// file system), and the next `sync_all` syncs it — as the kernel's `sync` reaches an
+    /// inode whose pages it already dropped. A store that offers none (a layer, memory, a
+    /// file system where ubc knows no directory) is not followed: a layer's data lives in
+    /// the files below, whose objects are followed in turn. => called without the
+    /// registry's lock (the pager may take the descriptor pool's).
+    fn remember_unsynced(&self, o: Option<&Object>) {
+        let Some(o) = o.filter(|o| o.needs_sync()) else { return };
+        let Some(d) = o.sync_domain() else { return };
+        if self.unsynced_domains.lock().iter().any(|(x, _)| *x == d) {
+            return;
+        }
+        if let Some(syncer) = o.pager().domain_syncer() {
+            let mut u = self.unsynced_domains.lock();
+            if !u.iter().any(|(x, _)| *x == d) {
+                u.push((d, syncer));
+            }
+        }
     }
 
     fn stats(&self) -> CacheStats {
@@ -621,6 +653,9 @@ impl CacheCore {
         // Only those with something to sync (`Object::needs_sync`): a cache of files
         // synced before (or never written) neither starts helpers nor syncs a file system.
         let objects = self.listed(|o| o.needs_sync());
+        if objects.is_empty() && self.unsynced_domains.lock().is_empty() {
+            return Ok(());
+        }
         // Group by file system first: a domain with too few members is synced per object.
         let mut domains: HashMap<u64, Vec<usize>> = HashMap::new();
         for (i, o) in objects.iter().enumerate() {
@@ -656,16 +691,36 @@ impl CacheCore {
             }
         });
         let ok = |i: usize| !failed[i].load(Relaxed);
-        for members in domains.values() {
+        // Taken now: objects forgotten from here on are the next sync's.
+        let forgotten = std::mem::take(&mut *self.unsynced_domains.lock());
+        let mut synced_fs = Vec::new();
+        for (&d, members) in &domains {
             // Any member still cached leads: a `syncfs` covers the members gone meanwhile.
             let Some(lead) = members.iter().filter(|&&i| ok(i)).find_map(|&i| objects[i].hold()) else { continue };
-            if lead.pager_sync_fs().is_err() {
+            if lead.pager_sync_fs().is_ok() {
+                synced_fs.push(d);
+            } else {
                 // Find out whose data it was: each pager's own sync records its error.
                 run_workers(members.len(), &|k| {
                     if let Some(o) = objects[members[k]].hold().filter(|_| ok(members[k])) {
                         note(o.pager_sync());
                     }
                 });
+            }
+        }
+        // File systems that forgotten objects' stores changed (`remember_unsynced`): a `syncfs`
+        // each, unless one was synced above; kept for the next sync if it fails.
+        for (d, syncer) in forgotten {
+            if synced_fs.contains(&d) {
+                continue;
+            }
+            if let Err(e) = syncer() {
+                let object = format!("the file system (device {d:#x}) of files written and forgotten before a sync");
+                note(Err(Error::Io { op: crate::error::PagerOp::Sync, offset: 0, object, source: e }));
+                let mut u = self.unsynced_domains.lock();
+                if !u.iter().any(|(x, _)| *x == d) {
+                    u.push((d, syncer));
+                }
             }
         }
         match first.into_inner() {

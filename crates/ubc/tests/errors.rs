@@ -430,6 +430,10 @@ impl Pager for OnSharedFs {
     fn sync_fs(&self) -> std::io::Result<()> {
         self.fs.sync()
     }
+    fn domain_syncer(&self) -> Option<ubc::pager::DomainSyncer> {
+        let fs = self.fs.clone();
+        Some(Arc::new(move || fs.sync()))
+    }
     fn describe(&self) -> String {
         "memory on a shared file system".into()
     }
@@ -489,4 +493,33 @@ fn sync_all_syncs_a_few_files_of_a_file_system_each_on_its_own() {
     cache.sync_all().unwrap();
     assert_eq!(fs.counts().syncs, 0, "a syncfs writes everything dirty on the file system: not for 5 files");
     assert!(pagers.iter().all(|p| p.store.counts().syncs == 1));
+}
+
+/// A file written back and dropped from the cache before any sync — its pages written and
+/// evicted, its last handle closed, so the cache forgets it — is still made durable by the
+/// next `sync_all`: its file system is synced (as the kernel's `sync` reaches an inode whose
+/// pages it already dropped). Before, that `sync_all` did not know the file any more and
+/// synced nothing. A failed sync keeps it for the next; a sync after it has nothing left.
+#[test]
+fn sync_all_syncs_the_file_system_of_a_file_forgotten_before_its_sync() {
+    let cache = small_cache(8 << 20);
+    let (files, pagers, fs) = files_on_one_fs(&cache, 1);
+    let f = files.into_iter().next().unwrap();
+    f.write_at(&pattern(9, 0, 3 * 4096), 0).unwrap();
+    f.clean(0..u64::MAX).unwrap();
+    assert_eq!(f.drop_clean(0..u64::MAX).unwrap(), 3, "every page written back and dropped");
+    f.close().unwrap();
+    assert_eq!(cache.stats().objects, 0, "the cache forgot the file");
+    assert_same(&store_contents(&*pagers[0].mem), &pattern(9, 0, 3 * 4096), "the store");
+    fs.fail_syncs(Some(libc::EIO));
+    assert!(cache.sync_all().is_err(), "the file system's sync failed: sync_all says so");
+    assert_eq!(fs.counts().syncs, 1);
+    fs.fail_syncs(None);
+    cache.sync_all().unwrap();
+    assert_eq!(fs.counts().syncs, 2, "the failed sync was tried again");
+    cache.sync_all().unwrap();
+    assert_eq!(fs.counts().syncs, 2, "nothing left to sync");
+    assert_eq!(pagers[0].store.counts().syncs, 0, "the file's own store was not synced");
+    drop(f);
+    assert_eq!(Arc::strong_count(&pagers[0]), 1, "nor kept: the test holds the only reference to its pager");
 }

@@ -239,3 +239,33 @@ fn ten_thousand_open_host_files_under_a_256_descriptor_limit() {
         256,
     );
 }
+
+/// A host file written, written back and dropped from the cache before any sync (its pages
+/// evicted, its last handle closed: the cache forgets it) leaves its file system to the next
+/// `sync_all` — through a directory of that file system, not the file: removed, the file
+/// keeps no descriptor open (the mount's `a_file_removed_or_renamed_over_while_open_...`
+/// caught a first version that kept the file's pager for it).
+#[test]
+fn a_forgotten_unsynced_file_keeps_no_descriptor_and_is_synced_by_its_file_system() {
+    let _s = serial();
+    host_fds::set_limit(64);
+    let dir = tempfile::tempdir().unwrap();
+    let cache = cache();
+    let path = dir.path().join("gone");
+    let f = cache.create_path(&path).unwrap();
+    f.write_at(&pattern(4, 0, 20_000), 0).unwrap();
+    f.clean(0..u64::MAX).unwrap();
+    assert!(f.drop_clean(0..u64::MAX).unwrap() > 0);
+    f.close().unwrap();
+    drop(f);
+    assert_eq!(cache.stats().objects, 0, "the cache forgot the file");
+    assert_eq!(std::fs::read(&path).unwrap(), pattern(4, 0, 20_000), "its bytes are in the file");
+    std::fs::remove_file(&path).unwrap();
+    let open: Vec<_> = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|l| l.to_string_lossy().contains("/gone"))
+        .collect();
+    assert!(open.is_empty(), "a descriptor of the removed file is still open: {open:?}");
+    cache.sync_all().unwrap();
+}

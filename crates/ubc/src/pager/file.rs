@@ -496,6 +496,15 @@ impl Pager for FilePager {
         rustix::fs::syncfs(&*self.file.get()?).map_err(io::Error::from)
     }
 
+    /// A `syncfs` through the directory of the file's file system that the descriptor pool
+    /// reopens files by (found at the first file of each device): no descriptor of the
+    /// file itself is kept. `None` where the pool knows none (handles do not work there).
+    fn domain_syncer(&self) -> Option<super::DomainSyncer> {
+        self.sync_domain()?;
+        let dir = self.file.fs_dir()?;
+        Some(Arc::new(move || rustix::fs::syncfs(&*dir).map_err(io::Error::from)))
+    }
+
     fn identity(&self) -> Option<Identity> {
         Some(Identity::HostFile { dev: self.file.dev(), ino: self.file.ino() })
     }

@@ -232,6 +232,12 @@ impl HostFd {
         POOL.get(e)
     }
 
+    /// A directory on the host file's file system (the one reopens by handle go through),
+    /// if the pool found one.
+    pub(crate) fn fs_dir(&self) -> Option<Arc<OwnedFd>> {
+        POOL.state.lock().mounts.get(&self.entry.dev).cloned().flatten()
+    }
+
     /// The host file's device number.
     pub(crate) fn dev(&self) -> u64 {
         self.entry.dev

@@ -112,6 +112,15 @@ pub trait Pager: Send + Sync + 'static {
         self.sync()
     }
 
+    /// A way to do what [`Pager::sync_fs`] does that holds nothing of this store (for a
+    /// host file, a `syncfs` through a directory of its file system: the file itself may be
+    /// removed and must not be kept open). The cache keeps one for a store it forgot before
+    /// it was synced, and calls it at the next [`crate::Cache::sync_all`]. `None` (the
+    /// default): such a store is not followed once forgotten.
+    fn domain_syncer(&self) -> Option<DomainSyncer> {
+        None
+    }
+
     /// Identity of the stored data, if two pagers can reach the same data.
     fn identity(&self) -> Option<Identity> {
         None
@@ -191,6 +200,9 @@ pub trait Pager: Send + Sync + 'static {
         })
     }
 }
+
+/// Makes a whole sync domain durable (see [`Pager::domain_syncer`]).
+pub type DomainSyncer = std::sync::Arc<dyn Fn() -> io::Result<()> + Send + Sync>;
 
 /// What [`Pager::seek`] looks for ([`File::seek_data`](crate::File::seek_data) and [`File::seek_hole`](crate::File::seek_hole) ask for each).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
