@@ -3,6 +3,7 @@
 //! `uvm_bio.c` `ubc_uiomove`, Linux `filemap_read`).
 
 use super::*;
+use crate::pager::AlignedBuf;
 
 /// What filled pages become when they are published.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -120,14 +121,26 @@ impl Object {
         }
         let memfd = self.memory()?;
         let bytes = (n << self.ps()) as usize;
-        if self.pager.read().io_mode() == crate::pager::IoMode::Direct {
-            return self.fill_through_bounce(memfd, offset, bytes, len);
+        // Where the pager puts the bytes. A pager that reads with `O_DIRECT`, and a small
+        // file (see `by_syscall`), fill this thread's page-aligned bounce buffer (made once,
+        // reused), which is then `pwrite`n into the memfd. Read straight into the window,
+        // the device's DMA needed the memfd's pages first: a fault per page, each a fresh
+        // shmem page zeroed (`clear_page`) and pinned (`get_user_pages`) for the transfer,
+        // and page-table entries that eviction must later zap on every CPU; a `pwrite`
+        // allocates the page without zeroing it and maps nothing, and its copy costs less
+        // (a one-thread C check on this host: 0.78–1.14 GB/s against 0.71–0.73 GB/s).
+        thread_local! {
+            static BOUNCE: std::cell::Cell<Option<AlignedBuf>> = const { std::cell::Cell::new(None) };
         }
-        // A small file's pages are filled through a buffer and `pwrite` (see `by_syscall`).
-        let mut bounce = Vec::new();
-        let buf = if self.by_syscall(chunk) {
-            bounce.resize(bytes, 0u8);
-            &mut bounce[..]
+        let direct = self.pager.read().io_mode() == crate::pager::IoMode::Direct;
+        let mut bounce = None;
+        let bounced = direct || self.by_syscall(chunk);
+        let buf = if bounced {
+            // Taken out while in use: a pager that reads through this cache re-enters here
+            // on the same thread, and gets a buffer of its own.
+            let fresh = || AlignedBuf::new(bytes, self.res.geo.page_size);
+            let b = bounce.insert(BOUNCE.take().filter(|b| b.len() >= bytes).unwrap_or_else(fresh));
+            &mut b.as_mut()[..bytes]
         } else {
             let at = self.window_at(chunk, memfd, offset)?;
             // SAFETY: the caller holds these pages BUSY, so no one else reads or writes these
@@ -136,62 +149,25 @@ impl Object {
         };
         let sh = self.counters.mine();
         bump(&sh.get_calls, 1);
-        match self.call_pager(PagerOp::GetPages, offset, |p| p.get_pages(offset, buf)) {
-            Ok(Fill::Data) => {
-                bump(&sh.read_bytes, bytes as u64);
-                if offset + bytes as u64 > len {
-                    buf[(len - offset) as usize..].fill(0);
-                }
-                if !bounce.is_empty()
-                    && let Err(e) = memfd.write_at(&bounce, offset)
-                {
-                    let _ = memfd.punch(offset, bytes as u64);
-                    return Err(e);
-                }
-                Ok(())
-            }
-            Ok(Fill::Hole) => Ok(()),
-            Err(e) => {
-                // The pager may have written part of the buffer: free whatever it allocated.
-                let _ = memfd.punch(offset, bytes as u64);
-                Err(e)
-            }
-        }
-    }
-
-    /// `fill_locked` for a pager that reads with `O_DIRECT`: into this thread's page-aligned
-    /// bounce buffer (made once, reused), then `pwrite` into the memfd. Read straight into
-    /// the window, the device's DMA needed the memfd's pages first: a fault per page, each a
-    /// fresh shmem page zeroed (`clear_page`) and pinned (`get_user_pages`) for the transfer,
-    /// and the window's page-table entries that eviction must later zap on every CPU. A
-    /// `pwrite` allocates the page without zeroing it and maps nothing; the copy it makes
-    /// costs less than the zeroing and the faults did (a one-thread C check on this host:
-    /// 0.78–1.14 GB/s against 0.71–0.73 GB/s). => as `fill_locked`, `offset < len`.
-    fn fill_through_bounce(&self, memfd: &Memory, offset: u64, bytes: usize, len: u64) -> Result<()> {
-        thread_local! {
-            static BOUNCE: std::cell::Cell<Option<Bounce>> = const { std::cell::Cell::new(None) };
-        }
-        // Taken out while in use: a pager that reads through this cache re-enters here on
-        // the same thread, and gets a buffer of its own.
-        let mut b = BOUNCE.take().filter(|b| b.len() >= bytes).unwrap_or_else(|| Bounce::new(bytes));
-        let buf = &mut b.as_mut()[..bytes];
-        let sh = self.counters.mine();
-        bump(&sh.get_calls, 1);
         let r = match self.call_pager(PagerOp::GetPages, offset, |p| p.get_pages(offset, buf)) {
             Ok(Fill::Data) => {
                 bump(&sh.read_bytes, bytes as u64);
                 if offset + bytes as u64 > len {
                     buf[(len - offset) as usize..].fill(0);
                 }
-                memfd.write_at(buf, offset).inspect_err(|_| {
-                    let _ = memfd.punch(offset, bytes as u64);
-                })
+                if bounced { memfd.write_at(buf, offset) } else { Ok(()) }
             }
             // Nothing stored there: the memfd's hole reads as zeros.
             Ok(Fill::Hole) => Ok(()),
             Err(e) => Err(e),
         };
-        BOUNCE.set(Some(b));
+        if r.is_err() {
+            // The pager (or the `pwrite`) may have filled part of the memfd: free it.
+            let _ = memfd.punch(offset, bytes as u64);
+        }
+        if let Some(b) = bounce {
+            BOUNCE.set(Some(b));
+        }
         r
     }
 
@@ -372,41 +348,5 @@ impl Object {
 
     pub(crate) fn unpin_range(&self, chunk: &Chunk, first: u64, last: u64) {
         self.unpin_run(chunk, first, last + 1 - first);
-    }
-}
-
-/// A page-aligned buffer for `fill_through_bounce` (direct I/O needs the alignment).
-struct Bounce {
-    ptr: std::ptr::NonNull<u8>,
-    len: usize,
-}
-
-impl Bounce {
-    const ALIGN: usize = 4096;
-
-    fn new(len: usize) -> Bounce {
-        let len = len.next_multiple_of(Self::ALIGN).max(Self::ALIGN);
-        let layout = std::alloc::Layout::from_size_align(len, Self::ALIGN).expect("bounce layout");
-        // SAFETY: the layout's size is not zero. Zeroed: the bytes are read as `u8`s.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr = std::ptr::NonNull::new(ptr).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        Bounce { ptr, len }
-    }
-
-    fn len(&self) -> usize {
-        self.len
-    }
-
-    fn as_mut(&mut self) -> &mut [u8] {
-        // SAFETY: `len` initialized bytes, owned by `self`.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
-    }
-}
-
-impl Drop for Bounce {
-    fn drop(&mut self) {
-        let layout = std::alloc::Layout::from_size_align(self.len, Self::ALIGN).expect("bounce layout");
-        // SAFETY: allocated in `new` with this layout.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
     }
 }

@@ -665,13 +665,13 @@ fn retry(mut f: impl FnMut() -> io::Result<usize>) -> io::Result<usize> {
 
 /// A zeroed heap buffer with a given alignment, for direct transfers from or to unaligned
 /// caller buffers.
-struct AlignedBuf {
+pub(crate) struct AlignedBuf {
     ptr: std::ptr::NonNull<u8>,
     layout: Layout,
 }
 
 impl AlignedBuf {
-    fn new(len: usize, align: usize) -> AlignedBuf {
+    pub(crate) fn new(len: usize, align: usize) -> AlignedBuf {
         let layout = Layout::from_size_align(len.max(1), align).expect("bounce buffer layout");
         // SAFETY: the layout has a nonzero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
@@ -679,11 +679,11 @@ impl AlignedBuf {
         AlignedBuf { ptr, layout }
     }
 
-    fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.layout.size()
     }
 
-    fn as_mut(&mut self) -> &mut [u8] {
+    pub(crate) fn as_mut(&mut self) -> &mut [u8] {
         // SAFETY: `ptr` owns `len` initialised (zeroed) bytes, borrowed mutably through self.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size()) }
     }

@@ -15,6 +15,7 @@ mod inject;
 mod mem;
 
 pub(crate) use file::Access;
+pub(crate) use file::AlignedBuf;
 pub use file::FilePager;
 #[cfg(feature = "testing")]
 pub use inject::{InjectedCounts, InjectingPager, Injector};
