@@ -31,6 +31,15 @@ fn churn(cache: &Cache, dir: &std::path::Path, prefix: &str, n: usize) {
     }
 }
 
+/// What this process's open descriptors of removed files under `dir` point to.
+fn open_removed_under(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|l| l.starts_with(dir) && l.to_string_lossy().ends_with("(deleted)"))
+        .collect()
+}
+
 fn cache() -> Cache {
     // No read-ahead: each test's reads are the pager calls it counts on.
     Cache::builder().budget(64 << 20).max_cached_files(100_000).readahead(0, 0).build().unwrap()
@@ -119,14 +128,7 @@ fn removed_files_keep_working_through_their_handles() {
     host_fds::set_limit(1);
     let dir = tempfile::tempdir().unwrap();
     let cache = cache();
-    let deleted = || {
-        std::fs::read_dir("/proc/self/fd")
-            .unwrap()
-            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
-            .filter(|l| l.to_string_lossy().contains(dir.path().to_str().unwrap()))
-            .filter(|l| l.to_string_lossy().ends_with("(deleted)"))
-            .count()
-    };
+    let deleted = || open_removed_under(dir.path()).len();
     // Parked, then kept open (reopened by handle) and removed.
     let a = cache.create_path(dir.path().join("a")).unwrap();
     a.write_at(&pattern(1, 0, 50_000), 0).unwrap();
@@ -261,11 +263,7 @@ fn a_forgotten_unsynced_file_keeps_no_descriptor_and_is_synced_by_its_file_syste
     assert_eq!(cache.stats().objects, 0, "the cache forgot the file");
     assert_eq!(std::fs::read(&path).unwrap(), pattern(4, 0, 20_000), "its bytes are in the file");
     std::fs::remove_file(&path).unwrap();
-    let open: Vec<_> = std::fs::read_dir("/proc/self/fd")
-        .unwrap()
-        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
-        .filter(|l| l.to_string_lossy().contains("/gone"))
-        .collect();
+    let open = open_removed_under(dir.path());
     assert!(open.is_empty(), "a descriptor of the removed file is still open: {open:?}");
     cache.sync_all().unwrap();
 }

@@ -174,8 +174,8 @@ pub(crate) struct Object {
     /// When the object last went from clean to dirty (flusher clock, ms; see writeback.rs).
     dirtied_at: AtomicU64,
     /// The store may hold something its last successful sync did not make durable, or
-    /// differ in length from ours with no page dirty: set before and after every call that
-    /// changes the store, when the length changes, and for a writable pager at the start
+    /// differ in length from ours with no page dirty: set after every call that changes
+    /// the store (and by a writeback before it counts its pages out), when the length grows, and for a writable pager at the start
     /// (the first sync always goes to the pager); cleared as a sync hands over to the
     /// pager's own (see `writeback.rs`, "Syncing what changed").
     unsynced: AtomicBool,
@@ -354,14 +354,11 @@ impl Object {
     fn call_pager<T>(&self, op: PagerOp, offset: u64, f: impl FnOnce(&dyn Pager) -> std::io::Result<T>) -> Result<T> {
         let pager = self.pager();
         let _in = crate::pager::PagerScope::enter(self.depth());
-        // A change to the store is news to the next sync: before (a sync looking while it
-        // runs) and after (a sync that cleared the mark while it ran had not waited for it).
-        let changes = op.changes_store();
-        if changes {
-            self.mark_unsynced();
-        }
         let r = f(&*pager).map_err(|e| self.io_err(op, offset, e));
-        if changes {
+        if op.changes_store() {
+            // News to the next sync, marked once the change is made: a sync that cleared the
+            // mark meanwhile syncs the pager after clearing it, so it covers the change too.
+            // (A writeback also marks before it counts its pages out: `write_run`.)
             self.mark_unsynced();
         }
         r

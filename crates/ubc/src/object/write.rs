@@ -194,9 +194,7 @@ impl Object {
             }
             // Extend the file before the page is published (released): once published it
             // may be written back and evicted, and writeback clips at the length.
-            if self.len.fetch_max(to, SeqCst) < to {
-                self.unsynced.store(true, SeqCst);
-            }
+            self.grow_to(to);
             held = Some(h);
             pos = to;
         }
@@ -262,9 +260,7 @@ impl Object {
     /// Publish the pages of a writable window and extend the file to `to`.
     pub(crate) fn unlock_range_written(&self, chunk: &Chunk, from: u64, to: u64) {
         let ps = self.ps();
-        if self.len.fetch_max(to, SeqCst) < to {
-            self.unsynced.store(true, SeqCst);
-        }
+        self.grow_to(to);
         for page in from >> ps..=(to - 1) >> ps {
             let (_, slot) = self.locate(page);
             let st = &chunk.pages[slot];

@@ -258,7 +258,7 @@ impl Object {
     ///
     /// Why it cannot miss a change: a page is counted dirty before it is seen dirty, and
     /// the object is marked unsynced before a writeback counts its pages out (`write_run`)
-    /// and before and after any call that changes the store (`call_pager`); the mark is
+    /// and after any call that changes the store (`call_pager`); the mark is
     /// cleared ([`Object::begin_pager_sync`]) only once everything stored so far is in the
     /// store, just before the pager's sync, and set again if that sync fails.
     pub(crate) fn needs_sync(&self) -> bool {
@@ -275,6 +275,14 @@ impl Object {
     /// the change, which the caller made before marking or marks again after making.
     pub(crate) fn mark_unsynced(&self) {
         if !self.unsynced.load(SeqCst) {
+            self.unsynced.store(true, SeqCst);
+        }
+    }
+
+    /// A write extends the file to `to` if it ends past it; a length the store has not
+    /// seen is news to the next sync (marked unconditionally: see `mark_unsynced`).
+    pub(crate) fn grow_to(&self, to: u64) {
+        if self.len.fetch_max(to, SeqCst) < to {
             self.unsynced.store(true, SeqCst);
         }
     }
