@@ -648,10 +648,9 @@ impl CacheCore {
     /// [`crate::File::sync`] does, in no particular order between objects (a layer's object
     /// and the one below it), as before.
     fn sync_all(&self) -> Result<()> {
-        // Held one at a time, as each is worked on (`holders.rs`): an object that leaves
-        // the cache meanwhile has nothing to sync.
-        // Only those with something to sync (`Object::needs_sync`): a cache of files
-        // synced before (or never written) neither starts helpers nor syncs a file system.
+        // Only those with something to sync (`Object::needs_sync`): a cache of files synced
+        // before (or never written) neither starts helpers nor syncs a file system. Held one
+        // at a time, as each is worked on (`holders.rs`).
         let objects = self.listed(|o| o.needs_sync());
         if objects.is_empty() && self.unsynced_domains.lock().is_empty() {
             return Ok(());
@@ -685,18 +684,22 @@ impl CacheCore {
             } else if let Err(e) = o.sync_up_to_pager() {
                 failed[i].store(true, Relaxed);
                 note(Err(e));
-            } else {
-                // Its pager's sync is the `syncfs` below, or its own if that fails.
-                o.begin_pager_sync();
             }
         });
         let ok = |i: usize| !failed[i].load(Relaxed);
-        // Taken now: objects forgotten from here on are the next sync's.
-        let forgotten = std::mem::take(&mut *self.unsynced_domains.lock());
         let mut synced_fs = Vec::new();
         for (&d, members) in &domains {
-            // Any member still cached leads: a `syncfs` covers the members gone meanwhile.
-            let Some(lead) = members.iter().filter(|&&i| ok(i)).find_map(|&i| objects[i].hold()) else { continue };
+            // Each member's mark cleared just before the `syncfs` that covers it (its
+            // pager's sync), and the first still cached leads. A member forgotten before its
+            // mark is cleared keeps it, so its file system is among the forgotten ones below.
+            let mut lead = None;
+            for &i in members.iter().filter(|&&i| ok(i)) {
+                if let Some(o) = objects[i].hold() {
+                    o.begin_pager_sync();
+                    lead.get_or_insert(o);
+                }
+            }
+            let Some(lead) = lead else { continue };
             if lead.pager_sync_fs().is_ok() {
                 synced_fs.push(d);
             } else {
@@ -709,7 +712,9 @@ impl CacheCore {
             }
         }
         // File systems that forgotten objects' stores changed (`remember_unsynced`): a `syncfs`
-        // each, unless one was synced above; kept for the next sync if it fails.
+        // each, unless one was synced above; kept for the next sync if it fails. Taken only
+        // now, after the members' marks were cleared: a member forgotten before that is here.
+        let forgotten = std::mem::take(&mut *self.unsynced_domains.lock());
         for (d, syncer) in forgotten {
             if synced_fs.contains(&d) {
                 continue;
