@@ -677,10 +677,23 @@ impl CacheCore {
         // reports it, without the pager's sync); they do not lead the syncfs below, nor
         // are they synced again if it fails.
         let failed: Vec<std::sync::atomic::AtomicBool> = objects.iter().map(|_| false.into()).collect();
+        // A grouped small file is written with unstable writes (`writeback.rs`, "Unstable
+        // writes"): its hold is kept here until the `syncfs` that commits them has returned.
+        let unstable: Vec<Mutex<Option<WorkHold>>> = objects.iter().map(|_| Mutex::new(None)).collect();
         run_workers(objects.len(), &|i| {
             let Some(o) = objects[i].hold() else { return };
             if !grouped[i] {
                 note(o.sync());
+            } else if o.takes_unstable() {
+                o.begin_unstable();
+                match o.sync_up_to_pager_unstable() {
+                    Ok(()) => *unstable[i].lock() = Some(o),
+                    Err(e) => {
+                        o.end_unstable(false);
+                        failed[i].store(true, Relaxed);
+                        note(Err(e));
+                    }
+                }
             } else if let Err(e) = o.sync_up_to_pager() {
                 failed[i].store(true, Relaxed);
                 note(Err(e));
@@ -692,22 +705,36 @@ impl CacheCore {
             // Each member's mark cleared just before the `syncfs` that covers it (its
             // pager's sync), and the first still cached leads. A member forgotten before its
             // mark is cleared keeps it, so its file system is among the forgotten ones below.
-            let mut lead = None;
+            // A member with unstable writes is held since its writeback (never forgotten).
+            let mut held: Vec<(WorkHold, bool)> = Vec::with_capacity(members.len());
             for &i in members.iter().filter(|&&i| ok(i)) {
-                if let Some(o) = objects[i].hold() {
+                let (o, u) = match unstable[i].lock().take() {
+                    Some(o) => (Some(o), true),
+                    None => (objects[i].hold(), false),
+                };
+                if let Some(o) = o {
                     o.begin_pager_sync();
-                    lead.get_or_insert(o);
+                    held.push((o, u));
                 }
             }
-            let Some(lead) = lead else { continue };
+            let Some((lead, _)) = held.first() else { continue };
             if lead.pager_sync_fs().is_ok() {
                 synced_fs.push(d);
-            } else {
-                // Find out whose data it was: each pager's own sync records its error.
-                run_workers(members.len(), &|k| {
-                    if let Some(o) = objects[members[k]].hold().filter(|_| ok(members[k])) {
-                        note(o.pager_sync());
+                run_workers(held.len(), &|k| {
+                    if let (o, true) = &held[k] {
+                        o.end_unstable(true);
                     }
+                });
+            } else {
+                // Find out whose data it was: each pager's own sync records its error, and
+                // an unstable write that it does not make durable is written again.
+                run_workers(held.len(), &|k| {
+                    let (o, u) = &held[k];
+                    let r = o.pager_sync();
+                    if *u {
+                        o.end_unstable(r.is_ok());
+                    }
+                    note(r);
                 });
             }
         }

@@ -446,3 +446,51 @@ fn concurrent_direct_transfers() {
         assert_same(&disk[t * PER..(t + 1) * PER], &pattern(103 + t as u64, (t * PER) as u64, PER), "final contents");
     }
 }
+
+/// `Cache::sync_all` of many small host files writes them with unstable writes — into the
+/// kernel's page cache, then one `syncfs` (`writeback.rs`, "Unstable writes") — and then
+/// drops the kernel's copy: afterwards the files hold exactly what was written (lengths
+/// not page multiples among them), none of their pages is left in the kernel's cache, and
+/// their descriptors are back in direct mode (a later direct transfer works).
+#[test]
+fn sync_all_of_small_files_leaves_their_bytes_on_disk_and_no_kernel_copy() {
+    let dir = disk_dir();
+    if !direct_works(dir.path(), "sync_all_of_small_files_leaves_their_bytes_on_disk_and_no_kernel_copy") {
+        return;
+    }
+    let cache = Cache::builder().budget(16 << 20).build().unwrap();
+    let n = 40;
+    let len = |i: usize| 1000 + i * 1500; // 1,000 to 59,500 bytes
+    let files: Vec<ubc::File> = (0..n)
+        .map(|i| {
+            let f = cache.create_path(dir.path().join(format!("s{i}"))).unwrap();
+            f.write_at(&pattern(i as u64, 0, len(i)), 0).unwrap();
+            f
+        })
+        .collect();
+    cache.sync_all().unwrap();
+    for i in 0..n {
+        let path = dir.path().join(format!("s{i}"));
+        assert_same(&std::fs::read(&path).unwrap(), &pattern(i as u64, 0, len(i)), "the host file after sync_all");
+        // `std::fs::read` above went through the kernel's cache: drop what it read, then
+        // look again at what sync_all left.
+        let h = std::fs::File::open(&path).unwrap();
+        let _ = rustix::fs::fadvise(&h, 0, None, rustix::fs::Advice::DontNeed);
+    }
+    // Written again, synced again: the check of what is resident comes before any read.
+    for (i, f) in files.iter().enumerate() {
+        f.write_at(&pattern(100 + i as u64, 0, 700), 300).unwrap();
+    }
+    cache.sync_all().unwrap();
+    let held: Vec<(usize, usize)> =
+        (0..n).map(|i| residency(&dir.path().join(format!("s{i}")))).filter(|&(r, _)| r > 0).collect();
+    assert!(held.is_empty(), "pages left in the kernel's cache after sync_all: {held:?}");
+    for (i, f) in files.iter().enumerate() {
+        let mut want = pattern(i as u64, 0, len(i));
+        want[300..1000].copy_from_slice(&pattern(100 + i as u64, 0, 700));
+        assert_same(&std::fs::read(dir.path().join(format!("s{i}"))).unwrap(), &want, "the host file, second sync");
+        assert_eq!(f.stats().io_mode, IoMode::Direct, "file {i} is still in direct mode");
+        f.drop_clean(0..u64::MAX).unwrap();
+        assert_same(&read_all(f), &want, "read back through the cache (a direct read)");
+    }
+}

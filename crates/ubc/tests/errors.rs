@@ -523,3 +523,220 @@ fn sync_all_syncs_the_file_system_of_a_file_forgotten_before_its_sync() {
     drop(f);
     assert_eq!(Arc::strong_count(&pagers[0]), 1, "nor kept: the test holds the only reference to its pager");
 }
+
+/// A file on a shared file system that takes unstable writes as a host file does through
+/// the kernel's page cache: `put_pages_unstable` changes what readers of the store see at
+/// once, but it becomes durable only at the next `sync_fs` (or `sync`); a `sync_fs` that
+/// fails loses it — the store reads back what was durable — and the file's own next
+/// `sync` reports that once (the kernel's per-file writeback error, `errseq`).
+struct PageCacheModel {
+    /// What readers of the store see.
+    visible: MemPager,
+    /// What a crash would leave.
+    durable: parking_lot::Mutex<Vec<u8>>,
+    /// Unstable writes not yet made durable, and a lost one not yet reported.
+    pending: std::sync::atomic::AtomicBool,
+    lost: std::sync::atomic::AtomicBool,
+    committed: std::sync::atomic::AtomicU64,
+    fs: Arc<ModelFs>,
+}
+
+/// The file system of [`PageCacheModel`] files: its `syncfs` fails on cue, and can be held
+/// (it waits at `gate` twice: once when it starts, once before it returns).
+#[derive(Default)]
+struct ModelFs {
+    files: parking_lot::Mutex<Vec<std::sync::Weak<PageCacheModel>>>,
+    fail: std::sync::atomic::AtomicBool,
+    syncs: std::sync::atomic::AtomicU64,
+    gate: parking_lot::Mutex<Option<Arc<std::sync::Barrier>>>,
+}
+
+impl ModelFs {
+    fn syncfs(&self) -> std::io::Result<()> {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.syncs.fetch_add(1, SeqCst);
+        let gate = self.gate.lock().clone();
+        if let Some(g) = &gate {
+            g.wait();
+            g.wait();
+        }
+        let fail = self.fail.load(SeqCst);
+        for f in self.files.lock().iter().filter_map(|f| f.upgrade()) {
+            f.settle(fail);
+        }
+        if fail { Err(std::io::Error::from_raw_os_error(libc::EIO)) } else { Ok(()) }
+    }
+}
+
+impl PageCacheModel {
+    fn new(fs: &Arc<ModelFs>) -> Arc<PageCacheModel> {
+        let f = Arc::new(PageCacheModel {
+            visible: MemPager::new(),
+            durable: Default::default(),
+            pending: false.into(),
+            lost: false.into(),
+            committed: 0.into(),
+            fs: fs.clone(),
+        });
+        fs.files.lock().push(Arc::downgrade(&f));
+        f
+    }
+
+    /// Write back: the pending writes become durable, or are lost (and remembered as lost).
+    fn settle(&self, fail: bool) {
+        use std::sync::atomic::Ordering::SeqCst;
+        if !self.pending.swap(false, SeqCst) {
+            return;
+        }
+        let mut durable = self.durable.lock();
+        if fail {
+            self.visible.set_len(0).unwrap();
+            self.visible.put_pages(0, &durable).unwrap();
+            self.lost.store(true, SeqCst);
+        } else {
+            *durable = store_contents(&self.visible);
+        }
+    }
+}
+
+impl Pager for PageCacheModel {
+    fn get_pages(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<ubc::Fill> {
+        self.visible.get_pages(offset, buf)
+    }
+    fn put_pages(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        self.visible.put_pages(offset, data)?;
+        self.pending.store(true, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+    fn put_pages_unstable(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        self.put_pages(offset, data)
+    }
+    fn committed(&self) {
+        self.committed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+    fn len(&self) -> std::io::Result<u64> {
+        self.visible.len()
+    }
+    fn set_len(&self, len: u64) -> std::io::Result<()> {
+        self.visible.set_len(len)?;
+        self.pending.store(true, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+    fn sync(&self) -> std::io::Result<()> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if self.lost.swap(false, SeqCst) {
+            return Err(std::io::Error::from_raw_os_error(libc::EIO));
+        }
+        self.settle(false);
+        Ok(())
+    }
+    fn sync_domain(&self) -> Option<u64> {
+        Some(11)
+    }
+    fn sync_fs(&self) -> std::io::Result<()> {
+        self.fs.syncfs()
+    }
+    fn describe(&self) -> String {
+        "a file written through a modelled page cache".into()
+    }
+}
+
+fn model_files(cache: &Cache, n: usize) -> (Vec<ubc::File>, Vec<Arc<PageCacheModel>>, Arc<ModelFs>) {
+    let fs = Arc::new(ModelFs::default());
+    let pagers: Vec<Arc<PageCacheModel>> = (0..n).map(|_| PageCacheModel::new(&fs)).collect();
+    let files = pagers.iter().map(|p| cache.open(p.clone(), Access::ReadWrite).unwrap()).collect();
+    (files, pagers, fs)
+}
+
+/// `Cache::sync_all` writes small files of one file system with unstable writes and one
+/// `syncfs` (`writeback.rs`, "Unstable writes"). A `syncfs` that fails may have lost them:
+/// the files whose data was lost hear of it, their pages are dirty again, and the next
+/// `sync_all` stores and commits them — nothing is lost. (Without the pages made dirty
+/// again, the second `sync_all` found nothing to write and the durable copy kept the old
+/// bytes.)
+#[test]
+fn sync_all_writes_again_what_a_failed_syncfs_lost_of_its_unstable_writes() {
+    let cache = small_cache(8 << 20);
+    let (files, pagers, fs) = model_files(&cache, 20);
+    for (i, f) in files.iter().enumerate() {
+        f.write_at(&pattern(i as u64, 0, 5000), 0).unwrap();
+    }
+    cache.sync_all().unwrap();
+    assert_eq!(fs.syncs.load(std::sync::atomic::Ordering::SeqCst), 1, "one syncfs for 20 files");
+    for (i, p) in pagers.iter().enumerate() {
+        assert_same(&p.durable.lock(), &pattern(i as u64, 0, 5000), "durable after sync_all");
+        assert_eq!(p.committed.load(std::sync::atomic::Ordering::SeqCst), 1, "file {i} was told of its commit");
+    }
+
+    for (i, f) in files.iter().enumerate() {
+        f.write_at(&pattern(50 + i as u64, 0, 3000), 1000).unwrap();
+    }
+    fs.fail.store(true, std::sync::atomic::Ordering::SeqCst);
+    let err = cache.sync_all().unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    fs.fail.store(false, std::sync::atomic::Ordering::SeqCst);
+    for (i, p) in pagers.iter().enumerate() {
+        assert_eq!(p.committed.load(std::sync::atomic::Ordering::SeqCst), 1, "file {i}: nothing committed");
+    }
+    let want = |i: usize| {
+        let mut w = pattern(i as u64, 0, 5000);
+        w[1000..4000].copy_from_slice(&pattern(50 + i as u64, 0, 3000));
+        w
+    };
+    for (i, f) in files.iter().enumerate() {
+        let mut back = vec![0u8; 5000];
+        f.read_exact_at(&mut back, 0).unwrap();
+        assert_same(&back, &want(i), "the cache still holds what was written");
+    }
+    // The next sync_all writes everything again (unstable, and commits it).
+    cache.sync_all().unwrap();
+    for (i, p) in pagers.iter().enumerate() {
+        assert_same(&p.durable.lock(), &want(i), "durable after the failed sync_all and the next");
+        assert_eq!(p.committed.load(std::sync::atomic::Ordering::SeqCst), 2, "file {i} committed again");
+    }
+    // Each file's handles hear of the failed sync once, as after any failed pager sync.
+    for f in &files {
+        assert!(is_lost(f.sync(), libc::EIO), "the failed sync is reported to the file's handles");
+        f.sync().unwrap();
+    }
+}
+
+/// While a `sync_all`'s unstable writes wait for their `syncfs`, the pages they stored are
+/// clean but may still be lost: eviction must keep them. Here the `syncfs` is held while
+/// the files' clean pages are dropped, then fails: had the pages gone, they would be read
+/// back from the store — the old bytes — and the new ones lost for good.
+#[test]
+fn pages_written_unstable_are_not_evicted_before_their_syncfs() {
+    let cache = small_cache(8 << 20);
+    let (files, pagers, fs) = model_files(&cache, 20);
+    for (i, f) in files.iter().enumerate() {
+        f.write_at(&pattern(i as u64, 0, 9000), 0).unwrap();
+    }
+    cache.sync_all().unwrap();
+    for (i, f) in files.iter().enumerate() {
+        f.write_at(&pattern(70 + i as u64, 0, 9000), 0).unwrap();
+    }
+    let gate = Arc::new(std::sync::Barrier::new(2));
+    *fs.gate.lock() = Some(gate.clone());
+    fs.fail.store(true, std::sync::atomic::Ordering::SeqCst);
+    std::thread::scope(|s| {
+        let syncer = s.spawn(|| cache.sync_all());
+        gate.wait(); // the syncfs started: every file was written back, unstable
+        for f in &files {
+            f.drop_clean(0..u64::MAX).unwrap();
+        }
+        gate.wait();
+        assert!(syncer.join().unwrap().is_err(), "the syncfs failed");
+    });
+    *fs.gate.lock() = None;
+    fs.fail.store(false, std::sync::atomic::Ordering::SeqCst);
+    for (i, f) in files.iter().enumerate() {
+        let mut back = vec![0u8; 9000];
+        f.read_exact_at(&mut back, 0).unwrap();
+        assert_same(&back, &pattern(70 + i as u64, 0, 9000), "read back after the failed syncfs");
+    }
+    cache.sync_all().unwrap();
+    for (i, p) in pagers.iter().enumerate() {
+        assert_same(&p.durable.lock(), &pattern(70 + i as u64, 0, 9000), "durable at last");
+    }
+}

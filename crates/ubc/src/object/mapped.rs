@@ -18,6 +18,19 @@ impl Object {
     /// ones that were clean. They took no unclean slot: the stores happened already, so the
     /// dirty limit cannot hold them back; the flusher is kicked if they pass the threshold.
     pub(super) fn mark_found_dirty(&self, found: &[u64]) -> u64 {
+        let n = self.redirty(found);
+        if n > 0
+            && let Some(svc) = self.res.maps.get()
+        {
+            svc.scan_dirty.fetch_add(n, Relaxed);
+        }
+        n
+    }
+
+    /// Mark the clean pages among `found` dirty, counted as `mark_found_dirty` says (also
+    /// for pages whose stored copy was lost: `end_unstable`). Returns how many this made
+    /// dirty.
+    pub(super) fn redirty(&self, found: &[u64]) -> u64 {
         // Counted dirty and unclean before they are marked: from `mark_dirty` on, a
         // writeback may clean them and count them out (see `dirty`). Pages dirty already
         // need nothing (the store happened before this look, so their coming writeback
@@ -41,11 +54,6 @@ impl Object {
             for _ in n..k {
                 self.res.dirty.unreserve();
             }
-        }
-        if n > 0
-            && let Some(svc) = self.res.maps.get()
-        {
-            svc.scan_dirty.fetch_add(n, Relaxed);
         }
         n
     }

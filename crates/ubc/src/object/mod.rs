@@ -179,6 +179,10 @@ pub(crate) struct Object {
     /// (the first sync always goes to the pager); cleared as a sync hands over to the
     /// pager's own (see `writeback.rs`, "Syncing what changed").
     unsynced: AtomicBool,
+    /// Passes of `Cache::sync_all` whose unstable writes of this object wait for their
+    /// file system's sync (see `writeback.rs`, "Unstable writes"): while any does, no page
+    /// of the object is evicted.
+    uncommitted: AtomicU32,
     pub(crate) counters: Counters,
     /// The registry key this object is filed under.
     pub(crate) key: ObjectKey,
@@ -225,6 +229,7 @@ impl Object {
             dirty: AtomicU64::new(0),
             dirtied_at: AtomicU64::new(0),
             unsynced: AtomicBool::new(writable),
+            uncommitted: AtomicU32::new(0),
             counters: Counters::default(),
             maps: RwLock::new(MapList::default()),
             nmaps: AtomicU32::new(0),

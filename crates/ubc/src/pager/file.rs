@@ -118,6 +118,9 @@ pub struct FilePager {
     reopenable: bool,
     path: Box<Path>,
     access: Access,
+    /// Held while `put_pages_unstable` has `O_DIRECT` cleared on `file` (one at a time, so
+    /// that one cannot set it again under another's buffered write).
+    unstable: parking_lot::Mutex<()>,
 }
 
 /// Alignment required by direct I/O: powers of two, kept as their logarithms (every cached
@@ -256,6 +259,7 @@ impl FilePager {
             reopenable,
             path: path.into(),
             access,
+            unstable: parking_lot::Mutex::new(()),
         }
     }
 
@@ -463,6 +467,37 @@ impl Pager for FilePager {
                 Err(e) => self.after_refusal(e, || self.write_buffered(offset, data)),
             },
             None => self.write_buffered(offset, data),
+        }
+    }
+
+    /// In direct mode, a buffered write through the pager's own descriptor, `O_DIRECT`
+    /// cleared for it (`F_SETFL`; three `fcntl`s cost less than opening a buffered
+    /// descriptor), not written out nor dropped: the domain's `syncfs` writes it, and
+    /// `committed` drops the kernel's copy. A transfer of another thread through the same
+    /// descriptor meanwhile is buffered too, which is correct in either direction (only
+    /// alignment differs) and leaves a copy that `committed` or the next `sync` drops.
+    fn put_pages_unstable(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        if self.direct_io().is_none() {
+            return self.put_pages(offset, data);
+        }
+        let f = self.file.get()?;
+        let _one = self.unstable.lock();
+        let flags = rustix::fs::fcntl_getfl(&*f)?;
+        rustix::fs::fcntl_setfl(&*f, flags - OFlags::DIRECT)?;
+        let r = f.write_all_at(data, offset);
+        if rustix::fs::fcntl_setfl(&*f, flags).is_err() {
+            // Cannot happen on an open descriptor; if it did, the descriptor stays
+            // buffered, and buffered mode is what then keeps the page cache clean.
+            self.direct_on.store(false, Relaxed);
+        }
+        r
+    }
+
+    fn committed(&self) {
+        if self.direct_io().is_some()
+            && let Ok(f) = self.file.get()
+        {
+            let _ = rustix::fs::fadvise(&*f, 0, None, Advice::DontNeed);
         }
     }
 

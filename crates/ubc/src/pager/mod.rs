@@ -78,6 +78,29 @@ pub trait Pager: Send + Sync + 'static {
     /// Extends the store if it ends before `offset + data.len()`.
     fn put_pages(&self, offset: u64, data: &[u8]) -> io::Result<()>;
 
+    /// NFS's `UNSTABLE` write (RFC 1813, 3.3.7): store `data` at `offset` as
+    /// [`Pager::put_pages`] does, except that the store need not have it durable, nor even
+    /// kept safe, before the next [`Pager::sync_fs`] of its [`Pager::sync_domain`] returns:
+    /// a `sync_fs` that fails may have lost it. [`crate::Cache::sync_all`] uses it for the
+    /// small files of a file system it syncs at once: a host file is written into the
+    /// kernel's page cache without waiting, and the `syncfs` then writes all of them as the
+    /// kernel writes its own dirty files (allocated together, merged into large requests),
+    /// where a direct write per file is one request to the device each.
+    ///
+    /// The cache calls it only on a store that answers a sync domain, only from `sync_all`,
+    /// and like NFS's client until the `COMMIT`: it keeps the pages so stored (not
+    /// evictable, though clean) until that `sync_fs` has returned, marks them dirty again if
+    /// it failed, and calls [`Pager::committed`] if it did not. Default: `put_pages`.
+    fn put_pages_unstable(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        self.put_pages(offset, data)
+    }
+
+    /// The `sync_fs` that covered this store's [`Pager::put_pages_unstable`] calls returned
+    /// `Ok` (or, after a failed one, this store's own `sync` did): what those calls left
+    /// aside may go. A host file drops the kernel's copy of the file here (a direct
+    /// `put_pages` leaves none). Default: nothing.
+    fn committed(&self) {}
+
     /// Current length of the stored file in bytes.
     fn len(&self) -> io::Result<u64>;
 
