@@ -102,7 +102,7 @@ impl Object {
         }
         self.table.for_each(from >> cs, ((to - 1) >> cs) + 1, |chunk| {
             let base = chunk.index << cs;
-            let taken: Vec<u64> = (0..chunk.pages.len())
+            let taken: Vec<u64> = (0..chunk.pages.made_end())
                 .filter(|&i| {
                     (from..to).contains(&(base + i as u64))
                         && chunk.pages.get(i).is_some_and(|s| s.try_lock_for_evict())

@@ -107,7 +107,7 @@ impl Object {
         self.table.for_each(from >> cs, (to >> cs).saturating_add(1), |chunk| {
             let base = chunk.index << cs;
             let lo = from.max(base);
-            let hi = to.min(base + (1 << cs));
+            let hi = to.min(base + chunk.pages.made_end() as u64);
             if lo >= hi {
                 return;
             }

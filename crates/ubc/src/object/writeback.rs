@@ -95,7 +95,7 @@ impl Object {
         self.table.for_each(from >> cs, (scan_to >> cs).saturating_add(1), |chunk| {
             let base = chunk.index << cs;
             let lo = from.max(base);
-            let hi = scan_to.min(base + (1 << cs));
+            let hi = scan_to.min(base + chunk.pages.made_end() as u64);
             let unit_hi = to.min(base + (1 << cs));
             let mut p = lo;
             while p < hi {
@@ -381,7 +381,7 @@ impl Object {
             let mut clean = Vec::new();
             self.table.for_each(0, (end >> cs) + 1, |chunk| {
                 let base = chunk.index << cs;
-                for p in base..end.min(base + chunk.pages.len() as u64) {
+                for p in base..end.min(base + chunk.pages.made_end() as u64) {
                     if chunk.pages.get((p - base) as usize).is_some_and(|st| st.snapshot().clean()) {
                         clean.push(p);
                     }

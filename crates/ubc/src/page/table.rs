@@ -192,6 +192,20 @@ impl Pages {
         self.len
     }
 
+    /// One past the last page whose group is made: the pages from there on are EMPTY, and
+    /// a scan of the chunk stops there (a one-page file's chunk has 512 slots; looking at
+    /// each was a visible share of creating and dropping a small file). A group made after
+    /// this is read is one a scan reaching it a little later could have found absent too.
+    pub(crate) fn made_end(&self) -> usize {
+        if !self.rest.load(Acquire).is_null() {
+            self.len
+        } else if Group::loaded(&self.second).is_some() {
+            self.len.min(GROUP)
+        } else {
+            self.len.min(HEAD)
+        }
+    }
+
     /// Page `i`'s state word and policy slot; its group made if `make`, else `None` when
     /// the group was never made.
     #[inline]
