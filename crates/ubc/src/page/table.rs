@@ -187,8 +187,9 @@ impl Pages {
         (0..self.rest_len()).map_while(|gi| self.rest_slot(gi))
     }
 
-    /// Pages in the chunk.
-    pub(crate) fn len(&self) -> usize {
+    /// Pages in the chunk (for tests: scans stop at `made_end`).
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.len
     }
 
