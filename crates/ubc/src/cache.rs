@@ -864,7 +864,9 @@ impl Cache {
 
     /// The cached object `pager` serves, made if there is none, with one more handle
     /// counted on it: the cache's half of opening a file (see `Cache::open`).
-    pub(crate) fn attach(&self, pager: Arc<dyn Pager>) -> Result<Arc<Object>> {
+    /// `len`: the store's length, if the caller just learned it (a new object then does
+    /// not ask the pager).
+    pub(crate) fn attach(&self, pager: Arc<dyn Pager>, len: Option<u64>) -> Result<Arc<Object>> {
         let core = self.core();
         let key = ObjectKey::of(&pager);
         // Look for a cached object with the same key first; create a new one outside the
@@ -874,7 +876,7 @@ impl Cache {
             return Ok(o);
         }
         let id = core.next_id.fetch_add(1, Relaxed);
-        let fresh = Object::new(id, core.res.clone(), pager.clone(), key.clone())?;
+        let fresh = Object::new(id, core.res.clone(), pager.clone(), key.clone(), len)?;
         let mut reg = core.registry.write();
         let existing = reg.by_identity.get(&key, &reg.by_id);
         Ok(match existing.and_then(|id| reg.by_id.get(id).cloned()) {

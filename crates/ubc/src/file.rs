@@ -33,25 +33,32 @@ impl Cache {
     /// object (one copy of each page); so do two opens of the same pager instance. The handle is writable if `access` asks for it; a
     /// read-only pager makes that an error.
     pub fn open(&self, pager: Arc<dyn Pager>, access: Access) -> Result<File> {
+        self.open_with_len(pager, access, None)
+    }
+
+    /// `open`, with the store's length if the caller just learned it.
+    fn open_with_len(&self, pager: Arc<dyn Pager>, access: Access, len: Option<u64>) -> Result<File> {
         if access == Access::ReadWrite && !pager.is_writable() {
             return Err(Error::ReadOnly);
         }
-        let obj = self.attach(pager)?;
+        let obj = self.attach(pager, len)?;
         Ok(File::new(obj, self.clone(), access))
     }
 
     /// Open an existing host file through a [`FilePager`].
     pub fn open_path(&self, path: impl AsRef<Path>, access: Access) -> Result<File> {
         let path = path.as_ref();
-        let pager = FilePager::open(path, access).map_err(|e| open_err(path, e))?;
-        self.open(Arc::new(pager), access)
+        let (pager, len) =
+            FilePager::open_with_len(path, access, rustix::fs::OFlags::empty()).map_err(|e| open_err(path, e))?;
+        self.open_with_len(Arc::new(pager), access, len)
     }
 
     /// Open a host file read-write, creating it if needed.
     pub fn create_path(&self, path: impl AsRef<Path>) -> Result<File> {
         let path = path.as_ref();
-        let pager = FilePager::create(path).map_err(|e| open_err(path, e))?;
-        self.open(Arc::new(pager), Access::ReadWrite)
+        let (pager, len) = FilePager::open_with_len(path, Access::ReadWrite, rustix::fs::OFlags::CREATE)
+            .map_err(|e| open_err(path, e))?;
+        self.open_with_len(Arc::new(pager), Access::ReadWrite, len)
     }
 }
 

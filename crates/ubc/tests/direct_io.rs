@@ -494,3 +494,29 @@ fn sync_all_of_small_files_leaves_their_bytes_on_disk_and_no_kernel_copy() {
         assert_same(&read_all(f), &want, "read back through the cache (a direct read)");
     }
 }
+
+/// Whether a file is on tmpfs is remembered per mount (its unique id, asked in the open's
+/// `statx`) instead of an `fstatfs` at every open: files of a tmpfs and of the disk opened
+/// in turn, by `FilePager` and through the cache (which also takes the file's length from
+/// that `statx`), each get their own file system's mode and their true length.
+#[test]
+fn files_of_two_file_systems_opened_in_turn_each_get_their_own_mode() {
+    let disk = disk_dir();
+    if !Path::new("/dev/shm").is_dir() || !direct_works(disk.path(), "files_of_two_file_systems_opened_in_turn") {
+        return;
+    }
+    let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+    let cache = Cache::builder().budget(4 << 20).build().unwrap();
+    for round in 0..3 {
+        for (dir, mode) in [(disk.path(), IoMode::Direct), (shm.path(), IoMode::Buffered)] {
+            let path = dir.join(format!("f{round}"));
+            std::fs::write(&path, pattern(round, 0, 5000 + round as usize)).unwrap();
+            assert_eq!(FilePager::open(&path, Access::ReadOnly).unwrap().io_mode(), mode, "{}", path.display());
+            let f = cache.open_path(&path, Access::ReadWrite).unwrap();
+            assert_eq!(f.stats().io_mode, mode, "{}", path.display());
+            assert_eq!(f.len().unwrap(), 5000 + round, "the length learned at open");
+            let c = cache.create_path(dir.join(format!("new{round}"))).unwrap();
+            assert_eq!((c.stats().io_mode, c.len().unwrap()), (mode, 0));
+        }
+    }
+}

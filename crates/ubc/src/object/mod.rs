@@ -206,9 +206,24 @@ pub(crate) struct Object {
 }
 
 impl Object {
-    pub(crate) fn new(id: u64, res: Arc<Resources>, pager: Arc<dyn Pager>, key: ObjectKey) -> Result<Arc<Object>> {
-        let len =
-            pager.len().map_err(|e| Error::Io { op: PagerOp::Len, offset: 0, object: pager.describe(), source: e })?;
+    /// A new object over `pager`, of length `len` if the caller just learned it from the
+    /// store (else the pager is asked).
+    pub(crate) fn new(
+        id: u64,
+        res: Arc<Resources>,
+        pager: Arc<dyn Pager>,
+        key: ObjectKey,
+        len: Option<u64>,
+    ) -> Result<Arc<Object>> {
+        let len = match len {
+            Some(len) => len,
+            None => pager.len().map_err(|e| Error::Io {
+                op: PagerOp::Len,
+                offset: 0,
+                object: pager.describe(),
+                source: e,
+            })?,
+        };
         let writable = pager.is_writable();
         Ok(Arc::new_cyclic(|me| Object {
             id,

@@ -57,6 +57,7 @@ use super::host_fds::HostFd;
 use super::{Fill, Identity, IoMode, Pager, Seek};
 use rustix::fs::{Advice, AtFlags, Mode, OFlags, StatxFlags};
 use std::alloc::Layout;
+use std::collections::HashMap;
 use std::fs::File;
 use std::io;
 use std::num::NonZeroU64;
@@ -64,7 +65,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, LazyLock, OnceLock};
 
 /// Whether a handle may modify the file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -171,12 +172,18 @@ impl std::ops::Deref for Fd<'_> {
 impl FilePager {
     /// Open an existing host file, read-only or read-write.
     pub fn open(path: impl AsRef<Path>, access: Access) -> io::Result<FilePager> {
-        FilePager::open_by_name(path.as_ref(), access, OFlags::empty())
+        Ok(FilePager::open_by_name(path.as_ref(), access, OFlags::empty())?.0)
     }
 
     /// Open a host file read-write, creating it if it does not exist.
     pub fn create(path: impl AsRef<Path>) -> io::Result<FilePager> {
-        FilePager::open_by_name(path.as_ref(), Access::ReadWrite, OFlags::CREATE)
+        Ok(FilePager::open_by_name(path.as_ref(), Access::ReadWrite, OFlags::CREATE)?.0)
+    }
+
+    /// `open` (`create` with `O_CREAT` in `extra`), with the file's length when the open
+    /// learned it (`Cache::open_path`: the new object needs no `statx` of its own).
+    pub(crate) fn open_with_len(path: &Path, access: Access, extra: OFlags) -> io::Result<(FilePager, Option<u64>)> {
+        FilePager::open_by_name(path, access, extra)
     }
 
     /// Open `path` with `O_DIRECT` at once: one `open` and one `statx` decide, where opening
@@ -184,14 +191,14 @@ impl FilePager {
     /// fifth of what ubc adds to opening and reading a small cold file (issue 19,
     /// `open_read_small`). A file system that refuses `O_DIRECT` at open (`EINVAL`) gets the
     /// buffered open and the usual checks.
-    fn open_by_name(path: &Path, access: Access, extra: OFlags) -> io::Result<FilePager> {
+    fn open_by_name(path: &Path, access: Access, extra: OFlags) -> io::Result<(FilePager, Option<u64>)> {
         let flags = access.flags() | OFlags::CLOEXEC | extra;
         let mode = Mode::from_bits_truncate(0o666);
         match rustix::fs::open(path, flags | OFlags::DIRECT, mode) {
             Ok(fd) => FilePager::new_opened_direct(File::from(fd), path, access),
             Err(e) if e == rustix::io::Errno::INVAL => {
                 let file = File::from(rustix::fs::open(path, flags, mode)?);
-                FilePager::new(file, path, access, PathRole::Reopenable)
+                Ok((FilePager::new(file, path, access, PathRole::Reopenable)?, None))
             }
             Err(e) => Err(e.into()),
         }
@@ -199,9 +206,10 @@ impl FilePager {
 
     /// A pager for `file`, opened by `path` with `O_DIRECT`: kept so if direct I/O suits the
     /// file ([`direct_alignment`]), else `O_DIRECT` is cleared on it (our own open file
-    /// description) and it is used buffered.
-    fn new_opened_direct(file: File, path: &Path, access: Access) -> io::Result<FilePager> {
-        let sx = rustix::fs::statx(&file, "", AtFlags::EMPTY_PATH, StatxFlags::BASIC_STATS | StatxFlags::DIOALIGN)?;
+    /// description) and it is used buffered. Also the file's length, from the same `statx`.
+    fn new_opened_direct(file: File, path: &Path, access: Access) -> io::Result<(FilePager, Option<u64>)> {
+        let want = StatxFlags::BASIC_STATS | StatxFlags::DIOALIGN | STATX_MNT_ID_UNIQUE;
+        let sx = rustix::fs::statx(&file, "", AtFlags::EMPTY_PATH, want)?;
         if u32::from(sx.stx_mode) & libc::S_IFMT != libc::S_IFREG {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "not a regular file"));
         }
@@ -211,7 +219,8 @@ impl FilePager {
             // Of the flags F_SETFL can change we set only O_DIRECT at open: clear them all.
             rustix::fs::fcntl_setfl(&file, OFlags::empty())?;
         }
-        Ok(FilePager::with(file, align, path, true, access, dev, sx.stx_ino))
+        let len = (sx.stx_mask & StatxFlags::SIZE.bits() != 0).then_some(sx.stx_size);
+        Ok((FilePager::with(file, align, path, true, access, dev, sx.stx_ino), len))
     }
 
     /// Wrap an already open host file. `path` is only used in messages. Direct I/O is tried
@@ -601,7 +610,7 @@ impl Pager for FilePager {
 /// Open an `O_DIRECT` descriptor on the same inode as `file`, with its alignment, or `None`
 /// if the file system does not support (or does not benefit from) direct I/O.
 fn open_direct(file: &File, path: Option<&Path>, access: Access, dev: u64, ino: u64) -> Option<(File, Align)> {
-    let sx = rustix::fs::statx(file, "", AtFlags::EMPTY_PATH, StatxFlags::DIOALIGN).ok();
+    let sx = rustix::fs::statx(file, "", AtFlags::EMPTY_PATH, StatxFlags::DIOALIGN | STATX_MNT_ID_UNIQUE).ok();
     let align = direct_alignment(file, sx.as_ref())?;
     let flags = access.flags() | OFlags::DIRECT | OFlags::CLOEXEC;
     // EINVAL: O_DIRECT refused.
@@ -614,8 +623,7 @@ fn open_direct(file: &File, path: Option<&Path>, access: Access, dev: u64, ino: 
 /// (the page cache is the storage: `O_DIRECT` would copy through it anyway), where the file
 /// system says no direct I/O, or at an alignment the bounce buffers do not serve.
 fn direct_alignment(file: &File, sx: Option<&rustix::fs::Statx>) -> Option<Align> {
-    let fs_type = rustix::fs::fstatfs(file).ok()?.f_type as u64 & 0xffff_ffff;
-    if fs_type == TMPFS_MAGIC || fs_type == RAMFS_MAGIC {
+    if on_memory_fs(file, sx)? {
         return None;
     }
     let (mem, offset) = match sx {
@@ -636,6 +644,30 @@ fn direct_alignment(file: &File, sx: Option<&rustix::fs::Statx>) -> Option<Align
         return None;
     }
     Some(Align::new(mem, offset))
+}
+
+/// `STATX_MNT_ID_UNIQUE` (Linux 6.8): `stx_mnt_id` is then a mount's id that is never
+/// reused (rustix does not name it yet).
+const STATX_MNT_ID_UNIQUE: StatxFlags = StatxFlags::from_bits_retain(0x4000);
+
+/// Whether `file` is on tmpfs or ramfs (`None` if `fstatfs` fails). Asked at every open
+/// of a host file, so answered per mount where `sx` carries the mount's unique id: an
+/// `fstatfs` was a tenth of ubc's own part of opening a small file. Mounts are few; the
+/// table is never pruned (an entry is 9 bytes, and an id is never reused).
+fn on_memory_fs(file: &File, sx: Option<&rustix::fs::Statx>) -> Option<bool> {
+    static MOUNTS: LazyLock<parking_lot::Mutex<HashMap<u64, bool>>> = LazyLock::new(Default::default);
+    let mount = sx.filter(|sx| sx.stx_mask & STATX_MNT_ID_UNIQUE.bits() != 0).map(|sx| sx.stx_mnt_id);
+    if let Some(m) = mount
+        && let Some(&mem) = MOUNTS.lock().get(&m)
+    {
+        return Some(mem);
+    }
+    let fs_type = rustix::fs::fstatfs(file).ok()?.f_type as u64 & 0xffff_ffff;
+    let mem = fs_type == TMPFS_MAGIC || fs_type == RAMFS_MAGIC;
+    if let Some(m) = mount {
+        MOUNTS.lock().insert(m, mem);
+    }
+    Some(mem)
 }
 
 /// Open `file` again (a new open file description) with `flags`, through `/proc/self/fd`,
