@@ -679,17 +679,16 @@ impl CacheCore {
         let failed: Vec<std::sync::atomic::AtomicBool> = objects.iter().map(|_| false.into()).collect();
         // A grouped small file is written with unstable writes (`writeback.rs`, "Unstable
         // writes"): its hold is kept here until the `syncfs` that commits them has returned.
-        let unstable: Vec<Mutex<Option<WorkHold>>> = objects.iter().map(|_| Mutex::new(None)).collect();
+        let unstable: Vec<Mutex<Option<(WorkHold, u64)>>> = objects.iter().map(|_| Mutex::new(None)).collect();
         run_workers(objects.len(), &|i| {
             let Some(o) = objects[i].hold() else { return };
             if !grouped[i] {
                 note(o.sync());
-            } else if o.takes_unstable() {
-                o.begin_unstable();
-                match o.sync_up_to_pager_unstable() {
-                    Ok(()) => *unstable[i].lock() = Some(o),
+            } else if let Some(pages) = o.begin_unstable() {
+                match o.sync_up_to_pager_unstable(pages) {
+                    Ok(()) => *unstable[i].lock() = Some((o, pages)),
                     Err(e) => {
-                        o.end_unstable(false);
+                        o.end_unstable(false, pages);
                         failed[i].store(true, Relaxed);
                         note(Err(e));
                     }
@@ -706,11 +705,12 @@ impl CacheCore {
             // pager's sync), and the first still cached leads. A member forgotten before its
             // mark is cleared keeps it, so its file system is among the forgotten ones below.
             // A member with unstable writes is held since its writeback (never forgotten).
-            let mut held: Vec<(WorkHold, bool)> = Vec::with_capacity(members.len());
+            // (`Some(pages)` for those: see `Object::begin_unstable`.)
+            let mut held: Vec<(WorkHold, Option<u64>)> = Vec::with_capacity(members.len());
             for &i in members.iter().filter(|&&i| ok(i)) {
                 let (o, u) = match unstable[i].lock().take() {
-                    Some(o) => (Some(o), true),
-                    None => (objects[i].hold(), false),
+                    Some((o, pages)) => (Some(o), Some(pages)),
+                    None => (objects[i].hold(), None),
                 };
                 if let Some(o) = o {
                     o.begin_pager_sync();
@@ -721,8 +721,8 @@ impl CacheCore {
             if lead.pager_sync_fs().is_ok() {
                 synced_fs.push(d);
                 run_workers(held.len(), &|k| {
-                    if let (o, true) = &held[k] {
-                        o.end_unstable(true);
+                    if let (o, Some(pages)) = &held[k] {
+                        o.end_unstable(true, *pages);
                     }
                 });
             } else {
@@ -731,8 +731,8 @@ impl CacheCore {
                 run_workers(held.len(), &|k| {
                     let (o, u) = &held[k];
                     let r = o.pager_sync();
-                    if *u {
-                        o.end_unstable(r.is_ok());
+                    if let Some(pages) = u {
+                        o.end_unstable(r.is_ok(), *pages);
                     }
                     note(r);
                 });

@@ -142,6 +142,9 @@ pub(crate) struct Resources {
     pub(crate) arena: crate::memfd::Arena,
     /// Counters of objects already dropped.
     retired: Mutex<Stats>,
+    /// Pages that eviction must keep for `Cache::sync_all`'s unstable writes until their
+    /// commit (`object/writeback.rs`, "Unstable writes"), at most `uncommitted_max()`.
+    uncommitted: AtomicU64,
     /// The cache above, for reclaim (set once it is built).
     up: OnceLock<Weak<dyn Reclaim>>,
     /// Last, so dropped last: every object is gone by then (each holds `Resources`), and so
@@ -183,6 +186,25 @@ pub(crate) struct Parts {
 pub(crate) const RECLAIM_BATCH: u64 = 64;
 
 impl Resources {
+    /// Most pages unstable writes may keep from eviction at once: an eighth of the budget.
+    /// Kept pages cannot be evicted, and a thread that needs memory while they are kept
+    /// may be one the commit waits for (a layer's sync writing its lower file inside the
+    /// same `sync_all`): bounded, the rest of the budget can always be reclaimed, and a
+    /// file that would pass the bound is written with direct writes instead.
+    fn uncommitted_max(&self) -> u64 {
+        self.geo.budget_pages / 8
+    }
+
+    /// Take `n` pages of the bound on pages kept for unstable writes; `false` if that
+    /// would pass it. => `give_uncommitted(n)` follows a `true`.
+    pub(crate) fn take_uncommitted(&self, n: u64) -> bool {
+        let max = self.uncommitted_max();
+        self.uncommitted.fetch_update(SeqCst, SeqCst, |u| (u + n <= max).then_some(u + n)).is_ok()
+    }
+
+    pub(crate) fn give_uncommitted(&self, n: u64) {
+        self.uncommitted.fetch_sub(n, SeqCst);
+    }
     pub(crate) fn new(geo: Geometry, p: Parts) -> Resources {
         Resources {
             geo,
@@ -198,6 +220,7 @@ impl Resources {
             windows: p.windows,
             arena: crate::memfd::Arena::new(),
             retired: Mutex::new(Stats::default()),
+            uncommitted: AtomicU64::new(0),
             up: OnceLock::new(),
             _heap: ReturnHeap,
         }

@@ -41,11 +41,11 @@ impl Object {
         // (`Mapping`'s drop) marks it dirty, then the mapping is gone and `nmaps` may read 0
         // above; punched, the page would be refilled from the pager and the store lost.
         // Checked whatever `nmaps` said. And while a pass of unstable writes waits for its
-        // commit, every page stays: the store may lose what it was given (see
-        // `writeback.rs`, "Unstable writes"). Read after the pages were taken: a page the
-        // pass made clean was counted in before it turned clean.
-        let uncommitted = self.uncommitted();
-        let is_dirty = |p: &u64| uncommitted || self.page_state(*p).is_some_and(|st| st.snapshot().dirty());
+        // commit, the pages it may have stored stay: the store may lose what it was given
+        // (see `writeback.rs`, "Unstable writes"). Read after the pages were taken: a page
+        // the pass made clean was counted in before it turned clean.
+        let is_dirty =
+            |p: &u64| self.kept_uncommitted(*p) || self.page_state(*p).is_some_and(|st| st.snapshot().dirty());
         let kept_back;
         let pages = if pages.iter().any(is_dirty) {
             let (keep, go): (Vec<u64>, Vec<u64>) = pages.iter().partition(|p| is_dirty(p));

@@ -25,7 +25,7 @@ pub(crate) enum Pass {
 
 /// The largest file `Cache::sync_all` writes with unstable writes: the kernel's copy it
 /// leaves until the `syncfs` is at most this much per file, and a failed `syncfs` makes
-/// every cached page of the file dirty again, which only a small file can afford.
+/// the file's cached pages dirty again, which only a small file can afford.
 const UNSTABLE_MAX: u64 = 64 << 10;
 
 impl Object {
@@ -341,43 +341,58 @@ impl Object {
     // the store may lose what it was given (a failed writeback in the kernel leaves its
     // pages clean and their data gone), so the cache keeps its own copy as NFS's client
     // keeps a page until its `COMMIT`: `begin_unstable` counts the pass in `uncommitted`
-    // before any page is stored (and so before any turns clean), eviction keeps every page
-    // of an object with the count above zero (`release_evicted`), and `end_unstable` marks
-    // every cached page of the file dirty again if the commit failed — or tells the pager
-    // it was committed — before it counts the pass out.
+    // before any page is stored (and so before any turns clean), eviction keeps the
+    // object's first `UNSTABLE_MAX` bytes of pages while the count is above zero
+    // (`release_evicted`; a pass writes no page past them), and `end_unstable` marks those
+    // pages dirty again if the commit failed — or tells the pager it was committed —
+    // before it counts the pass out. Kept pages are bounded cache-wide
+    // (`Resources::take_uncommitted`): a thread that needs memory while they are kept may
+    // be one the commit waits for (a layer's sync, writing its lower file in the same
+    // `sync_all`: the mount's unmount hung so, its budget full of kept pages, before the
+    // bound), so past the bound a file is written with direct writes as before.
 
-    /// Whether `Cache::sync_all` writes this object with unstable writes (see above).
-    pub(crate) fn takes_unstable(&self) -> bool {
-        self.len() <= UNSTABLE_MAX
-    }
-
-    /// Count a pass of unstable writes in (see above). => `end_unstable` follows, once.
-    pub(crate) fn begin_unstable(&self) {
+    /// If `Cache::sync_all` may write this object with unstable writes (see above): the
+    /// pass counted in, and the pages it may keep taken from the cache's bound — returned,
+    /// for `sync_up_to_pager_unstable` and `end_unstable`, which follows once.
+    pub(crate) fn begin_unstable(&self) -> Option<u64> {
+        let len = self.len();
+        if len > UNSTABLE_MAX {
+            return None;
+        }
+        let pages = len.div_ceil(1 << self.ps()).max(1);
+        if !self.res.take_uncommitted(pages) {
+            return None;
+        }
         self.uncommitted.fetch_add(1, SeqCst);
+        Some(pages)
     }
 
-    /// Whether a pass of unstable writes is waiting for its commit: no page may be evicted.
-    pub(crate) fn uncommitted(&self) -> bool {
-        self.uncommitted.load(SeqCst) > 0
+    /// Whether eviction must keep `page` for a pass of unstable writes waiting for its
+    /// commit.
+    pub(crate) fn kept_uncommitted(&self, page: u64) -> bool {
+        page < UNSTABLE_MAX >> self.ps() && self.uncommitted.load(SeqCst) > 0
     }
 
-    /// `sync_up_to_pager` with unstable writes. => `begin_unstable` was called.
-    pub(crate) fn sync_up_to_pager_unstable(&self) -> Result<()> {
+    /// `sync_up_to_pager` with unstable writes, of the first `pages` pages (those that
+    /// `begin_unstable` took; a page a writer adds past them meanwhile is left dirty, for
+    /// a later sync: its write did not return before this sync began).
+    pub(crate) fn sync_up_to_pager_unstable(&self, pages: u64) -> Result<()> {
         self.harvest(0, u64::MAX, Harvest::Explicit);
-        self.writeback(0, u64::MAX, Pass::Unstable)?;
+        self.writeback(0, pages, Pass::Unstable)?;
         self.fix_stored_len()
     }
 
-    /// End a pass of unstable writes: `committed` — the sync that covers them returned
-    /// `Ok` — tells the pager; otherwise every cached clean page is made dirty again (what
-    /// the store was given may be lost; a page rewritten meanwhile is dirty already). Then
-    /// the pass is counted out, and eviction may take the pages again.
-    pub(crate) fn end_unstable(&self, committed: bool) {
+    /// End a pass of unstable writes begun by `begin_unstable` (which returned `pages`):
+    /// `committed` — the sync that covers them returned `Ok` — tells the pager; otherwise
+    /// the pages it may have stored that are clean are made dirty again (what the store
+    /// was given may be lost; a page rewritten meanwhile is dirty already). Then the pass
+    /// is counted out, and eviction may take the pages again.
+    pub(crate) fn end_unstable(&self, committed: bool, pages: u64) {
         if committed {
             self.pager().committed();
         } else {
             let cs = self.res.geo.chunk_shift;
-            let end = self.len().div_ceil(1 << self.ps());
+            let end = pages;
             let mut clean = Vec::new();
             self.table.for_each(0, (end >> cs) + 1, |chunk| {
                 let base = chunk.index << cs;
@@ -390,6 +405,7 @@ impl Object {
             self.redirty(&clean);
         }
         self.uncommitted.fetch_sub(1, SeqCst);
+        self.res.give_uncommitted(pages);
     }
 
     /// The stored length matches ours, then the pager's own sync (the durable half of
