@@ -442,7 +442,6 @@ struct Grown {
 /// threads had made more arenas): ~1 MiB of costs per cache and per process, not per page
 /// (building the cache and opening the file grew it by 12–276 KiB, budget 32 or 320 MiB;
 /// the first 1 MiB read by 0.5–1.4 MiB).
-
 fn grown_per_page(path: &Path, len: u64, budget: u64, passes: u32, buf: &mut [u8]) -> Grown {
     const WARM: u64 = 8 << 20;
     // Heap left free by what ran before would be reused and hide the growth: give it back
