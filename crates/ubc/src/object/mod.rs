@@ -478,7 +478,10 @@ impl Object {
         }
         let at = self.window_at(chunk, m, pos)?;
         // SAFETY: the caller holds the pages (valid, not evicted, the window not retired).
-        unsafe { std::ptr::copy_nonoverlapping(at, dst.as_mut_ptr(), dst.len()) };
+        // `copy`, not `copy_nonoverlapping`: `dst` may be a `WindowMut` of this very file,
+        // whose bytes are the window's own (`read_at(&mut window, …)` over its own range):
+        // overlapping regions, which `copy_nonoverlapping` leaves undefined (issue 20).
+        unsafe { std::ptr::copy(at, dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
 
@@ -490,8 +493,9 @@ impl Object {
             return m.write_at(src, pos);
         }
         let at = self.window_at(chunk, m, pos)?;
-        // SAFETY: as in `copy_out`, and no one else writes these bytes.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), at, src.len()) };
+        // SAFETY: as in `copy_out`, and no one else writes these bytes. `copy`: `src` may
+        // be a `Window` of this file over the same bytes (`write_at(&window, …)`).
+        unsafe { std::ptr::copy(src.as_ptr(), at, src.len()) };
         Ok(())
     }
 }
