@@ -49,14 +49,14 @@ impl Cache {
     pub fn open_path(&self, path: impl AsRef<Path>, access: Access) -> Result<File> {
         let path = path.as_ref();
         let (pager, len) =
-            FilePager::open_with_len(path, access, rustix::fs::OFlags::empty()).map_err(|e| open_err(path, e))?;
+            FilePager::open_by_name(path, access, rustix::fs::OFlags::empty()).map_err(|e| open_err(path, e))?;
         self.open_with_len(Arc::new(pager), access, len)
     }
 
     /// Open a host file read-write, creating it if needed.
     pub fn create_path(&self, path: impl AsRef<Path>) -> Result<File> {
         let path = path.as_ref();
-        let (pager, len) = FilePager::open_with_len(path, Access::ReadWrite, rustix::fs::OFlags::CREATE)
+        let (pager, len) = FilePager::open_by_name(path, Access::ReadWrite, rustix::fs::OFlags::CREATE)
             .map_err(|e| open_err(path, e))?;
         self.open_with_len(Arc::new(pager), Access::ReadWrite, len)
     }

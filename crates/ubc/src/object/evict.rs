@@ -44,8 +44,8 @@ impl Object {
         // commit, the pages it may have stored stay: the store may lose what it was given
         // (see `writeback.rs`, "Unstable writes"). Read after the pages were taken: a page
         // the pass made clean was counted in before it turned clean.
-        let is_dirty =
-            |p: &u64| self.kept_uncommitted(*p) || self.page_state(*p).is_some_and(|st| st.snapshot().dirty());
+        let kept_below = self.kept_uncommitted_below();
+        let is_dirty = |p: &u64| *p < kept_below || self.page_state(*p).is_some_and(|st| st.snapshot().dirty());
         let kept_back;
         let pages = if pages.iter().any(is_dirty) {
             let (keep, go): (Vec<u64>, Vec<u64>) = pages.iter().partition(|p| is_dirty(p));

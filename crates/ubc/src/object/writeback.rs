@@ -367,10 +367,10 @@ impl Object {
         Some(pages)
     }
 
-    /// Whether eviction must keep `page` for a pass of unstable writes waiting for its
-    /// commit.
-    pub(crate) fn kept_uncommitted(&self, page: u64) -> bool {
-        page < UNSTABLE_MAX >> self.ps() && self.uncommitted.load(SeqCst) > 0
+    /// Eviction must keep this object's pages below the returned index: those a pass of
+    /// unstable writes waiting for its commit may have stored (0 while none waits).
+    pub(crate) fn kept_uncommitted_below(&self) -> u64 {
+        if self.uncommitted.load(SeqCst) > 0 { UNSTABLE_MAX >> self.ps() } else { 0 }
     }
 
     /// `sync_up_to_pager` with unstable writes, of the first `pages` pages (those that
@@ -391,18 +391,8 @@ impl Object {
         if committed {
             self.pager().committed();
         } else {
-            let cs = self.res.geo.chunk_shift;
-            let end = pages;
-            let mut clean = Vec::new();
-            self.table.for_each(0, (end >> cs) + 1, |chunk| {
-                let base = chunk.index << cs;
-                for p in base..end.min(base + chunk.pages.made_end() as u64) {
-                    if chunk.pages.get((p - base) as usize).is_some_and(|st| st.snapshot().clean()) {
-                        clean.push(p);
-                    }
-                }
-            });
-            self.redirty(&clean);
+            // `redirty` takes the clean ones (at most `UNSTABLE_MAX` worth of pages).
+            self.redirty(&(0..pages).collect::<Vec<u64>>());
         }
         self.uncommitted.fetch_sub(1, SeqCst);
         self.res.give_uncommitted(pages);

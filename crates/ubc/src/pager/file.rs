@@ -180,18 +180,13 @@ impl FilePager {
         Ok(FilePager::open_by_name(path.as_ref(), Access::ReadWrite, OFlags::CREATE)?.0)
     }
 
-    /// `open` (`create` with `O_CREAT` in `extra`), with the file's length when the open
-    /// learned it (`Cache::open_path`: the new object needs no `statx` of its own).
-    pub(crate) fn open_with_len(path: &Path, access: Access, extra: OFlags) -> io::Result<(FilePager, Option<u64>)> {
-        FilePager::open_by_name(path, access, extra)
-    }
-
     /// Open `path` with `O_DIRECT` at once: one `open` and one `statx` decide, where opening
     /// buffered and reopening for direct I/O took two opens, a close and three `stat`s — a
     /// fifth of what ubc adds to opening and reading a small cold file (issue 19,
     /// `open_read_small`). A file system that refuses `O_DIRECT` at open (`EINVAL`) gets the
-    /// buffered open and the usual checks.
-    fn open_by_name(path: &Path, access: Access, extra: OFlags) -> io::Result<(FilePager, Option<u64>)> {
+    /// buffered open and the usual checks. Also the file's length when that `statx` gave it
+    /// (`Cache::open_path`: the new object then needs no `statx` of its own).
+    pub(crate) fn open_by_name(path: &Path, access: Access, extra: OFlags) -> io::Result<(FilePager, Option<u64>)> {
         let flags = access.flags() | OFlags::CLOEXEC | extra;
         let mode = Mode::from_bits_truncate(0o666);
         match rustix::fs::open(path, flags | OFlags::DIRECT, mode) {
