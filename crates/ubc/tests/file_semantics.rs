@@ -520,9 +520,11 @@ fn a_forgotten_identity_opens_a_new_object_and_the_old_one_leaving_does_not_unli
 /// `write_at` from a window of the same file over an overlapping range, and `read_at`
 /// into a writable window of the same file: the source and the destination are the same
 /// memory (the window is the cache's own), shifted — before, a `copy_nonoverlapping` of
-/// overlapping regions, undefined behaviour reachable from safe code (issue 20; glibc's
-/// `memcpy` happens to copy such ranges right on x86-64, so this test cannot tell the two
-/// apart there — Miri could). Within a page the copy is a `memmove`; a copy of many pages
+/// overlapping regions, undefined behaviour reachable from safe code (issue 20). A release
+/// build's `memcpy` (glibc, x86-64) happens to copy such ranges right, but a debug build
+/// checks the precondition and aborts ("unsafe precondition(s) violated:
+/// ptr::copy_nonoverlapping ... do not overlap": this test, with the old copy, under
+/// `./scripts/test`'s debug run). Within a page the copy is a `memmove`; a copy of many pages
 /// goes a page at a time in ascending order, as the kernel's `pwrite` from a mapping of
 /// its own file does, so only a one-page case has a meaning to check here. Also: none of
 /// these waits for itself (a window pins the pages the write takes).
