@@ -59,7 +59,7 @@
 use crate::sync::{Condvar, Mutex, RwLock, RwLockWriteGuard};
 use std::ops::Range;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed, Ordering::SeqCst};
 
 /// The whole file, as a range.
 pub(crate) const ALL: Range<u64> = 0..u64::MAX;
@@ -297,6 +297,80 @@ pub(crate) enum Flush {
     ForSync,
 }
 
+/// Writes through the stack into a file's domains, as a general layer's pager above them
+/// must know of them. A mapping's fault fills its pages from the domain below without the
+/// file lock (a fault cannot wait for the manager: the writer's invalidations wait for the
+/// pages being filled), so a fill may read stored bytes while a write into them is half
+/// done — part old, part new — or after it but before the layers above have reloaded their
+/// metadata (a header's length, a zstd index) from the new bytes. The write's post-actions
+/// ([`Permit::Once`]) drop whatever such a fill made; the fill need only not *fail*. A
+/// layer that authenticates or decodes what it reads does fail on the mix (an
+/// authentication error for `aead`; a checksum or an end of file for `zstd`), and the
+/// mapping's reader died of SIGBUS (tests/stack.rs, `a_mapping_reads_blocks_being_rewritten_
+/// below_as_one_version_or_the_other` and `a_mapping_over_two_general_layers_reads_files_
+/// restored_below_as_one_version_or_the_other`). Such a pager reads through
+/// [`LowerWrites::settled`]. The counts are a seqcount for many writers: `begun` read after
+/// a read equal to `done` read before it says that no write overlapped the read.
+#[derive(Default, Debug)]
+pub struct LowerWrites {
+    begun: AtomicU64,
+    done: AtomicU64,
+}
+
+/// One write in flight, from its permit to the end of its post-actions (see
+/// [`LowerWrites`]); counted done when dropped.
+pub(crate) struct LowerWrite<'a>(&'a LowerWrites);
+
+impl Drop for LowerWrite<'_> {
+    fn drop(&mut self) {
+        self.0.done.fetch_add(1, SeqCst);
+    }
+}
+
+impl LowerWrites {
+    /// Tries of a failing read while writes run beside it before it is given up as
+    /// interrupted: together about half a millisecond, longer than most writes of a few
+    /// pages, short for a writer waiting to invalidate the pages the caller is filling.
+    const TRIES: u32 = 8;
+
+    pub(crate) fn begin(&self) -> LowerWrite<'_> {
+        self.begun.fetch_add(1, SeqCst);
+        LowerWrite(self)
+    }
+
+    /// Run `read` (a pager's read and decoding of the domain below) and return what it
+    /// returns, unless it failed while a write through the stack was in flight: then run it
+    /// again a little later, until it succeeds or fails with no write beside it (a real
+    /// error: returned as it is). If writes are still in flight after [`Self::TRIES`], the
+    /// error is returned as [`std::io::ErrorKind::Interrupted`]: the stored bytes are
+    /// changing, ask again — the cache then faults the mapping's access again instead of
+    /// raising SIGBUS, after the caller has let go of the pages it was filling (which the
+    /// writer's invalidations wait for). A fill never waits for the writer itself.
+    pub fn settled<T>(&self, mut read: impl FnMut() -> std::io::Result<T>) -> std::io::Result<T> {
+        let mut tries = 0;
+        loop {
+            let before = self.done.load(SeqCst);
+            let r = read();
+            let Err(e) = r else { return r };
+            if self.begun.load(SeqCst) == before {
+                return Err(e);
+            }
+            tries += 1;
+            if tries >= Self::TRIES {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::Interrupted,
+                    format!("read while the file below was being rewritten through the stack (ask again): {e}"),
+                ));
+            }
+            if tries < 4 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(std::time::Duration::from_micros(20 << tries));
+            }
+        }
+    }
+}
+
 /// Counters of coherence work, for statistics and benchmarks.
 #[derive(Default, Debug)]
 pub(crate) struct Counters {
@@ -341,6 +415,8 @@ pub(crate) struct Group<F = ubc::File> {
     /// Held from reading the length to the end of the write by an append, so that
     /// concurrent appenders (any layer, any mount) never write at the same end.
     pub(crate) appending: Mutex<()>,
+    /// Writes in flight into the domains, for the general layers' pagers above them.
+    pub(crate) lower_writes: Arc<LowerWrites>,
 }
 
 /// One owner's lock on bytes `range` of `domain`, as POSIX record locks keep them: an
@@ -431,15 +507,21 @@ pub(crate) enum PostAction {
 pub(crate) enum Permit<'a, F: Actions = ubc::File> {
     /// The domain holds a token: its lock is held shared.
     Token(#[allow(dead_code)] crate::sync::RwLockReadGuard<'a, Tokens>),
-    /// A conflict with a mapping: the file lock is held; invalidations run again on drop.
-    Once { group: &'a Group<F>, _lock: crate::sync::MutexGuard<'a, ()>, post: Vec<PostAction> },
+    /// A conflict with a mapping: the file lock is held; invalidations run again on drop,
+    /// and a write's `writing` ends after them (the layers above have reloaded by then).
+    Once {
+        group: &'a Group<F>,
+        _lock: crate::sync::MutexGuard<'a, ()>,
+        post: Vec<PostAction>,
+        writing: Option<LowerWrite<'a>>,
+    },
     /// Coherence is off.
     Off,
 }
 
 impl<F: Actions> Drop for Permit<'_, F> {
     fn drop(&mut self) {
-        if let Permit::Once { group, post, .. } = self {
+        if let Permit::Once { group, post, writing, .. } = self {
             let doms = group.domains.read().clone();
             for action in post.drain(..) {
                 // Best effort: an error here (a failing writeback of a mapping's stores, or
@@ -459,6 +541,8 @@ impl<F: Actions> Drop for Permit<'_, F> {
                     }
                 }
             }
+            // Every domain above is current again: fills interrupted meanwhile succeed now.
+            writing.take();
         }
     }
 }
@@ -485,6 +569,7 @@ impl<F: Actions> Group<F> {
             flocks_cv: Condvar::new(),
             modified: Mutex::new(None),
             appending: Mutex::new(()),
+            lower_writes: Arc::new(LowerWrites::default()),
         }
     }
 
@@ -600,6 +685,9 @@ impl<F: Actions> Group<F> {
         drop(t);
         self.counters.slow.fetch_add(1, Relaxed);
         let g = self.lock.lock();
+        // From here to the end of the write (the permit's): the revocation's flushes write
+        // below too.
+        let writing = (mode == Mode::Write).then(|| self.lower_writes.begin());
         let doms = self.domains.read().clone();
         debug_assert!(std::ptr::eq(dom, &*doms[d]), "acquire: dom is domain d");
         let (sticky_post, inherit_write) = self.revoke(&doms, d, r.clone(), mode)?;
@@ -628,6 +716,8 @@ impl<F: Actions> Group<F> {
                 // domains could revoke each other's fresh tokens forever (a livelock the
                 // schedules tests found).
                 let t = RwLockWriteGuard::downgrade(t);
+                // No mapping above shares these bytes: no fill beside the write.
+                drop(writing);
                 drop(g);
                 Ok(Permit::Token(t))
             }
@@ -642,7 +732,7 @@ impl<F: Actions> Group<F> {
                 // It fills pages here without a token: a later write below must find them.
                 t.cached.insert(r);
                 drop(t);
-                Ok(Permit::Once { group: self, _lock: g, post })
+                Ok(Permit::Once { group: self, _lock: g, post, writing })
             }
         }
     }

@@ -35,7 +35,7 @@ mod spec;
 mod stack;
 mod sync;
 
-pub use coherence::{CoherenceStats, Translate};
+pub use coherence::{CoherenceStats, LowerWrites, Translate};
 pub use error::{Error, Result};
 pub use layer::{Attr, DirEntry, Kind, Layer, Rename, SetAttr};
 pub use stack::{

@@ -813,10 +813,11 @@ impl Inner {
                 let cache = self.cache.clone();
                 let lower_file = lower.file;
                 let named = path.to_string();
+                let writes = lower.group.lower_writes.clone();
                 let dom = lower.group.add_domain(idx, move || {
                     let lw = lower_file.is_writable();
                     // Internal: the pager's lower file must not keep the cache running.
-                    let (pager, xlate) = layer.wrap(&named, lower_file.internal())?;
+                    let (pager, xlate) = layer.wrap(&named, lower_file.internal(), &writes)?;
                     let acc = if lw { ubc::Access::ReadWrite } else { ubc::Access::ReadOnly };
                     Ok((cache.open(pager, acc)?, Some(xlate)))
                 })?;

@@ -130,6 +130,12 @@ impl Error {
         }
     }
 
+    /// A pager's read failed as interrupted: the bytes were changing underneath, ask again
+    /// (see [`Pager::get_pages`](crate::Pager::get_pages)).
+    pub(crate) fn is_interrupted(&self) -> bool {
+        matches!(self, Error::Io { source, .. } if source.kind() == io::ErrorKind::Interrupted)
+    }
+
     pub(crate) fn os(call: &'static str, e: impl Into<io::Error>) -> Error {
         Error::Os { call, source: e.into() }
     }

@@ -28,7 +28,9 @@ use std::sync::Arc;
 /// may change at any time (like any shared mapping, or `memmap2`): read it as a snapshot of
 /// bytes, not as memory Rust owns exclusively. Touching a page past the end of the file
 /// raises `SIGBUS`, as with the kernel's own `mmap`; so does a page the pager cannot read
-/// (the error is counted in `CacheStats::map_sigbus`).
+/// (the error is counted in `CacheStats::map_sigbus`), unless the pager's read was
+/// interrupted by the bytes changing underneath (`io::ErrorKind::Interrupted`, see
+/// [`Pager::get_pages`](crate::Pager::get_pages)): then the access faults again.
 pub struct Mapping {
     map: Arc<UserMap>,
     obj: Arc<Object>,

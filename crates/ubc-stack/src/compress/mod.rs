@@ -48,6 +48,7 @@
 mod alloc;
 mod format;
 
+use crate::coherence::LowerWrites;
 use alloc::Alloc;
 use format::*;
 use parking_lot::Mutex;
@@ -258,6 +259,9 @@ pub struct CompressPager {
     state: Mutex<State>,
     /// One commit at a time.
     sync_lock: Mutex<()>,
+    /// The stack's writes into the lower file, when a stack made this pager: an extent
+    /// read while one of them is half written fails to decode, and is read again.
+    writes: Option<std::sync::Arc<LowerWrites>>,
 }
 
 /// Index entries read and checked per piece at open (1 MiB).
@@ -347,7 +351,16 @@ impl CompressPager {
             lower,
             state: Mutex::new(state),
             sync_lock: Mutex::new(()),
+            writes: None,
         })
+    }
+
+    /// Read the extents of chunks that fail to decode while a write through the stack
+    /// changes them again ([`LowerWrites::settled`]): without it, a mapping's fault that
+    /// reads an extent half rewritten below gets SIGBUS.
+    pub fn reading_settled(mut self, writes: std::sync::Arc<LowerWrites>) -> CompressPager {
+        self.writes = Some(writes);
+        self
     }
 
     /// The valid superblocks of `lower`, newest first, and the lower length (reads the
@@ -937,7 +950,7 @@ impl Pager for CompressPager {
         }
         let mut stored = take_buf(&STORED_BUF);
         let mut scratch = take_buf(&CHUNK_BUF);
-        let r = (|| {
+        let mut read = || {
             for chunk in first..=last {
                 let cstart = chunk << shift;
                 let (from, to) = (offset.max(cstart), end.min(cstart + cs));
@@ -960,7 +973,11 @@ impl Pager for CompressPager {
                 }
             }
             Ok(Fill::Data)
-        })();
+        };
+        let r = match &self.writes {
+            Some(w) => w.settled(read),
+            None => read(),
+        };
         give_buf(&STORED_BUF, stored);
         give_buf(&CHUNK_BUF, scratch);
         r

@@ -65,6 +65,7 @@ use gaps::Gaps;
 
 pub use key::{ARGON2_M_COST_KIB, ARGON2_P_COST, ARGON2_T_COST, Key};
 
+use crate::coherence::LowerWrites;
 use chacha20poly1305::{AeadInOut, KeyInit, Tag, XChaCha20Poly1305, XNonce};
 use parking_lot::{Mutex, RecursiveRwLock};
 use std::io;
@@ -262,6 +263,9 @@ pub struct EncryptPager {
     state: RecursiveRwLock<State>,
     /// Serializes header writes made under the shared lock.
     header_lock: Mutex<()>,
+    /// The stack's writes into the lower file, when a stack made this pager: blocks read
+    /// while one of them is half written fail authentication, and are read again.
+    writes: Option<Arc<LowerWrites>>,
 }
 
 fn ubc_io(e: ubc::Error) -> io::Error {
@@ -380,7 +384,22 @@ impl EncryptPager {
         let cipher = cipher_for(&key);
         let state = Self::load(&lower, &cipher)?;
         let writable = lower.is_writable();
-        Ok(EncryptPager { lower, cipher, writable, state: RecursiveRwLock::new(state), header_lock: Mutex::new(()) })
+        Ok(EncryptPager {
+            lower,
+            cipher,
+            writable,
+            state: RecursiveRwLock::new(state),
+            header_lock: Mutex::new(()),
+            writes: None,
+        })
+    }
+
+    /// Read the blocks of pages that fail authentication while a write through the stack
+    /// changes them again ([`LowerWrites::settled`]): without it, a mapping's fault that
+    /// reads a block half rewritten below gets SIGBUS.
+    pub fn reading_settled(mut self, writes: Arc<LowerWrites>) -> EncryptPager {
+        self.writes = Some(writes);
+        self
     }
 
     fn load(lower: &ubc::File, cipher: &XChaCha20Poly1305) -> io::Result<State> {
@@ -612,6 +631,37 @@ impl EncryptPager {
         self.open_slot(file_id, index, &s, got == S, out)
     }
 
+    /// Read, authenticate and decrypt the blocks of `buf.len()` bytes at `offset`, which
+    /// lies below `len`. => state lock held (shared); `offset` a multiple of `BLOCK`.
+    fn read_pages(&self, st: &State, len: u64, offset: u64, buf: &mut [u8]) -> io::Result<Fill> {
+        let data = ((len - offset).min(buf.len() as u64)) as usize;
+        let n = data.div_ceil(B);
+        let first = offset / BLOCK;
+        let mut stored = vec![0u8; n * S];
+        let got = read_full(&self.lower, &mut stored, slot(first))?;
+        crate::layer::general::drop_read_below(&self.lower, slot(first)..slot(first) + (n * S) as u64);
+        let gaps = st.gaps_within(first, first + n as u64);
+        for k in 0..n {
+            let out_end = ((k + 1) * B).min(buf.len());
+            if gaps.iter().any(|r| r.contains(&(first + k as u64))) {
+                // Promised zeros, not stored yet.
+                buf[k * B..out_end].fill(0);
+                continue;
+            }
+            self.open_slot(
+                &st.file_id,
+                first + k as u64,
+                &stored[k * S..(k + 1) * S],
+                got >= (k + 1) * S,
+                &mut buf[k * B..out_end],
+            )?;
+        }
+        // Past the end reads as zero (the padding is zero already; the rest of `buf` is not
+        // ours to assume).
+        buf[data..].fill(0);
+        Ok(Fill::Data)
+    }
+
     /// Authenticate and decrypt one stored block `s` into `out` (`out.len() <= BLOCK`;
     /// a shorter `out` takes the first bytes). `complete`: the store held all of `s`.
     fn open_slot(&self, file_id: &[u8; 16], index: u64, s: &[u8], complete: bool, out: &mut [u8]) -> io::Result<()> {
@@ -672,32 +722,10 @@ impl Pager for EncryptPager {
         if offset >= len || buf.is_empty() {
             return Ok(Fill::Hole);
         }
-        let data = ((len - offset).min(buf.len() as u64)) as usize;
-        let n = data.div_ceil(B);
-        let first = offset / BLOCK;
-        let mut stored = vec![0u8; n * S];
-        let got = read_full(&self.lower, &mut stored, slot(first))?;
-        crate::layer::general::drop_read_below(&self.lower, slot(first)..slot(first) + (n * S) as u64);
-        let gaps = st.gaps_within(first, first + n as u64);
-        for k in 0..n {
-            let out_end = ((k + 1) * B).min(buf.len());
-            if gaps.iter().any(|r| r.contains(&(first + k as u64))) {
-                // Promised zeros, not stored yet.
-                buf[k * B..out_end].fill(0);
-                continue;
-            }
-            self.open_slot(
-                &st.file_id,
-                first + k as u64,
-                &stored[k * S..(k + 1) * S],
-                got >= (k + 1) * S,
-                &mut buf[k * B..out_end],
-            )?;
+        match &self.writes {
+            Some(w) => w.settled(|| self.read_pages(&st, len, offset, buf)),
+            None => self.read_pages(&st, len, offset, buf),
         }
-        // Past the end reads as zero (the padding is zero already; the rest of `buf` is not
-        // ours to assume).
-        buf[data..].fill(0);
-        Ok(Fill::Data)
     }
 
     /// Precondition: `offset` is a multiple of 4096; `data` runs to a block boundary or is

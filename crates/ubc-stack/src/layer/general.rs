@@ -4,7 +4,7 @@
 //! cache manager which bytes correspond.
 
 use super::{Below, Layer, Opened};
-use crate::coherence::{ALL, Translate};
+use crate::coherence::{ALL, LowerWrites, Translate};
 use crate::compress::{CompressOptions, CompressPager};
 use crate::encrypt::xattr::{self, XattrCrypt};
 use crate::encrypt::{AuthError, EncryptPager, Failure, Key};
@@ -83,10 +83,16 @@ impl Layer for Zstd {
     fn open(&self, _path: &str, _access: ubc::Access, _below: &dyn Below) -> Result<Opened> {
         Ok(Opened::Wrap)
     }
-    fn wrap(&self, path: &str, lower: ubc::File) -> Result<(Arc<dyn ubc::Pager>, Arc<dyn Translate>)> {
+    fn wrap(
+        &self,
+        path: &str,
+        lower: ubc::File,
+        writes: &Arc<LowerWrites>,
+    ) -> Result<(Arc<dyn ubc::Pager>, Arc<dyn Translate>)> {
         let p = Arc::new(
             CompressPager::open(lower, CompressOptions { chunk_size: self.chunk_size, level: self.level })
-                .map_err(|e| Error::io(path, e))?,
+                .map_err(|e| Error::io(path, e))?
+                .reading_settled(writes.clone()),
         );
         Ok((p.clone(), Arc::new(ZstdXlate(p))))
     }
@@ -223,8 +229,17 @@ impl Layer for Aead {
         let stored = self.stored_name(path, name)?;
         self.lower.removexattr(path, &stored)
     }
-    fn wrap(&self, path: &str, lower: ubc::File) -> Result<(Arc<dyn ubc::Pager>, Arc<dyn Translate>)> {
-        let p = Arc::new(EncryptPager::open(lower, self.key.clone()).map_err(|e| Error::io(path, e))?);
+    fn wrap(
+        &self,
+        path: &str,
+        lower: ubc::File,
+        writes: &Arc<LowerWrites>,
+    ) -> Result<(Arc<dyn ubc::Pager>, Arc<dyn Translate>)> {
+        let p = Arc::new(
+            EncryptPager::open(lower, self.key.clone())
+                .map_err(|e| Error::io(path, e))?
+                .reading_settled(writes.clone()),
+        );
         Ok((p.clone(), Arc::new(AeadXlate(p))))
     }
 }

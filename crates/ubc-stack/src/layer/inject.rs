@@ -109,7 +109,12 @@ impl Layer for Inject {
         }
     }
 
-    fn wrap(&self, _path: &str, lower: ubc::File) -> Result<(Arc<dyn Pager>, Arc<dyn Translate>)> {
+    fn wrap(
+        &self,
+        _path: &str,
+        lower: ubc::File,
+        _writes: &Arc<crate::coherence::LowerWrites>,
+    ) -> Result<(Arc<dyn Pager>, Arc<dyn Translate>)> {
         let p: Arc<dyn Pager> =
             Arc::new(InjectingPager::with_injector(Arc::new(LowerFile(lower)), self.faults.clone()));
         Ok((p, Arc::new(Identical)))

@@ -327,9 +327,16 @@ pub trait Layer: Send + Sync {
 
     /// A general layer's pager over the lower layer's file (opened writable when the
     /// lower store allows it), and how ranges translate between the two namings. `path`
-    /// names the file in errors.
-    fn wrap(&self, path: &str, lower: ubc::File) -> Result<(Arc<dyn ubc::Pager>, Arc<dyn Translate>)> {
-        let _ = (path, lower);
+    /// names the file in errors. A pager that fails on bytes read while a write changes
+    /// them (it authenticates or decodes them) reads through `writes`
+    /// ([`LowerWrites::settled`](crate::coherence::LowerWrites::settled)).
+    fn wrap(
+        &self,
+        path: &str,
+        lower: ubc::File,
+        writes: &Arc<crate::coherence::LowerWrites>,
+    ) -> Result<(Arc<dyn ubc::Pager>, Arc<dyn Translate>)> {
+        let _ = (path, lower, writes);
         Err(Error::Invalid(format!("layer {} does not wrap files", self.spec())))
     }
 

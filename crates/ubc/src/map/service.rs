@@ -31,7 +31,7 @@ use crate::pager::Access;
 use parking_lot::{Mutex, RwLock};
 use std::collections::BTreeMap;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::*};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 
@@ -71,6 +71,12 @@ pub(crate) struct MapService {
 /// goes on is told of only the first few.
 const FILL_ERRORS_TOLD: u64 = 8;
 
+/// Interrupted fills (see `Pager::get_pages`): the pause before the access faults again,
+/// and how many in a row one mapping may have before the next raises SIGBUS (about two
+/// seconds of a file being rewritten without a moment's rest).
+const INTERRUPTED_PAUSE: std::time::Duration = std::time::Duration::from_micros(200);
+const INTERRUPTED_MAX: u32 = 10_000;
+
 /// What the fault service needs from a mapped object (`object/mapped.rs` implements it). The
 /// service sits below objects: it reaches them only through this, and objects call down
 /// into it (to map pages they hold).
@@ -108,6 +114,10 @@ pub(crate) struct UserMap {
     /// Fault-around: the page after the last cluster, and the current cluster size.
     next: AtomicU64,
     cluster: AtomicU64,
+    /// Faults in a row whose fill was interrupted (the bytes were changing underneath):
+    /// past `INTERRUPTED_MAX` the next one raises SIGBUS, so that a pager that never
+    /// stops answering "interrupted" cannot keep an access faulting forever.
+    interrupted: AtomicU32,
 }
 
 impl UserMap {
@@ -128,6 +138,7 @@ impl UserMap {
             alive: RwLock::new(true),
             next: AtomicU64::new(u64::MAX),
             cluster: AtomicU64::new(CLUSTER_INIT),
+            interrupted: AtomicU32::new(0),
         }
     }
 
@@ -469,13 +480,31 @@ impl MapService {
                     }
                 }
                 obj.unpin_fault(chunk, page, n);
+                m.interrupted.store(0, Relaxed);
                 if !minor {
                     m.next.store(page + n, Relaxed);
                 }
             }
+            Err(e) if e.is_interrupted() && m.interrupted.fetch_add(1, Relaxed) < INTERRUPTED_MAX => {
+                // The pager read bytes being rewritten (a stacked layer beside a write below):
+                // the pages are let go (the writer's invalidation waits for them); the access
+                // faults again after a pause, when the write is likely done.
+                std::thread::sleep(INTERRUPTED_PAUSE);
+                let alive = m.alive.read();
+                if *alive {
+                    let _ = k.uffd.wake(addr, sys);
+                }
+            }
             Err(e) => {
+                m.interrupted.store(0, Relaxed);
                 if self.fill_errors.fetch_add(1, Relaxed) < FILL_ERRORS_TOLD {
-                    eprintln!(
+                    // To the process's stderr itself, not `eprintln!`: a test harness captures
+                    // that for the thread that made the cache (its threads inherit the
+                    // capture), and the capture dies with the process the SIGBUS ends — as
+                    // the message did when tests/stack.rs died of one in CI.
+                    use std::io::Write as _;
+                    let _ = writeln!(
+                        std::io::stderr(),
                         "ubc: a fault on page {page} of a mapping could not be filled, so the access \
                          gets SIGBUS: {e}"
                     );

@@ -71,7 +71,11 @@ pub enum Identity {
 pub trait Pager: Send + Sync + 'static {
     /// `VOP_GETPAGES`: fill `buf` with the bytes at `offset..offset+buf.len()`.
     /// Bytes past the end of the store read as zero. May answer [`Fill::Hole`] without
-    /// touching `buf` when the whole range holds no data.
+    /// touching `buf` when the whole range holds no data. An error of kind
+    /// [`io::ErrorKind::Interrupted`] says the stored bytes were changing underneath (a
+    /// stacked layer read them beside a write below) and nothing is known to be wrong with
+    /// them: a mapping's fault then faults again a moment later instead of raising SIGBUS;
+    /// a read returns the error.
     fn get_pages(&self, offset: u64, buf: &mut [u8]) -> io::Result<Fill>;
 
     /// `VOP_PUTPAGES`: store `data` at `offset` (a cluster of contiguous dirty pages).
