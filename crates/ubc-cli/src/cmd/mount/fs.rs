@@ -583,7 +583,12 @@ impl Filesystem for LayerFs {
             // refused once new changes are, the write fails with EROFS as through any other
             // path, instead of going into a cache that can no longer be written back.
             Some(h) if h.kernel_writes() && self.gate.closed() => Err(Errno::EROFS),
-            Some(h) => self.stat_handle(ino.0, &h),
+            Some(h) => {
+                if h.kernel_writes() {
+                    self.gate.licensed_write();
+                }
+                self.stat_handle(ino.0, &h)
+            }
             None => match self.stat_node(ino) {
                 Ok(a) => Ok(a),
                 Err(e) => match self.handles.of_ino(ino.0) {
@@ -1015,7 +1020,17 @@ impl Filesystem for LayerFs {
             // what it holds (a program's write that returned, a store through a mapping) is
             // admitted while the shutdown pulls it out of the kernel (`gate`).
             let _pass = if write_flags.contains(WriteFlags::FUSE_WRITE_CACHE) {
-                self.gate.enter_write_back()?
+                self.gate.enter_write_back().inspect_err(|_| {
+                    // Bytes a program's write(2) was told were written: say they are lost
+                    // (the program hears only at its fsync or close, if ever).
+                    let path = self.handle(fh).ok().and_then(|h| h.file().map(|f| f.path().to_string()));
+                    eprintln!(
+                        "ubc: the kernel wrote back {} bytes at offset {offset} of {} after the final sync \
+                         began: refused, those bytes are lost",
+                        data.len(),
+                        path.as_deref().unwrap_or("a file")
+                    );
+                })?
             } else {
                 self.gate.enter()?
             };

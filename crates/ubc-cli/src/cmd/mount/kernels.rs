@@ -213,6 +213,26 @@ impl Kernels {
         }
     }
 
+    /// Wait until no `write(2)` is copying into mount `id`'s files at `rels` (paths in the
+    /// layer): open each read-only through the mount point and `lseek(SEEK_END)`, which
+    /// takes the file's inode lock (`fuse_file_llseek`) — what a `write(2)` into the
+    /// kernel's write-back cache holds while it copies. Such a write asked for the
+    /// attributes before it took the lock, so one that asked before the shutdown made them
+    /// stale cannot be refused any more: it returns Ok with its bytes in the kernel's cache,
+    /// and must be waited for before the last pull (`shutdown::finish`). The close of the
+    /// descriptor writes back what the kernel holds dirty of the file too (`fuse_flush`).
+    /// A file the point does not reach (detached, renamed) is skipped. Same preconditions
+    /// as `pull_writes`.
+    pub(super) fn wait_writers(&self, id: usize, rels: &[String]) {
+        let Some(m) = self.mounts().iter().find(|m| m.id == id) else { return };
+        for rel in rels {
+            if let Ok(f) = m.open_through_point(rel, libc::O_NOFOLLOW | libc::O_NONBLOCK) {
+                // SAFETY: lseek takes a descriptor, open for the call, and integers.
+                unsafe { libc::lseek(std::os::fd::AsRawFd::as_raw_fd(&f), 0, libc::SEEK_END) };
+            }
+        }
+    }
+
     /// Have mount `id`'s kernel send what it holds written of the file at `rel` (its
     /// write-back cache) before this returns — at most `TOLD_LIMIT` later. For a request
     /// that must see those bytes; called holding no lock of the stack or the cache. The
