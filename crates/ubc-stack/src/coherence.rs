@@ -317,6 +317,23 @@ pub struct LowerWrites {
     done: AtomicU64,
 }
 
+/// The error of a read that kept failing while writes ran beside it: the read's own error
+/// (an [`AuthError`](crate::encrypt::AuthError) stays findable through it) as the source.
+#[derive(Debug)]
+struct TornRead(std::io::Error);
+
+impl std::fmt::Display for TornRead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "read while the file below was being rewritten through the stack (ask again): {}", self.0)
+    }
+}
+
+impl std::error::Error for TornRead {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.0)
+    }
+}
+
 /// One write in flight, from its permit to the end of its post-actions (see
 /// [`LowerWrites`]); counted done when dropped.
 pub(crate) struct LowerWrite<'a>(&'a LowerWrites);
@@ -357,10 +374,7 @@ impl LowerWrites {
             }
             tries += 1;
             if tries >= Self::TRIES {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::Interrupted,
-                    format!("read while the file below was being rewritten through the stack (ask again): {e}"),
-                ));
+                return Err(std::io::Error::new(std::io::ErrorKind::Interrupted, TornRead(e)));
             }
             if tries < 4 {
                 std::thread::yield_now();
@@ -1187,6 +1201,54 @@ impl<F: Actions> Group<F> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `settled`: a failure with no write beside it is returned at once; one while a write
+    /// is in flight, or after a write began and ended during the read, is read again; a
+    /// read that keeps failing under a write is given up as interrupted, its own error kept
+    /// as the source.
+    #[test]
+    fn settled_reads_again_only_what_a_write_may_have_torn() {
+        let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "bad tag");
+        let w = LowerWrites::default();
+        let mut calls = 0;
+        let r: std::io::Result<()> = w.settled(|| {
+            calls += 1;
+            Err(bad())
+        });
+        assert_eq!((r.unwrap_err().kind(), calls), (std::io::ErrorKind::InvalidData, 1), "no write: no retry");
+
+        let mut calls = 0;
+        let r = {
+            let _writing = w.begin();
+            w.settled(|| {
+                calls += 1;
+                if calls < 3 { Err(bad()) } else { Ok(7) }
+            })
+        };
+        assert_eq!((r.unwrap(), calls), (7, 3), "a write in flight: read again until it succeeds");
+
+        let mut calls = 0;
+        let r: std::io::Result<()> = w.settled(|| {
+            calls += 1;
+            if calls == 1 {
+                drop(w.begin()); // a whole write during the read
+            }
+            Err(bad())
+        });
+        assert_eq!((r.unwrap_err().kind(), calls), (std::io::ErrorKind::InvalidData, 2), "a write during the read");
+
+        let mut calls = 0;
+        let writing = w.begin();
+        let r: std::io::Result<()> = w.settled(|| {
+            calls += 1;
+            Err(bad())
+        });
+        drop(writing);
+        let e = r.unwrap_err();
+        assert_eq!((e.kind(), calls), (std::io::ErrorKind::Interrupted, LowerWrites::TRIES), "given up");
+        let inner = e.get_ref().and_then(|t| t.source()).and_then(|s| s.downcast_ref::<std::io::Error>());
+        assert_eq!(inner.map(|i| i.to_string()), Some("bad tag".to_string()), "the read's own error is the source");
+    }
 
     #[test]
     fn record_locks_split_replace_and_conflict_as_posix_says() {

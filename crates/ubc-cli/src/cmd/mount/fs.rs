@@ -583,12 +583,7 @@ impl Filesystem for LayerFs {
             // refused once new changes are, the write fails with EROFS as through any other
             // path, instead of going into a cache that can no longer be written back.
             Some(h) if h.kernel_writes() && self.gate.closed() => Err(Errno::EROFS),
-            Some(h) => {
-                if h.kernel_writes() {
-                    self.gate.licensed_write();
-                }
-                self.stat_handle(ino.0, &h)
-            }
+            Some(h) => self.stat_handle(ino.0, &h),
             None => match self.stat_node(ino) {
                 Ok(a) => Ok(a),
                 Err(e) => match self.handles.of_ino(ino.0) {

@@ -26,16 +26,7 @@ struct State {
     sealed: bool,
     /// Changes in flight (live `Pass`es).
     busy: usize,
-    /// When a kernel last got the attributes for a write into its write-back cache
-    /// (`licensed_write`).
-    licensed: Option<Instant>,
 }
-
-/// How long a `write(2)` that got its attributes may take to copy its bytes into the
-/// kernel's cache, as the shutdown assumes (`settle`): its thread is runnable from the
-/// answer on, and this covers being preempted for a few scheduler slices on a loaded
-/// machine. A writer held off the CPU for longer still escapes the last pull.
-const LICENSE_SETTLE: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// A change in flight: hold it until the change is in the cache.
 pub(super) struct Pass<'a>(&'a Gate);
@@ -75,28 +66,6 @@ impl Gate {
     /// returned), also after the gate closed; EROFS once it is sealed.
     pub(super) fn enter_write_back(&self) -> Result<Pass<'_>, Errno> {
         self.admit(|s| s.sealed)
-    }
-
-    /// A kernel asked for the attributes of a file open for writing through its write-back
-    /// cache, and got them: with stale attributes that is what a `write(2)` asks before it
-    /// copies into the cache (`fuse_cache_write_iter`), and once answered the write goes
-    /// on without the daemon — after the gate closed too, if its thread runs late. The
-    /// shutdown waits for it (`settle`).
-    pub(super) fn licensed_write(&self) {
-        self.state.lock().unwrap().licensed = Some(Instant::now());
-    }
-
-    /// Sleep until writes licensed before the gate closed have had `LICENSE_SETTLE` to copy
-    /// their bytes (at most that long; not at all if none was licensed lately). => the gate
-    /// is closed, so no new license is given.
-    pub(super) fn settle(&self) {
-        let last = self.state.lock().unwrap().licensed;
-        if let Some(t) = last {
-            let left = (t + LICENSE_SETTLE).saturating_duration_since(Instant::now());
-            if !left.is_zero() {
-                std::thread::sleep(left);
-            }
-        }
     }
 
     /// Refuse the kernels' write-back too, and wait, until `deadline`, for what is in

@@ -17,6 +17,14 @@ use ubc_stack::Stack;
 /// the sync deadline passed): sysexits' EX_TEMPFAIL.
 const EX_TEMPFAIL: i32 = 75;
 
+/// How long a `write(2)` into a kernel's write-back cache that checked the attributes (and
+/// found them valid, or got them) may take to reach the file's lock and copy, as the
+/// shutdown assumes: its thread is runnable from then on, and this covers being preempted
+/// for a few scheduler slices on a loaded machine. One held off the CPU for longer still
+/// escapes the last pull (the kernel gives no way to wait for a `write(2)` in progress on
+/// a FUSE file: `FIFREEZE` is EOPNOTSUPP).
+const WRITER_SETTLE: Duration = Duration::from_millis(100);
+
 /// What the main thread waits for.
 pub(super) enum Event {
     /// A mount's session ended (unmounted, or the connection was aborted).
@@ -112,13 +120,17 @@ impl Daemon {
             .collect()
     }
 
-    /// Wait for the `write(2)`s copying into the kernels' write-back caches
-    /// ([`Kernels::wait_writers`]). False if `deadline` passed first.
+    /// Wait for the `write(2)`s into the kernels' write-back caches that the kernels let
+    /// through before their attributes were made stale — by the pull just before — and
+    /// that may still be copying: first `WRITER_SETTLE`, then for each file's lock
+    /// ([`Kernels::wait_writers`]). False if `deadline` passed first. Nothing to wait for
+    /// without a file open for writing through a write-back cache.
     fn wait_kernel_writers(self: &Arc<Self>, deadline: Instant) -> bool {
         let work = self.kernel_written_paths();
         if work.is_empty() {
             return true;
         }
+        std::thread::sleep(WRITER_SETTLE.min(deadline.saturating_duration_since(Instant::now())));
         let (tx, rx) = mpsc::channel();
         let d = self.clone();
         std::thread::spawn(move || {
@@ -371,21 +383,18 @@ pub(super) fn finish(
     if !daemon.gate.close(deadline) {
         daemon.give_up(&format!("{sync_timeout}s sync deadline passed (a write did not finish)"));
     }
-    // Twice: the first pull also makes the kernels ask before each further write, which the
-    // closed gate refuses. A write(2) that asked before the gate closed goes on without the
-    // daemon: it copies into the kernel's cache once its thread runs, taking the file's
-    // lock. So the second pull waits for those writers first — long enough for one answered
-    // just before the close to have run (`Gate::settle`, 100 ms at most), then for any still
-    // holding the lock — and then takes what they left. Without the waits,
-    // `sigterm_with_a_writer_active_dir` lost the last write that returned Ok once in ~20–160
-    // runs under load (the record of the last write missing, found by a test loop). A writer
-    // kept off the CPU for longer than the settling time still escapes: the kernel gives no
-    // way to wait for a write(2) in progress on a FUSE file (`FIFREEZE`: EOPNOTSUPP).
-    let waited = daemon.pull_kernel_writes(deadline) && {
-        daemon.gate.settle();
-        daemon.wait_kernel_writers(deadline)
-    };
-    if !waited || !daemon.pull_kernel_writes(deadline) || !daemon.gate.seal(deadline) {
+    // Twice: each pull also makes the kernels ask before each further write, which the
+    // closed gate refuses. A write(2) that checked the attributes before the second pull
+    // made them stale goes on without the daemon: it copies into the kernel's cache once
+    // its thread runs, under the file's lock. So the last pull waits for those writers
+    // first (`wait_kernel_writers`) and then takes what they left. Without the wait,
+    // `sigterm_with_a_writer_active_dir` lost the last write that returned Ok in 2 of ~40
+    // runs beside other tests (its record missing from the file).
+    if !daemon.pull_kernel_writes(deadline)
+        || !daemon.wait_kernel_writers(deadline)
+        || !daemon.pull_kernel_writes(deadline)
+        || !daemon.gate.seal(deadline)
+    {
         daemon.give_up(&format!("{sync_timeout}s sync deadline passed (the kernel's write-back did not finish)"));
     }
     let host = daemon.host_sync.lock().unwrap().clone();
