@@ -303,12 +303,11 @@ pub(crate) enum Flush {
 /// pages being filled), so a fill may read stored bytes while a write into them is half
 /// done — part old, part new — or after it but before the layers above have reloaded their
 /// metadata (a header's length, a zstd index) from the new bytes. The write's post-actions
-/// ([`Permit::Once`]) drop whatever such a fill made; the fill need only not *fail*. A
+/// (`Permit::Once`) drop whatever such a fill made; the fill need only not *fail*. A
 /// layer that authenticates or decodes what it reads does fail on the mix (an
 /// authentication error for `aead`; a checksum or an end of file for `zstd`), and the
-/// mapping's reader died of SIGBUS (tests/stack.rs, `a_mapping_reads_blocks_being_rewritten_
-/// below_as_one_version_or_the_other` and `a_mapping_over_two_general_layers_reads_files_
-/// restored_below_as_one_version_or_the_other`). Such a pager reads through
+/// mapping's reader died of SIGBUS (the two `a_mapping_…_as_one_version_or_the_other`
+/// tests in tests/stack.rs). Such a pager reads through
 /// [`LowerWrites::settled`]. The counts are a seqcount for many writers: `begun` read after
 /// a read equal to `done` read before it says that no write overlapped the read.
 #[derive(Default, Debug)]
@@ -358,7 +357,7 @@ impl LowerWrites {
     /// Run `read` (a pager's read and decoding of the domain below) and return what it
     /// returns, unless it failed while a write through the stack was in flight: then run it
     /// again a little later, until it succeeds or fails with no write beside it (a real
-    /// error: returned as it is). If writes are still in flight after [`Self::TRIES`], the
+    /// error: returned as it is). If writes are still in flight after `TRIES` tries, the
     /// error is returned as [`std::io::ErrorKind::Interrupted`]: the stored bytes are
     /// changing, ask again — the cache then faults the mapping's access again instead of
     /// raising SIGBUS, after the caller has let go of the pages it was filling (which the
