@@ -336,6 +336,46 @@ fn a_pager_error_raises_sigbus_and_other_mappings_keep_working() {
     assert_same(&mf, &pattern(9, 0, 1 << 20), "healed mapping");
 }
 
+/// A pager read that fails as interrupted (`io::ErrorKind::Interrupted`: the stored bytes
+/// were changing underneath, see `Pager::get_pages`) makes the access fault again rather
+/// than raise SIGBUS, and the mapping then shows the data.
+#[test]
+fn an_interrupted_fill_faults_again_and_the_mapping_shows_the_data() {
+    let cache = Cache::builder().budget(16 << 20).build().unwrap();
+    let mem = Arc::new(MemPager::new());
+    ubc::Pager::put_pages(&*mem, 0, &pattern(12, 0, 1 << 20)).unwrap();
+    let flaky = Arc::new(InjectingPager::new(mem.clone()));
+    let f = cache.open(flaky.clone(), Access::ReadOnly).unwrap();
+    let m = f.map(0..1 << 20, Access::ReadOnly, Sharing::Shared).unwrap();
+    flaky.fail_reads(Some(libc::EINTR));
+    flaky.fail_only_next(5);
+    assert_eq!(m[300_000], pattern(12, 300_000, 1)[0]);
+    assert_eq!(flaky.counts().failures, 5, "five fills were interrupted, then one succeeded");
+    assert_eq!(cache.stats().map_sigbus, 0);
+    assert_same(&m, &pattern(12, 0, 1 << 20), "the mapping after interrupted fills");
+}
+
+/// A pager that answers "interrupted" for ever cannot keep an access faulting for ever: after
+/// about two seconds of it the access gets SIGBUS, told on stderr like any fill error.
+#[test]
+fn a_pager_interrupted_without_end_raises_sigbus_in_the_end() {
+    const NAME: &str = "a_pager_interrupted_without_end_raises_sigbus_in_the_end";
+    let cache = Cache::builder().budget(16 << 20).build().unwrap();
+    let mem = Arc::new(MemPager::new());
+    ubc::Pager::put_pages(&*mem, 0, &pattern(13, 0, 1 << 20)).unwrap();
+    let flaky = Arc::new(InjectingPager::new(mem.clone()));
+    let f = cache.open(flaky.clone(), Access::ReadOnly).unwrap();
+    let m = f.map(0..1 << 20, Access::ReadOnly, Sharing::Shared).unwrap();
+    flaky.fail_reads(Some(libc::EINTR));
+    if in_child(NAME) {
+        let _ = std::hint::black_box(m[4096]);
+        std::process::exit(0);
+    }
+    let (signal, stderr) = child_signal_and_stderr(NAME);
+    assert_eq!(signal, Some(libc::SIGBUS), "stderr: {stderr}");
+    assert!(stderr.contains("could not be filled"), "the cause is told: {stderr}");
+}
+
 #[test]
 fn write_from_and_read_into_a_mapping_of_the_same_file_do_not_deadlock() {
     let cache = Cache::builder().budget(8 << 20).build().unwrap();
