@@ -387,9 +387,10 @@ pub(super) fn finish(
     // closed gate refuses. A write(2) that checked the attributes before the second pull
     // made them stale goes on without the daemon: it copies into the kernel's cache once
     // its thread runs, under the file's lock. So the last pull waits for those writers
-    // first (`wait_kernel_writers`) and then takes what they left. Without the wait,
-    // `sigterm_with_a_writer_active_dir` lost the last write that returned Ok in 2 of ~40
-    // runs beside other tests (its record missing from the file).
+    // first (`wait_kernel_writers`) and then takes what they left. Waiting for the file's
+    // lock alone, `sigterm_with_a_writer_active_dir` lost the last write that returned Ok in
+    // 2 of ~40 runs beside other tests (its record missing from the file); with the pause
+    // before it, in none of 150.
     if !daemon.pull_kernel_writes(deadline)
         || !daemon.wait_kernel_writers(deadline)
         || !daemon.pull_kernel_writes(deadline)
