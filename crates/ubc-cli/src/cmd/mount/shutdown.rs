@@ -3,7 +3,7 @@
 //! deadline, the lazy unmount, and the exit status.
 
 use super::gate::Gate;
-use super::handles::Handles;
+use super::handles::{Handle, Handles};
 use super::kernels::Kernels;
 use crate::error::{EX_IOERR, Fail};
 use std::path::{Path, PathBuf};
@@ -97,26 +97,22 @@ impl Daemon {
         self.mounts.lock().unwrap().push(Served { id, point, canon, handles });
     }
 
-    /// Per mount with any, the paths (in its layer) of the files open for writing through
-    /// its kernel's write-back cache.
-    fn kernel_written_paths(&self) -> Vec<(usize, Vec<String>)> {
+    /// Per mount with any, what `of` gives for each file open for writing through its
+    /// kernel's write-back cache (files the kernel may hold written bytes of), sorted and
+    /// without repeats.
+    fn kernel_written<T: Ord>(&self, of: impl Fn(&Handle) -> Option<T>) -> Vec<(usize, Vec<T>)> {
         self.mounts
             .lock()
             .unwrap()
             .iter()
             .map(|m| {
-                let mut paths: Vec<String> = m
-                    .handles
-                    .all()
-                    .iter()
-                    .filter(|h| h.kernel_writes())
-                    .filter_map(|h| h.file().map(|f| f.path().to_string()))
-                    .collect();
-                paths.sort_unstable();
-                paths.dedup();
-                (m.id, paths)
+                let mut v: Vec<T> =
+                    m.handles.all().iter().filter(|h| h.kernel_writes()).filter_map(|h| of(h)).collect();
+                v.sort_unstable();
+                v.dedup();
+                (m.id, v)
             })
-            .filter(|(_, paths)| !paths.is_empty())
+            .filter(|(_, v)| !v.is_empty())
             .collect()
     }
 
@@ -126,37 +122,17 @@ impl Daemon {
     /// ([`Kernels::wait_writers`]). False if `deadline` passed first. Nothing to wait for
     /// without a file open for writing through a write-back cache.
     fn wait_kernel_writers(self: &Arc<Self>, deadline: Instant) -> bool {
-        let work = self.kernel_written_paths();
+        let work = self.kernel_written(|h| h.file().map(|f| f.path().to_string()));
         if work.is_empty() {
             return true;
         }
         std::thread::sleep(WRITER_SETTLE.min(deadline.saturating_duration_since(Instant::now())));
-        let (tx, rx) = mpsc::channel();
         let d = self.clone();
-        std::thread::spawn(move || {
+        on_thread_until(deadline, move || {
             for (id, paths) in work {
                 d.kernels.wait_writers(id, &paths);
             }
-            let _ = tx.send(());
-        });
-        rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).is_ok()
-    }
-
-    /// Per mount with any, the inode numbers of the files open for writing through its
-    /// kernel's write-back cache (files the kernel may hold written bytes of).
-    fn kernel_written(&self) -> Vec<(usize, Vec<u64>)> {
-        self.mounts
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|m| {
-                let mut inos: Vec<u64> = m.handles.all().iter().filter(|h| h.kernel_writes()).map(|h| h.ino).collect();
-                inos.sort_unstable();
-                inos.dedup();
-                (m.id, inos)
-            })
-            .filter(|(_, inos)| !inos.is_empty())
-            .collect()
+        })
     }
 
     /// Pull what the kernels' write-back caches hold written out of them, into the stack:
@@ -164,19 +140,16 @@ impl Daemon {
     /// written bytes of: closing one writes them back). False if `deadline` passed first
     /// (the pull goes on in its thread).
     fn pull_kernel_writes(self: &Arc<Self>, deadline: Instant) -> bool {
-        let work = self.kernel_written();
+        let work = self.kernel_written(|h| Some(h.ino));
         if work.is_empty() {
             return true;
         }
-        let (tx, rx) = mpsc::channel();
         let d = self.clone();
-        std::thread::spawn(move || {
+        on_thread_until(deadline, move || {
             for (id, inos) in work {
                 d.kernels.pull_writes(id, &inos);
             }
-            let _ = tx.send(());
-        });
-        rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).is_ok()
+        })
     }
 
     /// Open files written since their last sync, or with dirty pages: (mount path, dirty
@@ -205,9 +178,8 @@ impl Daemon {
     fn give_up(self: &Arc<Self>, why: &str) -> ! {
         eprintln!("ubc: {why}: exiting without syncing everything");
         self.report_unsynced();
-        let (tx, rx) = mpsc::channel();
         let d = self.clone();
-        std::thread::spawn(move || {
+        on_thread_until(Instant::now() + Duration::from_secs(1), move || {
             // The kernels' attributes of files open for writing first (an attribute-only
             // notice waits for nothing): with the write-back cache a write(2) asks the daemon
             // only when they are stale, so without this one into a file whose attributes
@@ -230,9 +202,7 @@ impl Daemon {
                 let _ = std::fs::write(format!("/sys/fs/fuse/connections/{c}/abort"), "1");
             }
             d.detach_all();
-            let _ = tx.send(());
         });
-        let _ = rx.recv_timeout(Duration::from_secs(1));
         // Not `std::process::exit`: it runs exit handlers and flushes stdout, which can
         // wait on a lock that a thread stuck in the stack holds.
         // SAFETY: _exit has no preconditions; it ends the process without returning.
@@ -242,7 +212,7 @@ impl Daemon {
     /// Make every kernel's attributes of the files open for writing through its write-back
     /// cache stale (see `give_up`).
     fn stale_kernel_attrs(&self) {
-        for (id, inos) in self.kernel_written() {
+        for (id, inos) in self.kernel_written(|h| Some(h.ino)) {
             for ino in inos {
                 self.kernels.attrs_stale(id, ino);
             }
@@ -424,6 +394,17 @@ pub(super) fn finish(
             );
         }
     }
+}
+
+/// Run `work` on a thread of its own and wait for it until `deadline`; false if that
+/// passed first (the work goes on in its thread: the stack it works on may be stuck).
+fn on_thread_until(deadline: Instant, work: impl FnOnce() + Send + 'static) -> bool {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        work();
+        let _ = tx.send(());
+    });
+    rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).is_ok()
 }
 
 enum Sync {
