@@ -259,9 +259,9 @@ pub struct CompressPager {
     state: Mutex<State>,
     /// One commit at a time.
     sync_lock: Mutex<()>,
-    /// The stack's writes into the lower file, when a stack made this pager: an extent
-    /// read while one of them is half written fails to decode, and is read again.
-    writes: Option<std::sync::Arc<LowerWrites>>,
+    /// The stack's writes into the lower file (none, unless a stack made this pager): an
+    /// extent read while one of them is half written fails to decode, and is read again.
+    writes: std::sync::Arc<LowerWrites>,
 }
 
 /// Index entries read and checked per piece at open (1 MiB).
@@ -351,7 +351,7 @@ impl CompressPager {
             lower,
             state: Mutex::new(state),
             sync_lock: Mutex::new(()),
-            writes: None,
+            writes: Default::default(),
         })
     }
 
@@ -359,7 +359,7 @@ impl CompressPager {
     /// changes them again ([`LowerWrites::settled`]): without it, a mapping's fault that
     /// reads an extent half rewritten below gets SIGBUS.
     pub fn reading_settled(mut self, writes: std::sync::Arc<LowerWrites>) -> CompressPager {
-        self.writes = Some(writes);
+        self.writes = writes;
         self
     }
 
@@ -950,7 +950,7 @@ impl Pager for CompressPager {
         }
         let mut stored = take_buf(&STORED_BUF);
         let mut scratch = take_buf(&CHUNK_BUF);
-        let mut read = || {
+        let r = self.writes.settled(|| {
             for chunk in first..=last {
                 let cstart = chunk << shift;
                 let (from, to) = (offset.max(cstart), end.min(cstart + cs));
@@ -973,11 +973,7 @@ impl Pager for CompressPager {
                 }
             }
             Ok(Fill::Data)
-        };
-        let r = match &self.writes {
-            Some(w) => w.settled(read),
-            None => read(),
-        };
+        });
         give_buf(&STORED_BUF, stored);
         give_buf(&CHUNK_BUF, scratch);
         r

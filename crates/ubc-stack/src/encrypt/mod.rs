@@ -263,9 +263,10 @@ pub struct EncryptPager {
     state: RecursiveRwLock<State>,
     /// Serializes header writes made under the shared lock.
     header_lock: Mutex<()>,
-    /// The stack's writes into the lower file, when a stack made this pager: blocks read
-    /// while one of them is half written fail authentication, and are read again.
-    writes: Option<Arc<LowerWrites>>,
+    /// The stack's writes into the lower file (none, unless a stack made this pager):
+    /// blocks read while one of them is half written fail authentication, and are read
+    /// again.
+    writes: Arc<LowerWrites>,
 }
 
 fn ubc_io(e: ubc::Error) -> io::Error {
@@ -390,7 +391,7 @@ impl EncryptPager {
             writable,
             state: RecursiveRwLock::new(state),
             header_lock: Mutex::new(()),
-            writes: None,
+            writes: Arc::default(),
         })
     }
 
@@ -398,7 +399,7 @@ impl EncryptPager {
     /// changes them again ([`LowerWrites::settled`]): without it, a mapping's fault that
     /// reads a block half rewritten below gets SIGBUS.
     pub fn reading_settled(mut self, writes: Arc<LowerWrites>) -> EncryptPager {
-        self.writes = Some(writes);
+        self.writes = writes;
         self
     }
 
@@ -722,10 +723,7 @@ impl Pager for EncryptPager {
         if offset >= len || buf.is_empty() {
             return Ok(Fill::Hole);
         }
-        match &self.writes {
-            Some(w) => w.settled(|| self.read_pages(&st, len, offset, buf)),
-            None => self.read_pages(&st, len, offset, buf),
-        }
+        self.writes.settled(|| self.read_pages(&st, len, offset, buf))
     }
 
     /// Precondition: `offset` is a multiple of 4096; `data` runs to a block boundary or is
