@@ -202,9 +202,11 @@ impl Resources {
         self.uncommitted.fetch_update(SeqCst, SeqCst, |u| (u + n <= max).then_some(u + n)).is_ok()
     }
 
+    /// Give back `n` pages taken by `take_uncommitted` (their commit is over).
     pub(crate) fn give_uncommitted(&self, n: u64) {
         self.uncommitted.fetch_sub(n, SeqCst);
     }
+
     pub(crate) fn new(geo: Geometry, p: Parts) -> Resources {
         Resources {
             geo,

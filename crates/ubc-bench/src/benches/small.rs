@@ -18,7 +18,7 @@
 //! ubc pays what `std::fs` pays at each `close`.
 
 use super::Ctx;
-use crate::report::{Better, Record};
+use crate::report::{Better, Record, median};
 use crate::util::*;
 use std::io::{Read, Write};
 use std::os::unix::io::AsRawFd;
@@ -378,11 +378,7 @@ fn meta_per_page(ctx: &Ctx) -> Vec<Record> {
         steady_total.push(m.total_per_page);
         evictions = m.evictions;
     }
-    let med = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let (total, steady_total) = (med(&mut total), med(&mut steady_total));
+    let (total, steady_total) = (median(&total), median(&steady_total));
     let _ = std::fs::remove_file(&path);
     vec![
         Record::from_samples(
