@@ -249,6 +249,35 @@ impl File {
         self.obj.set_watcher(watcher)
     }
 
+    /// Have `hook` called before any of this file's bytes are written back to its pager —
+    /// by the flusher, the page daemon or reclaim, [`File::sync`], [`File::clean`],
+    /// [`File::write_through`], [`Cache::sync_all`], [`crate::Mapping::flush`] or an unmap —
+    /// with the byte range about to be written; the write waits until the hook returns.
+    /// This is the write-ahead rule of a database's buffer pool (Mach's pager orders its
+    /// own writes; ARIES: "flush the log up to the page's LSN before the page"): the
+    /// hook makes the log durable, then the pages may go. An error from the hook fails that
+    /// writeback as a pager error would: the pages stay dirty, and `sync` returns it.
+    ///
+    /// The bytes written are the ones the file held when the hook was called: writers of
+    /// those pages wait until the write is done, and a store through a mapping after the
+    /// call is not in it (the cache copies a hooked file's pages before calling the hook,
+    /// and finds such a store dirty again later). So a program that appends each change to
+    /// its log *before* making it (in memory or through a mapping) and makes its whole log
+    /// durable in the hook never has a change on disk that its log lacks.
+    ///
+    /// Preconditions of the hook: it runs on whichever thread writes the pages back,
+    /// holding them and inside the cache (at the pager's rank in the lock order, `order`
+    /// in the crate docs): it must not call into this cache — keep the log out of it, in a
+    /// host file written with `write(2)` and `fdatasync`, as databases do — and must not wait
+    /// for a thread that writes this file (that writer may be waiting for the pages held).
+    /// One hook per file, shared by its handles, kept while the cache keeps the file (also
+    /// after the last close: its dirty pages are still written back through it); setting
+    /// another replaces it, `None` removes it.
+    pub fn set_writeback_hook(&self, hook: Option<crate::WritebackHook>) -> Result<()> {
+        self.live()?.set_writeback_hook(hook);
+        Ok(())
+    }
+
     /// Close the handle: later calls on it fail with [`Error::Closed`]. Like `close(2)`,
     /// it does not sync; cached data stays in the cache for other handles and later opens.
     ///

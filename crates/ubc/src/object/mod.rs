@@ -136,6 +136,11 @@ impl MapList {
 /// mapping (see [`crate::File::watch`]).
 pub type Watcher = std::sync::Arc<dyn Fn(std::ops::Range<u64>, bool) + Send + Sync>;
 
+/// Called before bytes of a file are written back to its pager, with their byte range;
+/// returns when they may go (see [`crate::File::set_writeback_hook`]). An error fails that
+/// writeback: the pages stay dirty and the error is reported as a writeback's.
+pub type WritebackHook = std::sync::Arc<dyn Fn(std::ops::Range<u64>) -> std::io::Result<()> + Send + Sync>;
+
 pub(crate) struct Object {
     pub(crate) id: u64,
     /// Ourselves, for handing work to I/O threads.
@@ -203,6 +208,10 @@ pub(crate) struct Object {
     /// (In a `OnceBox`: one thin pointer in every object, where the watcher is a wide one
     /// and a `OnceLock` of a box two words.)
     watcher: once_cell::race::OnceBox<Watcher>,
+    /// Called before each writeback of this object's pages (see
+    /// [`crate::File::set_writeback_hook`]); replaceable, hence the lock (one thin pointer
+    /// in objects that never had a hook).
+    writeback_hook: once_cell::race::OnceBox<RwLock<Option<WritebackHook>>>,
 }
 
 impl Object {
@@ -251,6 +260,7 @@ impl Object {
             scan_lock: Mutex::new(()),
             wb_errors: Default::default(),
             watcher: once_cell::race::OnceBox::new(),
+            writeback_hook: once_cell::race::OnceBox::new(),
         }))
     }
 
@@ -268,6 +278,16 @@ impl Object {
     /// Set the watcher; false if one was set already (it stays).
     pub(crate) fn set_watcher(&self, w: Watcher) -> bool {
         self.watcher.set(Box::new(w)).is_ok()
+    }
+
+    /// Set (or with `None` remove) the hook called before each writeback.
+    pub(crate) fn set_writeback_hook(&self, hook: Option<WritebackHook>) {
+        *self.writeback_hook.get_or_init(|| Box::new(RwLock::new(None))).write() = hook;
+    }
+
+    /// The hook called before each writeback, if any.
+    pub(crate) fn writeback_hook(&self) -> Option<WritebackHook> {
+        self.writeback_hook.get().and_then(|h| h.read().clone())
     }
 
     pub(crate) fn pager(&self) -> Arc<dyn Pager> {

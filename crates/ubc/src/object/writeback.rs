@@ -28,6 +28,16 @@ pub(crate) enum Pass {
 /// the file's cached pages dirty again, which only a small file can afford.
 const UNSTABLE_MAX: u64 = 64 << 10;
 
+/// Call a file's writeback hook (`File::set_writeback_hook`) for bytes `range`. A hook that
+/// panics fails the writeback like an error (the pages stay dirty): unwinding out of it
+/// would leave the pages under writeback for ever, and every later writer, sync and
+/// eviction of them waiting.
+fn run_hook(hook: &crate::WritebackHook, range: std::ops::Range<u64>) -> std::io::Result<()> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hook(range.clone()))).unwrap_or_else(|_| {
+        Err(std::io::Error::other(format!("the writeback hook panicked for bytes {}..{}", range.start, range.end)))
+    })
+}
+
 impl Object {
     /// Mach's `pager_clean_request`: write back the dirty pages in bytes `from..to`
     /// (stores through mappings included) and wait for writebacks in flight there. On error
@@ -207,9 +217,12 @@ impl Object {
         let r = if bytes == 0 {
             Ok(())
         } else {
-            // A small file's pages go through a buffer and `pread` (see `by_syscall`).
+            // A small file's pages go through a buffer and `pread` (see `by_syscall`), and so
+            // do a hooked file's: its hook must see the bytes that will be stored, and stores
+            // through a mapping may change a page under writeback (see `set_writeback_hook`).
+            let hook = self.writeback_hook();
             let mut bounce = Vec::new();
-            let data = if self.by_syscall(chunk) {
+            let data = if hook.is_some() || self.by_syscall(chunk) {
                 bounce.resize(bytes, 0u8);
                 self.memory().and_then(|m| m.read_at(&mut bounce, offset)).map(|()| &bounce[..])
             } else {
@@ -222,6 +235,13 @@ impl Object {
             data.and_then(|data| {
                 bump(&sh.put_calls, 1);
                 self.call_pager(PagerOp::PutPages, offset, |p| {
+                    // In the pager's scope: what the hook writes into the cache (a log) does
+                    // not wait at the dirty limit nor reclaim by writing back this object,
+                    // whose hook may be the one running.
+                    if let Some(hook) = &hook {
+                        run_hook(hook, offset..offset + bytes as u64)
+                            .inspect_err(|e| self.wb_errors.retained(PagerOp::PutPages, e))?;
+                    }
                     let r = if unstable { p.put_pages_unstable(offset, data) } else { p.put_pages(offset, data) };
                     r.inspect_err(|e| self.wb_errors.retained(PagerOp::PutPages, e))
                 })
