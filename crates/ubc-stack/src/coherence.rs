@@ -188,8 +188,28 @@ pub(crate) struct Tokens {
 impl Tokens {
     fn allows(&self, mode: Mode, r: &Range<u64>) -> bool {
         match mode {
-            Mode::Read => self.read.covers(r),
+            // A read also reads ahead, past `r` (ubc's read-ahead): the pages it may make
+            // there must be on record (a token or `cached`), or a write below would not
+            // find them (tests/stack.rs: a_write_below_finds_pages_read_ahead_past_a_token).
+            Mode::Read => self.read.covers(r) && self.recorded_from(r.start),
             Mode::Write => self.write.covers(r),
+        }
+    }
+    /// Every byte from `start` on is covered by a read token or a `cached` record.
+    fn recorded_from(&self, start: u64) -> bool {
+        let mut at = start;
+        loop {
+            let next = [&self.read, &self.cached]
+                .iter()
+                .flat_map(|s| s.0.iter())
+                .filter(|&&(a, b)| a <= at && at < b)
+                .map(|&(_, b)| b)
+                .max();
+            match next {
+                Some(u64::MAX) => return true,
+                Some(b) => at = b,
+                None => return false,
+            }
         }
     }
     fn sticky_overlaps(&self, r: &Range<u64>, write_only: bool) -> bool {
@@ -718,6 +738,10 @@ impl<F: Actions> Group<F> {
                 let grant = if alone { ALL } else { r.clone() };
                 let mut t = dom.tokens.write();
                 t.read.insert(grant.clone());
+                if mode == Mode::Read && !alone {
+                    // Its read-ahead (see `Tokens::allows`).
+                    t.cached.insert(r.start..ALL.end);
+                }
                 if mode == Mode::Write || inherit_write {
                     t.dirty.insert(grant.clone());
                 }
@@ -742,8 +766,9 @@ impl<F: Actions> Group<F> {
                 if mode == Mode::Write || inherit_write {
                     t.dirty.insert(r.clone());
                 }
-                // It fills pages here without a token: a later write below must find them.
-                t.cached.insert(r);
+                // It fills pages here without a token — a read, read-ahead past `r` too: a
+                // later write below must find them.
+                t.cached.insert(if mode == Mode::Read { r.start..ALL.end } else { r });
                 drop(t);
                 Ok(Permit::Once { group: self, _lock: g, post, writing })
             }

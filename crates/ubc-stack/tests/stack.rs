@@ -1052,3 +1052,43 @@ fn a_restore_at_the_bottom_beside_a_middle_mapping_is_what_the_top_reads_next() 
     }
     drop(m);
 }
+
+/// `dir | aead | aead` with the middle domain mapped: the top's read tokens are ranges (the
+/// mapping contends), and a read at the top reads ahead past its range. A write at the
+/// bottom into those read-ahead pages (beside the mapping: no token) did not count the top
+/// as a holder there and left them; the next top read got its token without an
+/// invalidation and returned them — the bytes before the write.
+#[test]
+fn a_write_below_finds_pages_read_ahead_past_a_token() {
+    const BLOCKS: usize = 64;
+    const BS: usize = 4096;
+    let fx = fixture();
+    let k = fx.keyfile.display();
+    let s = Stack::open(&format!("dir:{} | aead:keyfile={k} | aead:keyfile={k}", fx.data.display()), cache()).unwrap();
+    let top = s.top().create("p").unwrap();
+    let bottom = s.layer(0).unwrap().open_with("p", ubc_stack::OpenOptions::new().write(true)).unwrap();
+    let mid = s.layer(1).unwrap().open("p").unwrap();
+    let mut versions = Vec::new();
+    for v in [0xA1u8, 0xB2] {
+        top.write_at(&vec![v; BLOCKS * BS], 0).unwrap();
+        top.sync().unwrap();
+        versions.push(read_all(&bottom));
+    }
+    assert_eq!(versions[0].len(), versions[1].len());
+    let m = mid.map(0..mid.len().unwrap(), ubc::Access::ReadOnly, ubc::Sharing::Shared).unwrap();
+    // The whole stored file (its header too): every layer above reloads and holds nothing.
+    bottom.write_at(&versions[1], 0).unwrap();
+    // A miss at page 0: the top's token is that page; read-ahead fills the pages after it.
+    let mut page = vec![0u8; BS];
+    top.read_exact_at(&mut page, 0).unwrap();
+    assert!(page.iter().all(|&x| x == 0xB2));
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    // Top page 20 is middle bytes 82800..86936: middle, and so stored, blocks 20 and 21.
+    let sb = ubc_stack::encrypt::STORED_BLOCK as usize;
+    let h = ubc_stack::encrypt::HEADER_LEN as usize;
+    let (a, b) = (h + 20 * sb, h + 22 * sb);
+    bottom.write_at(&versions[0][a..b], a as u64).unwrap();
+    top.read_exact_at(&mut page, (20 * BS) as u64).unwrap();
+    assert!(page.iter().all(|&x| x == 0xA1), "top page 20 after the write below shows {:02x}", page[0]);
+    drop(m);
+}
