@@ -37,6 +37,7 @@
 #define UBC_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include <sys/types.h>
 
 #ifdef __cplusplus
@@ -100,6 +101,20 @@ ssize_t ubc_pwrite(ubc_file *file, const void *buf, size_t len, off_t offset);
 /* Write everything written through this layer and the layers above down to the store
  * and make it durable. Returns 0 or -1. */
 int ubc_fsync(ubc_file *file);
+/* Write-ahead logging: have `hook(ctx, offset, len)` called before any of this file's
+ * bytes at this layer are written back (by the cache's background writeback, reclaim,
+ * ubc_fsync, ubc_msync or ubc_unmap) with their range; the write waits until it returns.
+ * It returns 0 to let the bytes go, or an errno value: the write fails, the pages stay
+ * dirty and ubc_fsync reports it. The bytes written are those the file held when the
+ * hook was called (a store through a mapping made later is written later, through the
+ * hook again): a program that appends each change to its log before making it and makes
+ * its log durable in the hook never has a change in the store its log lacks.
+ * The hook runs on any of the cache's threads or a thread of yours, holding the pages:
+ * it must not call this library (keep the log in a plain file: write(2), fdatasync) nor
+ * wait for a thread that writes this file. One hook per file, shared by its handles and
+ * kept after they close; a NULL hook removes it. Returns 0 or -1. */
+typedef int (*ubc_writeback_hook)(void *ctx, uint64_t offset, uint64_t len);
+int ubc_set_writeback_hook(ubc_file *file, ubc_writeback_hook hook, void *ctx);
 /* Size of the file as this layer sees it, or -1. */
 off_t ubc_size(ubc_file *file);
 /* Set the size (extend with zeros or cut). Needs a writable handle. Returns 0 or -1. */

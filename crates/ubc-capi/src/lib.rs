@@ -349,6 +349,47 @@ pub unsafe extern "C" fn ubc_fsync(file: *mut ubc_file) -> c_int {
     })
 }
 
+/// A C writeback hook: returns 0 to let the write go, or an errno value to fail it.
+pub type ubc_writeback_hook = Option<unsafe extern "C" fn(ctx: *mut c_void, offset: u64, len: u64) -> c_int>;
+
+/// The hook's context pointer, handed back to it on any thread (ubc.h: the caller makes
+/// what it points to safe to use from the cache's threads).
+struct HookCtx(*mut c_void);
+// SAFETY: the pointer is only passed back to the caller's hook, whose contract (ubc.h,
+// ubc_set_writeback_hook) is to be callable from any thread with it.
+unsafe impl Send for HookCtx {}
+// SAFETY: as above.
+unsafe impl Sync for HookCtx {}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ubc_set_writeback_hook(
+    file: *mut ubc_file,
+    hook: ubc_writeback_hook,
+    ctx: *mut c_void,
+) -> c_int {
+    guard(-1, || {
+        // SAFETY: the caller passes a live file handle or NULL (ubc.h, "Pointer arguments").
+        let f = unsafe { handle(file, "file") }?;
+        let hook: Option<ubc::WritebackHook> = hook.map(|h| {
+            let ctx = HookCtx(ctx);
+            std::sync::Arc::new(move |r: std::ops::Range<u64>| {
+                let ctx = &ctx;
+                // SAFETY: the caller's hook, called as ubc.h says: with its context, from
+                // any thread, with a range of the file.
+                match unsafe { h(ctx.0, r.start, r.end - r.start) } {
+                    0 => Ok(()),
+                    e if e > 0 => Err(std::io::Error::from_raw_os_error(e)),
+                    e => Err(std::io::Error::other(format!("writeback hook returned {e}"))),
+                }
+            }) as ubc::WritebackHook
+        });
+        f.file
+            .set_writeback_hook(hook)
+            .map_err(|e| Fail::stack(&format!("set_writeback_hook {}", f.file.path()), e))?;
+        Ok(0)
+    })
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_size(file: *mut ubc_file) -> libc::off_t {
     guard(-1, || {

@@ -150,3 +150,13 @@ fn readme_example() {
     let exe = compile(&src, tmp.path(), "readme", "-O1");
     run(&exe, &[]);
 }
+
+#[test]
+fn writeback_hook() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let exe = compile(&crate_dir().join("tests/c/hook.c"), tmp.path(), "hook", "-O1");
+    let out = run(&exe, &[&data]);
+    assert!(out.contains("hook ok"), "{out}");
+}

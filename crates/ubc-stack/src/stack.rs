@@ -1385,6 +1385,15 @@ impl File {
         Ok(self.inner.seek_hole(offset)?)
     }
 
+    /// Have `hook` called before this file's bytes, at this layer, are written back into
+    /// the layer below (or the store, at the bottom), with their byte range; the write waits
+    /// until it returns. See [`ubc::File::set_writeback_hook`] for when it is called, what
+    /// it may do and what an error does. The layers below receive nothing of a range before
+    /// its hook returned, so nothing of it reaches the store earlier either.
+    pub fn set_writeback_hook(&self, hook: Option<ubc::WritebackHook>) -> Result<()> {
+        Ok(self.inner.set_writeback_hook(hook)?)
+    }
+
     /// Data written through layers above this one is pushed down, then everything reaches
     /// the store and is made durable (through every layer below).
     pub fn sync(&self) -> Result<()> {
