@@ -387,6 +387,30 @@ impl NativeFile {
         self.inner.lock().unwrap().take();
     }
 
+    /// Have `hook(offset, length)` called before any of this file's bytes at this layer are
+    /// written back (`ubc::File::set_writeback_hook`); None removes it. An exception from
+    /// it fails that write: the pages stay dirty and `sync` raises (an `OSError`'s errno is
+    /// kept).
+    #[pyo3(signature = (hook))]
+    fn set_writeback_hook(&self, py: Python<'_>, hook: Option<Py<PyAny>>) -> PyResult<()> {
+        let f = self.get()?;
+        let hook: Option<ubc::WritebackHook> = hook.map(|h| {
+            Arc::new(move |r: std::ops::Range<u64>| {
+                Python::attach(|py| {
+                    h.call1(py, (r.start, r.end - r.start)).map(drop).map_err(|e| {
+                        let errno =
+                            e.value(py).getattr("errno").ok().and_then(|v| v.extract::<i32>().ok()).filter(|&n| n > 0);
+                        match errno {
+                            Some(n) => std::io::Error::from_raw_os_error(n),
+                            None => std::io::Error::other(format!("writeback hook raised {e}")),
+                        }
+                    })
+                })
+            }) as ubc::WritebackHook
+        });
+        py.detach(move || f.set_writeback_hook(hook)).map_err(err)
+    }
+
     /// Map `length` bytes from `offset` (to the end of the file if None). Writable
     /// mappings are shared: their stores reach the file.
     #[pyo3(signature = (offset = 0, length = None, writable = false))]

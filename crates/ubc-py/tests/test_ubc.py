@@ -350,3 +350,45 @@ def test_pandas_reads_a_stack_file():
     with stack.open("t.csv") as f:
         df = pandas.read_csv(f)
     assert list(df.columns) == ["a", "b"] and int(df["b"].sum()) == 6
+
+
+def test_writeback_hook_runs_before_the_store_and_can_refuse(tmp_path):
+    import errno
+
+    data = tmp_path / "plain"
+    data.mkdir()
+    s = ubc.Stack(f"dir:{data}", ubc.Cache(64 << 20))
+    body = payload(1 << 20)
+    calls = []
+
+    def hook(offset, length):
+        # The host file does not hold these bytes yet.
+        host = (data / "db").read_bytes()
+        calls.append((offset, length, host[offset : offset + length] == body[offset : offset + length]))
+
+    with s.open("db", "w+b", buffering=0) as f:
+        f.set_writeback_hook(hook)
+        f.write(body)
+        f.sync()
+        assert calls, "the hook was never called"
+        assert not any(early for _, _, early in calls), calls
+        end = 0
+        for off, n, _ in sorted(calls):
+            assert off <= end
+            end = max(end, off + n)
+        assert end >= len(body)
+        assert (data / "db").read_bytes() == body
+
+        def full(offset, length):
+            raise OSError(errno.ENOSPC, "log device full")
+
+        f.set_writeback_hook(full)
+        f.seek(0)
+        f.write(b"LATER")
+        with pytest.raises(OSError) as e:
+            f.sync()
+        assert e.value.errno == errno.ENOSPC
+        assert (data / "db").read_bytes()[:5] == body[:5]
+        f.set_writeback_hook(None)
+        f.sync()
+        assert (data / "db").read_bytes()[:5] == b"LATER"

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import io
 import os
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from . import _ubc
 from ._ubc import AuthenticationError, Cache, Mapping, StatResult, generate_key, stats
@@ -196,6 +196,22 @@ class RawFile(io.RawIOBase):
             super().close()
 
     # -- ubc extras
+    def set_writeback_hook(self, hook: Optional[Callable[[int, int], object]]) -> None:
+        """Call ``hook(offset, length)`` before any of this file's bytes are written back.
+
+        Write-ahead logging: the write waits until the hook returns, so a program that
+        appends each change to its log before making it and makes the log durable in the
+        hook never has a change in the store that its log lacks. An exception fails that
+        write (the data stays in the cache, ``sync()`` raises). The hook runs on one of the
+        cache's threads (or the thread that needed the write): it must not use this file or
+        its cache, and it takes the GIL. Do not store into a writable mapping of a file of
+        the same cache from Python while a hooked file has unwritten data: a store that
+        faults while holding the GIL can need room that only the hook can free. ``None``
+        removes the hook.
+        """
+        self._checkClosed()
+        self._f.set_writeback_hook(hook)
+
     def map(self, offset: int = 0, length: Optional[int] = None, writable: bool = False) -> Mapping:
         """Map ``length`` bytes from ``offset`` (to the end of the file if None).
 
@@ -231,6 +247,10 @@ class _MapMixin:
     def sync(self) -> None:
         self.flush()  # type: ignore[attr-defined]
         self.raw.sync()
+
+    def set_writeback_hook(self, hook: Optional[Callable[[int, int], object]]) -> None:
+        """:meth:`RawFile.set_writeback_hook` (the buffer is flushed as the hook allows)."""
+        self.raw.set_writeback_hook(hook)
 
     def __len__(self) -> int:
         if self.writable():  # type: ignore[attr-defined]
