@@ -101,6 +101,19 @@ ssize_t ubc_pwrite(ubc_file *file, const void *buf, size_t len, off_t offset);
 /* Write everything written through this layer and the layers above down to the store
  * and make it durable. Returns 0 or -1. */
 int ubc_fsync(ubc_file *file);
+/* posix_fadvise for this file at its layer; the advice values are POSIX_FADV_*'s.
+ * NORMAL, RANDOM (no read-ahead), SEQUENTIAL (read ahead from the first miss, windows up to
+ * twice the usual) and NOREUSE (pages read are kept least) set this handle's pattern for
+ * its reads; WILLNEED starts filling [off, off+len) (at most half the budget) and returns;
+ * DONTNEED writes the range's dirty pages back, waits, and drops its clean pages. len 0:
+ * to the end of the file. Returns 0, or -1 (EINVAL: negative off/len, unknown advice). */
+#define UBC_FADV_NORMAL     0
+#define UBC_FADV_RANDOM     1
+#define UBC_FADV_SEQUENTIAL 2
+#define UBC_FADV_WILLNEED   3
+#define UBC_FADV_DONTNEED   4
+#define UBC_FADV_NOREUSE    5
+int ubc_fadvise(ubc_file *file, off_t off, off_t len, int advice);
 /* Write-ahead logging: have `hook(ctx, offset, len)` called before any of this file's
  * bytes at this layer are written back (by the cache's background writeback, reclaim,
  * ubc_fsync, ubc_msync or ubc_unmap) with their range; the write waits until it returns.

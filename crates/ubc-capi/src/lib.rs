@@ -349,6 +349,30 @@ pub unsafe extern "C" fn ubc_fsync(file: *mut ubc_file) -> c_int {
     })
 }
 
+pub const UBC_FADV_NORMAL: c_int = 0;
+pub const UBC_FADV_RANDOM: c_int = 1;
+pub const UBC_FADV_SEQUENTIAL: c_int = 2;
+pub const UBC_FADV_WILLNEED: c_int = 3;
+pub const UBC_FADV_DONTNEED: c_int = 4;
+pub const UBC_FADV_NOREUSE: c_int = 5;
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ubc_fadvise(file: *mut ubc_file, off: libc::off_t, len: libc::off_t, advice: c_int) -> c_int {
+    guard(-1, || {
+        // SAFETY: the caller passes a live file handle or NULL (ubc.h, "Pointer arguments").
+        let f = unsafe { handle(file, "file") }?;
+        if off < 0 || len < 0 {
+            return Err(Fail::inval(format!("fadvise: negative offset {off} or length {len}")));
+        }
+        let a =
+            ubc::Advice::from_posix(advice).ok_or_else(|| Fail::inval(format!("fadvise: unknown advice {advice}")))?;
+        // posix_fadvise: a length of 0 means to the end of the file.
+        let end = if len == 0 { u64::MAX } else { (off as u64).saturating_add(len as u64) };
+        f.file.advise(off as u64..end, a).map_err(|e| Fail::stack(&format!("fadvise {}", f.file.path()), e))?;
+        Ok(0)
+    })
+}
+
 /// A C writeback hook: returns 0 to let the write go, or an errno value to fail it.
 pub type ubc_writeback_hook = Option<unsafe extern "C" fn(ctx: *mut c_void, offset: u64, len: u64) -> c_int>;
 

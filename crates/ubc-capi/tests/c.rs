@@ -160,3 +160,13 @@ fn writeback_hook() {
     let out = run(&exe, &[&data]);
     assert!(out.contains("hook ok"), "{out}");
 }
+
+#[test]
+fn fadvise() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let exe = compile(&crate_dir().join("tests/c/advise.c"), tmp.path(), "advise", "-O1");
+    let out = run(&exe, &[&data]);
+    assert!(out.contains("advise ok"), "{out}");
+}

@@ -387,6 +387,16 @@ impl NativeFile {
         self.inner.lock().unwrap().take();
     }
 
+    /// `os.posix_fadvise` for this file at its layer: `advice` is one of `os.POSIX_FADV_*`
+    /// (`ubc::File::advise`); a `length` of 0 means to the end of the file.
+    fn advise(&self, py: Python<'_>, offset: u64, length: u64, advice: i32) -> PyResult<()> {
+        let f = self.get()?;
+        let a =
+            ubc::Advice::from_posix(advice).ok_or_else(|| PyValueError::new_err(format!("unknown advice {advice}")))?;
+        let end = if length == 0 { u64::MAX } else { offset.saturating_add(length) };
+        py.detach(move || f.advise(offset..end, a)).map_err(err)
+    }
+
     /// Have `hook(offset, length)` called before any of this file's bytes at this layer are
     /// written back (`ubc::File::set_writeback_hook`); None removes it. An exception from
     /// it fails that write: the pages stay dirty and `sync` raises (an `OSError`'s errno is

@@ -392,3 +392,20 @@ def test_writeback_hook_runs_before_the_store_and_can_refuse(tmp_path):
         f.set_writeback_hook(None)
         f.sync()
         assert (data / "db").read_bytes()[:5] == b"LATER"
+
+
+def test_advise_dontneed_writes_back_and_patterns_read_right(tmp_path):
+    data = tmp_path / "plain"
+    data.mkdir()
+    s = ubc.Stack(f"dir:{data}", ubc.Cache(64 << 20))
+    body = payload(1 << 20)
+    with s.open("f", "w+b") as f:
+        f.write(body)
+        f.advise(0, 0, os.POSIX_FADV_DONTNEED)  # flushes the buffer, writes back, drops
+        assert (data / "f").read_bytes() == body
+        for a in (os.POSIX_FADV_RANDOM, os.POSIX_FADV_SEQUENTIAL, os.POSIX_FADV_WILLNEED, os.POSIX_FADV_NOREUSE):
+            f.advise(0, 0, a)
+            f.seek(0)
+            assert f.read() == body
+        with pytest.raises(ValueError):
+            f.advise(0, 0, 99)

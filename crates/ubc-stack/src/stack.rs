@@ -1385,6 +1385,14 @@ impl File {
         Ok(self.inner.seek_hole(offset)?)
     }
 
+    /// `posix_fadvise` for this file at its layer ([`ubc::File::advise`]): a pattern for
+    /// this handle's reads, or `WillNeed`/`DontNeed` on the range of this layer's pages
+    /// (`DontNeed` writes them back into the layer below, as the flusher would, then drops
+    /// the clean ones; the layers below keep theirs).
+    pub fn advise(&self, range: Range<u64>, advice: ubc::Advice) -> Result<()> {
+        Ok(self.inner.advise(range, advice)?)
+    }
+
     /// Have `hook` called before this file's bytes, at this layer, are written back into
     /// the layer below (or the store, at the bottom), with their byte range; the write waits
     /// until it returns. See [`ubc::File::set_writeback_hook`] for when it is called, what

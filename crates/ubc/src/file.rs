@@ -11,7 +11,7 @@ use crate::stats::Stats;
 use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering::*};
 
 /// An open file in the cache.
 ///
@@ -23,6 +23,8 @@ pub struct File {
     cache: Cache,
     writable: bool,
     closed: AtomicBool,
+    /// This handle's access pattern (`File::advise`), an `Advice` as u8.
+    pattern: AtomicU8,
     pos: u64,
     /// Which writeback failures of the file this handle has been told about.
     errors: crate::errseq::Cursor,
@@ -70,7 +72,7 @@ impl File {
     pub(crate) fn new(obj: Arc<Object>, cache: Cache, access: Access) -> File {
         let errors = obj.wb_errors.cursor();
         let writable = access == Access::ReadWrite;
-        File { obj, cache, writable, closed: AtomicBool::new(false), pos: 0, errors }
+        File { obj, cache, writable, closed: AtomicBool::new(false), pattern: AtomicU8::new(0), pos: 0, errors }
     }
 
     #[inline]
@@ -92,7 +94,7 @@ impl File {
     /// Read up to `buf.len()` bytes at `offset`; fewer only at the end of the file.
     /// Holes read as zeros.
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
-        self.live()?.read(buf, offset, true)
+        self.live()?.read(buf, offset, crate::Advice::from_u8(self.pattern.load(Relaxed)))
     }
 
     /// `read_at` without read-ahead, for a pager above that fills its own pages from this
@@ -103,7 +105,31 @@ impl File {
     /// reads pages twice (measured through `dir | aead | zstd`: 203 MiB read from the store
     /// for a 130 MiB file, 129 MiB without).
     pub fn read_at_no_readahead(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
-        self.live()?.read(buf, offset, false)
+        self.live()?.read(buf, offset, crate::Advice::Random)
+    }
+
+    /// `posix_fadvise(2)`: say how this file, or bytes `range` of it, will be used.
+    /// `Normal`, `Random`, `Sequential` and `NoReuse` set this handle's access pattern for
+    /// its reads from now on (the range is not looked at: Linux too applies them to the
+    /// whole open file); other handles of the file keep theirs. `WillNeed` queues the fill
+    /// of the range's pages that are not cached and returns (at most half the budget, from
+    /// the range's start); `DontNeed` writes the range's dirty pages back, waits, and drops
+    /// its clean pages that no window or mapping holds — a writeback error is returned
+    /// (those pages stay dirty). A range reaching `u64::MAX` means to the end of the file.
+    /// Mappings of the file fault as before (their read-ahead is the file's).
+    pub fn advise(&self, range: std::ops::Range<u64>, advice: crate::Advice) -> Result<()> {
+        let o = self.live()?;
+        if range.start > range.end {
+            return Err(Error::InvalidArgument(format!("advise: range {}..{} is reversed", range.start, range.end)));
+        }
+        match advice {
+            a if a.is_pattern() => self.pattern.store(a as u8, Relaxed),
+            crate::Advice::WillNeed => o.will_need(range.start, range.end),
+            _ => {
+                o.dont_need(range.start, range.end)?;
+            }
+        }
+        Ok(())
     }
 
     /// Read exactly `buf.len()` bytes at `offset`, or fail with `UnexpectedEof`.

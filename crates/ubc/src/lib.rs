@@ -54,7 +54,7 @@ pub use error::{Error, PagerOp, Result};
 pub use file::{File, Window, WindowMut};
 pub use mapping::Mapping;
 pub use memfd::Sharing;
-pub use object::{Length, Watcher, WritebackHook};
+pub use object::{Advice, Length, Watcher, WritebackHook};
 pub use pager::file::Access;
 pub use pager::{Fill, Identity, IoMode, Pager, Seek};
 pub use stats::{CacheStats, Stats};

@@ -196,6 +196,17 @@ class RawFile(io.RawIOBase):
             super().close()
 
     # -- ubc extras
+    def advise(self, offset: int, length: int, advice: int) -> None:
+        """``os.posix_fadvise`` for this file: ``advice`` is one of ``os.POSIX_FADV_*``.
+
+        ``NORMAL``, ``RANDOM``, ``SEQUENTIAL`` and ``NOREUSE`` set this handle's access
+        pattern (read-ahead and how long read pages stay); ``WILLNEED`` starts filling the
+        range; ``DONTNEED`` writes its dirty pages back and drops it. A ``length`` of 0
+        means to the end of the file.
+        """
+        self._checkClosed()
+        self._f.advise(offset, length, advice)
+
     def set_writeback_hook(self, hook: Optional[Callable[[int, int], object]]) -> None:
         """Call ``hook(offset, length)`` before any of this file's bytes are written back.
 
@@ -251,6 +262,12 @@ class _MapMixin:
     def set_writeback_hook(self, hook: Optional[Callable[[int, int], object]]) -> None:
         """:meth:`RawFile.set_writeback_hook` (the buffer is flushed as the hook allows)."""
         self.raw.set_writeback_hook(hook)
+
+    def advise(self, offset: int, length: int, advice: int) -> None:
+        """:meth:`RawFile.advise` (a ``DONTNEED`` flushes this object's buffer first)."""
+        if advice == os.POSIX_FADV_DONTNEED and self.writable():  # type: ignore[attr-defined]
+            self.flush()  # type: ignore[attr-defined]
+        self.raw.advise(offset, length, advice)
 
     def __len__(self) -> int:
         if self.writable():  # type: ignore[attr-defined]

@@ -244,7 +244,18 @@ impl Object {
     /// Pin a run of valid pages `first..=last` of `chunk`, filling the first one if needed.
     /// Returns the number pinned (at least 1). `req_last` is the last page of the whole read
     /// (for read-ahead decisions); `None` for accesses that get no read-ahead (windows).
-    pub(super) fn pin_run(&self, chunk: &Chunk, first: u64, last: u64, req_last: Option<u64>) -> Result<u64> {
+    /// `pattern`: the reader's advice (`Advice::is_pattern`), which steers read-ahead and
+    /// the admission of the pages it fills.
+    pub(super) fn pin_run(
+        &self,
+        chunk: &Chunk,
+        first: u64,
+        last: u64,
+        req_last: Option<u64>,
+        pattern: Advice,
+    ) -> Result<u64> {
+        let req_last = req_last.filter(|_| pattern != Advice::Random);
+        let sequential = pattern == Advice::Sequential;
         // A pin waits while the page is BUSY (a fill, perhaps a queued read-ahead job).
         crate::order::check_wait(crate::order::Rank::page(self.depth()));
         let base = chunk.index << self.res.geo.chunk_shift;
@@ -261,15 +272,16 @@ impl Object {
                         bump(&self.counters.cold().readahead_hits, 1);
                     }
                     if ra_mark && req_last.is_some() {
-                        self.readahead_on_mark(p);
+                        self.readahead_on_mark(p, sequential);
                     }
                 }
                 Pin::Invalid if n > 0 => break,
                 Pin::Invalid => {
                     if let Some(rl) = req_last {
-                        self.readahead_on_miss(p, rl);
+                        self.readahead_on_miss(p, rl, sequential);
                     }
-                    let got = self.fill_run(chunk, p, last, Admission::Demand)?;
+                    let admit = if pattern == Advice::NoReuse { Admission::ReadAhead } else { Admission::Demand };
+                    let got = self.fill_run(chunk, p, last, admit)?;
                     if got > 0 {
                         return Ok(got);
                     }
@@ -288,9 +300,9 @@ impl Object {
         }
     }
 
-    /// `read_at`: copy `buf.len()` bytes at `offset` (fewer at end of file). Misses read
-    /// ahead if `readahead`.
-    pub(crate) fn read(&self, buf: &mut [u8], offset: u64, readahead: bool) -> Result<usize> {
+    /// `read_at`: copy `buf.len()` bytes at `offset` (fewer at end of file), read-ahead and
+    /// admission as `pattern` says (`Advice::Random`: no read-ahead).
+    pub(crate) fn read(&self, buf: &mut [u8], offset: u64, pattern: Advice) -> Result<usize> {
         checked_end(offset, buf.len())?;
         let mut end = offset.saturating_add(buf.len() as u64).min(self.len());
         let ps = self.ps();
@@ -302,7 +314,7 @@ impl Object {
             let chunk_last = ((ci + 1) << self.res.geo.chunk_shift) - 1;
             let req_last = (end - 1) >> ps;
             let last = req_last.min(chunk_last);
-            let n = self.pin_run(chunk, page, last, readahead.then_some(req_last))?;
+            let n = self.pin_run(chunk, page, last, Some(req_last), pattern)?;
             // A truncation may have raced with us; pinned pages are stable, but do not
             // return bytes past the current end.
             end = end.min(self.len());
@@ -329,7 +341,7 @@ impl Object {
     pub(crate) fn pin_range(&self, chunk: &Chunk, first: u64, last: u64) -> Result<*mut u8> {
         let mut p = first;
         while p <= last {
-            match self.pin_run(chunk, p, last, None) {
+            match self.pin_run(chunk, p, last, None, Advice::Normal) {
                 Ok(n) => p += n,
                 Err(e) => {
                     self.unpin_run(chunk, first, p - first);

@@ -96,7 +96,7 @@ impl Object {
         let chunk = self.table.get_or_create(ci);
         let chunk_last = ((ci + 1) << self.res.geo.chunk_shift) - 1;
         let last = last.min(chunk_last);
-        let n = self.pin_run(chunk, page, last, Some(last))?;
+        let n = self.pin_run(chunk, page, last, Some(last), Advice::Normal)?;
         Ok((chunk, n))
     }
 

@@ -39,6 +39,7 @@ use parking_lot::{Mutex, RwLock};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::*};
 use std::sync::{Arc, OnceLock, Weak};
 
+mod advice;
 mod evict;
 mod fill;
 mod holders;
@@ -49,6 +50,7 @@ mod truncate;
 mod write;
 mod writeback;
 
+pub use advice::Advice;
 pub(crate) use fill::Publish;
 pub(crate) use holders::{ObjectRef, WorkHold};
 pub(crate) use mapped::Harvest;

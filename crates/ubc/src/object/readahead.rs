@@ -122,9 +122,12 @@ impl Object {
     /// ```
     /// with `prev_index` one per open file; here each stream of the table has its own, and a
     /// miss inside a stream's last window (read-ahead gave up for memory) continues it too.
-    pub(crate) fn readahead_on_miss(&self, page: u64, req_last: u64) {
+    ///
+    /// `sequential`: the reader said so (`Advice::Sequential`): the miss opens a window as a
+    /// stream's would, whatever the table knows, and windows grow to twice the maximum.
+    pub(crate) fn readahead_on_miss(&self, page: u64, req_last: u64, sequential: bool) {
         let g = &self.res.geo;
-        let max = g.ra_max_pages;
+        let max = if sequential { g.ra_max_pages * 2 } else { g.ra_max_pages };
         if max == 0 {
             return;
         }
@@ -144,6 +147,7 @@ impl Object {
             let t = t.get_or_insert_with(Default::default);
             let known = t.continuing(page).map(|s| s.size);
             let size = match known {
+                _ if sequential => initial_size(req, g.ra_init_pages, max),
                 // Continues one read seen before (a candidate): start small, as Linux's
                 // `get_init_ra_size` does — a coincidence costs a few pages, a stream
                 // doubles from there.
@@ -173,7 +177,7 @@ impl Object {
         let start = page + req;
         let end = (page + size).min(eof + 1);
         if start < end {
-            self.readahead_submit(start, end);
+            self.readahead_submit(start, end, true);
         }
     }
 
@@ -191,9 +195,9 @@ impl Object {
     ///     ra->size += req_count;
     ///     ra->size = get_next_ra_size(ra, max_pages);
     /// ```
-    pub(crate) fn readahead_on_mark(&self, mark: u64) {
+    pub(crate) fn readahead_on_mark(&self, mark: u64, sequential: bool) {
         let g = &self.res.geo;
-        let max = g.ra_max_pages;
+        let max = if sequential { g.ra_max_pages * 2 } else { g.ra_max_pages };
         let Some(eof) = self.last_page() else { return };
         // The next window starts where the cached run after the marker ends.
         let start = mark + 1 + self.cached_run_after(mark + 1, max);
@@ -212,15 +216,16 @@ impl Object {
         };
         let end = (start + size).min(eof + 1);
         if start < end {
-            self.readahead_submit(start, end);
+            self.readahead_submit(start, end, true);
         }
     }
 
-    /// Queue pages `start..end` for asynchronous filling, marking `start`. The empty pages
+    /// Queue pages `start..end` for asynchronous filling, marking `start` if `mark` (a
+    /// window of a stream; not for a program's `WillNeed`, which asks for the range only). The empty pages
     /// are taken BUSY here (their budget is reserved by the I/O job), before the I/O is queued (as Linux adds read-ahead pages to the
     /// page cache locked before submitting): a reader that catches up with a window still
     /// in the queue waits for that read instead of issuing its own.
-    fn readahead_submit(&self, start: u64, end: u64) {
+    pub(crate) fn readahead_submit(&self, start: u64, end: u64, mark: bool) {
         // Each job holds the object counted (`holders.rs`): a last close that unlists it
         // waits for the job. `_alive` keeps it alive meanwhile.
         let Some(_alive) = WorkHold::of(&self.me) else { return };
@@ -244,7 +249,7 @@ impl Object {
             let base = ci << cs;
             let st = &chunk.pages[(p - base) as usize];
             if !st.try_lock_empty() {
-                if p == start {
+                if p == start && mark {
                     st.set_ra_mark();
                 }
                 p += 1;
@@ -258,7 +263,7 @@ impl Object {
                 n += 1;
             }
             let obj = WorkHold::of(&self.me).expect("alive: `_alive` holds it");
-            let mark = (p == start).then_some(start);
+            let mark = (mark && p == start).then_some(start);
             let first = p;
             self.res.io.submit(depth, move || obj.readahead_fill(ci, first, n, mark));
             p += n;
@@ -299,7 +304,7 @@ impl Object {
     }
 
     /// Index of the last page of the file, if it is not empty.
-    fn last_page(&self) -> Option<u64> {
+    pub(crate) fn last_page(&self) -> Option<u64> {
         let len = self.len();
         (len > 0).then(|| (len - 1) >> self.res.geo.page_shift)
     }

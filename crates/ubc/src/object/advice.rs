@@ -1,0 +1,79 @@
+//! Advice (`posix_fadvise`, TLPI 13.5): how a program says it will use a file. The access
+//! pattern (`Normal`, `Sequential`, `Random`, `NoReuse`) is kept per handle, as Linux keeps
+//! it per open file description, and steers the handle's reads: read-ahead off for
+//! `Random` (Linux's `FMODE_RANDOM`), believed at the first miss and allowed twice the
+//! window for `Sequential` (Linux doubles `ra_pages`), and pages filled for a `NoReuse`
+//! read admitted as use-once, like read-ahead's (no promotion on a ghost hit, the use they
+//! were read for not counted: Linux's `FMODE_NOREUSE` skips the activation). `WillNeed` and
+//! `DontNeed` act on the file's pages at once: an asynchronous fill of the range, or its
+//! dirty pages written back and its clean ones dropped.
+
+use super::*;
+
+/// What a program says of its use of a file or a range of it ([`crate::File::advise`]);
+/// the values are `posix_fadvise`'s `POSIX_FADV_*`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Advice {
+    /// No particular pattern: read-ahead detects sequential streams (the default).
+    Normal = 0,
+    /// Reads of this handle are random: no read-ahead.
+    Random = 1,
+    /// Reads of this handle are sequential: every miss reads ahead, up to twice the window.
+    Sequential = 2,
+    /// Fill this range soon (asynchronously, as read-ahead; at most half the budget).
+    WillNeed = 3,
+    /// This range is not needed soon: its dirty pages are written back (waited for) and its
+    /// clean pages dropped, except those pinned or mapped.
+    DontNeed = 4,
+    /// The data read through this handle is used once: pages it fills are admitted as
+    /// read-ahead's are, the first to go.
+    NoReuse = 5,
+}
+
+impl Advice {
+    /// From a `POSIX_FADV_*` value.
+    pub fn from_posix(v: i32) -> Option<Advice> {
+        use Advice::*;
+        [Normal, Random, Sequential, WillNeed, DontNeed, NoReuse].into_iter().find(|a| *a as i32 == v)
+    }
+
+    /// A per-handle access pattern (as opposed to an action on a range).
+    pub(crate) fn is_pattern(self) -> bool {
+        matches!(self, Advice::Normal | Advice::Random | Advice::Sequential | Advice::NoReuse)
+    }
+
+    pub(crate) fn from_u8(v: u8) -> Advice {
+        Advice::from_posix(v as i32).unwrap_or(Advice::Normal)
+    }
+}
+
+impl Object {
+    /// `WillNeed` of bytes `from..to`: queue the fill of its pages not cached, as
+    /// read-ahead (asynchronous; pages admitted as read-ahead). At most half the budget is
+    /// queued, from `from`: more would evict the start of the range to fill its end.
+    pub(crate) fn will_need(&self, from: u64, to: u64) {
+        let ps = self.ps();
+        let Some(last) = self.last_page() else { return };
+        let first = from >> ps;
+        let end = to.div_ceil(1 << ps).min(last + 1).min(first.saturating_add((self.res.geo.budget_pages / 2).max(1)));
+        if first < end {
+            self.readahead_submit(first, end, false);
+        }
+    }
+
+    /// `DontNeed` of bytes `from..to`: write back its dirty pages (stores through mappings
+    /// included) and wait, then drop the clean pages nobody holds. Returns the pages
+    /// dropped; a writeback error is returned after the clean pages were dropped (the
+    /// failed ones stay dirty, and cached).
+    pub(crate) fn dont_need(&self, from: u64, to: u64) -> Result<u64> {
+        let ps = self.ps();
+        let to = to.min(self.len());
+        if from >= to {
+            return Ok(0);
+        }
+        let written = self.clean(from, to);
+        let dropped = self.evict_clean_pages(from >> ps, to.div_ceil(1 << ps));
+        written.map(|()| dropped)
+    }
+}
