@@ -148,6 +148,12 @@ struct ubc_map *ubc_map(ubc_file *file, off_t off, size_t len, int prot, void **
 /* Write the mapping's stores to this layer's store (like msync(MS_SYNC)); for durability
  * through every layer below, also call ubc_fsync. Returns 0 or -1. */
 int ubc_msync(struct ubc_map *map);
+/* madvise for this mapping, with the UBC_FADV_* values (MADV_NORMAL..MADV_DONTNEED have
+ * the same numbers): NORMAL, RANDOM (each fault fills its page alone), SEQUENTIAL (faults
+ * read ahead from the first) and NOREUSE steer its faults; WILLNEED starts filling the
+ * mapped range; DONTNEED writes its stores back and waits (the pages stay mapped).
+ * Returns 0 or -1 (EINVAL: unknown advice). */
+int ubc_madvise(struct ubc_map *map, int advice);
 /* Remove the mapping (its stores are kept in the cache). Returns 0, or -1 for NULL. */
 int ubc_unmap(struct ubc_map *map);
 

@@ -489,6 +489,18 @@ pub unsafe extern "C" fn ubc_msync(map: *mut ubc_map) -> c_int {
 }
 
 #[unsafe(no_mangle)]
+pub unsafe extern "C" fn ubc_madvise(map: *mut ubc_map, advice: c_int) -> c_int {
+    guard(-1, || {
+        // SAFETY: the caller passes a live map handle or NULL (ubc.h, "Pointer arguments").
+        let m = unsafe { handle(map, "map") }?;
+        let a =
+            ubc::Advice::from_posix(advice).ok_or_else(|| Fail::inval(format!("madvise: unknown advice {advice}")))?;
+        m.map.advise(a).map_err(|e| Fail::stack("madvise", e.into()))?;
+        Ok(0)
+    })
+}
+
+#[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_unmap(map: *mut ubc_map) -> c_int {
     guard(-1, || {
         // SAFETY: the caller passes a live map handle or NULL (ubc.h, "Pointer arguments").

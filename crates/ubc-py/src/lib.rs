@@ -532,6 +532,20 @@ impl Mapping {
         self.len != 0 && self.inner.lock().unwrap().is_none()
     }
 
+    /// `mmap.madvise` for this mapping: `advice` is one of `mmap.MADV_NORMAL`, `MADV_RANDOM`,
+    /// `MADV_SEQUENTIAL`, `MADV_WILLNEED`, `MADV_DONTNEED` (`ubc::Mapping::advise`).
+    fn madvise(&self, py: Python<'_>, advice: i32) -> PyResult<()> {
+        let a = ubc::Advice::from_posix(advice)
+            .filter(|a| *a != ubc::Advice::NoReuse)
+            .ok_or_else(|| PyValueError::new_err(format!("unknown advice {advice}")))?;
+        let g = self.inner.lock().unwrap();
+        match g.as_ref() {
+            Some(m) => py.detach(|| m.advise(a)).map_err(|e| err(e.into())),
+            None if self.len == 0 => Ok(()),
+            None => Err(PyValueError::new_err("mapping closed")),
+        }
+    }
+
     /// Write the mapping's stores to the layer's store (`msync`).
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
         let g = self.inner.lock().unwrap();

@@ -409,3 +409,24 @@ def test_advise_dontneed_writes_back_and_patterns_read_right(tmp_path):
             assert f.read() == body
         with pytest.raises(ValueError):
             f.advise(0, 0, 99)
+
+
+def test_mapping_madvise(tmp_path):
+    import mmap
+
+    data = tmp_path / "plain"
+    data.mkdir()
+    s = ubc.Stack(f"dir:{data}", ubc.Cache(64 << 20))
+    body = payload(1 << 20)
+    with s.open("f", "w+b") as f:
+        f.write(body)
+        f.flush()
+        with f.map(writable=True) as m:
+            m.madvise(mmap.MADV_RANDOM)
+            assert bytes(memoryview(m)[:1000]) == body[:1000]
+            m.madvise(mmap.MADV_WILLNEED)
+            memoryview(m)[5000:5008] = b"MADVISED"
+            m.madvise(mmap.MADV_DONTNEED)
+            assert (data / "f").read_bytes()[5000:5008] == b"MADVISED"
+            with pytest.raises(ValueError):
+                m.madvise(99)

@@ -19,6 +19,7 @@
 //! # Ok::<(), ubc::Error>(())
 //! ```
 
+mod advice;
 mod cache;
 mod error;
 mod errseq;
@@ -49,12 +50,13 @@ pub mod evict {
     };
 }
 
+pub use advice::Advice;
 pub use cache::{Cache, CacheBuilder};
 pub use error::{Error, PagerOp, Result};
 pub use file::{File, Window, WindowMut};
 pub use mapping::Mapping;
 pub use memfd::Sharing;
-pub use object::{Advice, Length, Watcher, WritebackHook};
+pub use object::{Length, Watcher, WritebackHook};
 pub use pager::file::Access;
 pub use pager::{Fill, Identity, IoMode, Pager, Seek};
 pub use stats::{CacheStats, Stats};

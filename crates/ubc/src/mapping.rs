@@ -165,6 +165,27 @@ impl Mapping {
         self.offset
     }
 
+    /// `madvise(2)` for this mapping: `Normal`, `Random` (each fault fills its page alone:
+    /// no fault-around, no read-ahead), `Sequential` (faults read ahead from the first, up to
+    /// twice the window) and `NoReuse` (pages its faults fill are kept least) steer its
+    /// faults from now on; `WillNeed` queues the fill of the mapped range's pages not cached
+    /// (as `File::advise`); `DontNeed` writes the range's stores and dirty pages back and
+    /// waits — the pages stay mapped and cached (on a shared file mapping Linux only drops
+    /// the page-table entries, which ubc needs to find stores).
+    pub fn advise(&self, advice: crate::Advice) -> Result<()> {
+        let ps = self.obj.page_shift();
+        let (from, to) = (self.offset, self.offset + self.len as u64);
+        match advice {
+            crate::Advice::WillNeed => self.obj.will_need(from, to),
+            crate::Advice::DontNeed => {
+                self.obj.harvest(from >> ps, to.div_ceil(1 << ps), Harvest::Explicit);
+                self.obj.writeback(from >> ps, to.div_ceil(1 << ps), Pass::Wait)?;
+            }
+            pattern => self.map.pattern.store(pattern as u8, std::sync::atomic::Ordering::Relaxed),
+        }
+        Ok(())
+    }
+
     /// `msync(MS_SYNC)`: stores made through this mapping (and any other dirty page of the
     /// range) reach the pager, then the pager's sync. On error the pages stay dirty.
     pub fn flush(&self) -> Result<()> {

@@ -162,3 +162,53 @@ fn bad_advice_is_an_error() {
     f.close().unwrap();
     assert!(matches!(f.advise(0..1, Advice::Normal), Err(ubc::Error::Closed)));
 }
+
+/// Touch one byte of every page of `m`, in order; returns their sum (so the reads happen).
+fn touch_all(m: &ubc::Mapping) -> u64 {
+    (0..m.len()).step_by(4096).map(|i| m[i] as u64).sum()
+}
+
+#[test]
+fn a_mapping_advised_random_faults_its_pages_alone_and_sequential_reads_ahead() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = host_file(dir.path(), "f", 8 * MIB, 10);
+    let cache = Cache::new(64 * MIB).unwrap();
+    let f = cache.open_path(&path, Access::ReadOnly).unwrap();
+    let want: u64 = (0..8 * MIB).step_by(4096).map(|i| byte_at(10, i) as u64).sum();
+
+    let m = f.map(0..8 * MIB, Access::ReadOnly, Sharing::Shared).unwrap();
+    m.advise(Advice::Random).unwrap();
+    let before = f.stats();
+    assert_eq!(touch_all(&m), want);
+    let st = f.stats();
+    assert_eq!(st.readahead_pages - before.readahead_pages, 0, "a Random mapping read ahead: {st:?}");
+    assert_eq!(st.get_calls - before.get_calls, 2048, "a Random mapping's fault read more than its page: {st:?}");
+    drop(m);
+
+    cache.evict_all().unwrap();
+    let m = f.map(0..8 * MIB, Access::ReadOnly, Sharing::Shared).unwrap();
+    m.advise(Advice::Sequential).unwrap();
+    let before = f.stats();
+    assert_eq!(touch_all(&m), want);
+    let st = f.stats();
+    assert!(st.readahead_pages - before.readahead_pages > 1000, "a Sequential mapping did not read ahead: {st:?}");
+    assert!(st.get_calls - before.get_calls < 200, "a Sequential mapping faulted page by page: {st:?}");
+}
+
+#[test]
+fn will_need_and_dont_need_on_a_mapping() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = host_file(dir.path(), "f", 4 * MIB, 11);
+    let cache = Cache::new(64 * MIB).unwrap();
+    let f = cache.open_path(&path, Access::ReadWrite).unwrap();
+    let mut m = f.map(MIB..3 * MIB, Access::ReadWrite, Sharing::Shared).unwrap();
+    m.advise(Advice::WillNeed).unwrap();
+    eventually("the mapped range is cached", || f.stats().resident_bytes >= 2 * MIB);
+    assert!(f.stats().resident_bytes <= 2 * MIB + 64 * 4096, "WillNeed filled past the mapping: {:?}", f.stats());
+    m[4096..4102].copy_from_slice(b"stored");
+    m.advise(Advice::DontNeed).unwrap();
+    let host = std::fs::read(&path).unwrap();
+    assert_eq!(&host[(MIB + 4096) as usize..][..6], b"stored", "DontNeed did not write the store back");
+    assert_eq!(f.stats().dirty_bytes, 0);
+    assert_eq!(&m[4096..4102], b"stored", "the page stays mapped");
+}

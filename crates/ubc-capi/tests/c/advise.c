@@ -39,6 +39,23 @@ int main(int argc, char **argv) {
     CHECK(ubc_fadvise(f, 0, 0, UBC_FADV_NORMAL) == 0);
     CHECK(ubc_pread(f, back, sizeof back, 0) == (ssize_t)sizeof back && memcmp(back, data, sizeof data) == 0);
 
+    /* A mapping: RANDOM faults read right; a store, then DONTNEED, reaches the host file. */
+    void *addr = NULL;
+    struct ubc_map *m = ubc_map(f, 0, sizeof data, UBC_PROT_READ | UBC_PROT_WRITE, &addr);
+    CHECK(m != NULL);
+    CHECK(ubc_madvise(m, UBC_FADV_RANDOM) == 0);
+    CHECK(memcmp(addr, data, sizeof data) == 0);
+    CHECK(ubc_madvise(m, UBC_FADV_WILLNEED) == 0);
+    memcpy((char *)addr + 5000, "MADVISED", 8);
+    CHECK(ubc_madvise(m, UBC_FADV_DONTNEED) == 0);
+    fd = open(host, O_RDONLY);
+    char b8[8];
+    CHECK(fd >= 0 && pread(fd, b8, 8, 5000) == 8 && memcmp(b8, "MADVISED", 8) == 0);
+    close(fd);
+    errno = 0;
+    CHECK(ubc_madvise(m, 42) == -1 && errno == EINVAL);
+    CHECK(ubc_unmap(m) == 0);
+
     errno = 0;
     CHECK(ubc_fadvise(f, 0, 0, 9) == -1 && errno == EINVAL);
     errno = 0;

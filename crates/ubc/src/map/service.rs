@@ -23,6 +23,7 @@
 //!   the access gets SIGBUS (EFAULT for a kernel access), like the kernel's own mmap.
 
 use super::{Event, FillMode, Mode, Pagemap, Ready, Uffd, UffdMsg, Waker, feature};
+use crate::Advice;
 use crate::error::{Error, Result};
 use crate::memfd::Sharing;
 use crate::page::state::PageState;
@@ -90,9 +91,10 @@ pub(crate) trait Mapped: Send + Sync {
     /// Make sure the memfd holds memory for bytes `offset..offset + len` (so CONTINUE finds
     /// pages there).
     fn materialize(&self, offset: u64, len: u64);
-    /// Pin pages `page..=last` for a fault, filling them if needed: the chunk and how many
-    /// pages from `page` are pinned.
-    fn pin_for_fault(&self, page: u64, last: u64) -> Result<(&Chunk, u64)>;
+    /// Pin pages `page..=last` for a fault, filling them if needed (read-ahead and admission
+    /// as `pattern`, the mapping's advice, says): the chunk and how many pages from `page`
+    /// are pinned.
+    fn pin_for_fault(&self, page: u64, last: u64, pattern: Advice) -> Result<(&Chunk, u64)>;
     /// Undo `pin_for_fault`.
     fn unpin_fault(&self, chunk: &Chunk, page: u64, n: u64);
 }
@@ -118,6 +120,8 @@ pub(crate) struct UserMap {
     /// past `INTERRUPTED_MAX` the next one raises SIGBUS, so that a pager that never
     /// stops answering "interrupted" cannot keep an access faulting forever.
     interrupted: AtomicU32,
+    /// The mapping's advice (`Mapping::advise`), an `Advice` as u8: steers its faults.
+    pub(crate) pattern: std::sync::atomic::AtomicU8,
 }
 
 impl UserMap {
@@ -139,6 +143,7 @@ impl UserMap {
             next: AtomicU64::new(u64::MAX),
             cluster: AtomicU64::new(CLUSTER_INIT),
             interrupted: AtomicU32::new(0),
+            pattern: std::sync::atomic::AtomicU8::new(Advice::Normal as u8),
         }
     }
 
@@ -454,11 +459,13 @@ impl MapService {
         }
         // Fault-around only on sequential faults, growing like read-ahead; a random fault
         // reads its page alone (reading 16 pages for one touched made each random miss cost
-        // 16 reads, and pushed 15 useful pages out of a full cache).
-        let last = if minor {
+        // 16 reads, and pushed 15 useful pages out of a full cache). A mapping advised
+        // `Random` never faults around; one advised `Sequential` does from its first fault.
+        let pattern = Advice::from_u8(m.pattern.load(Relaxed));
+        let last = if minor || pattern == Advice::Random {
             page
         } else {
-            let c = if m.next.load(Relaxed) == page {
+            let c = if m.next.load(Relaxed) == page || pattern == Advice::Sequential {
                 (m.cluster.load(Relaxed) * 2).clamp(CLUSTER_INIT, CLUSTER_MAX)
             } else {
                 1
@@ -466,7 +473,7 @@ impl MapService {
             m.cluster.store(c, Relaxed);
             (page + c - 1).min(end - 1)
         };
-        match obj.pin_for_fault(page, last) {
+        match obj.pin_for_fault(page, last, pattern) {
             Ok((chunk, n)) => {
                 self.fault_pages.fetch_add(n, Relaxed);
                 self.map_pages(&*obj, &m, page, page + n, Holes::Allocate);

@@ -90,13 +90,13 @@ impl Object {
     /// a cluster after it) if needed, for the fault handler. Returns the chunk and how many
     /// pages are pinned (at least one). Read-ahead runs as for a read of `page..=last`: a
     /// sequential miss opens a window beyond the cluster, a marked page queues the next one.
-    /// => `page` lies within the file.
-    pub(crate) fn pin_for_fault(&self, page: u64, last: u64) -> Result<(&Chunk, u64)> {
+    /// `pattern`: the mapping's advice (`Mapping::advise`). => `page` lies within the file.
+    pub(crate) fn pin_for_fault(&self, page: u64, last: u64, pattern: Advice) -> Result<(&Chunk, u64)> {
         let (ci, _) = self.locate(page);
         let chunk = self.table.get_or_create(ci);
         let chunk_last = ((ci + 1) << self.res.geo.chunk_shift) - 1;
         let last = last.min(chunk_last);
-        let n = self.pin_run(chunk, page, last, Some(last), Advice::Normal)?;
+        let n = self.pin_run(chunk, page, last, Some(last), pattern)?;
         Ok((chunk, n))
     }
 
@@ -179,8 +179,8 @@ impl crate::map::Mapped for Object {
     fn materialize(&self, offset: u64, len: u64) {
         Object::materialize(self, offset, len)
     }
-    fn pin_for_fault(&self, page: u64, last: u64) -> Result<(&Chunk, u64)> {
-        Object::pin_for_fault(self, page, last)
+    fn pin_for_fault(&self, page: u64, last: u64, pattern: Advice) -> Result<(&Chunk, u64)> {
+        Object::pin_for_fault(self, page, last, pattern)
     }
     fn unpin_fault(&self, chunk: &Chunk, page: u64, n: u64) {
         Object::unpin_fault(self, chunk, page, n)

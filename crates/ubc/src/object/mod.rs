@@ -26,6 +26,7 @@
 //! accounting) and never on the cache that keeps the registry of objects: where a resource
 //! needs other objects (reclaim), it reaches them through the cache's `Reclaim` hook.
 
+use crate::Advice;
 use crate::error::{Error, PagerOp, Result};
 use crate::evict::{Admission, EvictionPolicy, NO_SLOT, PageKey};
 use crate::map::{Holes, UserMap};
@@ -50,7 +51,6 @@ mod truncate;
 mod write;
 mod writeback;
 
-pub use advice::Advice;
 pub(crate) use fill::Publish;
 pub(crate) use holders::{ObjectRef, WorkHold};
 pub(crate) use mapped::Harvest;
