@@ -82,10 +82,15 @@ void ubc_stack_close(ubc_stack *stack);
 #define UBC_RDWR   0x0002
 #define UBC_CREAT  0x0040
 #define UBC_TRUNC  0x0200
+/* Synchronous writes (open(2)'s values): each ubc_pwrite returns once its bytes are durable
+ * (UBC_DSYNC, as fdatasync of the range) or also the file's metadata (UBC_SYNC, as fsync). */
+#define UBC_DSYNC  0x1000
+#define UBC_SYNC   0x101000
 
 /* Open `path` (relative to the stack's root; a leading '/' is allowed) at layer `layer`
  * (0 is the bottom, -1 the top). flags: UBC_RDONLY or UBC_RDWR, optionally | UBC_CREAT
- * (create if missing) | UBC_TRUNC (needs UBC_RDWR). Unknown flag bits are EINVAL.
+ * (create if missing) | UBC_TRUNC (needs UBC_RDWR) | UBC_DSYNC or UBC_SYNC (synchronous
+ * writes). Unknown flag bits are EINVAL.
  * Errors: ENOENT, EISDIR, EROFS, EINVAL (bad layer/path/flags), EIO, ... */
 ubc_file *ubc_open(ubc_stack *stack, int layer, const char *path, int flags);
 /* Close a file handle. Dirty data stays in the cache (see Durability above); call
@@ -99,8 +104,11 @@ ssize_t ubc_pread(ubc_file *file, void *buf, size_t len, off_t offset);
  * A read-only handle is EBADF. Offsets as for ubc_pread. */
 ssize_t ubc_pwrite(ubc_file *file, const void *buf, size_t len, off_t offset);
 /* Write everything written through this layer and the layers above down to the store
- * and make it durable. Returns 0 or -1. */
+ * and make it durable, with the store's metadata (fsync). Returns 0 or -1. */
 int ubc_fsync(ubc_file *file);
+/* As ubc_fsync, but of the metadata only what reading the data back needs (fdatasync:
+ * the length, not the times). Returns 0 or -1. */
+int ubc_fdatasync(ubc_file *file);
 /* posix_fadvise for this file at its layer; the advice values are POSIX_FADV_*'s.
  * NORMAL, RANDOM (no read-ahead), SEQUENTIAL (read ahead from the first miss, windows up to
  * twice the usual) and NOREUSE (pages read are kept least) set this handle's pattern for

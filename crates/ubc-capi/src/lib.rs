@@ -226,6 +226,8 @@ pub const UBC_RDONLY: c_int = 0;
 pub const UBC_RDWR: c_int = 2;
 pub const UBC_CREAT: c_int = 0x40;
 pub const UBC_TRUNC: c_int = 0x200;
+pub const UBC_DSYNC: c_int = 0x1000;
+pub const UBC_SYNC: c_int = 0x101000;
 pub const UBC_PROT_READ: c_int = 1;
 pub const UBC_PROT_WRITE: c_int = 2;
 
@@ -257,7 +259,7 @@ pub unsafe extern "C" fn ubc_open(
         let s = unsafe { handle(stack, "stack") }?;
         // SAFETY: as above.
         let path = unsafe { cstr(path, "path") }?;
-        if flags & !(UBC_RDWR | UBC_CREAT | UBC_TRUNC) != 0 {
+        if flags & !(UBC_RDWR | UBC_CREAT | UBC_TRUNC | UBC_SYNC) != 0 {
             return Err(Fail::inval(format!("open {path}: unknown flags {flags:#x}")));
         }
         let write = flags & UBC_RDWR != 0;
@@ -269,7 +271,13 @@ pub unsafe extern "C" fn ubc_open(
             &s.stack,
             layer,
             path,
-            OpenOptions::new().write(write).create(flags & UBC_CREAT != 0).truncate(truncate),
+            OpenOptions::new().write(write).create(flags & UBC_CREAT != 0).truncate(truncate).write_sync(
+                match flags & UBC_SYNC {
+                    UBC_SYNC => ubc::WriteSync::All,
+                    UBC_DSYNC => ubc::WriteSync::Data,
+                    _ => ubc::WriteSync::None,
+                },
+            ),
         )?;
         Ok(Box::into_raw(Box::new(ubc_file { file })))
     })
@@ -344,7 +352,17 @@ pub unsafe extern "C" fn ubc_fsync(file: *mut ubc_file) -> c_int {
     guard(-1, || {
         // SAFETY: the caller passes a live file handle or NULL (ubc.h, "Pointer arguments").
         let f = unsafe { handle(file, "file") }?;
-        f.file.sync().map_err(|e| Fail::stack(&format!("fsync {}", f.file.path()), e))?;
+        f.file.sync_all().map_err(|e| Fail::stack(&format!("fsync {}", f.file.path()), e))?;
+        Ok(0)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ubc_fdatasync(file: *mut ubc_file) -> c_int {
+    guard(-1, || {
+        // SAFETY: the caller passes a live file handle or NULL (ubc.h, "Pointer arguments").
+        let f = unsafe { handle(file, "file") }?;
+        f.file.sync().map_err(|e| Fail::stack(&format!("fdatasync {}", f.file.path()), e))?;
         Ok(0)
     })
 }

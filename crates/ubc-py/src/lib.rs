@@ -357,10 +357,12 @@ impl NativeFile {
         py.detach(move || f.set_len(len)).map_err(err)
     }
 
-    /// Push data down through the layers below and make it durable.
-    fn sync(&self, py: Python<'_>) -> PyResult<()> {
+    /// Push data down through the layers below and make it durable, with the store's
+    /// metadata (`fsync`); `data_only`: only what reading the data back needs (`fdatasync`).
+    #[pyo3(signature = (data_only = false))]
+    fn sync(&self, py: Python<'_>, data_only: bool) -> PyResult<()> {
         let f = self.get()?;
-        py.detach(move || f.sync()).map_err(err)
+        py.detach(move || if data_only { f.sync() } else { f.sync_all() }).map_err(err)
     }
 
     #[getter]

@@ -409,6 +409,11 @@ def test_advise_dontneed_writes_back_and_patterns_read_right(tmp_path):
             assert f.read() == body
         with pytest.raises(ValueError):
             f.advise(0, 0, 99)
+        f.seek(0)
+        f.write(b"synced")
+        f.sync(data_only=True)  # fdatasync
+        assert (data / "f").read_bytes()[:6] == b"synced"
+        f.sync()  # fsync
 
 
 def test_mapping_madvise(tmp_path):

@@ -272,6 +272,9 @@ pub struct OpenOptions {
     pub exclusive: bool,
     /// With `create`: the new file's permission bits (default `0o644`), set as it is made.
     pub mode: Option<u32>,
+    /// `O_DSYNC`/`O_SYNC`: writes through this handle return once durable
+    /// ([`ubc::File::set_write_sync`]).
+    pub write_sync: ubc::WriteSync,
 }
 
 impl OpenOptions {
@@ -298,6 +301,11 @@ impl OpenOptions {
     /// The permission bits of a file this open creates.
     pub fn mode(mut self, mode: u32) -> OpenOptions {
         self.mode = Some(mode);
+        self
+    }
+    /// Synchronous writes (`O_DSYNC`: `WriteSync::Data`, `O_SYNC`: `WriteSync::All`).
+    pub fn write_sync(mut self, mode: ubc::WriteSync) -> OpenOptions {
+        self.write_sync = mode;
         self
     }
 }
@@ -1256,6 +1264,9 @@ impl LayerRef {
         if opts.truncate && opts.write {
             f.set_len(0)?;
         }
+        if opts.write_sync != ubc::WriteSync::None {
+            f.inner.set_write_sync(opts.write_sync)?;
+        }
         Ok(f)
     }
 }
@@ -1403,10 +1414,22 @@ impl File {
     }
 
     /// Data written through layers above this one is pushed down, then everything reaches
-    /// the store and is made durable (through every layer below).
+    /// the store and is made durable (through every layer below): `fdatasync(2)`.
     pub fn sync(&self) -> Result<()> {
         self.group.flush_above(self.domain)?;
         Ok(self.inner.sync()?)
+    }
+
+    /// `fsync(2)`: [`File::sync`], then the store's other metadata (times) made durable too
+    /// ([`ubc::File::sync_all`]).
+    pub fn sync_all(&self) -> Result<()> {
+        self.group.flush_above(self.domain)?;
+        Ok(self.inner.sync_all()?)
+    }
+
+    /// `O_DSYNC`/`O_SYNC` for this handle's writes from now on ([`ubc::File::set_write_sync`]).
+    pub fn set_write_sync(&self, mode: ubc::WriteSync) -> Result<()> {
+        Ok(self.inner.set_write_sync(mode)?)
     }
 
     /// Write the file's dirty data — through every layer — back into the store and wait

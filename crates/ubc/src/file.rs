@@ -25,9 +25,26 @@ pub struct File {
     closed: AtomicBool,
     /// This handle's access pattern (`File::advise`), an `Advice` as u8.
     pattern: AtomicU8,
+    /// `O_DSYNC`/`O_SYNC` for this handle's writes (`File::set_write_sync`), a `WriteSync`.
+    write_sync: AtomicU8,
     pos: u64,
     /// Which writeback failures of the file this handle has been told about.
     errors: crate::errseq::Cursor,
+}
+
+/// Synchronous writes for a handle ([`File::set_write_sync`]): `open(2)`'s `O_DSYNC` and
+/// `O_SYNC`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+#[repr(u8)]
+pub enum WriteSync {
+    /// Writes return once in the cache (the default); `sync` makes them durable.
+    #[default]
+    None = 0,
+    /// `O_DSYNC`: each write returns once its bytes, and what reading them back needs, are
+    /// durable (as if followed by `fdatasync` of its range).
+    Data = 1,
+    /// `O_SYNC`: as `Data`, and the file's other metadata too (as `fsync`).
+    All = 2,
 }
 
 impl Cache {
@@ -72,7 +89,16 @@ impl File {
     pub(crate) fn new(obj: Arc<Object>, cache: Cache, access: Access) -> File {
         let errors = obj.wb_errors.cursor();
         let writable = access == Access::ReadWrite;
-        File { obj, cache, writable, closed: AtomicBool::new(false), pattern: AtomicU8::new(0), pos: 0, errors }
+        File {
+            obj,
+            cache,
+            writable,
+            closed: AtomicBool::new(false),
+            pattern: AtomicU8::new(0),
+            write_sync: AtomicU8::new(WriteSync::None as u8),
+            pos: 0,
+            errors,
+        }
     }
 
     #[inline]
@@ -143,12 +169,39 @@ impl File {
 
     /// Write all of `buf` at `offset`, extending the file if it ends before. Returns
     /// `buf.len()`, or fewer bytes if an error stopped it after some were written.
+    ///
+    /// With [`File::set_write_sync`] it returns only once the bytes written (and, for
+    /// `WriteSync::All`, the file's metadata) are durable; an error there is returned
+    /// although the bytes are in the cache (they stay dirty: a later sync retries them).
     pub fn write_at(&self, buf: &[u8], offset: u64) -> Result<usize> {
         let o = self.live_writable()?;
         let r = o.write(buf, offset);
         // Told on failure too: some bytes may have gone in.
         o.changed(offset..offset.saturating_add(buf.len() as u64), false);
-        r
+        let n = r?;
+        match self.write_sync.load(Relaxed) {
+            s if s == WriteSync::None as u8 || n == 0 => {}
+            s => {
+                // O_DSYNC: the range written, its length, then the pager's sync (TLPI 13.3:
+                // "synchronized I/O data integrity completion"); O_SYNC adds the metadata.
+                o.clean(offset, offset + n as u64)?;
+                o.sync_pager()?;
+                if s == WriteSync::All as u8 {
+                    o.pager_sync_metadata()?;
+                }
+            }
+        }
+        Ok(n)
+    }
+
+    /// Make this handle's writes synchronous, as `open(2)`'s `O_DSYNC` (`WriteSync::Data`)
+    /// or `O_SYNC` (`WriteSync::All`) do: each `write_at` (and `Write::write`) returns once
+    /// what it wrote is durable. Other handles of the file keep their own setting. Writes
+    /// through a window or a mapping are not covered (`Mapping::flush` is their `msync`).
+    pub fn set_write_sync(&self, mode: WriteSync) -> Result<()> {
+        self.live()?;
+        self.write_sync.store(mode as u8, Relaxed);
+        Ok(())
     }
 
     /// Length of the file in bytes.
@@ -218,6 +271,19 @@ impl File {
         let lost = o.wb_errors.take_lost(&self.errors, || o.describe());
         // This sync retried every dirty page: earlier put failures are settled by `r`.
         let _ = o.wb_errors.take_retained(&self.errors, || o.describe());
+        r?;
+        lost.map_or(Ok(()), Err)
+    }
+
+    /// `fsync(2)`: [`File::sync`] (which is `fdatasync(2)`: the data and what reading it
+    /// back needs), then the rest of the store's metadata made durable too — its times, for
+    /// a host file ([`crate::Pager::sync_metadata`]).
+    pub fn sync_all(&self) -> Result<()> {
+        self.sync()?;
+        let o = self.live()?;
+        let r = o.pager_sync_metadata();
+        // A failure is recorded for every handle; this one hears it now (`r`), once.
+        let lost = o.wb_errors.take_lost(&self.errors, || o.describe());
         r?;
         lost.map_or(Ok(()), Err)
     }

@@ -53,7 +53,7 @@ pub mod evict {
 pub use advice::Advice;
 pub use cache::{Cache, CacheBuilder};
 pub use error::{Error, PagerOp, Result};
-pub use file::{File, Window, WindowMut};
+pub use file::{File, Window, WindowMut, WriteSync};
 pub use mapping::Mapping;
 pub use memfd::Sharing;
 pub use object::{Length, Watcher, WritebackHook};

@@ -56,6 +56,20 @@ int main(int argc, char **argv) {
     CHECK(ubc_madvise(m, 42) == -1 && errno == EINVAL);
     CHECK(ubc_unmap(m) == 0);
 
+    /* O_DSYNC: a write is in the host file when it returns; fdatasync and fsync work. */
+    ubc_file *d = ubc_open(s, -1, "dsync.dat", UBC_RDWR | UBC_CREAT | UBC_DSYNC);
+    CHECK(d != NULL);
+    CHECK(ubc_pwrite(d, "synchronous", 11, 100) == 11);
+    snprintf(host, sizeof host, "%s/dsync.dat", argv[1]);
+    fd = open(host, O_RDONLY);
+    char b11[11];
+    CHECK(fd >= 0 && pread(fd, b11, 11, 100) == 11 && memcmp(b11, "synchronous", 11) == 0);
+    close(fd);
+    CHECK(ubc_fdatasync(d) == 0 && ubc_fsync(d) == 0);
+    CHECK(ubc_close(d) == 0);
+    ubc_file *sy = ubc_open(s, -1, "dsync.dat", UBC_RDWR | UBC_SYNC);
+    CHECK(sy != NULL && ubc_pwrite(sy, "S", 1, 0) == 1 && ubc_close(sy) == 0);
+
     errno = 0;
     CHECK(ubc_fadvise(f, 0, 0, 9) == -1 && errno == EINVAL);
     errno = 0;

@@ -180,10 +180,11 @@ class RawFile(io.RawIOBase):
         self._f.set_len(size)
         return size
 
-    def sync(self) -> None:
-        """Push the data down through every layer below and make it durable."""
+    def sync(self, data_only: bool = False) -> None:
+        """Push the data down through every layer below and make it durable (``os.fsync``;
+        ``data_only``: ``os.fdatasync``, without the times)."""
         self._checkClosed()
-        self._f.sync()
+        self._f.sync(data_only)
 
     def close(self) -> None:
         if self.closed:
@@ -255,9 +256,9 @@ class _MapMixin:
             self.flush()  # type: ignore[attr-defined]
         return self.raw.map(offset, length, writable)
 
-    def sync(self) -> None:
+    def sync(self, data_only: bool = False) -> None:
         self.flush()  # type: ignore[attr-defined]
-        self.raw.sync()
+        self.raw.sync(data_only)
 
     def set_writeback_hook(self, hook: Optional[Callable[[int, int], object]]) -> None:
         """:meth:`RawFile.set_writeback_hook` (the buffer is flushed as the hook allows)."""

@@ -1049,6 +1049,12 @@ impl Pager for CompressPager {
         Ok(())
     }
 
+    /// The stored file's metadata below (its times): a sync of the lower file with
+    /// nothing new to write is no more than that.
+    fn sync_metadata(&self) -> io::Result<()> {
+        self.lower.sync_all().map_err(ubc_err)
+    }
+
     fn sync(&self) -> io::Result<()> {
         let _s = self.sync_lock.lock();
         let mut synced = false;

@@ -824,6 +824,12 @@ impl Pager for EncryptPager {
 
     /// Write the header if the length changed since it was last written, then sync the
     /// lower file (durability goes down the stack).
+    /// The stored file's metadata below (its times): a sync of the lower file with
+    /// nothing new to write is no more than that.
+    fn sync_metadata(&self) -> io::Result<()> {
+        self.lower.sync_all().map_err(ubc_io)
+    }
+
     fn sync(&self) -> io::Result<()> {
         if self.writable {
             self.fill_gaps()?;

@@ -158,6 +158,9 @@ impl Pager for LowerFile {
     fn sync(&self) -> io::Result<()> {
         Ok(self.0.sync()?)
     }
+    fn sync_metadata(&self) -> io::Result<()> {
+        Ok(self.0.sync_all()?)
+    }
     fn write_through(&self) -> io::Result<()> {
         Ok(self.0.write_through()?)
     }

@@ -435,6 +435,17 @@ impl Object {
         })
     }
 
+    /// The pager's `sync_metadata` (after a sync: `File::sync_all`); a failure is recorded
+    /// for every handle, as a failed sync is.
+    pub(crate) fn pager_sync_metadata(&self) -> Result<()> {
+        self.call_pager(PagerOp::Sync, 0, |p| {
+            p.sync_metadata().inspect_err(|e| {
+                self.mark_unsynced();
+                self.wb_errors.lost(PagerOp::Sync, e)
+            })
+        })
+    }
+
     /// The pager's file system (`Pager::sync_domain`), if many of its files can be synced
     /// at once.
     pub(crate) fn sync_domain(&self) -> Option<u64> {

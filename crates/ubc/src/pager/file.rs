@@ -513,6 +513,11 @@ impl Pager for FilePager {
         self.file.get()?.set_len(len)
     }
 
+    fn sync_metadata(&self) -> io::Result<()> {
+        // `fsync` after the `fdatasync` of `sync`: the inode's times and other metadata.
+        self.file.get()?.sync_all()
+    }
+
     fn sync(&self) -> io::Result<()> {
         let file = self.file.get()?;
         file.sync_data()?;

@@ -248,6 +248,14 @@ impl Pager for InjectingPager {
             Some(e) => Err(err(e)),
         }
     }
+    fn sync_metadata(&self) -> io::Result<()> {
+        let f = &self.faults;
+        f.syncs.fetch_add(1, SeqCst);
+        match f.check(&f.sync_errno) {
+            None => self.inner.sync_metadata(),
+            Some(e) => Err(err(e)),
+        }
+    }
     fn write_through(&self) -> io::Result<()> {
         self.inner.write_through()
     }

@@ -111,8 +111,17 @@ pub trait Pager: Send + Sync + 'static {
     /// Truncate or extend the stored file to `len` bytes (extension reads as zeros).
     fn set_len(&self, len: u64) -> io::Result<()>;
 
-    /// Make everything stored so far durable (fsync for a host file).
+    /// Make everything stored so far durable, and whatever reading it back needs
+    /// (`fdatasync` for a host file: the data, the length, the blocks).
     fn sync(&self) -> io::Result<()>;
+
+    /// After [`Pager::sync`]: make the rest of the store's metadata durable too — what
+    /// reading the data back does not need, such as its times (`fsync` after `fdatasync`,
+    /// TLPI 13.3). Called by [`crate::File::sync_all`]. Default: nothing (a store without
+    /// such metadata, or one whose `sync` covers it). A wrapper forwards it.
+    fn sync_metadata(&self) -> io::Result<()> {
+        Ok(())
+    }
 
     /// Push everything stored so far through to the backing store, *without* making it
     /// durable: afterwards a reader of the store (another process, or this one after it was

@@ -1121,8 +1121,15 @@ impl Filesystem for LayerFs {
         }
     }
 
-    fn fsync(&self, _req: &Request, ino: INodeNo, fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
-        match self.handle(fh).and_then(|h| self.sync(&h)) {
+    /// `fsync(2)`, or `fdatasync(2)` with `datasync`. The deferred modification time is set
+    /// after the data is written back (whose writes would move the store's time again), so
+    /// a full `fsync` makes the store's metadata durable after that.
+    fn fsync(&self, _req: &Request, ino: INodeNo, fh: FileHandle, datasync: bool, reply: ReplyEmpty) {
+        let r = self.handle(fh).and_then(|h| {
+            self.sync(&h)?;
+            if datasync { Ok(()) } else { h.sync_metadata().map_err(|e| errno(&e)) }
+        });
+        match r {
             Ok(()) => {
                 // With the write-back cache the kernel keeps the attributes it had before
                 // its writes (it owns size and times, and does not ask after writing): the

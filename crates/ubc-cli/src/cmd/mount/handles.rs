@@ -151,6 +151,16 @@ impl Handle {
         }
         r
     }
+
+    /// After `sync` (`fdatasync`): the store's other metadata — the times set since — made
+    /// durable too, as `fsync` promises. A passed-through file's `sync` is a full `fsync`
+    /// already.
+    pub(super) fn sync_metadata(&self) -> ubc_stack::Result<()> {
+        match &self.via {
+            Via::Stack(f) => f.sync_all(),
+            Via::Host(_) => Ok(()),
+        }
+    }
 }
 
 /// Shards of the table: every read and write looks its handle up, from several request
