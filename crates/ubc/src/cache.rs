@@ -627,6 +627,10 @@ impl CacheCore {
             map_fault_pages: maps.map_or(0, |m| m.fault_pages.load(Relaxed)),
             map_sigbus: maps.map_or(0, |m| m.sigbus.load(Relaxed)),
             map_dirty_found: maps.map_or(0, |m| m.scan_dirty.load(Relaxed)),
+            private_copy_bytes: {
+                res.count_private_copies();
+                res.private_pages.load(Relaxed) << g.page_shift
+            },
         }
     }
 

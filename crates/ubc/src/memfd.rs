@@ -79,7 +79,8 @@ pub enum Sharing {
     /// `MAP_SHARED`: the cache's pages themselves; stores reach the file.
     Shared,
     /// `MAP_PRIVATE`: copy-on-write; stores stay in this mapping. Pages not yet stored to
-    /// show the file's current contents.
+    /// show the file's current contents (as Linux's `MAP_PRIVATE` of a file). The copies
+    /// count against the cache's budget (`CacheStats::private_copy_bytes`).
     Private,
 }
 

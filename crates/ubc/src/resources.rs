@@ -124,6 +124,10 @@ pub(crate) struct Resources {
     pub(crate) geo: Geometry,
     /// Pages valid or reserved, over all objects.
     pub(crate) resident: AtomicU64,
+    /// Pages copied on write by private mappings of cached files (`Sharing::Private`): the
+    /// program's memory, made of the cache's pages, charged against the budget (see
+    /// `charged_private`). Counted by the page daemon each round and by `Cache::stats`.
+    pub(crate) private_pages: AtomicU64,
     /// Wakes the page daemon (the cache's thread) when free space drops below `low_free`.
     pub(crate) daemon: Wakeup,
     /// Write-behind accounting: unclean pages, thresholds, throttling.
@@ -211,6 +215,7 @@ impl Resources {
         Resources {
             geo,
             resident: AtomicU64::new(0),
+            private_pages: AtomicU64::new(0),
             daemon: Wakeup::default(),
             dirty: p.dirty,
             io: p.io,
@@ -354,7 +359,25 @@ impl Resources {
     /// reserve back.
     fn limit(&self) -> u64 {
         let g = &self.geo;
-        if crate::order::in_pager() { g.budget_pages } else { g.budget_pages - self.reserve_now() }
+        if crate::order::in_pager() {
+            g.budget_pages
+        } else {
+            (g.budget_pages - self.reserve_now()).saturating_sub(self.charged_private())
+        }
+    }
+
+    /// Count the private mappings' copied pages again (`private_pages`).
+    pub(crate) fn count_private_copies(&self) {
+        if let Some(svc) = self.maps.get() {
+            self.private_pages.store(svc.private_copies(), Relaxed);
+        }
+    }
+
+    /// The private mappings' copied pages the cache makes room for: all of them up to three
+    /// quarters of the budget. Past that they stay outside it: a cache left with no room
+    /// could fill nothing, and the copies are the program's, not the cache's to evict.
+    pub(crate) fn charged_private(&self) -> u64 {
+        self.private_pages.load(Relaxed).min(self.geo.budget_pages / 4 * 3)
     }
 
     /// The pages the reserve holds back now (see `limit`).
@@ -365,7 +388,7 @@ impl Resources {
     /// Pages free for ordinary use (the reserve excluded) when `resident` are resident: what
     /// the page daemon keeps between its watermarks.
     pub(crate) fn free_after(&self, resident: u64) -> u64 {
-        (self.geo.budget_pages - self.reserve_now()).saturating_sub(resident)
+        (self.geo.budget_pages - self.reserve_now()).saturating_sub(self.charged_private()).saturating_sub(resident)
     }
 
     fn budget_exceeded(&self, n: u64) -> Error {

@@ -121,6 +121,9 @@ pub struct CacheStats {
     pub map_sigbus: u64,
     /// Pages found dirty by scanning mappings for stores.
     pub map_dirty_found: u64,
+    /// Bytes private mappings (`Sharing::Private`) copied on write, counted now; the cache
+    /// keeps that much less of its own (up to three quarters of the budget).
+    pub private_copy_bytes: u64,
 }
 
 impl std::fmt::Display for CacheStats {
@@ -176,8 +179,14 @@ impl std::fmt::Display for CacheStats {
         )?;
         writeln!(
             f,
-            "mappings      {:>10}       faults {} ({} pages)   SIGBUS {}   dirty found by scans {}   mode {}",
-            self.mappings, self.map_faults, self.map_fault_pages, self.map_sigbus, self.map_dirty_found, self.map_mode
+            "mappings      {:>10}       faults {} ({} pages)   SIGBUS {}   dirty found by scans {}   private copies {:.1} MiB   mode {}",
+            self.mappings,
+            self.map_faults,
+            self.map_fault_pages,
+            self.map_sigbus,
+            self.map_dirty_found,
+            mib(self.private_copy_bytes),
+            self.map_mode
         )?;
         write!(
             f,

@@ -86,6 +86,7 @@ impl CacheCore {
             if res.policy.has_staged() {
                 drop(res.policy.lock());
             }
+            res.count_private_copies();
             let free = res.free_after(res.resident.load(SeqCst));
             if free < res.geo.low_free {
                 self.daemon_runs.fetch_add(1, Relaxed);

@@ -95,6 +95,16 @@ impl Query {
     };
     /// Written pages, left as they are.
     pub(crate) const WRITTEN: Query = Query { flags: 0, ..Query::TAKE_WRITTEN };
+    /// Anonymous pages mapped at the address: in a private mapping of a file, the copies its
+    /// stores made.
+    pub(crate) const ANON: Query = Query {
+        flags: 0,
+        inverted: category::FILE,
+        mask: category::PRESENT | category::FILE,
+        anyof: 0,
+        ret: category::PRESENT,
+        max_pages: 0,
+    };
     /// Pages mapped at the address.
     pub(crate) const PRESENT: Query =
         Query { flags: 0, inverted: 0, mask: category::PRESENT, anyof: 0, ret: category::PRESENT, max_pages: 0 };

@@ -109,6 +109,9 @@ pub(crate) struct UserMap {
     /// MAP_SHARED and writable: stores reach the file and are tracked (WP_ASYNC). (A
     /// MAP_PRIVATE mapping's stores are copied on write: the file never sees them.)
     pub(crate) tracked: bool,
+    /// MAP_PRIVATE: the pages its stores copy are the program's memory, counted against the
+    /// cache's budget (`MapService::private_copies`).
+    pub(crate) private: bool,
     /// Set false (under the write lock) before the address range is unmapped: whoever maps
     /// pages into it, poisons or wakes holds the read lock and checks it first, so nothing is
     /// ever placed at an address that a later mmap may have reused.
@@ -139,6 +142,7 @@ impl UserMap {
             offset,
             obj,
             tracked: sharing == Sharing::Shared && access == Access::ReadWrite,
+            private: sharing == Sharing::Private,
             alive: RwLock::new(true),
             next: AtomicU64::new(u64::MAX),
             cluster: AtomicU64::new(CLUSTER_INIT),
@@ -186,6 +190,20 @@ pub(crate) enum Holes {
 }
 
 impl MapService {
+    /// Pages the private mappings have copied on write (anonymous pages present in them),
+    /// counted by `PAGEMAP_SCAN`; 0 without the kernel's help (populate mode). The page
+    /// daemon charges them against the budget (`Resources::charged_private`).
+    pub(crate) fn private_copies(&self) -> u64 {
+        let Some(k) = &self.kernel else { return 0 };
+        let private: Vec<Arc<UserMap>> = self.table.read().values().filter(|m| m.private).cloned().collect();
+        let anon = super::pagemap::Query::ANON;
+        private
+            .iter()
+            .filter(|m| *m.alive.read())
+            .map(|m| k.pagemap.scan(m.addr, m.len, anon, |_| {}).unwrap_or(0))
+            .sum()
+    }
+
     /// Probe the kernel and start `threads` handler threads; without userfaultfd (or with
     /// `Serve::Populate`), a service in populate mode.
     pub(crate) fn start(serve: Serve, threads: usize) -> Arc<MapService> {
