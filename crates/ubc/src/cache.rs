@@ -895,6 +895,10 @@ impl Cache {
                 let Registry { by_id, by_identity, .. } = &mut *reg;
                 by_id.insert(fresh.clone());
                 by_identity.insert(id, by_id);
+                drop(reg);
+                // Mach's `pager_init`: the pager gets its way back into the cache, outside
+                // the registry lock (it may use it at once, from another thread).
+                pager.init(crate::pager::PagerRequest::of(&fresh));
                 fresh
             }
         })

@@ -115,6 +115,7 @@ impl Drop for WorkHold {
 
 /// An object found through the registry, not kept alive: [`ObjectRef::hold`] when the work
 /// comes to it.
+#[derive(Clone)]
 pub(crate) struct ObjectRef {
     obj: Weak<Object>,
     holders: Arc<Holders>,

@@ -259,6 +259,9 @@ impl Pager for InjectingPager {
     fn write_through(&self) -> io::Result<()> {
         self.inner.write_through()
     }
+    fn init(&self, request: crate::PagerRequest) {
+        self.inner.init(request)
+    }
     fn identity(&self) -> Option<Identity> {
         self.inner.identity()
     }

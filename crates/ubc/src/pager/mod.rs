@@ -115,6 +115,14 @@ pub trait Pager: Send + Sync + 'static {
     /// (`fdatasync` for a host file: the data, the length, the blocks).
     fn sync(&self) -> io::Result<()>;
 
+    /// Mach's `pager_init`: the cache made an object over this pager and hands it the
+    /// requests it may make of the cache ([`PagerRequest`]: clean, flush). Called once per
+    /// cached object, with the pager the object was made with, before any other call of the
+    /// object's reaches it through that object. Default: nothing.
+    fn init(&self, request: PagerRequest) {
+        let _ = request;
+    }
+
     /// After [`Pager::sync`]: make the rest of the store's metadata durable too — what
     /// reading the data back does not need, such as its times (`fsync` after `fdatasync`,
     /// TLPI 13.3). Called by [`crate::File::sync_all`]. Default: nothing (a store without
@@ -281,6 +289,55 @@ pub fn seek_blocks(
             }
             Some((next << shift).max(offset).min(len))
         }
+    }
+}
+
+/// The requests a pager may make of the cache about its object (Mach's pager request port:
+/// `pager_clean_request`, `pager_flush_request`), handed to it by [`Pager::init`]. It does
+/// not keep the object cached: once the cache lets the object go, requests do nothing and
+/// return `Ok`. For a store whose data another party changes or needs — another machine
+/// holding a token, a backup reading below — the pager's own thread calls them when told.
+///
+/// Precondition of every call: the calling thread is not inside a call the cache made into
+/// this pager (it would wait for pages that call holds; debug builds check the lock order).
+#[derive(Clone)]
+pub struct PagerRequest {
+    obj: crate::object::ObjectRef,
+}
+
+impl PagerRequest {
+    pub(crate) fn of(obj: &std::sync::Arc<crate::object::Object>) -> PagerRequest {
+        PagerRequest { obj: crate::object::ObjectRef::of(obj) }
+    }
+
+    /// `pager_clean_request`: write the cached changes of bytes `range` back to the pager
+    /// (stores through mappings included) and wait; the cache keeps using its pages.
+    pub fn clean(&self, range: std::ops::Range<u64>) -> crate::Result<()> {
+        match self.obj.hold() {
+            Some(o) => o.clean(range.start, range.end),
+            None => Ok(()),
+        }
+    }
+
+    /// `pager_flush_request`: clean bytes `range`, then destroy the cached copy (its pages
+    /// leave the cache and every mapping; the next access asks the pager). With
+    /// [`crate::Length::Reload`] the length is asked again too.
+    pub fn flush(&self, range: std::ops::Range<u64>, length: crate::Length) -> crate::Result<()> {
+        match self.obj.hold() {
+            Some(o) => o.invalidate(range.start, range.end, length),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether the cache still holds the object these requests are about.
+    pub fn is_cached(&self) -> bool {
+        self.obj.hold().is_some()
+    }
+}
+
+impl std::fmt::Debug for PagerRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PagerRequest").field("cached", &self.is_cached()).finish()
     }
 }
 
