@@ -243,6 +243,15 @@ void ubc_clearerr(UBC_FILE *f);
  * fmap to see the new bytes. An empty file gives a non-NULL pointer and length 0.
  * Stores past *len_out, or reads after the file was cut shorter, raise SIGBUS. */
 const void *ubc_fmap(UBC_FILE *f, size_t *len_out);
+/* Mach's fmap(stream, size): as ubc_fmap for size 0; a larger size on a stream open for
+ * writing ("w", "a", "r+", ...) first extends the file to size bytes with zeros and maps
+ * them writable (Mach's write map: "the user may write into any part of the file with an
+ * offset less than bufsize"; call again with a larger size to grow it). On a read-only
+ * stream size is only a suggestion: the file's length is mapped. Returns void * for a
+ * writable map (cast away the const). */
+const void *ubc_fmap_size(UBC_FILE *f, size_t size, size_t *len_out);
+/* Mach's fbufsize: the length of the last ubc_fmap/ubc_fmap_size buffer (0 before any). */
+size_t ubc_fbufsize(UBC_FILE *f);
 
 #ifdef __cplusplus
 }

@@ -41,6 +41,8 @@ pub struct UbcStdio {
     no_window: bool,
     /// Mappings handed out by `ubc_fmap`, valid until fclose.
     fmaps: Vec<Mapping>,
+    /// The length of the last mapping `ubc_fmap` handed out (Mach's `fbufsize`).
+    bufsize: usize,
     readable: bool,
     writable: bool,
     append: bool,
@@ -284,21 +286,33 @@ impl UbcStdio {
         Ok(())
     }
 
-    fn fmap(&mut self) -> R<(*const u8, usize)> {
+    /// Mach's `fmap(stream, size)`: `size` 0 maps the whole file as it is (writable only
+    /// for an update stream); a larger `size` on a writable stream first extends the file
+    /// to it with zeros ("initially, the buffer will be zero-filled") and maps it writable —
+    /// a write map, as Mach's `fopen(…, "w")` then `fmap` gives.
+    fn fmap(&mut self, size: u64) -> R<(*const u8, usize)> {
         self.settle()?;
-        let len = self.file.len().map_err(|e| self.fail(Fail::stack(&format!("fmap {}", self.file.path()), e)))?;
+        let mut len = self.file.len().map_err(|e| self.fail(Fail::stack(&format!("fmap {}", self.file.path()), e)))?;
+        let grow = size > len && self.writable;
+        if grow {
+            self.file.set_len(size).map_err(|e| self.fail(Fail::stack(&format!("fmap {}", self.file.path()), e)))?;
+            len = size;
+        }
         if len == 0 {
+            self.bufsize = 0;
             return Ok((&EMPTY as *const u8, 0));
         }
         let n = usize::try_from(len)
             .map_err(|_| Fail(libc::EFBIG, format!("fmap {}: file larger than the address space", self.file.path())))?;
-        let access = if self.update { ubc::Access::ReadWrite } else { ubc::Access::ReadOnly };
+        let access =
+            if self.update || (size > 0 && self.writable) { ubc::Access::ReadWrite } else { ubc::Access::ReadOnly };
         let m = self
             .file
             .map(0..len, access, ubc::Sharing::Shared)
             .map_err(|e| self.fail(Fail::stack(&format!("fmap {}", self.file.path()), e)))?;
         let p = m.as_ptr();
         self.fmaps.push(m);
+        self.bufsize = n;
         Ok((p, n))
     }
 }
@@ -349,6 +363,7 @@ pub unsafe extern "C" fn ubc_fopen(
             window: None,
             no_window: false,
             fmaps: Vec::new(),
+            bufsize: 0,
             readable,
             writable,
             append,
@@ -502,10 +517,24 @@ pub unsafe extern "C" fn ubc_clearerr(f: *mut UbcStdio) {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_fmap(f: *mut UbcStdio, len_out: *mut usize) -> *const c_void {
+    // SAFETY: as ubc_fmap_size's.
+    unsafe { ubc_fmap_size(f, 0, len_out) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ubc_fbufsize(f: *mut UbcStdio) -> usize {
+    guard(0, || {
+        // SAFETY: the caller passes a live stream or NULL, used by this thread only (ubc.h).
+        Ok(unsafe { stream(f) }?.bufsize)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ubc_fmap_size(f: *mut UbcStdio, size: usize, len_out: *mut usize) -> *const c_void {
     guard(std::ptr::null(), || {
         // SAFETY: the caller passes a live stream or NULL, used by this thread only (ubc.h).
         let st = unsafe { stream(f) }?;
-        let (p, n) = st.fmap()?;
+        let (p, n) = st.fmap(size as u64)?;
         if !len_out.is_null() {
             // SAFETY: non-NULL, so the caller promises a writable `size_t` there (ubc.h,
             // "Pointer arguments").

@@ -81,7 +81,7 @@ int main(int argc, char **argv) {
     errno = 0;
     CHECK(ubc_open(s, 7, "hello.txt", UBC_RDONLY) == NULL && errno == EINVAL);
     errno = 0;
-    CHECK(ubc_open(s, -1, "hello.txt", 0x1000) == NULL && errno == EINVAL);
+    CHECK(ubc_open(s, -1, "hello.txt", 0x4000) == NULL && errno == EINVAL);
     errno = 0;
     CHECK(ubc_open(NULL, -1, "hello.txt", UBC_RDONLY) == NULL && errno == EINVAL);
     errno = 0;

@@ -115,6 +115,25 @@ int main(int argc, char **argv) {
     CHECK(ubc_fgetc(f) == UBC_EOF && ubc_feof(f));
     CHECK(ubc_fclose(f) == 0);
 
+    /* Mach's write map: fopen "w", fmap(stream, size) gives a zero-filled writable buffer
+     * of size bytes; a second fmap with a larger size grows it; fbufsize tells the size. */
+    f = ubc_fopen(s, "wmap.bin", "w");
+    CHECK(f != NULL && ubc_fbufsize(f) == 0);
+    unsigned char *wm = (unsigned char *)ubc_fmap_size(f, 10000, &n);
+    CHECK(wm != NULL && n == 10000 && ubc_fbufsize(f) == 10000);
+    for (size_t i = 0; i < n; i++) CHECK(wm[i] == 0);
+    memcpy(wm + 9990, "0123456789", 10);
+    unsigned char *wm2 = (unsigned char *)ubc_fmap_size(f, 20000, &n);
+    CHECK(wm2 != NULL && n == 20000 && ubc_fbufsize(f) == 20000);
+    CHECK(memcmp(wm2 + 9990, "0123456789", 10) == 0 && wm2[19999] == 0);
+    wm2[19999] = 'E';
+    CHECK(ubc_fclose(f) == 0);
+    f = ubc_fopen(s, "wmap.bin", "r");
+    CHECK(f != NULL);
+    const unsigned char *rm = ubc_fmap_size(f, 1 << 20, &n); /* read: size is a suggestion */
+    CHECK(rm != NULL && n == 20000 && memcmp(rm + 9990, "0123456789", 10) == 0 && rm[19999] == 'E');
+    CHECK(ubc_fclose(f) == 0);
+
     /* errors */
     errno = 0;
     CHECK(ubc_fopen(s, "nope.bin", "r") == NULL && errno == ENOENT);
