@@ -222,7 +222,9 @@ impl Object {
             chunk.pages[(p - base) as usize].finish_fill(Filled {
                 dirty,
                 pins,
-                speculative: admission == Admission::ReadAhead,
+                // Read ahead and not used yet; a page a reader asked for (pinned for it,
+                // admitted as read-ahead's only for a `NoReuse` read) is used already.
+                speculative: admission == Admission::ReadAhead && !pin,
                 ra_mark: mark == Some(p),
             });
         }
