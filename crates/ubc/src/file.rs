@@ -184,11 +184,16 @@ impl File {
             s => {
                 // O_DSYNC: the range written, its length, then the pager's sync (TLPI 13.3:
                 // "synchronized I/O data integrity completion"); O_SYNC adds the metadata.
-                o.clean(offset, offset + n as u64)?;
-                o.sync_pager()?;
-                if s == WriteSync::All as u8 {
-                    o.pager_sync_metadata()?;
+                let r = o
+                    .clean(offset, offset + n as u64)
+                    .and_then(|()| o.sync_pager())
+                    .and_then(|()| if s == WriteSync::All as u8 { o.pager_sync_metadata() } else { Ok(()) });
+                if r.is_err() {
+                    // This handle hears of the failure now, not again at its next sync.
+                    let _ = o.wb_errors.take_lost(&self.errors, || o.describe());
+                    let _ = o.wb_errors.take_retained(&self.errors, || o.describe());
                 }
+                r?;
             }
         }
         Ok(n)

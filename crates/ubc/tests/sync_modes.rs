@@ -52,8 +52,25 @@ fn a_failed_sync_write_returns_the_error_and_keeps_the_bytes_dirty() {
     assert_eq!(&b, b"no room", "the bytes are in the cache");
     assert!(f.stats().dirty_bytes > 0, "and dirty");
     fault.injector().heal();
+    // The handle heard of the failure from its write: its sync is not told again.
     f.sync().unwrap();
     assert_eq!(&std::fs::read(&path).unwrap()[..], b"no room");
+}
+
+#[test]
+fn a_dsync_write_whose_sync_fails_is_told_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f");
+    let cache = Cache::new(16 << 20).unwrap();
+    let (f, fault) = injected_host_file(&cache, &path);
+    let other = f.try_clone().unwrap();
+    f.set_write_sync(WriteSync::Data).unwrap();
+    fault.injector().fail_syncs(Some(libc::EIO));
+    assert!(f.write_at(b"maybe lost", 0).is_err(), "the O_DSYNC write's failed sync is its error");
+    fault.injector().heal();
+    f.sync().expect("the writer was told already");
+    assert!(other.sync().is_err(), "another handle hears of the lost sync once");
+    other.sync().unwrap();
 }
 
 #[test]
