@@ -91,6 +91,7 @@ pub struct CacheBuilder {
     dirty_limit_percent: u64,
     userfaultfd: bool,
     fault_threads: usize,
+    watch_pressure: bool,
 }
 
 impl Default for CacheBuilder {
@@ -117,6 +118,7 @@ impl Default for CacheBuilder {
             dirty_limit_percent: 30,
             userfaultfd: true,
             fault_threads: 2,
+            watch_pressure: true,
         }
     }
 }
@@ -230,6 +232,15 @@ impl CacheBuilder {
         self
     }
 
+    /// Give memory back under pressure (default on): in a memory-limited cgroup the page
+    /// daemon keeps a headroom free under the limit by withholding part of the budget (down
+    /// to a sixteenth of it), and hands it back when the pressure ends. `CacheStats::
+    /// withheld_bytes` shows how much is withheld.
+    pub fn memory_pressure(mut self, on: bool) -> Self {
+        self.watch_pressure = on;
+        self
+    }
+
     /// Threads resolving faults on mappings (default 2; started on the first `map`).
     pub fn fault_threads(mut self, n: usize) -> Self {
         self.fault_threads = n.max(1);
@@ -321,6 +332,7 @@ impl CacheBuilder {
                 policy_name: self.policy.to_string(),
                 policy: self.policy.build(budget_pages as usize),
                 windows: Windows::new(self.window_size, max_windows),
+                watch_pressure: self.watch_pressure,
             },
         ));
         let core = Arc::new(CacheCore {
@@ -627,6 +639,7 @@ impl CacheCore {
             map_fault_pages: maps.map_or(0, |m| m.fault_pages.load(Relaxed)),
             map_sigbus: maps.map_or(0, |m| m.sigbus.load(Relaxed)),
             map_dirty_found: maps.map_or(0, |m| m.scan_dirty.load(Relaxed)),
+            withheld_bytes: res.withheld_pages.load(Relaxed) << g.page_shift,
             private_copy_bytes: {
                 res.count_private_copies();
                 res.private_pages.load(Relaxed) << g.page_shift

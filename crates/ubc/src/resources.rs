@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 
 mod dirty;
 mod policy;
+pub(crate) mod pressure;
 
 pub(crate) use dirty::{DirtyAccount, DirtyWriter};
 pub(crate) use policy::AdmitStaged;
@@ -128,6 +129,15 @@ pub(crate) struct Resources {
     /// program's memory, made of the cache's pages, charged against the budget (see
     /// `charged_private`). Counted by the page daemon each round and by `Cache::stats`.
     pub(crate) private_pages: AtomicU64,
+    /// Pages of the budget given back under memory pressure (`resources/pressure.rs`), and
+    /// the memory cgroup watched for it (none: no limit, or watching is off).
+    pub(crate) withheld_pages: AtomicU64,
+    pub(crate) cgroup: Option<pressure::MemCgroup>,
+    /// When pressure was last looked at (µs since `born`), for the fills' own looks.
+    pressure_seen_us: AtomicU64,
+    /// When the withheld pages last rose (µs since `born`).
+    pressure_rose_us: AtomicU64,
+    born: std::time::Instant,
     /// Wakes the page daemon (the cache's thread) when free space drops below `low_free`.
     pub(crate) daemon: Wakeup,
     /// Write-behind accounting: unclean pages, thresholds, throttling.
@@ -184,6 +194,7 @@ pub(crate) struct Parts {
     pub(crate) policy: Box<dyn EvictionPolicy>,
     pub(crate) policy_name: String,
     pub(crate) windows: Windows,
+    pub(crate) watch_pressure: bool,
 }
 
 /// Pages reclaimed per policy-lock hold.
@@ -216,6 +227,11 @@ impl Resources {
             geo,
             resident: AtomicU64::new(0),
             private_pages: AtomicU64::new(0),
+            withheld_pages: AtomicU64::new(0),
+            pressure_seen_us: AtomicU64::new(0),
+            pressure_rose_us: AtomicU64::new(0),
+            born: std::time::Instant::now(),
+            cgroup: if p.watch_pressure { pressure::MemCgroup::of_self() } else { None },
             daemon: Wakeup::default(),
             dirty: p.dirty,
             io: p.io,
@@ -273,6 +289,13 @@ impl Resources {
     /// => the caller holds no policy or registry lock (reclaim takes them).
     pub(crate) fn reserve(&self, n: u64) -> Result<()> {
         let g = &self.geo;
+        // Under a memory limit, the thread asking for memory looks at the pressure itself
+        // every 10 ms (see `resources/pressure.rs`).
+        if self.cgroup.is_some()
+            && self.born.elapsed().as_micros() as u64 > self.pressure_seen_us.load(Relaxed) + 10_000
+        {
+            self.watch_pressure();
+        }
         let limit = self.limit();
         if n > limit {
             return Err(self.budget_exceeded(n));
@@ -376,8 +399,39 @@ impl Resources {
     /// The private mappings' copied pages the cache makes room for: all of them up to three
     /// quarters of the budget. Past that they stay outside it: a cache left with no room
     /// could fill nothing, and the copies are the program's, not the cache's to evict.
+    ///
+    /// Plus the pages withheld under memory pressure; together never more than the budget
+    /// less a sixteenth of it, the floor a cache needs to fill anything.
     pub(crate) fn charged_private(&self) -> u64 {
-        self.private_pages.load(Relaxed).min(self.geo.budget_pages / 4 * 3)
+        let b = self.geo.budget_pages;
+        (self.private_pages.load(Relaxed).min(b / 4 * 3) + self.withheld_pages.load(Relaxed)).min(b - b / 16)
+    }
+
+    /// The page daemon's look at memory pressure: withhold more of the budget, or hand some
+    /// back (`pressure::next_withheld`). Returns whether a limit applies (the daemon then
+    /// looks again sooner).
+    pub(crate) fn watch_pressure(&self) -> bool {
+        let Some(cg) = &self.cgroup else { return false };
+        self.pressure_seen_us.store(self.born.elapsed().as_micros() as u64, Relaxed);
+        let Some(st) = cg.state() else { return false };
+        let g = &self.geo;
+        let page = 1u64 << g.page_shift;
+        let now = self.withheld_pages.load(Relaxed);
+        let at = self.born.elapsed().as_micros() as u64;
+        // Handed back only after a second without a rise: pressure that comes and goes
+        // would otherwise have the cache fill pages only to evict them again.
+        let calm = at > self.pressure_rose_us.load(Relaxed) + 1_000_000;
+        let ours = self.resident.load(SeqCst) << g.page_shift;
+        let max = g.budget_pages - g.budget_pages / 16;
+        let next =
+            pressure::next_withheld(st, ours, g.budget_pages, now, page, pressure::headroom(st.limit), max, calm);
+        if next > now {
+            self.pressure_rose_us.store(at, Relaxed);
+        }
+        if next != now {
+            self.withheld_pages.store(next, Relaxed);
+        }
+        true
     }
 
     /// The pages the reserve holds back now (see `limit`).

@@ -124,6 +124,8 @@ pub struct CacheStats {
     /// Bytes private mappings (`Sharing::Private`) copied on write, counted now; the cache
     /// keeps that much less of its own (up to three quarters of the budget).
     pub private_copy_bytes: u64,
+    /// Bytes of the budget given back under memory pressure (`CacheBuilder::memory_pressure`).
+    pub withheld_bytes: u64,
 }
 
 impl std::fmt::Display for CacheStats {
@@ -132,8 +134,9 @@ impl std::fmt::Display for CacheStats {
         let mib = |b: u64| b as f64 / (1 << 20) as f64;
         writeln!(
             f,
-            "budget        {:>10.1} MiB   page size {} B   policy {}",
+            "budget        {:>10.1} MiB   withheld under memory pressure {:.1} MiB   page size {} B   policy {}",
             mib(self.budget_bytes),
+            mib(self.withheld_bytes),
             self.page_size,
             self.policy
         )?;

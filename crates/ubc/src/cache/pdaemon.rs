@@ -80,17 +80,24 @@ impl CacheCore {
         lower_priority();
         let res = &*self.res;
         res.policy.set_daemon(true);
-        while res.daemon.wait(Some(Duration::from_millis(250))) {
+        let mut nap = Duration::from_millis(250);
+        while res.daemon.wait(Some(nap)) {
             // Pages fills staged while the policy lock was taken are admitted by the next
             // holder; on a quiet cache that may be nobody, so each round takes the lock once.
             if res.policy.has_staged() {
                 drop(res.policy.lock());
             }
             res.count_private_copies();
-            let free = res.free_after(res.resident.load(SeqCst));
+            // Under a memory limit, look every 50 ms: memory withheld late is an OOM kill.
+            nap = Duration::from_millis(if res.watch_pressure() { 50 } else { 250 });
+            let resident = res.resident.load(SeqCst);
+            let free = res.free_after(resident);
             if free < res.geo.low_free {
+                // Past the budget (part of it withheld, or taken by private copies): all of
+                // the excess at once, then the usual refill to the high watermark.
+                let over = resident.saturating_sub(res.free_after(0));
                 self.daemon_runs.fetch_add(1, Relaxed);
-                if let Ok(n) = self.reclaim(res.geo.high_free - free) {
+                if let Ok(n) = self.reclaim(res.geo.high_free - free + over) {
                     self.daemon_evictions.fetch_add(n, Relaxed);
                 }
             }
