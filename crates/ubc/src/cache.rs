@@ -911,7 +911,7 @@ impl Cache {
                 drop(reg);
                 // Mach's `pager_init`: the pager gets its way back into the cache, outside
                 // the registry lock (it may use it at once, from another thread).
-                pager.init(crate::pager::PagerRequest::of(&fresh));
+                pager.init(crate::pager::PagerRequest::new(Arc::new(crate::object::ObjectRef::of(&fresh))));
                 fresh
             }
         })

@@ -28,6 +28,7 @@ const RANKS: &[(&str, u32)] = &[
     ("pager", 2),
     ("stats", 2),
     // Leaves.
+    ("advice", 1),
     ("order", 1),
     ("error", 1),
     ("errseq", 1),

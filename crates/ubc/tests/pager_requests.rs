@@ -10,7 +10,7 @@ use common::*;
 use std::os::unix::fs::FileExt;
 use std::sync::{Arc, OnceLock};
 use ubc::pager::FilePager;
-use ubc::{Access, Cache, Length, Pager, PagerRequest, Sharing};
+use ubc::{Access, Cache, Pager, PagerRequest, Sharing};
 
 /// A host file's pager that keeps the request the cache hands it.
 struct Keeping {
@@ -54,7 +54,7 @@ fn a_flush_request_drops_the_cached_copy_and_mappings_read_the_store_again() {
     f.read_exact_at(&mut b, 8192).unwrap();
     assert_eq!(b, pattern(1, 8192, 8)[..], "the cache kept its copy");
     // The pager tells the cache.
-    req.flush(0..64 << 10, Length::Keep).unwrap();
+    req.flush(0..64 << 10).unwrap();
     f.read_exact_at(&mut b, 8192).unwrap();
     assert_eq!(&b, b"changed!", "a read after the flush request");
     assert_eq!(&m[8192..8200], b"changed!", "the mapping after the flush request");
@@ -84,5 +84,5 @@ fn a_clean_request_writes_the_changes_back_and_keeps_the_pages() {
     drop(cache);
     assert!(!req.is_cached());
     req.clean(0..4096).unwrap();
-    req.flush(0..4096, Length::Reload).unwrap();
+    req.flush_reload(0..4096).unwrap();
 }

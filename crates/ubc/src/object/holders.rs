@@ -141,6 +141,21 @@ impl ObjectRef {
     }
 }
 
+/// A pager's requests reach the object through a reference that does not keep it: once the
+/// cache lets it go (unlisted or dropped), they do nothing.
+impl crate::pager::RequestTarget for ObjectRef {
+    fn clean(&self, from: u64, to: u64) -> crate::Result<()> {
+        self.hold().map_or(Ok(()), |o| o.clean(from, to))
+    }
+    fn flush(&self, from: u64, to: u64, reload: bool) -> crate::Result<()> {
+        let length = if reload { super::Length::Reload } else { super::Length::Keep };
+        self.hold().map_or(Ok(()), |o| o.invalidate(from, to, length))
+    }
+    fn cached(&self) -> bool {
+        self.hold().is_some()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

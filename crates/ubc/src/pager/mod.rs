@@ -302,36 +302,44 @@ pub fn seek_blocks(
 /// this pager (it would wait for pages that call holds; debug builds check the lock order).
 #[derive(Clone)]
 pub struct PagerRequest {
-    obj: crate::object::ObjectRef,
+    target: std::sync::Arc<dyn RequestTarget>,
+}
+
+/// What a [`PagerRequest`] reaches: the object (`object/holders.rs` implements it on a
+/// reference that does not keep the object; the pager sits below objects and reaches them
+/// only through this).
+pub(crate) trait RequestTarget: Send + Sync {
+    fn clean(&self, from: u64, to: u64) -> crate::Result<()>;
+    fn flush(&self, from: u64, to: u64, reload: bool) -> crate::Result<()>;
+    fn cached(&self) -> bool;
 }
 
 impl PagerRequest {
-    pub(crate) fn of(obj: &std::sync::Arc<crate::object::Object>) -> PagerRequest {
-        PagerRequest { obj: crate::object::ObjectRef::of(obj) }
+    pub(crate) fn new(target: std::sync::Arc<dyn RequestTarget>) -> PagerRequest {
+        PagerRequest { target }
     }
 
     /// `pager_clean_request`: write the cached changes of bytes `range` back to the pager
     /// (stores through mappings included) and wait; the cache keeps using its pages.
     pub fn clean(&self, range: std::ops::Range<u64>) -> crate::Result<()> {
-        match self.obj.hold() {
-            Some(o) => o.clean(range.start, range.end),
-            None => Ok(()),
-        }
+        self.target.clean(range.start, range.end)
     }
 
     /// `pager_flush_request`: clean bytes `range`, then destroy the cached copy (its pages
-    /// leave the cache and every mapping; the next access asks the pager). With
-    /// [`crate::Length::Reload`] the length is asked again too.
-    pub fn flush(&self, range: std::ops::Range<u64>, length: crate::Length) -> crate::Result<()> {
-        match self.obj.hold() {
-            Some(o) => o.invalidate(range.start, range.end, length),
-            None => Ok(()),
-        }
+    /// leave the cache and every mapping; the next access asks the pager). The length the
+    /// cache knows stays ([`PagerRequest::flush_reload`] asks again).
+    pub fn flush(&self, range: std::ops::Range<u64>) -> crate::Result<()> {
+        self.target.flush(range.start, range.end, false)
+    }
+
+    /// [`PagerRequest::flush`], and the file's length asked of the pager again.
+    pub fn flush_reload(&self, range: std::ops::Range<u64>) -> crate::Result<()> {
+        self.target.flush(range.start, range.end, true)
     }
 
     /// Whether the cache still holds the object these requests are about.
     pub fn is_cached(&self) -> bool {
-        self.obj.hold().is_some()
+        self.target.cached()
     }
 }
 
