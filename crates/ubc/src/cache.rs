@@ -234,7 +234,7 @@ impl CacheBuilder {
 
     /// Give memory back under pressure (default on): in a memory-limited cgroup the page
     /// daemon keeps a headroom free under the limit by withholding part of the budget (down
-    /// to a sixteenth of it), and hands it back when the pressure ends. `CacheStats::
+    /// to a floor: a sixteenth of it, at least two of the largest fills), and hands it back when the pressure ends. `CacheStats::
     /// withheld_bytes` shows how much is withheld.
     pub fn memory_pressure(mut self, on: bool) -> Self {
         self.watch_pressure = on;

@@ -382,11 +382,17 @@ impl Resources {
     /// reserve back.
     fn limit(&self) -> u64 {
         let g = &self.geo;
-        if crate::order::in_pager() {
-            g.budget_pages
-        } else {
-            (g.budget_pages - self.reserve_now()).saturating_sub(self.charged_private())
-        }
+        if crate::order::in_pager() { g.budget_pages } else { self.charged_limit(g.budget_pages - self.reserve_now()) }
+    }
+
+    /// `avail` pages less what private copies and memory pressure take (`charged_private`),
+    /// but never below the floor a cache needs to fill anything: a sixteenth of the budget
+    /// and at least two of the largest fills (a reservation larger than the limit fails at
+    /// once, so a floor below one fill would turn pressure into read errors).
+    fn charged_limit(&self, avail: u64) -> u64 {
+        let g = &self.geo;
+        let floor = (g.budget_pages / 16).max(2 * g.max_fill_pages).min(avail);
+        avail.saturating_sub(self.charged_private()).max(floor)
     }
 
     /// Count the private mappings' copied pages again (`private_pages`).
@@ -400,11 +406,11 @@ impl Resources {
     /// quarters of the budget. Past that they stay outside it: a cache left with no room
     /// could fill nothing, and the copies are the program's, not the cache's to evict.
     ///
-    /// Plus the pages withheld under memory pressure; together never more than the budget
-    /// less a sixteenth of it, the floor a cache needs to fill anything.
+    /// Plus the pages withheld under memory pressure. (`charged_limit` keeps a floor under
+    /// what is left.)
     pub(crate) fn charged_private(&self) -> u64 {
         let b = self.geo.budget_pages;
-        (self.private_pages.load(Relaxed).min(b / 4 * 3) + self.withheld_pages.load(Relaxed)).min(b - b / 16)
+        self.private_pages.load(Relaxed).min(b / 4 * 3) + self.withheld_pages.load(Relaxed)
     }
 
     /// The page daemon's look at memory pressure: withhold more of the budget, or hand some
@@ -442,7 +448,7 @@ impl Resources {
     /// Pages free for ordinary use (the reserve excluded) when `resident` are resident: what
     /// the page daemon keeps between its watermarks.
     pub(crate) fn free_after(&self, resident: u64) -> u64 {
-        (self.geo.budget_pages - self.reserve_now()).saturating_sub(self.charged_private()).saturating_sub(resident)
+        self.charged_limit(self.geo.budget_pages - self.reserve_now()).saturating_sub(resident)
     }
 
     fn budget_exceeded(&self, n: u64) -> Error {

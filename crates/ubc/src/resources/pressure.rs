@@ -9,8 +9,9 @@
 //! file LRU pages (clean page cache the kernel can drop; shmem, which is the cache's memfds,
 //! is on the anon LRU); less the cache's own pages, it is what everything else holds. The
 //! cache may have what the limit leaves after that and the headroom; the rest of its budget
-//! is *withheld* (evicted at once), down to a floor of a sixteenth of the budget, and handed
-//! back an eighth at a time once a second has passed without a rise. (A first version added
+//! is *withheld* (evicted at once), down to a floor (a sixteenth of the budget, at least two
+//! of the largest fills), and handed back an eighth at a time once a second has passed
+//! without a rise. (A first version added
 //! the shortfall to what was withheld, round by round: the cache's own evictions then looked
 //! like pressure ending, it handed pages back and refilled them, and the program it
 //! competed with was killed in 2 runs of 5; computed from the others' usage, 0 in 6.)
