@@ -35,7 +35,14 @@ impl Advice {
         matches!(self, Advice::Normal | Advice::Random | Advice::Sequential | Advice::NoReuse)
     }
 
+    /// The pattern kept as a `u8` (on every read: a match, not a search).
+    #[inline]
     pub(crate) fn from_u8(v: u8) -> Advice {
-        Advice::from_posix(v as i32).unwrap_or(Advice::Normal)
+        match v {
+            1 => Advice::Random,
+            2 => Advice::Sequential,
+            5 => Advice::NoReuse,
+            _ => Advice::Normal,
+        }
     }
 }
