@@ -152,7 +152,10 @@ impl File {
             a if a.is_pattern() => self.pattern.store(a as u8, Relaxed),
             crate::Advice::WillNeed => o.will_need(range.start, range.end),
             _ => {
-                o.dont_need(range.start, range.end)?;
+                // Written back, then dropped as `drop_clean` drops; a writeback error after.
+                let written = o.clean(range.start, range.end);
+                o.drop_clean(range.start, range.end);
+                written?;
             }
         }
         Ok(())
@@ -188,12 +191,10 @@ impl File {
                     .clean(offset, offset + n as u64)
                     .and_then(|()| o.sync_pager())
                     .and_then(|()| if s == WriteSync::All as u8 { o.pager_sync_metadata() } else { Ok(()) });
-                if r.is_err() {
-                    // This handle hears of the failure now, not again at its next sync.
-                    let _ = o.wb_errors.take_lost(&self.errors, || o.describe());
-                    let _ = o.wb_errors.take_retained(&self.errors, || o.describe());
-                }
-                r?;
+                // As Linux's `generic_write_sync`: a failed sync since this handle's last one
+                // is this write's error too; a failure of its own is heard now, not again.
+                let failed = r.is_err();
+                self.told(o, r, failed)?;
             }
         }
         Ok(n)
@@ -272,10 +273,19 @@ impl File {
     /// this sync wrote successfully is not an error: nothing was lost.
     pub fn sync(&self) -> Result<()> {
         let o = self.live()?;
-        let r = o.sync();
+        self.told(o, o.sync(), true)
+    }
+
+    /// `r`, the outcome of a sync (or a synchronous write) through this handle, with what
+    /// the handle has yet to hear: a pager sync that failed since its last one, whoever's
+    /// it was (Linux's errseq after "fsyncgate"); heard once. `retried_all`: every dirty
+    /// page was written again, so earlier put failures are settled by `r` (a sync; a
+    /// synchronous write that failed, whose caller hears it now).
+    fn told(&self, o: &Object, r: Result<()>, retried_all: bool) -> Result<()> {
         let lost = o.wb_errors.take_lost(&self.errors, || o.describe());
-        // This sync retried every dirty page: earlier put failures are settled by `r`.
-        let _ = o.wb_errors.take_retained(&self.errors, || o.describe());
+        if retried_all {
+            let _ = o.wb_errors.take_retained(&self.errors, || o.describe());
+        }
         r?;
         lost.map_or(Ok(()), Err)
     }
@@ -286,11 +296,7 @@ impl File {
     pub fn sync_all(&self) -> Result<()> {
         self.sync()?;
         let o = self.live()?;
-        let r = o.pager_sync_metadata();
-        // A failure is recorded for every handle; this one hears it now (`r`), once.
-        let lost = o.wb_errors.take_lost(&self.errors, || o.describe());
-        r?;
-        lost.map_or(Ok(()), Err)
+        self.told(o, o.pager_sync_metadata(), true)
     }
 
     /// Write back every dirty page and have the pager push what it holds through to its
@@ -326,11 +332,7 @@ impl File {
     /// pages stay; mapped ones leave the mappings as on eviction (they fault back in). A
     /// later read fills dropped pages from the pager again. Returns the pages dropped.
     pub fn drop_clean(&self, range: std::ops::Range<u64>) -> Result<u64> {
-        let o = self.live()?;
-        let ps = o.ps();
-        let from = range.start.div_ceil(1 << ps);
-        let to = if range.end >= o.len() { o.len().div_ceil(1 << ps) } else { range.end >> ps };
-        Ok(o.evict_clean_pages(from, to))
+        Ok(self.live()?.drop_clean(range.start, range.end))
     }
 
     /// Have `watcher` told of every change to this file's bytes or length, through any

@@ -173,14 +173,10 @@ impl Mapping {
     /// waits — the pages stay mapped and cached (on a shared file mapping Linux only drops
     /// the page-table entries, which ubc needs to find stores).
     pub fn advise(&self, advice: crate::Advice) -> Result<()> {
-        let ps = self.obj.page_shift();
         let (from, to) = (self.offset, self.offset + self.len as u64);
         match advice {
             crate::Advice::WillNeed => self.obj.will_need(from, to),
-            crate::Advice::DontNeed => {
-                self.obj.harvest(from >> ps, to.div_ceil(1 << ps), Harvest::Explicit);
-                self.obj.writeback(from >> ps, to.div_ceil(1 << ps), Pass::Wait)?;
-            }
+            crate::Advice::DontNeed => self.obj.clean(from, to)?,
             pattern => self.map.pattern.store(pattern as u8, std::sync::atomic::Ordering::Relaxed),
         }
         Ok(())

@@ -127,7 +127,7 @@ pub(crate) struct Resources {
     pub(crate) resident: AtomicU64,
     /// Pages copied on write by private mappings of cached files (`Sharing::Private`): the
     /// program's memory, made of the cache's pages, charged against the budget (see
-    /// `charged_private`). Counted by the page daemon each round and by `Cache::stats`.
+    /// `charged`). Counted by the page daemon each round and by `Cache::stats`.
     pub(crate) private_pages: AtomicU64,
     /// Pages of the budget given back under memory pressure (`resources/pressure.rs`), and
     /// the memory cgroup watched for it (none: no limit, or watching is off).
@@ -385,14 +385,19 @@ impl Resources {
         if crate::order::in_pager() { g.budget_pages } else { self.charged_limit(g.budget_pages - self.reserve_now()) }
     }
 
-    /// `avail` pages less what private copies and memory pressure take (`charged_private`),
-    /// but never below the floor a cache needs to fill anything: a sixteenth of the budget
-    /// and at least two of the largest fills (a reservation larger than the limit fails at
-    /// once, so a floor below one fill would turn pressure into read errors).
+    /// `avail` pages less what private copies and memory pressure take (`charged`), but
+    /// never below the `floor`.
     fn charged_limit(&self, avail: u64) -> u64 {
+        avail.saturating_sub(self.charged()).max(self.floor().min(avail))
+    }
+
+    /// The pages a cache keeps whatever private copies and memory pressure take: a
+    /// sixteenth of the budget, and at least two of the largest fills (a reservation larger
+    /// than the limit fails at once, so a floor below one fill would turn pressure into read
+    /// errors).
+    fn floor(&self) -> u64 {
         let g = &self.geo;
-        let floor = (g.budget_pages / 16).max(2 * g.max_fill_pages).min(avail);
-        avail.saturating_sub(self.charged_private()).max(floor)
+        (g.budget_pages / 16).max(2 * g.max_fill_pages).min(g.budget_pages)
     }
 
     /// Count the private mappings' copied pages again (`private_pages`).
@@ -408,7 +413,7 @@ impl Resources {
     ///
     /// Plus the pages withheld under memory pressure. (`charged_limit` keeps a floor under
     /// what is left.)
-    pub(crate) fn charged_private(&self) -> u64 {
+    pub(crate) fn charged(&self) -> u64 {
         let b = self.geo.budget_pages;
         self.private_pages.load(Relaxed).min(b / 4 * 3) + self.withheld_pages.load(Relaxed)
     }
@@ -428,7 +433,7 @@ impl Resources {
         // would otherwise have the cache fill pages only to evict them again.
         let calm = at > self.pressure_rose_us.load(Relaxed) + 1_000_000;
         let ours = self.resident.load(SeqCst) << g.page_shift;
-        let max = g.budget_pages - g.budget_pages / 16;
+        let max = g.budget_pages - self.floor();
         let next =
             pressure::next_withheld(st, ours, g.budget_pages, now, page, pressure::headroom(st.limit), max, calm);
         if next > now {

@@ -192,7 +192,7 @@ pub(crate) enum Holes {
 impl MapService {
     /// Pages the private mappings have copied on write (anonymous pages present in them),
     /// counted by `PAGEMAP_SCAN`; 0 without the kernel's help (populate mode). The page
-    /// daemon charges them against the budget (`Resources::charged_private`).
+    /// daemon charges them against the budget (`Resources::charged`).
     pub(crate) fn private_copies(&self) -> u64 {
         let Some(k) = &self.kernel else { return 0 };
         let private: Vec<Arc<UserMap>> = self.table.read().values().filter(|m| m.private).cloned().collect();

@@ -4,9 +4,9 @@
 //! `Random` (Linux's `FMODE_RANDOM`), believed at the first miss and allowed twice the
 //! window for `Sequential` (Linux doubles `ra_pages`), and pages filled for a `NoReuse`
 //! read admitted as use-once, like read-ahead's (no promotion on a ghost hit, the use they
-//! were read for not counted: Linux's `FMODE_NOREUSE` skips the activation). `WillNeed` and
-//! `DontNeed` act on the file's pages at once: an asynchronous fill of the range, or its
-//! dirty pages written back and its clean ones dropped.
+//! were read for not counted: Linux's `FMODE_NOREUSE` skips the activation). `WillNeed`
+//! queues an asynchronous fill of the range (here); `DontNeed` is a `clean` of the range
+//! then a `drop_clean` (`File::advise`).
 
 use super::*;
 
@@ -22,20 +22,5 @@ impl Object {
         if first < end {
             self.readahead_submit(first, end, false);
         }
-    }
-
-    /// `DontNeed` of bytes `from..to`: write back its dirty pages (stores through mappings
-    /// included) and wait, then drop the clean pages nobody holds. Returns the pages
-    /// dropped; a writeback error is returned after the clean pages were dropped (the
-    /// failed ones stay dirty, and cached).
-    pub(crate) fn dont_need(&self, from: u64, to: u64) -> Result<u64> {
-        let ps = self.ps();
-        let to = to.min(self.len());
-        if from >= to {
-            return Ok(0);
-        }
-        let written = self.clean(from, to);
-        let dropped = self.evict_clean_pages(from >> ps, to.div_ceil(1 << ps));
-        written.map(|()| dropped)
     }
 }

@@ -94,7 +94,17 @@ impl Object {
     }
 
     /// Evict the clean, unheld pages among pages `[from, to)`. Returns pages freed.
-    pub(crate) fn evict_clean_pages(&self, from: u64, to: u64) -> u64 {
+    /// `File::drop_clean`: evict the clean pages wholly inside bytes `from..to` (and the last
+    /// page of the file, if the range reaches its end) that nobody holds. Returns the pages
+    /// dropped.
+    pub(crate) fn drop_clean(&self, from: u64, to: u64) -> u64 {
+        let ps = self.ps();
+        let len = self.len();
+        let last = if to >= len { len.div_ceil(1 << ps) } else { to >> ps };
+        self.evict_clean_pages(from.div_ceil(1 << ps), last)
+    }
+
+    fn evict_clean_pages(&self, from: u64, to: u64) -> u64 {
         let cs = self.res.geo.chunk_shift;
         let mut freed = 0;
         if from >= to {
