@@ -27,6 +27,14 @@ def stack(env):
     return ubc.Stack(f"dir:{data} | zstd | aead:keyfile={key}", ubc.Cache(64 << 20))
 
 
+@pytest.fixture
+def plain(tmp_path):
+    """A host directory and a stack of it alone, to check the host file itself."""
+    data = tmp_path / "plain"
+    data.mkdir()
+    return data, ubc.Stack(f"dir:{data}", ubc.Cache(64 << 20))
+
+
 def payload(n=300_000):
     rng = np.random.default_rng(7)
     # Compressible but not trivial: words drawn at random.
@@ -352,12 +360,10 @@ def test_pandas_reads_a_stack_file():
     assert list(df.columns) == ["a", "b"] and int(df["b"].sum()) == 6
 
 
-def test_writeback_hook_runs_before_the_store_and_can_refuse(tmp_path):
+def test_writeback_hook_runs_before_the_store_and_can_refuse(plain):
     import errno
 
-    data = tmp_path / "plain"
-    data.mkdir()
-    s = ubc.Stack(f"dir:{data}", ubc.Cache(64 << 20))
+    data, s = plain
     body = payload(1 << 20)
     calls = []
 
@@ -394,10 +400,8 @@ def test_writeback_hook_runs_before_the_store_and_can_refuse(tmp_path):
         assert (data / "db").read_bytes()[:5] == b"LATER"
 
 
-def test_advise_dontneed_writes_back_and_patterns_read_right(tmp_path):
-    data = tmp_path / "plain"
-    data.mkdir()
-    s = ubc.Stack(f"dir:{data}", ubc.Cache(64 << 20))
+def test_advise_dontneed_writes_back_and_patterns_read_right(plain):
+    data, s = plain
     body = payload(1 << 20)
     with s.open("f", "w+b") as f:
         f.write(body)
@@ -416,12 +420,10 @@ def test_advise_dontneed_writes_back_and_patterns_read_right(tmp_path):
         f.sync()  # fsync
 
 
-def test_mapping_madvise(tmp_path):
+def test_mapping_madvise(plain):
     import mmap
 
-    data = tmp_path / "plain"
-    data.mkdir()
-    s = ubc.Stack(f"dir:{data}", ubc.Cache(64 << 20))
+    data, s = plain
     body = payload(1 << 20)
     with s.open("f", "w+b") as f:
         f.write(body)

@@ -5,7 +5,7 @@
 
 mod common;
 use common::*;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use ubc::{Access, Advice, Cache, Sharing};
 
 const MIB: u64 = 1 << 20;
@@ -14,14 +14,6 @@ fn host_file(dir: &std::path::Path, name: &str, len: u64, seed: u64) -> std::pat
     let p = dir.join(name);
     std::fs::write(&p, pattern(seed, 0, len as usize)).unwrap();
     p
-}
-
-fn eventually(what: &str, cond: impl Fn() -> bool) {
-    let t = Instant::now();
-    while !cond() {
-        assert!(t.elapsed() < Duration::from_secs(20), "timed out waiting for: {what}");
-        std::thread::sleep(Duration::from_millis(2));
-    }
 }
 
 /// Read `len` bytes from `from` in pieces of `piece`, checking them against `seed`.

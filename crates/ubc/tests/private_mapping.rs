@@ -7,7 +7,6 @@
 mod common;
 use common::*;
 use std::os::unix::fs::FileExt;
-use std::time::{Duration, Instant};
 use ubc::{Access, Cache, Sharing};
 
 const PAGE: usize = 4096;
@@ -108,14 +107,6 @@ fn a_private_mapping_shows_what_the_kernels_shows_step_by_step() {
     // Stores never reached the files.
     uf.sync().unwrap();
     assert_same(&std::fs::read(&ub).unwrap(), &std::fs::read(&ka).unwrap(), "host files");
-}
-
-fn eventually(what: &str, cond: impl Fn() -> bool) {
-    let t = Instant::now();
-    while !cond() {
-        assert!(t.elapsed() < Duration::from_secs(20), "timed out waiting for: {what}");
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 #[test]

@@ -8,7 +8,6 @@
 //! store is tested too. `UBC_WALKV_ROUNDS` (default 6) sets the crashes.
 
 #[path = "../examples/walkv/kv.rs"]
-#[allow(dead_code)]
 mod kv;
 
 use std::time::Duration;

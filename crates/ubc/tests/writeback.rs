@@ -12,15 +12,6 @@ use std::time::{Duration, Instant};
 use ubc::pager::{InjectingPager, MemPager};
 use ubc::{Access, Cache, Pager};
 
-/// Wait (bounded, generous) until `cond` holds; panics with `what` otherwise.
-fn eventually(what: &str, cond: impl Fn() -> bool) {
-    let t = Instant::now();
-    while !cond() {
-        assert!(t.elapsed() < Duration::from_secs(20), "timed out waiting for: {what}");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
 /// (pager name, offset, length) of each put, in the order they happened.
 type PutLog = Arc<Mutex<Vec<(&'static str, u64, usize)>>>;
 

@@ -13,7 +13,7 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use ubc::{Access, Cache, Sharing};
 
 /// Ranges the hook was called with, and whether the host file already held the new bytes of
@@ -33,14 +33,6 @@ fn recording_hook(path: &Path, new: Arc<Vec<u8>>) -> (ubc::WritebackHook, Calls)
         Ok(())
     });
     (hook, calls)
-}
-
-fn eventually(what: &str, cond: impl Fn() -> bool) {
-    let t = Instant::now();
-    while !cond() {
-        assert!(t.elapsed() < Duration::from_secs(20), "timed out waiting for: {what}");
-        std::thread::sleep(Duration::from_millis(5));
-    }
 }
 
 /// Every byte of `0..len` is in some range the hook was told of, and no call found its

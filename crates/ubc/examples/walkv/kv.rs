@@ -24,7 +24,6 @@ use std::fs::OpenOptions;
 use std::io::{self, Write};
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use ubc::{Access, Cache, Sharing};
 
 pub const PAGE: u64 = 4096;
@@ -41,9 +40,6 @@ fn fnv(b: &[u8]) -> u64 {
 pub struct Wal {
     file: parking_lot::Mutex<std::fs::File>,
     buf: parking_lot::Mutex<Vec<u8>>,
-    /// Flushes that wrote something (commits and hooks alike), and hook calls.
-    pub flushes: AtomicU64,
-    pub hook_calls: AtomicU64,
 }
 
 impl Wal {
@@ -66,9 +62,7 @@ impl Wal {
             return Ok(());
         }
         f.write_all(&pending)?;
-        f.sync_data()?;
-        self.flushes.fetch_add(1, SeqCst);
-        Ok(())
+        f.sync_data()
     }
 
     /// Empty the log (after the data file was synced: nothing in it is needed any more).
@@ -121,18 +115,10 @@ impl Kv {
         let file = OpenOptions::new().create(true).append(true).open(&wal_path)?;
         // Cut a torn tail off, so that new records follow the last good one.
         file.set_len((records.len() * REC) as u64)?;
-        let wal = Arc::new(Wal {
-            file: parking_lot::Mutex::new(file),
-            buf: Default::default(),
-            flushes: AtomicU64::new(0),
-            hook_calls: AtomicU64::new(0),
-        });
+        let wal = Arc::new(Wal { file: parking_lot::Mutex::new(file), buf: Default::default() });
         if hooked {
             let w = wal.clone();
-            data.set_writeback_hook(Some(Arc::new(move |_range| {
-                w.hook_calls.fetch_add(1, SeqCst);
-                w.flush()
-            })))?;
+            data.set_writeback_hook(Some(Arc::new(move |_range| w.flush())))?;
         }
         let map = data.map(0..size, Access::ReadWrite, Sharing::Shared)?;
         let mut kv = Kv { data, map, wal, keys, next_lsn: 1, replayed: 0 };

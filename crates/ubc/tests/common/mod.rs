@@ -150,6 +150,15 @@ impl Gate {
     }
 }
 
+/// Wait (bounded, generous: 20 s) until `cond` holds; panics with `what` otherwise.
+pub fn eventually(what: &str, cond: impl Fn() -> bool) {
+    let t = std::time::Instant::now();
+    while !cond() {
+        assert!(t.elapsed() < std::time::Duration::from_secs(20), "timed out waiting for: {what}");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+}
+
 /// Run `f` on its own thread; fail if it panics or runs longer than `secs`.
 pub fn guarded<T: Send + 'static>(what: &str, secs: u64, f: impl FnOnce() -> T + Send + 'static) -> T {
     let (tx, rx) = std::sync::mpsc::channel();
