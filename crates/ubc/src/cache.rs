@@ -644,6 +644,10 @@ impl CacheCore {
                 res.count_private_copies();
                 res.private_pages.load(Relaxed) << g.page_shift
             },
+            loans: res.loans.counts().0,
+            loans_taken: res.loans.counts().1,
+            loan_copies: res.loans.counts().2,
+            loan_copy_bytes: res.loans.copied_now() << g.page_shift,
         }
     }
 

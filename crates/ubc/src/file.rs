@@ -505,25 +505,37 @@ impl File {
         Ok((offset / chunk_bytes, end))
     }
 
-    /// Lend the cached bytes at `offset` for reading, without copying (`ubc_alloc`).
-    /// The window may be shorter than `len`: it ends at the end of the file and at a window
-    /// boundary (`window_size`), like `ubc_alloc` shrinking its length; call again for the
-    /// rest. Pages stay pinned in the cache until the guard is dropped.
+    /// Lend the cached bytes at `offset` for reading, without copying (`ubc_alloc`; UBC's
+    /// page loanout). The window may be shorter than `len`: it ends at the end of the file
+    /// and at a window boundary (`window_size`), like `ubc_alloc` shrinking its length;
+    /// call again for the rest.
+    ///
+    /// The window shows the bytes as they were when it was taken, for as long as it lives:
+    /// a later change of its pages through any path (`write_at`, a writable window, a
+    /// truncation, a store through a shared writable mapping) first copies the page for the
+    /// window — the cache keeps the page and takes the change, the window keeps the old
+    /// bytes. Until then it reads the cache's own pages (no copy). Copies count against the
+    /// budget while the window lives (`CacheStats::loan_copies`). A write in progress when
+    /// the window is taken is waited for, so the window shows it whole or not at all.
+    ///
+    /// Pages stay pinned in the cache until the guard is dropped: eviction passes them by,
+    /// and a truncation or invalidation of them waits for the guard (so a thread holding a
+    /// window must not truncate the same pages, nor take a window of pages it holds in a
+    /// [`WindowMut`]). Each window is a mapping of its own (one `mmap` and `munmap`).
     pub fn window(&self, offset: u64, len: usize) -> Result<Window<'_>> {
         let obj = self.live()?;
         checked_end(offset, len)?;
         let (ci, end) = self.window_span(obj, offset, len, obj.len())?;
         if end <= offset {
-            return Ok(Window { obj, chunk: None, ptr: std::ptr::null(), len: 0, first: 0, last: 0 });
+            return Ok(Window { obj, chunk: None, ptr: std::ptr::null(), len: 0, first: 0, last: 0, lent: None });
         }
         let chunk = obj.table.get_or_create(ci);
         let ps = obj.res.geo.page_shift;
         let (first, last) = (offset >> ps, (end - 1) >> ps);
-        let win = obj.pin_range(chunk, first, last)?;
-        let chunk_off = ci * ((obj.res.geo.page_size as u64) << obj.res.geo.chunk_shift);
-        // SAFETY: pointer into the chunk's window, within the pinned pages.
-        let ptr = unsafe { win.add((offset - chunk_off) as usize) };
-        Ok(Window { obj, chunk: Some(chunk), ptr, len: (end - offset) as usize, first, last })
+        let lent = obj.lend(chunk, first, last)?;
+        // SAFETY: pointer into the loan's view, which maps pages `first..=last`.
+        let ptr = unsafe { lent.view.add((offset - (first << ps)) as usize) };
+        Ok(Window { obj, chunk: Some(chunk), ptr, len: (end - offset) as usize, first, last, lent: Some(lent) })
     }
 
     /// Lend the cached bytes at `offset` for writing in place. Like [`File::window`], the
@@ -565,7 +577,8 @@ impl std::fmt::Debug for File {
     }
 }
 
-/// A read-only loan of cached bytes (see [`File::window`]). Derefs to `&[u8]`.
+/// A read-only loan of cached bytes (see [`File::window`]). Derefs to `&[u8]`: the bytes
+/// as they were when the window was taken.
 pub struct Window<'a> {
     obj: &'a Object,
     chunk: Option<&'a Chunk>,
@@ -573,6 +586,7 @@ pub struct Window<'a> {
     len: usize,
     first: u64,
     last: u64,
+    lent: Option<crate::object::Lent>,
 }
 
 impl std::ops::Deref for Window<'_> {
@@ -581,16 +595,16 @@ impl std::ops::Deref for Window<'_> {
         if self.len == 0 {
             return &[];
         }
-        // SAFETY: the pages are pinned valid for the guard's lifetime; writers may change
-        // bytes concurrently (like a shared mapping), which is why this is a raw loan.
+        // SAFETY: the loan's view maps these bytes for the guard's lifetime, and nothing
+        // changes them: a change of a lent page copies it into the view first.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 }
 
 impl Drop for Window<'_> {
     fn drop(&mut self) {
-        if let Some(c) = self.chunk {
-            self.obj.unpin_range(c, self.first, self.last);
+        if let (Some(c), Some(lent)) = (self.chunk, &self.lent) {
+            self.obj.end_loan(c, self.first, self.last, lent);
         }
     }
 }

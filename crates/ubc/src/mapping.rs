@@ -127,6 +127,11 @@ impl Mapping {
             svc.register(&um)?;
             obj.maps.write().push(um.clone());
             obj.nmaps.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if um.tracked {
+                // Stores will reach these pages with no fault to see them: windows that lent
+                // them get their copies now (a window lent later copies them itself).
+                obj.break_loans(a, b - 1);
+            }
         }
         let delta = (range.start - start) as usize;
         Ok(Mapping {

@@ -26,6 +26,7 @@ use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 mod dirty;
+pub(crate) mod loans;
 mod policy;
 pub(crate) mod pressure;
 
@@ -132,6 +133,8 @@ pub(crate) struct Resources {
     /// Pages of the budget given back under memory pressure (`resources/pressure.rs`), and
     /// the memory cgroup watched for it (none: no limit, or watching is off).
     pub(crate) withheld_pages: AtomicU64,
+    /// Windows lent out, and the pages copied for them (`resources/loans.rs`).
+    pub(crate) loans: loans::Loans,
     pub(crate) cgroup: Option<pressure::MemCgroup>,
     /// When pressure was last looked at (µs since `born`), for the fills' own looks.
     pressure_seen_us: AtomicU64,
@@ -228,6 +231,7 @@ impl Resources {
             resident: AtomicU64::new(0),
             private_pages: AtomicU64::new(0),
             withheld_pages: AtomicU64::new(0),
+            loans: loans::Loans::default(),
             pressure_seen_us: AtomicU64::new(0),
             pressure_rose_us: AtomicU64::new(0),
             born: std::time::Instant::now(),
@@ -411,11 +415,13 @@ impl Resources {
     /// quarters of the budget. Past that they stay outside it: a cache left with no room
     /// could fill nothing, and the copies are the program's, not the cache's to evict.
     ///
+    /// Lent windows' copies (pages a write copied for their borrowers) count the same way.
+    ///
     /// Plus the pages withheld under memory pressure. (`charged_limit` keeps a floor under
     /// what is left.)
     pub(crate) fn charged(&self) -> u64 {
         let b = self.geo.budget_pages;
-        self.private_pages.load(Relaxed).min(b / 4 * 3) + self.withheld_pages.load(Relaxed)
+        (self.private_pages.load(Relaxed) + self.loans.copied_now()).min(b / 4 * 3) + self.withheld_pages.load(Relaxed)
     }
 
     /// The page daemon's look at memory pressure: withhold more of the budget, or hand some

@@ -126,6 +126,13 @@ pub struct CacheStats {
     pub private_copy_bytes: u64,
     /// Bytes of the budget given back under memory pressure (`CacheBuilder::memory_pressure`).
     pub withheld_bytes: u64,
+    /// Read windows lent out now ([`File::window`](crate::File::window)), windows ever lent,
+    /// pages ever copied for them (a lent page changed while a window showed it), and
+    /// bytes of such copies held now (charged against the budget like private copies).
+    pub loans: u64,
+    pub loans_taken: u64,
+    pub loan_copies: u64,
+    pub loan_copy_bytes: u64,
 }
 
 impl std::fmt::Display for CacheStats {
@@ -193,8 +200,15 @@ impl std::fmt::Display for CacheStats {
         )?;
         write!(
             f,
-            "objects       {:>10}       windows {} (mapped {}, retired {})",
-            self.objects, self.windows, self.window_maps, self.window_retires
+            "objects       {:>10}       windows {} (mapped {}, retired {})   loans {} (taken {}, pages copied {}, {:.1} MiB held)",
+            self.objects,
+            self.windows,
+            self.window_maps,
+            self.window_retires,
+            self.loans,
+            self.loans_taken,
+            self.loan_copies,
+            mib(self.loan_copy_bytes)
         )
     }
 }

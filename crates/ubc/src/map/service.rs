@@ -97,6 +97,10 @@ pub(crate) trait Mapped: Send + Sync {
     fn pin_for_fault(&self, page: u64, last: u64, pattern: Advice) -> Result<(&Chunk, u64)>;
     /// Undo `pin_for_fault`.
     fn unpin_fault(&self, chunk: &Chunk, page: u64, n: u64);
+    /// Pages `a..b` are about to be mapped into a shared writable mapping, where stores
+    /// reach them unseen: give windows that lent them their copies first (page loanout).
+    /// => the caller holds the pages.
+    fn before_writable_map(&self, a: u64, b: u64);
 }
 
 /// One user mapping of an object: its address range and how it was registered.
@@ -306,6 +310,9 @@ impl MapService {
     pub(crate) fn map_pages(&self, obj: &dyn Mapped, m: &UserMap, a: u64, b: u64, holes: Holes) {
         if self.kernel.is_none() {
             return;
+        }
+        if m.tracked && b > a {
+            obj.before_writable_map(a, b);
         }
         let mappable = |p: u64| obj.page_state(p).is_some_and(|s| s.is_mappable());
         let mut p = a;

@@ -341,6 +341,19 @@ impl Object {
     /// Pin every page of `offset..offset+len` (one chunk) for a read window. Returns the
     /// window address of the chunk. => range within one chunk and within the file.
     pub(crate) fn pin_range(&self, chunk: &Chunk, first: u64, last: u64) -> Result<*mut u8> {
+        self.pin_pages(chunk, first, last)?;
+        match self.memory().and_then(|m| self.res.windows.address(chunk, m)) {
+            Ok(w) => Ok(w),
+            Err(e) => {
+                self.unpin_run(chunk, first, last + 1 - first);
+                Err(e)
+            }
+        }
+    }
+
+    /// Pin pages `first..=last` of `chunk`, filling those that are not resident. On an
+    /// error none stays pinned.
+    pub(crate) fn pin_pages(&self, chunk: &Chunk, first: u64, last: u64) -> Result<()> {
         let mut p = first;
         while p <= last {
             match self.pin_run(chunk, p, last, None, Advice::Normal) {
@@ -351,13 +364,7 @@ impl Object {
                 }
             }
         }
-        match self.memory().and_then(|m| self.res.windows.address(chunk, m)) {
-            Ok(w) => Ok(w),
-            Err(e) => {
-                self.unpin_run(chunk, first, last + 1 - first);
-                Err(e)
-            }
-        }
+        Ok(())
     }
 
     pub(crate) fn unpin_range(&self, chunk: &Chunk, first: u64, last: u64) {

@@ -182,6 +182,10 @@ impl crate::map::Mapped for Object {
     fn pin_for_fault(&self, page: u64, last: u64, pattern: Advice) -> Result<(&Chunk, u64)> {
         Object::pin_for_fault(self, page, last, pattern)
     }
+    fn before_writable_map(&self, a: u64, b: u64) {
+        self.break_loans(a, b - 1);
+    }
+
     fn unpin_fault(&self, chunk: &Chunk, page: u64, n: u64) {
         Object::unpin_fault(self, chunk, page, n)
     }

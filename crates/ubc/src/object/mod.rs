@@ -45,6 +45,7 @@ mod evict;
 mod fill;
 mod holders;
 mod holes;
+mod loan;
 mod mapped;
 mod readahead;
 mod truncate;
@@ -53,6 +54,7 @@ mod writeback;
 
 pub(crate) use fill::Publish;
 pub(crate) use holders::{ObjectRef, WorkHold};
+pub(crate) use loan::Lent;
 pub(crate) use mapped::Harvest;
 pub use truncate::Length;
 use write::Held;

@@ -74,7 +74,8 @@ impl Object {
                 } else {
                     self.res.dirty.hold(1); // a found store dirtied it meanwhile
                 }
-                // Page held WRITING.
+                // Page held WRITING; a window lent it keeps the bytes before the zeroing.
+                self.break_loans(page, page);
                 let zeros = vec![0u8; (((page + 1) << ps) - new_len) as usize];
                 let r = self.copy_in(chunk, new_len, &zeros);
                 self.release_written(Held::Writing(st));

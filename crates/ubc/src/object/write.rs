@@ -37,6 +37,8 @@ impl Object {
         match st.begin_write() {
             WriteLock::Resident => {
                 self.counters.hit(1);
+                // A lent page gets its copy before anything changes it (page loanout).
+                self.break_loans(page, page);
                 if let Err(e) = self.dirty_held(st) {
                     st.abort_write();
                     return Err(e);

@@ -277,6 +277,18 @@ impl PageState {
         self.wake_if(old);
     }
 
+    /// Whether a writer is copying into the page (WRITING).
+    #[inline]
+    pub(crate) fn has_writer(&self) -> bool {
+        self.load() & WRITING != 0
+    }
+
+    /// Sleep until no writer is copying into the page. => the caller pins it (a lent page:
+    /// `Object::lend`) and checked the wait order.
+    pub(crate) fn wait_no_writer(&self) {
+        self.wait_until(|s| s & WRITING == 0);
+    }
+
     /// Take an empty page for filling (BUSY). False if someone else has it or it is valid.
     #[inline]
     pub(crate) fn try_lock_empty(&self) -> bool {

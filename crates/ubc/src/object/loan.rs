@@ -1,0 +1,89 @@
+//! Lending an object's pages to a read-only window, and breaking the loan before a page
+//! changes (the registry and the copying are `resources/loans.rs`).
+
+use super::*;
+use crate::Access;
+use crate::memfd::Sharing;
+
+/// A loan made by [`Object::lend`]: `view` shows pages `first..=last` from their start.
+pub(crate) struct Lent {
+    pub(crate) id: u64,
+    pub(crate) view: *const u8,
+    pub(crate) view_len: usize,
+}
+
+impl Object {
+    /// This object's key in the cache's loan registry.
+    fn loan_key(&self) -> usize {
+        self as *const Object as usize
+    }
+
+    /// Lend pages `first..=last` (one chunk) for reading: fill and pin them, map a private
+    /// view of them, and wait for writers already copying into them, so that the view shows
+    /// one version of each page and keeps showing it (see `resources/loans.rs`).
+    /// Undo with [`Object::end_loan`].
+    pub(crate) fn lend(&self, chunk: &Chunk, first: u64, last: u64) -> Result<Lent> {
+        let loans = &self.res.loans;
+        // Registered before the pages are pinned and waited on: a writer that takes a page
+        // after the wait below finds the loan (see the registry's ordering note).
+        let id = loans.register(self.loan_key(), first, last);
+        if let Err(e) = self.pin_pages(chunk, first, last) {
+            loans.unregister(id);
+            return Err(e);
+        }
+        let ps = self.ps();
+        let view_len = ((last + 1 - first) as usize) << ps;
+        let view =
+            match self.memory().and_then(|m| m.map_user(first << ps, view_len, Sharing::Private, Access::ReadWrite)) {
+                Ok(v) => v,
+                Err(e) => {
+                    loans.unregister(id);
+                    self.unpin_range(chunk, first, last);
+                    return Err(e);
+                }
+            };
+        loans.set_view(id, view as usize);
+        {
+            let _pages = crate::order::hold(crate::order::Rank::page(self.depth()));
+            for p in first..=last {
+                let st = &chunk.pages[self.locate(p).1];
+                if st.has_writer() {
+                    crate::order::check_wait(crate::order::Rank::page(self.depth()));
+                    st.wait_no_writer();
+                }
+            }
+        }
+        // A shared writable mapping may store into these pages at any time, with no fault
+        // for the cache to see: its pages are copied for the loan now. (A mapping made
+        // later maps each page through `before_writable_map`, which breaks the loan.)
+        if self.nmaps.load(SeqCst) > 0 {
+            let overlaps = self.maps.read().iter().any(|m| {
+                let r = m.pages(ps);
+                m.tracked && r.start <= last && first < r.end
+            });
+            if overlaps {
+                loans.break_range(self.loan_key(), first, last, ps);
+            }
+        }
+        Ok(Lent { id, view, view_len })
+    }
+
+    /// End a loan made by [`Object::lend`] of pages `first..=last` of `chunk`.
+    pub(crate) fn end_loan(&self, chunk: &Chunk, first: u64, last: u64, lent: &Lent) {
+        self.res.loans.unregister(lent.id);
+        // SAFETY: the view is the loan's own mapping, and the window that read through it is
+        // being dropped; no break reaches it after `unregister`.
+        unsafe { crate::memfd::unmap(lent.view as *mut u8, lent.view_len) };
+        self.unpin_range(chunk, first, last);
+    }
+
+    /// Give every loan of pages `a..=b` its copy before those pages change.
+    /// => the caller holds the pages (WRITING, or about to map them writable while it holds
+    /// them): their bytes are still the lent ones.
+    #[inline]
+    pub(crate) fn break_loans(&self, a: u64, b: u64) {
+        if self.res.loans.any() {
+            self.res.loans.break_range(self.loan_key(), a, b, self.ps());
+        }
+    }
+}
