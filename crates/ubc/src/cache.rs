@@ -647,6 +647,7 @@ impl CacheCore {
             loans: res.loans.counts().0,
             loans_taken: res.loans.counts().1,
             loan_copies: res.loans.counts().2,
+            loan_pages_handed_back: res.loans.counts().3,
             loan_copy_bytes: res.loans.copied_now() << g.page_shift,
         }
     }

@@ -518,16 +518,17 @@ impl File {
     /// budget while the window lives (`CacheStats::loan_copies`). A write in progress when
     /// the window is taken is waited for, so the window shows it whole or not at all.
     ///
-    /// Pages stay pinned in the cache until the guard is dropped: eviction passes them by,
-    /// and a truncation or invalidation of them waits for the guard (so a thread holding a
-    /// window must not truncate the same pages, nor take a window of pages it holds in a
-    /// [`WindowMut`]). Each window is a mapping of its own (one `mmap` and `munmap`).
+    /// Pages stay pinned in the cache until the guard is dropped, so eviction passes them
+    /// by; a truncation or invalidation of them takes them back instead of waiting (the
+    /// window keeps a copy, `CacheStats::loan_pages_handed_back`). A thread must not take a
+    /// window of pages it holds in a [`WindowMut`] (the window waits for that writer). Each
+    /// window is a mapping of its own (one `mmap` and `munmap`).
     pub fn window(&self, offset: u64, len: usize) -> Result<Window<'_>> {
         let obj = self.live()?;
         checked_end(offset, len)?;
         let (ci, end) = self.window_span(obj, offset, len, obj.len())?;
         if end <= offset {
-            return Ok(Window { obj, chunk: None, ptr: std::ptr::null(), len: 0, first: 0, last: 0, lent: None });
+            return Ok(Window { obj, chunk: None, ptr: std::ptr::null(), len: 0, lent: None });
         }
         let chunk = obj.table.get_or_create(ci);
         let ps = obj.res.geo.page_shift;
@@ -535,7 +536,7 @@ impl File {
         let lent = obj.lend(chunk, first, last)?;
         // SAFETY: pointer into the loan's view, which maps pages `first..=last`.
         let ptr = unsafe { lent.view.add((offset - (first << ps)) as usize) };
-        Ok(Window { obj, chunk: Some(chunk), ptr, len: (end - offset) as usize, first, last, lent: Some(lent) })
+        Ok(Window { obj, chunk: Some(chunk), ptr, len: (end - offset) as usize, lent: Some(lent) })
     }
 
     /// Lend the cached bytes at `offset` for writing in place. Like [`File::window`], the
@@ -584,8 +585,6 @@ pub struct Window<'a> {
     chunk: Option<&'a Chunk>,
     ptr: *const u8,
     len: usize,
-    first: u64,
-    last: u64,
     lent: Option<crate::object::Lent>,
 }
 
@@ -604,7 +603,7 @@ impl std::ops::Deref for Window<'_> {
 impl Drop for Window<'_> {
     fn drop(&mut self) {
         if let (Some(c), Some(lent)) = (self.chunk, &self.lent) {
-            self.obj.end_loan(c, self.first, self.last, lent);
+            self.obj.end_loan(c, lent);
         }
     }
 }

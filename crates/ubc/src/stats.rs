@@ -133,6 +133,9 @@ pub struct CacheStats {
     pub loans_taken: u64,
     pub loan_copies: u64,
     pub loan_copy_bytes: u64,
+    /// Lent pages a truncation or invalidation took back from their windows (which kept
+    /// copies) instead of waiting for them.
+    pub loan_pages_handed_back: u64,
 }
 
 impl std::fmt::Display for CacheStats {

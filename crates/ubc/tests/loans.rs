@@ -244,3 +244,47 @@ fn windows_taken_under_contention_never_change() {
     assert!(st.loan_copies > 0, "writes met lent pages: {st}");
     assert_eq!((st.loans, st.loan_copy_bytes), (0, 0));
 }
+
+/// A truncation or an invalidation of lent pages does not wait for the windows (which
+/// the same thread holds here: waiting would never end): each window keeps a copy and lets
+/// go of its page (UVM's owner freeing a loaned page), and the cache drops it.
+#[test]
+fn truncation_and_invalidation_take_lent_pages_back_without_waiting() {
+    guarded("truncate and invalidate beside windows", 60, || {
+        let cache = small_cache(4 << 20);
+        let mem = Arc::new(MemPager::new());
+        let f = cache.open(mem.clone(), Access::ReadWrite).unwrap();
+        f.write_at(&pattern(3, 0, 16 * PS), 0).unwrap();
+        f.sync().unwrap();
+
+        // Invalidation: the store changed underneath; the window keeps what it was lent.
+        let w = f.window(2 * PS as u64, 2 * PS).unwrap();
+        ubc::Pager::put_pages(&*mem, 0, &pattern(4, 0, 16 * PS)).unwrap();
+        f.invalidate(0..16 * PS as u64, ubc::Length::Keep).unwrap();
+        assert_same(&w, &pattern(3, 2 * PS as u64, 2 * PS), "a window after an invalidation");
+        let mut back = vec![0u8; 2 * PS];
+        f.read_exact_at(&mut back, 2 * PS as u64).unwrap();
+        assert_same(&back, &pattern(4, 2 * PS as u64, 2 * PS), "the cache reads the store again");
+        let st = cache.stats();
+        assert_eq!(st.loan_pages_handed_back, 2, "{st}");
+        drop(w);
+
+        // Truncation below the window, with a second window of the same pages.
+        let a = f.window(PS as u64, 3 * PS).unwrap();
+        let b = f.window(2 * PS as u64, PS).unwrap();
+        f.set_len(100).unwrap();
+        assert_same(&a, &pattern(4, PS as u64, 3 * PS), "a window after a truncation below it");
+        assert_same(&b, &pattern(4, 2 * PS as u64, PS), "the second window");
+        assert_eq!(f.len().unwrap(), 100);
+        assert_eq!(cache.stats().loan_pages_handed_back, 2 + 4);
+        // The file grows again: zeros, whatever the windows hold.
+        f.set_len(4 * PS as u64).unwrap();
+        let mut back = vec![1u8; 3 * PS];
+        f.read_exact_at(&mut back, PS as u64).unwrap();
+        assert!(back.iter().all(|&x| x == 0), "bytes past the truncation read as zeros");
+        drop((a, b));
+        let st = cache.stats();
+        assert_eq!((st.loans, st.loan_copy_bytes), (0, 0), "{st}");
+        assert!(st.totals.resident_bytes <= 4 * PS as u64, "no page is left pinned: {st}");
+    });
+}

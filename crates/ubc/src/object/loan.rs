@@ -28,7 +28,7 @@ impl Object {
         // after the wait below finds the loan (see the registry's ordering note).
         let id = loans.register(self.loan_key(), first, last);
         if let Err(e) = self.pin_pages(chunk, first, last) {
-            loans.unregister(id);
+            loans.unregister(id); // no view: nobody handed a pin back
             return Err(e);
         }
         let ps = self.ps();
@@ -37,7 +37,7 @@ impl Object {
             match self.memory().and_then(|m| m.map_user(first << ps, view_len, Sharing::Private, Access::ReadWrite)) {
                 Ok(v) => v,
                 Err(e) => {
-                    loans.unregister(id);
+                    loans.unregister(id); // no view: nobody handed a pin back
                     self.unpin_range(chunk, first, last);
                     return Err(e);
                 }
@@ -68,13 +68,25 @@ impl Object {
         Ok(Lent { id, view, view_len })
     }
 
-    /// End a loan made by [`Object::lend`] of pages `first..=last` of `chunk`.
-    pub(crate) fn end_loan(&self, chunk: &Chunk, first: u64, last: u64, lent: &Lent) {
-        self.res.loans.unregister(lent.id);
+    /// End a loan made by [`Object::lend`] of pages of `chunk`: unpin what it still pins.
+    pub(crate) fn end_loan(&self, chunk: &Chunk, lent: &Lent) {
+        let pinned = self.res.loans.unregister(lent.id);
         // SAFETY: the view is the loan's own mapping, and the window that read through it is
         // being dropped; no break reaches it after `unregister`.
         unsafe { crate::memfd::unmap(lent.view as *mut u8, lent.view_len) };
-        self.unpin_range(chunk, first, last);
+        for p in pinned {
+            chunk.pages[self.locate(p).1].unpin();
+        }
+    }
+
+    /// A truncation or invalidation is about to take page `page` of `chunk` for dropping:
+    /// windows that lent it keep copies and let go of their pins, so the drop does not wait
+    /// for them (`Loans::hand_back`). => the caller takes the page next with `lock_for_drop`.
+    pub(super) fn hand_back_loans(&self, chunk: &Chunk, page: u64) {
+        if self.res.loans.any() {
+            let st = &chunk.pages[self.locate(page).1];
+            self.res.loans.hand_back(self.loan_key(), page, self.ps(), &mut || st.unpin());
+        }
     }
 
     /// Give every loan of pages `a..=b` its copy before those pages change.

@@ -117,6 +117,7 @@ impl Object {
                 let Some(st) = chunk.pages.get((p - base) as usize).filter(|st| st.snapshot().cached()) else {
                     continue;
                 };
+                self.hand_back_loans(chunk, p);
                 let prior = st.lock_for_drop();
                 if !prior.valid() {
                     st.release_empty(); // was empty by the time we got it

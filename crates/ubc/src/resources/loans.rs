@@ -37,6 +37,9 @@ struct Loan {
     view: usize,
     /// Pages of `first..=last` copied into the view so far (one bit each).
     copied: Vec<u64>,
+    /// Pages of `first..=last` the loan still pins (one bit each): all of them, until a
+    /// truncation or invalidation that wanted a page took it back (`hand_back`).
+    pinned: Vec<u64>,
 }
 
 #[derive(Default)]
@@ -52,14 +55,21 @@ pub(crate) struct Loans {
     copied_total: AtomicU64,
     /// Loans ever taken (`CacheStats::loans_taken`).
     taken_total: AtomicU64,
+    /// Lent pages whose pin a truncation or invalidation took back.
+    handed_back: AtomicU64,
 }
 
 impl Loans {
     /// Register a loan of pages `first..=last` of object `obj` (no view yet). Returns its id.
     pub(crate) fn register(&self, obj: usize, first: u64, last: u64) -> u64 {
         let id = self.next_id.fetch_add(1, Relaxed);
-        let words = (last - first) as usize / 64 + 1;
-        self.list.lock().push(Loan { id, obj, first, last, view: 0, copied: vec![0; words] });
+        let n = last - first + 1;
+        let words = n.div_ceil(64) as usize;
+        let mut pinned = vec![u64::MAX; words];
+        if !n.is_multiple_of(64) {
+            pinned[words - 1] = (1 << (n % 64)) - 1;
+        }
+        self.list.lock().push(Loan { id, obj, first, last, view: 0, copied: vec![0; words], pinned });
         self.active.fetch_add(1, SeqCst);
         self.taken_total.fetch_add(1, Relaxed);
         id
@@ -73,14 +83,37 @@ impl Loans {
     }
 
     /// Forget loan `id`; its view is the caller's to unmap afterwards (no break reaches it
-    /// once this returns). Its copied pages stop being charged.
-    pub(crate) fn unregister(&self, id: u64) {
+    /// once this returns). Its copied pages stop being charged. Returns the pages (indexes
+    /// in the object) the loan still pins, for the caller to unpin.
+    pub(crate) fn unregister(&self, id: u64) -> Vec<u64> {
         let mut list = self.list.lock();
-        if let Some(i) = list.iter().position(|l| l.id == id) {
-            let l = list.swap_remove(i);
-            let n: u64 = l.copied.iter().map(|w| w.count_ones() as u64).sum();
-            self.copied_now.fetch_sub(n, Relaxed);
-            self.active.fetch_sub(1, SeqCst);
+        let Some(i) = list.iter().position(|l| l.id == id) else { return Vec::new() };
+        let l = list.swap_remove(i);
+        let n: u64 = l.copied.iter().map(|w| w.count_ones() as u64).sum();
+        self.copied_now.fetch_sub(n, Relaxed);
+        self.active.fetch_sub(1, SeqCst);
+        (l.first..=l.last).filter(|&p| bit(&l.pinned, p - l.first)).collect()
+    }
+
+    /// A truncation or invalidation wants page `page` of object `obj`: every loan of it that
+    /// has its view gets its copy and lets go of its pin (`unpin` is called once for each
+    /// such pin), so the page can be dropped while the windows keep their bytes (UVM lets
+    /// an owner free a loaned page, which then belongs to the loan alone). A loan still
+    /// being made keeps its pin; the dropper waits for it as for any pin. => the caller
+    /// will take the page for dropping next (its bytes are still the lent ones).
+    pub(crate) fn hand_back(&self, obj: usize, page: u64, page_shift: u32, unpin: &mut dyn FnMut()) {
+        if !self.any() {
+            return;
+        }
+        self.break_range(obj, page, page, page_shift);
+        let mut list = self.list.lock();
+        for l in list.iter_mut().filter(|l| l.obj == obj && l.view != 0 && l.first <= page && page <= l.last) {
+            let i = page - l.first;
+            if bit(&l.pinned, i) {
+                clear_bit(&mut l.pinned, i);
+                self.handed_back.fetch_add(1, Relaxed);
+                unpin();
+            }
         }
     }
 
@@ -131,9 +164,14 @@ impl Loans {
         self.copied_now.load(Relaxed)
     }
 
-    /// (loans live now, loans ever taken, pages ever copied).
-    pub(crate) fn counts(&self) -> (u64, u64, u64) {
-        (self.active.load(Relaxed), self.taken_total.load(Relaxed), self.copied_total.load(Relaxed))
+    /// (loans live now, loans ever taken, pages ever copied, pages handed back).
+    pub(crate) fn counts(&self) -> (u64, u64, u64, u64) {
+        (
+            self.active.load(Relaxed),
+            self.taken_total.load(Relaxed),
+            self.copied_total.load(Relaxed),
+            self.handed_back.load(Relaxed),
+        )
     }
 }
 
@@ -143,6 +181,10 @@ fn bit(v: &[u64], i: u64) -> bool {
 
 fn set_bit(v: &mut [u64], i: u64) {
     v[(i / 64) as usize] |= 1 << (i % 64);
+}
+
+fn clear_bit(v: &mut [u64], i: u64) {
+    v[(i / 64) as usize] &= !(1 << (i % 64));
 }
 
 /// Make the private view `at..at + len` hold copies of the pages it shows, without
@@ -255,9 +297,13 @@ mod tests {
         assert_eq!(loans.counts().2, 0);
         loans.break_range(7, 11, 12, ps.trailing_zeros());
         loans.break_range(7, 0, 20, ps.trailing_zeros());
-        assert_eq!(loans.counts(), (1, 1, 4), "pages 11 and 12, then 10 and 13");
+        assert_eq!(loans.counts(), (1, 1, 4, 0), "pages 11 and 12, then 10 and 13");
         assert_eq!(loans.copied_now(), 4);
-        loans.unregister(id);
+        let mut unpinned = 0;
+        loans.hand_back(7, 12, ps.trailing_zeros(), &mut || unpinned += 1);
+        loans.hand_back(7, 12, ps.trailing_zeros(), &mut || unpinned += 1);
+        assert_eq!((unpinned, loans.counts().3), (1, 1), "a pin is handed back once");
+        assert_eq!(loans.unregister(id), vec![10, 11, 13], "the loan still pins the rest");
         assert_eq!(loans.copied_now(), 0);
         assert!(!loans.any());
         unsafe { rustix::mm::munmap(view as *mut _, 4 * ps).unwrap() };
