@@ -87,6 +87,8 @@ pub enum PagerOp {
     Punch,
     Allocate,
     Seek,
+    /// Asking the pager for leave to change a range it locked (`Pager::unlock_request`).
+    Unlock,
 }
 
 impl PagerOp {
@@ -108,6 +110,7 @@ impl std::fmt::Display for PagerOp {
             PagerOp::Punch => "punching a hole",
             PagerOp::Allocate => "reserving space",
             PagerOp::Seek => "seeking data or holes",
+            PagerOp::Unlock => "asking the pager to unlock a range",
         })
     }
 }

@@ -555,6 +555,7 @@ impl File {
             return Ok(WindowMut { obj, chunk: None, ptr: std::ptr::null_mut(), len: 0, offset, size: None });
         }
         let size = obj.size_lock.read();
+        obj.unlock_for_change(offset, end)?;
         let chunk = obj.table.get_or_create(ci);
         let win = obj.lock_range_for_write(chunk, offset, end)?;
         let chunk_off = ci * ((obj.res.geo.page_size as u64) << obj.res.geo.chunk_shift);

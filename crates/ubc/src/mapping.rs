@@ -117,6 +117,14 @@ impl Mapping {
             obj.nmaps.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             obj.map_resident(&svc, &um, a, b);
         } else {
+            if um.tracked
+                && let Err(e) = obj.unlock_for_change(start, end)
+            {
+                // Without userfaultfd stores cannot be trapped later: the whole range is
+                // asked for now.
+                unmap();
+                return Err(e);
+            }
             match obj.pin_all(a, b) {
                 Ok(runs) => pinned = runs,
                 Err(e) => {

@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 
 mod dirty;
 pub(crate) mod loans;
+pub(crate) mod locks;
 mod policy;
 pub(crate) mod pressure;
 
@@ -135,6 +136,8 @@ pub(crate) struct Resources {
     pub(crate) withheld_pages: AtomicU64,
     /// Windows lent out, and the pages copied for them (`resources/loans.rs`).
     pub(crate) loans: loans::Loans,
+    /// Ranges pagers write-locked (`resources/locks.rs`, Mach's `pager_data_lock`).
+    pub(crate) locks: locks::Locks,
     pub(crate) cgroup: Option<pressure::MemCgroup>,
     /// When pressure was last looked at (µs since `born`), for the fills' own looks.
     pressure_seen_us: AtomicU64,
@@ -232,6 +235,7 @@ impl Resources {
             private_pages: AtomicU64::new(0),
             withheld_pages: AtomicU64::new(0),
             loans: loans::Loans::default(),
+            locks: locks::Locks::default(),
             pressure_seen_us: AtomicU64::new(0),
             pressure_rose_us: AtomicU64::new(0),
             born: std::time::Instant::now(),

@@ -136,6 +136,11 @@ pub struct CacheStats {
     /// Lent pages a truncation or invalidation took back from their windows (which kept
     /// copies) instead of waiting for them.
     pub loan_pages_handed_back: u64,
+    /// Bytes pagers write-locked now (`PagerRequest::lock`), unlock requests made of
+    /// pagers before changes (`Pager::unlock_request`), and those refused.
+    pub locked_bytes: u64,
+    pub unlock_requests: u64,
+    pub unlock_refusals: u64,
 }
 
 impl std::fmt::Display for CacheStats {
@@ -203,7 +208,7 @@ impl std::fmt::Display for CacheStats {
         )?;
         write!(
             f,
-            "objects       {:>10}       windows {} (mapped {}, retired {})   loans {} (taken {}, pages copied {}, {:.1} MiB held)",
+            "objects       {:>10}       windows {} (mapped {}, retired {})   loans {} (taken {}, pages copied {}, {:.1} MiB held)   locked {:.1} MiB (unlock requests {}, refused {})",
             self.objects,
             self.windows,
             self.window_maps,
@@ -211,7 +216,10 @@ impl std::fmt::Display for CacheStats {
             self.loans,
             self.loans_taken,
             self.loan_copies,
-            mib(self.loan_copy_bytes)
+            mib(self.loan_copy_bytes),
+            mib(self.locked_bytes),
+            self.unlock_requests,
+            self.unlock_refusals
         )
     }
 }

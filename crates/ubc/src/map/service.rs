@@ -101,6 +101,16 @@ pub(crate) trait Mapped: Send + Sync {
     /// reach them unseen: give windows that lent them their copies first (page loanout).
     /// => the caller holds the pages.
     fn before_writable_map(&self, a: u64, b: u64);
+    /// Whether the pager write-locked page `page` (a shared writable mapping must not map
+    /// it until the pager allows stores: `allow_stores`).
+    fn store_locked(&self, page: u64) -> bool;
+    /// Bracket the mapping of pages into a shared writable mapping, their locks looked at
+    /// inside (a pager's lock waits for brackets begun before it).
+    fn begin_writable_map(&self) -> usize;
+    fn end_writable_map(&self, token: usize);
+    /// A fault of a shared writable mapping on pages `a..b`: ask the pager to unlock those
+    /// it locked (`Pager::unlock_request`). => nothing of the object held.
+    fn allow_stores(&self, a: u64, b: u64) -> Result<()>;
 }
 
 /// One user mapping of an object: its address range and how it was registered.
@@ -314,7 +324,11 @@ impl MapService {
         if m.tracked && b > a {
             obj.before_writable_map(a, b);
         }
-        let mappable = |p: u64| obj.page_state(p).is_some_and(|s| s.is_mappable());
+        // A page the pager write-locked stays out of a shared writable mapping: the access
+        // faults, and the fault asks the pager first.
+        let token = m.tracked.then(|| obj.begin_writable_map());
+        let mappable =
+            |p: u64| obj.page_state(p).is_some_and(|s| s.is_mappable()) && !(m.tracked && obj.store_locked(p));
         let mut p = a;
         while p < b {
             if !mappable(p) {
@@ -327,6 +341,9 @@ impl MapService {
             }
             self.map_run(obj, m, p, q, holes);
             p = q;
+        }
+        if let Some(t) = token {
+            obj.end_writable_map(t);
         }
     }
 
@@ -498,6 +515,15 @@ impl MapService {
             m.cluster.store(c, Relaxed);
             (page + c - 1).min(end - 1)
         };
+        // A shared writable mapping's fault on pages the pager write-locked: its stores will
+        // not be seen one by one, so the pager is asked now, read fault or not.
+        if m.tracked
+            && let Err(e) = obj.allow_stores(page, last + 1)
+        {
+            self.tell_fill_error(page, &e);
+            self.poison(k, &m, addr, sys);
+            return;
+        }
         match obj.pin_for_fault(page, last, pattern) {
             Ok((chunk, n)) => {
                 self.fault_pages.fetch_add(n, Relaxed);
@@ -529,20 +555,24 @@ impl MapService {
             }
             Err(e) => {
                 m.interrupted.store(0, Relaxed);
-                if self.fill_errors.fetch_add(1, Relaxed) < FILL_ERRORS_TOLD {
-                    // To the process's stderr itself, not `eprintln!`: a test harness captures
-                    // that for the thread that made the cache (its threads inherit the
-                    // capture), and the capture dies with the process the SIGBUS ends — as
-                    // the message did when tests/stack.rs died of one in CI.
-                    use std::io::Write as _;
-                    let _ = writeln!(
-                        std::io::stderr(),
-                        "ubc: a fault on page {page} of a mapping could not be filled, so the access \
-                         gets SIGBUS: {e}"
-                    );
-                }
+                self.tell_fill_error(page, &e);
                 self.poison(k, &m, addr, sys)
             }
+        }
+    }
+
+    /// Say why a fault gets SIGBUS (the first few times).
+    fn tell_fill_error(&self, page: u64, e: &Error) {
+        if self.fill_errors.fetch_add(1, Relaxed) < FILL_ERRORS_TOLD {
+            // To the process's stderr itself, not `eprintln!`: a test harness captures that
+            // for the thread that made the cache (its threads inherit the capture), and the
+            // capture dies with the process the SIGBUS ends — as the message did when
+            // tests/stack.rs died of one in CI.
+            use std::io::Write as _;
+            let _ = writeln!(
+                std::io::stderr(),
+                "ubc: a fault on page {page} of a mapping could not be filled, so the access gets SIGBUS: {e}"
+            );
         }
     }
 

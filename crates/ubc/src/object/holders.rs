@@ -154,6 +154,14 @@ impl crate::pager::RequestTarget for ObjectRef {
     fn cached(&self) -> bool {
         self.hold().is_some()
     }
+    fn lock(&self, from: u64, to: u64) -> crate::Result<()> {
+        self.hold().map_or(Ok(()), |o| o.data_lock(from, to))
+    }
+    fn unlock(&self, from: u64, to: u64) {
+        if let Some(o) = self.hold() {
+            o.data_unlock(from, to);
+        }
+    }
 }
 
 #[cfg(test)]

@@ -32,6 +32,7 @@ impl Object {
             // mapping's fault) that read the store between the two got old bytes. Dirty
             // pages are dropped unwritten: their bytes are to become zeros anyway.
             let _size = self.size_exclusive();
+            self.unlock_for_change(first << ps, last << ps)?;
             self.drop_pages(first, last)?;
             let r = self.call_pager(PagerOp::Punch, first << ps, |p| p.punch(first << ps, (last - first) << ps));
             self.drop_pages(first, last)?;

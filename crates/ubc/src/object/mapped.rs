@@ -185,6 +185,19 @@ impl crate::map::Mapped for Object {
     fn before_writable_map(&self, a: u64, b: u64) {
         self.break_loans(a, b - 1);
     }
+    fn store_locked(&self, page: u64) -> bool {
+        Object::store_locked(self, page)
+    }
+    fn begin_writable_map(&self) -> usize {
+        Object::begin_writable_map(self)
+    }
+    fn end_writable_map(&self, token: usize) {
+        Object::end_writable_map(self, token)
+    }
+    fn allow_stores(&self, a: u64, b: u64) -> Result<()> {
+        let ps = self.ps();
+        self.unlock_for_change(a << ps, b << ps)
+    }
 
     fn unpin_fault(&self, chunk: &Chunk, page: u64, n: u64) {
         Object::unpin_fault(self, chunk, page, n)

@@ -41,6 +41,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::*};
 use std::sync::{Arc, OnceLock, Weak};
 
 mod advice;
+mod datalock;
 mod evict;
 mod fill;
 mod holders;
@@ -539,6 +540,7 @@ impl Drop for Object {
         }
         let table = &self.table;
         self.res.windows.release_all(|f| table.for_each(0, u64::MAX, |c| f(c)));
+        self.forget_locks();
         self.res.retire_stats(self.counters.snapshot());
     }
 }

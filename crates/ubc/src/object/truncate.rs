@@ -13,6 +13,8 @@ impl Object {
         let _size = self.size_exclusive();
         let old = self.len();
         let ps = self.ps();
+        // The bytes between the old and the new end change (dropped, or zeros appear).
+        self.unlock_for_change(old.min(new), old.max(new))?;
         if new < old {
             // Order matters: publish the new length first (writebacks and read-ahead that
             // start from now on clip to it), then drop pages (waiting for writebacks in

@@ -153,6 +153,8 @@ impl Object {
         // Smooth dirty throttling happens here, before any page is held.
         self.res.balance_dirty(((end - 1) >> ps) - (offset >> ps) + 1);
         let _size = self.size_shared();
+        // A range the pager locked: ask it first (nothing held but the size lock).
+        self.unlock_for_change(offset, end)?;
         // Pages are held from here on (lock coupling), each taken in ascending order.
         let _pages = crate::order::hold(crate::order::Rank::page(self.depth()));
         let mut held: Option<Held<'_>> = None;

@@ -262,6 +262,9 @@ impl Pager for InjectingPager {
     fn init(&self, request: crate::PagerRequest) {
         self.inner.init(request)
     }
+    fn unlock_request(&self, range: std::ops::Range<u64>) -> io::Result<()> {
+        self.inner.unlock_request(range)
+    }
     fn identity(&self) -> Option<Identity> {
         self.inner.identity()
     }

@@ -123,6 +123,24 @@ pub trait Pager: Send + Sync + 'static {
         let _ = request;
     }
 
+    /// Mach's `pager_data_unlock`: the cache is about to change bytes `range` of the file,
+    /// which this pager write-locked ([`PagerRequest::lock`]) — a write, a writable window,
+    /// a truncation or extension, or a fault of a shared writable mapping (whose stores the
+    /// cache cannot see one by one, so even a read fault through such a mapping asks).
+    /// Return `Ok` once the change may go ahead: the cache then forgets the lock on
+    /// `range` (lock it again to be asked again). An error fails the change with it
+    /// ([`crate::Error::Io`], [`PagerOp::Unlock`](crate::PagerOp::Unlock); a mapping's access
+    /// gets `SIGBUS`). `range` is whole cache pages, clipped to what is locked.
+    ///
+    /// Called with nothing of this object's held by the calling thread except, for a write,
+    /// its size lock shared (so the pager may read the cache, and may make requests of it
+    /// other than `lock`, which would wait for that write). Default: `Ok` (a pager that
+    /// never locks is never asked).
+    fn unlock_request(&self, range: std::ops::Range<u64>) -> io::Result<()> {
+        let _ = range;
+        Ok(())
+    }
+
     /// After [`Pager::sync`]: make the rest of the store's metadata durable too — what
     /// reading the data back does not need, such as its times (`fsync` after `fdatasync`,
     /// TLPI 13.3). Called by [`crate::File::sync_all`]. Default: nothing (a store without
@@ -293,7 +311,8 @@ pub fn seek_blocks(
 }
 
 /// The requests a pager may make of the cache about its object (Mach's pager request port:
-/// `pager_clean_request`, `pager_flush_request`), handed to it by [`Pager::init`]. It does
+/// `pager_clean_request`, `pager_flush_request`, `pager_data_lock`), handed to it by
+/// [`Pager::init`]. It does
 /// not keep the object cached: once the cache lets the object go, requests do nothing and
 /// return `Ok`. For a store whose data another party changes or needs — another machine
 /// holding a token, a backup reading below — the pager's own thread calls them when told.
@@ -312,6 +331,8 @@ pub(crate) trait RequestTarget: Send + Sync {
     fn clean(&self, from: u64, to: u64) -> crate::Result<()>;
     fn flush(&self, from: u64, to: u64, reload: bool) -> crate::Result<()>;
     fn cached(&self) -> bool;
+    fn lock(&self, from: u64, to: u64) -> crate::Result<()>;
+    fn unlock(&self, from: u64, to: u64);
 }
 
 impl PagerRequest {
@@ -335,6 +356,22 @@ impl PagerRequest {
     /// [`PagerRequest::flush`], and the file's length asked of the pager again.
     pub fn flush_reload(&self, range: std::ops::Range<u64>) -> crate::Result<()> {
         self.target.flush(range.start, range.end, true)
+    }
+
+    /// `pager_data_lock` (write access): from now on the cache asks this pager
+    /// ([`Pager::unlock_request`]) before it changes any byte of `range` — through a write,
+    /// a writable window, `set_len`, or a shared writable mapping — and keeps reading its
+    /// cached pages meanwhile. Returns once writes in progress on the file have finished and
+    /// the stores already made through mappings are found (marked dirty: a
+    /// [`PagerRequest::clean`] after the lock writes them back, and no store lands after
+    /// it). Whole cache pages: `range` is widened to them.
+    pub fn lock(&self, range: std::ops::Range<u64>) -> crate::Result<()> {
+        self.target.lock(range.start, range.end)
+    }
+
+    /// Lift a lock on `range` without being asked (the pager gives leave to write).
+    pub fn unlock(&self, range: std::ops::Range<u64>) {
+        self.target.unlock(range.start, range.end)
     }
 
     /// Whether the cache still holds the object these requests are about.
