@@ -648,6 +648,7 @@ impl CacheCore {
             loans_taken: res.loans.counts().1,
             loan_copies: res.loans.counts().2,
             loan_pages_handed_back: res.loans.counts().3,
+            loan_views: res.loans.counts().4,
             locked_bytes: res.locks.locked_pages() << g.page_shift,
             unlock_requests: res.locks.requests.load(Relaxed),
             unlock_refusals: res.locks.refused.load(Relaxed),

@@ -521,8 +521,10 @@ impl File {
     /// Pages stay pinned in the cache until the guard is dropped, so eviction passes them
     /// by; a truncation or invalidation of them takes them back instead of waiting (the
     /// window keeps a copy, `CacheStats::loan_pages_handed_back`). A thread must not take a
-    /// window of pages it holds in a [`WindowMut`] (the window waits for that writer). Each
-    /// window is a mapping of its own (one `mmap` and `munmap`).
+    /// window of pages it holds in a [`WindowMut`] (the window waits for that writer).
+    /// Windows read through a private view of their chunk, shared by the chunk's windows and
+    /// kept for the next ones until a write copies pages into it (then the next window of
+    /// the chunk maps a fresh view).
     pub fn window(&self, offset: u64, len: usize) -> Result<Window<'_>> {
         let obj = self.live()?;
         checked_end(offset, len)?;

@@ -319,6 +319,14 @@ impl Memory {
         self.map_range(offset, len, prot, flags, "mmap(user mapping)")
     }
 
+    /// Lent windows' view of `len` bytes at `offset`: private (a later copy of a page into
+    /// it is the borrowers' own) and read-only. Not populated: a read fault maps a run of
+    /// resident pages at once (the kernel's fault-around), which measured faster than
+    /// `MAP_POPULATE`'s page-by-page walk.
+    pub(crate) fn map_view(&self, offset: u64, len: usize) -> Result<*mut u8> {
+        self.map_range(offset, len, ProtFlags::READ, MapFlags::PRIVATE, "mmap(window view)")
+    }
+
     /// Map `len` bytes at `offset` shared, read-write (a window).
     pub(crate) fn map(&self, offset: u64, len: usize) -> Result<*mut u8> {
         self.map_range(offset, len, ProtFlags::READ | ProtFlags::WRITE, MapFlags::SHARED, "mmap(window)")

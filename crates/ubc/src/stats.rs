@@ -136,6 +136,9 @@ pub struct CacheStats {
     /// Lent pages a truncation or invalidation took back from their windows (which kept
     /// copies) instead of waiting for them.
     pub loan_pages_handed_back: u64,
+    /// Views mapped for windows (one per chunk, shared by its windows and kept for the
+    /// next ones until a write copies pages into it).
+    pub loan_views: u64,
     /// Bytes pagers write-locked now (`PagerRequest::lock`), unlock requests made of
     /// pagers before changes (`Pager::unlock_request`), and those refused.
     pub locked_bytes: u64,

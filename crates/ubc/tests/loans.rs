@@ -51,11 +51,12 @@ fn a_window_reads_the_cached_pages_until_a_write_copies_them() {
     f.read_exact_at(&mut back, 5010).unwrap();
     assert_eq!(&back, b"XYZ", "the cache took the write");
     let st = cache.stats();
-    assert_eq!((st.loan_copies, st.loan_copy_bytes), (2, 2 * PS as u64), "one copy per window: {st}");
+    assert_eq!(a.as_ptr(), b.as_ptr(), "the two windows share their chunk's view");
+    assert_eq!((st.loan_copies, st.loan_copy_bytes, st.loan_views), (1, PS as u64, 1), "one copy for both: {st}");
 
     // A second write of the same page copies nothing more.
     f.write_at(b"UVW", 5020).unwrap();
-    assert_eq!(cache.stats().loan_copies, 2);
+    assert_eq!(cache.stats().loan_copies, 1);
     assert_same(&a, &pattern(1, 5000, 3000), "after a second write");
 
     // A window taken now shows the cache's bytes as they are now.
@@ -65,9 +66,14 @@ fn a_window_reads_the_cached_pages_until_a_write_copies_them() {
     want[20..23].copy_from_slice(b"UVW");
     assert_same(&c, &want, "a window taken after the writes");
     assert!(is_file_page(c.as_ptr()));
+    assert_eq!(cache.stats().loan_views, 2, "a fresh view: the first one holds a copy");
     drop((a, b, c));
     let st = cache.stats();
     assert_eq!((st.loans, st.loan_copy_bytes), (0, 0), "copies go with their windows: {st}");
+    // An intact view is kept for the next window of its chunk.
+    let d = f.window(5000, 100).unwrap();
+    assert_same(&d, &want[..100], "a window through a kept view");
+    assert_eq!(cache.stats().loan_views, 2, "no new view");
 }
 
 /// Every way a page can change gives a window that lent it its copy first: `write_at`

@@ -293,9 +293,10 @@ fn writes_racing_locks_each_ask_or_miss_the_lock_entirely() {
             b
         };
         std::thread::sleep(std::time::Duration::from_micros(300));
-        let asked = p.asked();
+        // Read, then take the asks: a change the read saw was asked for before it was made.
         let mut after = vec![0u8; 64 << 10];
         f.read_exact_at(&mut after, 0).unwrap();
+        let asked = p.asked();
         for pg in 0..16u64 {
             let r = (pg * 4096) as usize..((pg + 1) * 4096) as usize;
             if before[r.clone()] != after[r.clone()] {

@@ -2,14 +2,11 @@
 //! changes (the registry and the copying are `resources/loans.rs`).
 
 use super::*;
-use crate::Access;
-use crate::memfd::Sharing;
 
-/// A loan made by [`Object::lend`]: `view` shows pages `first..=last` from their start.
+/// A loan made by [`Object::lend`]: `view` shows its first page.
 pub(crate) struct Lent {
     pub(crate) id: u64,
     pub(crate) view: *const u8,
-    pub(crate) view_len: usize,
 }
 
 impl Object {
@@ -18,31 +15,32 @@ impl Object {
         self as *const Object as usize
     }
 
-    /// Lend pages `first..=last` (one chunk) for reading: fill and pin them, map a private
-    /// view of them, and wait for writers already copying into them, so that the view shows
-    /// one version of each page and keeps showing it (see `resources/loans.rs`).
-    /// Undo with [`Object::end_loan`].
+    /// Lend pages `first..=last` of `chunk` for reading: fill and pin them, give them a
+    /// view (the chunk's, shared with its other loans while intact), and wait for writers
+    /// already copying into them, so that the view shows one version of each page and keeps
+    /// showing it (see `resources/loans.rs`). Undo with [`Object::end_loan`].
     pub(crate) fn lend(&self, chunk: &Chunk, first: u64, last: u64) -> Result<Lent> {
         let loans = &self.res.loans;
         // Registered before the pages are pinned and waited on: a writer that takes a page
         // after the wait below finds the loan (see the registry's ordering note).
         let id = loans.register(self.loan_key(), first, last);
         if let Err(e) = self.pin_pages(chunk, first, last) {
-            loans.unregister(id); // no view: nobody handed a pin back
+            // Nothing pinned (`pin_pages` let go of what it had), no view.
+            let _ = loans.unregister(id);
             return Err(e);
         }
         let ps = self.ps();
-        let view_len = ((last + 1 - first) as usize) << ps;
-        let view =
-            match self.memory().and_then(|m| m.map_user(first << ps, view_len, Sharing::Private, Access::ReadWrite)) {
-                Ok(v) => v,
-                Err(e) => {
-                    loans.unregister(id); // no view: nobody handed a pin back
-                    self.unpin_range(chunk, first, last);
-                    return Err(e);
-                }
-            };
-        loans.set_view(id, view as usize);
+        let cs = self.res.geo.chunk_shift;
+        let chunk_first = chunk.index << cs;
+        let view = match loans.attach_view(id, chunk_first, 1 << cs, || {
+            self.memory().and_then(|m| m.map_view(chunk_first << ps, 1 << (cs + ps))).map(|p| p as usize)
+        }) {
+            Ok(v) => v,
+            Err(e) => {
+                self.end_loan(chunk, &Lent { id, view: std::ptr::null() });
+                return Err(e);
+            }
+        };
         {
             let _pages = crate::order::hold(crate::order::Rank::page(self.depth()));
             for p in first..=last {
@@ -65,18 +63,31 @@ impl Object {
                 loans.break_range(self.loan_key(), first, last, ps);
             }
         }
-        Ok(Lent { id, view, view_len })
+        Ok(Lent { id, view: (view + (((first - chunk_first) as usize) << ps)) as *const u8 })
     }
 
-    /// End a loan made by [`Object::lend`] of pages of `chunk`: unpin what it still pins.
+    /// End a loan made by [`Object::lend`] of pages of `chunk`: unpin what it still pins,
+    /// unmap the views no loan needs any more.
     pub(crate) fn end_loan(&self, chunk: &Chunk, lent: &Lent) {
-        let pinned = self.res.loans.unregister(lent.id);
-        // SAFETY: the view is the loan's own mapping, and the window that read through it is
-        // being dropped; no break reaches it after `unregister`.
-        unsafe { crate::memfd::unmap(lent.view as *mut u8, lent.view_len) };
+        let (pinned, unmap) = self.res.loans.unregister(lent.id);
+        self.unmap_views(unmap);
         for p in pinned {
             chunk.pages[self.locate(p).1].unpin();
         }
+    }
+
+    /// Unmap views the loan registry let go of (`(address, pages)`).
+    fn unmap_views(&self, views: Vec<(usize, usize)>) {
+        for (addr, pages) in views {
+            // SAFETY: the registry no longer lists the view, and no loan reads through it.
+            unsafe { crate::memfd::unmap(addr as *mut u8, pages << self.ps()) };
+        }
+    }
+
+    /// Teardown: unmap the views kept for this object's chunks.
+    pub(super) fn forget_loans(&self) {
+        let views = self.res.loans.forget(self.loan_key());
+        self.unmap_views(views);
     }
 
     /// A truncation or invalidation is about to take page `page` of `chunk` for dropping:

@@ -541,6 +541,7 @@ impl Drop for Object {
         let table = &self.table;
         self.res.windows.release_all(|f| table.for_each(0, u64::MAX, |c| f(c)));
         self.forget_locks();
+        self.forget_loans();
         self.res.retire_stats(self.counters.snapshot());
     }
 }

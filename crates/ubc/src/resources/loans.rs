@@ -6,50 +6,83 @@
 //! the borrower a copy of the page as it was ("breaks the loan", UVM's `uvm_loanbreak`);
 //! the cache keeps the page and takes the change.
 //!
-//! How the borrower's bytes are kept: each loan reads the cache's pages through a view of
-//! its own, a `MAP_PRIVATE` mapping of the object's memfd range. Until a write to the view
-//! copies a page, a private file mapping shows the file's page itself (zero copy); breaking
-//! the loan is `MADV_POPULATE_WRITE` on the view's pages, which makes the kernel copy each
-//! one into the view (the copy-on-write a store would do) without storing anything — the
-//! borrower, reading the same addresses meanwhile, sees the same bytes before and after.
+//! How the borrower's bytes are kept: loans read the cache's pages through *views*, each a
+//! read-only `MAP_PRIVATE` mapping of one chunk of the object's memfd. A private file
+//! mapping shows the file's pages themselves (zero copy; a read fault maps 16 at a time)
+//! until something replaces them; breaking a loan copies a run of the view's pages into
+//! fresh anonymous memory and moves that over the view's run with `mremap`, which replaces
+//! the range in one step — a borrower reading the same addresses meanwhile sees the same
+//! bytes before and after.
 //!
-//! One registry per cache, keyed by object: loans are rare and short, so a writer pays one
-//! atomic load (`active`) when there are none, and the objects pay no memory for them.
+//! Views are shared and kept: every loan of a chunk taken while its view is intact uses
+//! that view (they were all lent the bytes it shows), and a view whose last loan ended
+//! stays mapped for the next one (up to `IDLE_VIEWS` per cache) — it still shows the
+//! memfd's current pages, as nothing was copied into it. A view a break copied into is
+//! *detached*: it belongs to the loans holding it and is unmapped with the last of them;
+//! the next loan of the chunk maps a fresh one. So a window costs a map of its chunk only
+//! the first time, or after a write broke the chunk's loans.
 //!
-//! Ordering (why a write never slips past a loan being taken), see `File::window`: the loan
-//! is registered (`active` raised) before its pages are pinned, its view is published under
-//! the registry lock, and only then does the loan wait for writers already copying into
-//! its pages. A writer takes its page (WRITING) and then looks for loans: either its
-//! WRITING was seen by the loan's wait (which waited for it), or its look comes after the
-//! loan's view was published and it breaks the loan first.
+//! One registry per cache, keyed by object: a writer pays one atomic load (`active`) when
+//! no loan exists, and the objects pay no memory for it.
+//!
+//! Ordering (why a write never slips past a loan being taken), see `Object::lend`: the loan
+//! is registered (`active` raised) before its pages are pinned, it gets its view under the
+//! registry lock, and only then does it wait for writers already copying into its pages. A
+//! writer takes its page (WRITING) and then looks for loans: either its WRITING was seen by
+//! the loan's wait (which waited for it), or its look comes after the loan had its view and
+//! it breaks the loan first.
 
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering::*};
 
-/// A registered loan: which pages of which object, and (once made) its view.
+/// Views whose loans all ended, kept mapped for the next loan of their chunk.
+const IDLE_VIEWS: usize = 64;
+
+/// A private read-only mapping of one chunk of an object's memfd.
+struct View {
+    id: u64,
+    obj: usize,
+    /// The chunk's first page and its number of pages.
+    first: u64,
+    pages: u64,
+    addr: usize,
+    /// Loans reading through it now.
+    loans: u32,
+    /// A break copied pages into it: no new loan may use it.
+    detached: bool,
+    /// Pages copied into it (one bit per page of the chunk).
+    copied: Vec<u64>,
+    /// When it last lost its last loan (a count), for dropping idle views oldest first.
+    idle_since: u64,
+}
+
+/// A registered loan: which pages of which object, and (once it has one) its view.
 struct Loan {
     id: u64,
-    /// The lending object's identity (its address: objects do not move while lent).
     obj: usize,
     first: u64,
     last: u64,
-    /// The view's address (page `first` of the object); 0 until it is mapped.
-    view: usize,
-    /// Pages of `first..=last` copied into the view so far (one bit each).
-    copied: Vec<u64>,
+    view: Option<u64>,
     /// Pages of `first..=last` the loan still pins (one bit each): all of them, until a
     /// truncation or invalidation that wanted a page took it back (`hand_back`).
     pinned: Vec<u64>,
 }
 
 #[derive(Default)]
+struct Table {
+    views: Vec<View>,
+    loans: Vec<Loan>,
+    ended: u64,
+}
+
+#[derive(Default)]
 pub(crate) struct Loans {
-    /// Loans registered (taken or being taken). Writers look at the list only when nonzero.
+    /// Loans registered (taken or being taken). Writers look at the table only when nonzero.
     active: AtomicU64,
-    list: Mutex<Vec<Loan>>,
+    table: Mutex<Table>,
     next_id: AtomicU64,
-    /// Pages copied into views and not yet returned: the borrowers' memory, charged against
-    /// the budget while the loans last (`Resources::charged`).
+    /// Pages copied into views still mapped: the borrowers' memory, charged against the
+    /// budget while it lasts (`Resources::charged`).
     copied_now: AtomicU64,
     /// Pages ever copied into views (`CacheStats::loan_copies`).
     copied_total: AtomicU64,
@@ -57,6 +90,8 @@ pub(crate) struct Loans {
     taken_total: AtomicU64,
     /// Lent pages whose pin a truncation or invalidation took back.
     handed_back: AtomicU64,
+    /// Views ever mapped (`CacheStats::loan_views`).
+    views_made: AtomicU64,
 }
 
 impl Loans {
@@ -69,30 +104,108 @@ impl Loans {
         if !n.is_multiple_of(64) {
             pinned[words - 1] = (1 << (n % 64)) - 1;
         }
-        self.list.lock().push(Loan { id, obj, first, last, view: 0, copied: vec![0; words], pinned });
+        self.table.lock().loans.push(Loan { id, obj, first, last, view: None, pinned });
         self.active.fetch_add(1, SeqCst);
         self.taken_total.fetch_add(1, Relaxed);
         id
     }
 
-    /// Publish loan `id`'s view (the address of its page `first`).
-    pub(crate) fn set_view(&self, id: u64, view: usize) {
-        if let Some(l) = self.list.lock().iter_mut().find(|l| l.id == id) {
-            l.view = view;
-        }
+    /// Give loan `id` a view of its chunk (`pages` pages from `chunk_first`): the chunk's
+    /// intact view, or a new one `map` makes (its address). Returns the view's address (of
+    /// page `chunk_first`).
+    pub(crate) fn attach_view(
+        &self,
+        id: u64,
+        chunk_first: u64,
+        pages: u64,
+        map: impl FnOnce() -> crate::error::Result<usize>,
+    ) -> crate::error::Result<usize> {
+        let mut t = self.table.lock();
+        let Some(li) = t.loans.iter().position(|l| l.id == id) else {
+            return Err(crate::error::Error::InvalidArgument("loan not registered".into()));
+        };
+        let obj = t.loans[li].obj;
+        let vi = match t.views.iter().position(|v| v.obj == obj && v.first == chunk_first && !v.detached) {
+            Some(vi) => vi,
+            None => {
+                // Under the table lock: a leaf (`mmap` waits for nothing of ours), and a
+                // second loan of the chunk must find this view, not make another.
+                let addr = map()?;
+                let vid = self.next_id.fetch_add(1, Relaxed);
+                let words = pages.div_ceil(64) as usize;
+                t.views.push(View {
+                    id: vid,
+                    obj,
+                    first: chunk_first,
+                    pages,
+                    addr,
+                    loans: 0,
+                    detached: false,
+                    copied: vec![0; words],
+                    idle_since: 0,
+                });
+                self.views_made.fetch_add(1, Relaxed);
+                t.views.len() - 1
+            }
+        };
+        t.views[vi].loans += 1;
+        let (vid, addr) = (t.views[vi].id, t.views[vi].addr);
+        t.loans[li].view = Some(vid);
+        Ok(addr)
     }
 
-    /// Forget loan `id`; its view is the caller's to unmap afterwards (no break reaches it
-    /// once this returns). Its copied pages stop being charged. Returns the pages (indexes
-    /// in the object) the loan still pins, for the caller to unpin.
-    pub(crate) fn unregister(&self, id: u64) -> Vec<u64> {
-        let mut list = self.list.lock();
-        let Some(i) = list.iter().position(|l| l.id == id) else { return Vec::new() };
-        let l = list.swap_remove(i);
-        let n: u64 = l.copied.iter().map(|w| w.count_ones() as u64).sum();
-        self.copied_now.fetch_sub(n, Relaxed);
+    /// Forget loan `id`. Returns the pages (indexes in the object) it still pins, for the
+    /// caller to unpin, and the views to unmap now (its view if it was detached and this
+    /// was its last loan, or the oldest idle view past `IDLE_VIEWS`): no break reaches them
+    /// once this returns.
+    pub(crate) fn unregister(&self, id: u64) -> (Vec<u64>, Vec<(usize, usize)>) {
+        let mut t = self.table.lock();
+        let Some(li) = t.loans.iter().position(|l| l.id == id) else { return (Vec::new(), Vec::new()) };
+        let l = t.loans.swap_remove(li);
         self.active.fetch_sub(1, SeqCst);
-        (l.first..=l.last).filter(|&p| bit(&l.pinned, p - l.first)).collect()
+        let pinned = (l.first..=l.last).filter(|&p| bit(&l.pinned, p - l.first)).collect();
+        let mut unmap = Vec::new();
+        if let Some(vi) = l.view.and_then(|vid| t.views.iter().position(|v| v.id == vid)) {
+            t.ended += 1;
+            let ended = t.ended;
+            let v = &mut t.views[vi];
+            v.loans -= 1;
+            if v.loans == 0 {
+                v.idle_since = ended;
+                if v.detached {
+                    let v = t.views.swap_remove(vi);
+                    unmap.push(self.retire(&v));
+                }
+            }
+            let idle = t.views.iter().filter(|v| v.loans == 0).count();
+            if idle > IDLE_VIEWS
+                && let Some(oldest) =
+                    (0..t.views.len()).filter(|&i| t.views[i].loans == 0).min_by_key(|&i| t.views[i].idle_since)
+            {
+                let v = t.views.swap_remove(oldest);
+                unmap.push(self.retire(&v));
+            }
+        }
+        (pinned, unmap)
+    }
+
+    /// A view leaves the table: its copies stop being charged. Returns what to unmap.
+    fn retire(&self, v: &View) -> (usize, usize) {
+        let n: u64 = v.copied.iter().map(|w| w.count_ones() as u64).sum();
+        self.copied_now.fetch_sub(n, Relaxed);
+        (v.addr, v.pages as usize)
+    }
+
+    /// Forget every view of object `obj` (it is being dropped: no loan of it exists, and
+    /// another object may later have its address). Returns what to unmap.
+    pub(crate) fn forget(&self, obj: usize) -> Vec<(usize, usize)> {
+        let mut t = self.table.lock();
+        if t.views.is_empty() {
+            return Vec::new();
+        }
+        let (gone, kept): (Vec<View>, Vec<View>) = std::mem::take(&mut t.views).into_iter().partition(|v| v.obj == obj);
+        t.views = kept;
+        gone.iter().map(|v| self.retire(v)).collect()
     }
 
     /// A truncation or invalidation wants page `page` of object `obj`: every loan of it that
@@ -106,8 +219,8 @@ impl Loans {
             return;
         }
         self.break_range(obj, page, page, page_shift);
-        let mut list = self.list.lock();
-        for l in list.iter_mut().filter(|l| l.obj == obj && l.view != 0 && l.first <= page && page <= l.last) {
+        let mut t = self.table.lock();
+        for l in t.loans.iter_mut().filter(|l| l.obj == obj && l.view.is_some() && l.first <= page && page <= l.last) {
             let i = page - l.first;
             if bit(&l.pinned, i) {
                 clear_bit(&mut l.pinned, i);
@@ -124,33 +237,35 @@ impl Loans {
     }
 
     /// Break every loan of pages `a..=b` of object `obj`: each lent page not copied yet is
-    /// copied into its loan's view. => the caller holds the pages so that their bytes are
-    /// the ones lent (WRITING, or pinned/BUSY before mapping them writable): nothing may
-    /// have changed them yet.
+    /// copied into its loan's view, and the view is detached (later loans map a fresh one).
+    /// => the caller holds the pages so that their bytes are the ones lent (WRITING, or
+    /// pinned/BUSY before mapping them writable): nothing may have changed them yet.
     pub(crate) fn break_range(&self, obj: usize, a: u64, b: u64, page_shift: u32) {
         if !self.any() {
             return;
         }
-        let mut list = self.list.lock();
-        for l in list.iter_mut().filter(|l| l.obj == obj && l.view != 0 && l.first <= b && a <= l.last) {
+        let mut guard = self.table.lock();
+        let t = &mut *guard;
+        for l in t.loans.iter().filter(|l| l.obj == obj && l.first <= b && a <= l.last) {
+            let Some(v) = l.view.and_then(|vid| t.views.iter_mut().find(|v| v.id == vid)) else { continue };
             let (lo, hi) = (a.max(l.first), b.min(l.last));
             let mut p = lo;
             while p <= hi {
                 // A run of pages not copied yet.
-                if bit(&l.copied, p - l.first) {
+                if bit(&v.copied, p - v.first) {
                     p += 1;
                     continue;
                 }
                 let mut q = p;
-                while q < hi && !bit(&l.copied, q + 1 - l.first) {
+                while q < hi && !bit(&v.copied, q + 1 - v.first) {
                     q += 1;
                 }
-                let at = l.view + (((p - l.first) as usize) << page_shift);
-                let len = ((q - p + 1) as usize) << page_shift;
-                copy_into_view(at, len);
+                let at = v.addr + (((p - v.first) as usize) << page_shift);
+                copy_into_view(at, ((q - p + 1) as usize) << page_shift);
                 for i in p..=q {
-                    set_bit(&mut l.copied, i - l.first);
+                    set_bit(&mut v.copied, i - v.first);
                 }
+                v.detached = true;
                 let n = q - p + 1;
                 self.copied_now.fetch_add(n, Relaxed);
                 self.copied_total.fetch_add(n, Relaxed);
@@ -164,13 +279,15 @@ impl Loans {
         self.copied_now.load(Relaxed)
     }
 
-    /// (loans live now, loans ever taken, pages ever copied, pages handed back).
-    pub(crate) fn counts(&self) -> (u64, u64, u64, u64) {
+    /// (loans live now, loans ever taken, pages ever copied, pages handed back, views ever
+    /// mapped).
+    pub(crate) fn counts(&self) -> (u64, u64, u64, u64, u64) {
         (
             self.active.load(Relaxed),
             self.taken_total.load(Relaxed),
             self.copied_total.load(Relaxed),
             self.handed_back.load(Relaxed),
+            self.views_made.load(Relaxed),
         )
     }
 }
@@ -187,52 +304,36 @@ fn clear_bit(v: &mut [u64], i: u64) {
     v[(i / 64) as usize] &= !(1 << (i % 64));
 }
 
-/// Make the private view `at..at + len` hold copies of the pages it shows, without
-/// changing a byte of it. => `at..at + len` is a private, writable mapping whose pages are
-/// all in the file (lent pages are resident).
+/// Make the view `at..at + len` hold copies of the pages it shows, without changing a byte
+/// of it: the run is copied into fresh anonymous memory, which is then moved over the view's
+/// run (`mremap` replaces the range in one step, so a reader of the view sees the lent pages
+/// or their copy, never a gap). => `at..at + len` is page-aligned, part of a loan's view.
 fn copy_into_view(at: usize, len: usize) {
-    // SAFETY: MADV_POPULATE_WRITE on our own private mapping writes nothing: it takes the
-    // write faults a store would (each page copied), so what the borrower reads stays.
-    let r = unsafe { libc::madvise(at as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) };
-    if r != 0 {
-        // Before Linux 5.14 (EINVAL): copy page by page and move each copy over the view's
-        // page (`mremap` replaces it in one step, so a reader sees the old page or its copy).
-        copy_into_view_by_remap(at, len);
-    }
-}
-
-/// The fallback of `copy_into_view`, also used by its test. => as `copy_into_view`.
-pub(crate) fn copy_into_view_by_remap(at: usize, len: usize) {
-    let ps = crate::map::page_size();
-    let mut off = 0;
-    while off < len {
-        // SAFETY: a fresh anonymous page, filled from the view's page (readable), then moved
-        // over it: the view's address range stays mapped throughout.
-        unsafe {
-            let copy = libc::mmap(
-                std::ptr::null_mut(),
-                ps,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            );
-            if copy == libc::MAP_FAILED {
-                // Out of memory for the copy: the borrower keeps the shared page (and may
-                // see the change). Nothing better is possible here; say so.
-                eprintln!("ubc: could not copy a lent page (mmap failed): the window may change");
-                return;
-            }
-            std::ptr::copy_nonoverlapping((at + off) as *const u8, copy as *mut u8, ps);
-            let moved =
-                libc::mremap(copy, ps, ps, libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED, (at + off) as *mut libc::c_void);
-            if moved == libc::MAP_FAILED {
-                libc::munmap(copy, ps);
-                eprintln!("ubc: could not copy a lent page (mremap failed): the window may change");
-                return;
-            }
+    // SAFETY: a fresh anonymous mapping, filled from the view (readable), then moved over
+    // the view's run: the view's address range stays mapped throughout.
+    unsafe {
+        let copy = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
+        if copy == libc::MAP_FAILED {
+            // Out of memory for the copy: the borrower keeps the shared pages (and may see
+            // the change). Nothing better is possible here; say so.
+            eprintln!("ubc: could not copy lent pages (mmap failed): the window may change");
+            return;
         }
-        off += ps;
+        std::ptr::copy_nonoverlapping(at as *const u8, copy as *mut u8, len);
+        // Read-only, as the view was (a window hands out `&[u8]`).
+        libc::mprotect(copy, len, libc::PROT_READ);
+        let moved = libc::mremap(copy, len, len, libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED, at as *mut libc::c_void);
+        if moved == libc::MAP_FAILED {
+            libc::munmap(copy, len);
+            eprintln!("ubc: could not copy lent pages (mremap failed): the window may change");
+        }
     }
 }
 
@@ -240,14 +341,14 @@ pub(crate) fn copy_into_view_by_remap(at: usize, len: usize) {
 mod tests {
     use super::*;
 
-    /// A private, writable mapping of `len` bytes of `fd` from its start: a loan's view.
+    /// A private, read-only mapping of `len` bytes of `fd` from its start: a view.
     fn private_view(fd: &std::os::fd::OwnedFd, len: usize) -> usize {
         // SAFETY: a fresh mapping at a kernel-chosen address; it aliases nothing of ours.
         unsafe {
             rustix::mm::mmap(
                 std::ptr::null_mut(),
                 len,
-                rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+                rustix::mm::ProtFlags::READ,
                 rustix::mm::MapFlags::PRIVATE,
                 fd,
                 0,
@@ -256,56 +357,78 @@ mod tests {
         }
     }
 
-    /// A view (a private mapping of a memfd) keeps its bytes after a break, by either way of
-    /// copying, while the memfd's page is then rewritten.
+    /// A view keeps its bytes after a break, while the memfd's pages are then rewritten; a
+    /// page not copied shows the file.
     #[test]
     fn a_broken_view_keeps_its_bytes_while_the_file_changes() {
-        for remap in [false, true] {
-            let ps = crate::map::page_size();
-            let fd = rustix::fs::memfd_create("loan-test", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
-            rustix::io::pwrite(&fd, &vec![1u8; 2 * ps], 0).unwrap();
-            let view = private_view(&fd, 2 * ps);
-            let read = |i: usize| unsafe { std::ptr::read_volatile((view + i) as *const u8) };
-            assert_eq!(read(0), 1);
-            if remap {
-                copy_into_view_by_remap(view, ps);
-            } else {
-                copy_into_view(view, ps);
-            }
-            rustix::io::pwrite(&fd, &vec![2u8; 2 * ps], 0).unwrap();
-            assert_eq!(read(0), 1, "the copied page keeps the lent bytes (remap: {remap})");
-            assert_eq!(read(ps - 1), 1);
-            assert_eq!(read(ps), 2, "a page not copied shows the file (remap: {remap})");
-            unsafe { rustix::mm::munmap(view as *mut _, 2 * ps).unwrap() };
-        }
+        let ps = crate::map::page_size();
+        let fd = rustix::fs::memfd_create("loan-test", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::io::pwrite(&fd, &vec![1u8; 2 * ps], 0).unwrap();
+        let view = private_view(&fd, 2 * ps);
+        // SAFETY: within the view.
+        let read = |i: usize| unsafe { std::ptr::read_volatile((view + i) as *const u8) };
+        assert_eq!(read(0), 1);
+        copy_into_view(view, ps);
+        rustix::io::pwrite(&fd, &vec![2u8; 2 * ps], 0).unwrap();
+        assert_eq!(read(0), 1, "the copied page keeps the lent bytes");
+        assert_eq!(read(ps - 1), 1);
+        assert_eq!(read(ps), 2, "a page not copied shows the file");
+        unsafe { rustix::mm::munmap(view as *mut _, 2 * ps).unwrap() };
     }
 
     #[test]
-    fn breaks_copy_each_page_once_and_forget_the_copies_with_the_loan() {
+    fn loans_share_an_intact_view_and_a_break_detaches_it() {
         let ps = crate::map::page_size();
+        let shift = ps.trailing_zeros();
         let fd = rustix::fs::memfd_create("loan-test", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
-        rustix::io::pwrite(&fd, &vec![1u8; 4 * ps], 0).unwrap();
-        let view = private_view(&fd, 4 * ps);
+        rustix::io::pwrite(&fd, &vec![1u8; 16 * ps], 0).unwrap();
         let loans = Loans::default();
+        let map = || Ok(private_view(&fd, 16 * ps));
         assert!(!loans.any());
-        let id = loans.register(7, 10, 13);
-        loans.break_range(7, 10, 13, ps.trailing_zeros()); // no view yet: nothing to copy
-        assert_eq!(loans.counts().2, 0);
-        loans.set_view(id, view);
-        loans.break_range(8, 10, 13, ps.trailing_zeros()); // another object
-        loans.break_range(7, 14, 20, ps.trailing_zeros()); // other pages
-        assert_eq!(loans.counts().2, 0);
-        loans.break_range(7, 11, 12, ps.trailing_zeros());
-        loans.break_range(7, 0, 20, ps.trailing_zeros());
-        assert_eq!(loans.counts(), (1, 1, 4, 0), "pages 11 and 12, then 10 and 13");
-        assert_eq!(loans.copied_now(), 4);
+        // Two loans of one chunk (pages 0..16) share one view; a third, of another object,
+        // gets its own.
+        let a = loans.register(7, 10, 13);
+        loans.break_range(7, 10, 13, shift); // no view yet: nothing to copy
+        let va = loans.attach_view(a, 0, 16, map).unwrap();
+        let b = loans.register(7, 12, 15);
+        assert_eq!(loans.attach_view(b, 0, 16, map).unwrap(), va, "one view per intact chunk");
+        let c = loans.register(8, 0, 0);
+        let vc = loans.attach_view(c, 0, 16, map).unwrap();
+        assert_ne!(vc, va);
+        loans.break_range(7, 14, 20, shift);
+        assert_eq!(loans.counts().2, 2, "pages 14 and 15 copied once for both loans");
+        loans.break_range(7, 0, 20, shift);
+        assert_eq!(loans.counts().2, 6, "then 10..=13: the chunk's view holds copies of 10..=15");
+        assert_eq!(loans.copied_now(), 6);
+        // Detached: a new loan of the chunk maps a fresh view.
+        let d = loans.register(7, 0, 1);
+        let vd = loans.attach_view(d, 0, 16, map).unwrap();
+        assert_ne!(vd, va, "a broken view is not lent again");
         let mut unpinned = 0;
-        loans.hand_back(7, 12, ps.trailing_zeros(), &mut || unpinned += 1);
-        loans.hand_back(7, 12, ps.trailing_zeros(), &mut || unpinned += 1);
-        assert_eq!((unpinned, loans.counts().3), (1, 1), "a pin is handed back once");
-        assert_eq!(loans.unregister(id), vec![10, 11, 13], "the loan still pins the rest");
+        loans.hand_back(7, 12, shift, &mut || unpinned += 1);
+        loans.hand_back(7, 12, shift, &mut || unpinned += 1);
+        assert_eq!((unpinned, loans.counts().3), (2, 2), "both loans of page 12 hand it back, once");
+        let (pinned, unmap) = loans.unregister(a);
+        assert_eq!((pinned, unmap), (vec![10, 11, 13], vec![]), "the view still has a loan");
+        let (pinned, unmap) = loans.unregister(b);
+        assert_eq!((pinned, unmap), (vec![13, 14, 15], vec![(va, 16)]), "the last loan of a detached view unmaps it");
         assert_eq!(loans.copied_now(), 0);
+        // An intact view stays for the next loan after its last one ended.
+        assert_eq!(loans.unregister(d).1, vec![], "kept idle");
+        let e = loans.register(7, 5, 5);
+        assert_eq!(loans.attach_view(e, 0, 16, map).unwrap(), vd);
+        assert_eq!(loans.unregister(e).1, vec![]);
+        assert_eq!(loans.unregister(c).1, vec![]);
         assert!(!loans.any());
-        unsafe { rustix::mm::munmap(view as *mut _, 4 * ps).unwrap() };
+        let mut gone = loans.forget(7);
+        gone.extend(loans.forget(8));
+        gone.sort();
+        let mut want = vec![(vd, 16), (vc, 16)];
+        want.sort();
+        assert_eq!(gone, want, "the object's idle views go with it");
+        assert_eq!(loans.counts().4, 3);
+        for (addr, pages) in [(va, 16), (vc, 16), (vd, 16)] {
+            unsafe { rustix::mm::munmap(addr as *mut _, pages * ps).unwrap() };
+        }
     }
 }
