@@ -51,6 +51,7 @@ impl Object {
                 }
             }
         }
+        loans.settle(id);
         // A shared writable mapping may store into these pages at any time, with no fault
         // for the cache to see: its pages are copied for the loan now. (A mapping made
         // later maps each page through `before_writable_map`, which breaks the loan.)
@@ -93,9 +94,15 @@ impl Object {
     /// A truncation or invalidation is about to take page `page` of `chunk` for dropping:
     /// windows that lent it keep copies and let go of their pins, so the drop does not wait
     /// for them (`Loans::hand_back`). => the caller takes the page next with `lock_for_drop`.
+    /// => the caller holds the size lock exclusively (no write is in progress; a writer in
+    /// progress is waited for all the same, so the copy never catches a write half done).
     pub(super) fn hand_back_loans(&self, chunk: &Chunk, page: u64) {
         if self.res.loans.any() {
             let st = &chunk.pages[self.locate(page).1];
+            if st.has_writer() {
+                crate::order::check_wait(crate::order::Rank::page(self.depth()));
+                st.wait_no_writer();
+            }
             self.res.loans.hand_back(self.loan_key(), page, self.ps(), &mut || st.unpin());
         }
     }

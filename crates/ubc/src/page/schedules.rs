@@ -483,8 +483,9 @@ fn schedules_wakeups() {
 #[derive(Default)]
 struct LoanModel {
     active: shuttle::sync::atomic::AtomicU32,
-    /// (view published, the borrower's copy).
-    view: shuttle::sync::Mutex<(bool, Option<u64>)>,
+    /// (view published, the borrower's copy, the loan still pins the page, the loan waited
+    /// for the writers it found: `Loans::settle`).
+    view: shuttle::sync::Mutex<(bool, Option<u64>, bool, bool)>,
 }
 
 /// Ghost contents while a writer is half-way through its copy.
@@ -509,19 +510,52 @@ impl LoanModel {
             }
         }
         p.pins.fetch_add(1, SeqCst);
-        self.view.lock().unwrap().0 = true;
+        {
+            let mut v = self.view.lock().unwrap();
+            v.0 = true;
+            v.2 = true;
+        }
         if p.st.has_writer() {
             p.st.wait_no_writer();
         }
+        self.view.lock().unwrap().3 = true;
         let first = self.visible(p);
         assert!(first != TORN && first != FILLING && first != EMPTY, "a window was lent a page mid-write ({first:#x})");
         thread::yield_now();
         let second = self.visible(p);
         assert_eq!(first, second, "a lent page changed under its window");
-        *self.view.lock().unwrap() = (false, None);
+        let pinned = std::mem::replace(&mut *self.view.lock().unwrap(), (false, None, false, false)).2;
         self.active.fetch_sub(1, SeqCst);
-        p.pins.fetch_sub(1, SeqCst);
-        p.st.unpin();
+        if pinned {
+            p.pins.fetch_sub(1, SeqCst);
+            p.st.unpin();
+        }
+    }
+
+    /// A truncation of the lent page (`drop_pages`): `hand_back` (wait for a writer in
+    /// progress, copy for the loan, take its pin back) before `lock_for_drop`, which
+    /// otherwise would wait for the window.
+    fn truncate(&self, p: &Page) {
+        if self.active.load(SeqCst) > 0 {
+            // The copy must not catch a write half done (the real droppers hold the size
+            // lock exclusively, so no writer runs; waiting keeps it true without that).
+            p.st.wait_no_writer();
+            let mut v = self.view.lock().unwrap();
+            // Only a settled loan: one still waiting for a writer keeps its pin (the
+            // dropper waits for it as for any pin) — copied now, it could catch that write
+            // half done.
+            if v.3 {
+                if v.1.is_none() {
+                    v.1 = Some(p.data.load(SeqCst));
+                }
+                if v.2 {
+                    v.2 = false;
+                    p.pins.fetch_sub(1, SeqCst);
+                    p.st.unpin();
+                }
+            }
+        }
+        p.truncate();
     }
 
     /// `write_at` of the whole page (`lock_page_for_write` + `break_loans`), copying in two
@@ -551,6 +585,33 @@ impl LoanModel {
             }
         }
     }
+}
+
+#[test]
+fn schedules_loan_against_truncation() {
+    // A window lent while the page is written and truncated (and read again): the window
+    // keeps its bytes, the truncation does not wait for it, no pin is dropped twice.
+    explore("loan against truncation", || {
+        let p = Page::valid(false);
+        let loan = Arc::new(LoanModel::default());
+        let hs: Vec<_> = (0..3)
+            .map(|i| {
+                let (p, loan) = (p.clone(), loan.clone());
+                thread::spawn(move || match i {
+                    0 => loan.lend_and_read(&p),
+                    1 => loan.write(&p),
+                    _ => {
+                        loan.truncate(&p);
+                        p.read(false);
+                    }
+                })
+            })
+            .collect();
+        for h in hs {
+            h.join().unwrap();
+        }
+        p.check_quiescent();
+    });
 }
 
 #[test]

@@ -63,6 +63,9 @@ struct Loan {
     first: u64,
     last: u64,
     view: Option<u64>,
+    /// The loan waited for the writers it found copying into its pages (`settle`): only
+    /// then may a dropper copy its pages and take its pins (`hand_back`).
+    settled: bool,
     /// Pages of `first..=last` the loan still pins (one bit each): all of them, until a
     /// truncation or invalidation that wanted a page took it back (`hand_back`).
     pinned: Vec<u64>,
@@ -104,7 +107,7 @@ impl Loans {
         if !n.is_multiple_of(64) {
             pinned[words - 1] = (1 << (n % 64)) - 1;
         }
-        self.table.lock().loans.push(Loan { id, obj, first, last, view: None, pinned });
+        self.table.lock().loans.push(Loan { id, obj, first, last, view: None, settled: false, pinned });
         self.active.fetch_add(1, SeqCst);
         self.taken_total.fetch_add(1, Relaxed);
         id
@@ -152,6 +155,15 @@ impl Loans {
         let (vid, addr) = (t.views[vi].id, t.views[vi].addr);
         t.loans[li].view = Some(vid);
         Ok(addr)
+    }
+
+    /// Loan `id` waited for the writers it found: from now on every writer of its pages
+    /// breaks it before writing, so its pages' bytes are the lent ones whenever nobody
+    /// holds them WRITING.
+    pub(crate) fn settle(&self, id: u64) {
+        if let Some(l) = self.table.lock().loans.iter_mut().find(|l| l.id == id) {
+            l.settled = true;
+        }
     }
 
     /// Forget loan `id`. Returns the pages (indexes in the object) it still pins, for the
@@ -208,19 +220,26 @@ impl Loans {
         gone.iter().map(|v| self.retire(v)).collect()
     }
 
-    /// A truncation or invalidation wants page `page` of object `obj`: every loan of it that
-    /// has its view gets its copy and lets go of its pin (`unpin` is called once for each
-    /// such pin), so the page can be dropped while the windows keep their bytes (UVM lets
-    /// an owner free a loaned page, which then belongs to the loan alone). A loan still
-    /// being made keeps its pin; the dropper waits for it as for any pin. => the caller
-    /// will take the page for dropping next (its bytes are still the lent ones).
+    /// A truncation or invalidation wants page `page` of object `obj`: every settled loan of
+    /// it gets its copy and lets go of its pin (`unpin` is called once for each such pin),
+    /// so the page can be dropped while the windows keep their bytes (UVM lets an owner free
+    /// a loaned page, which then belongs to the loan alone). A loan still being made keeps
+    /// its pin; the dropper waits for it as for any pin (copied before it settled, the page
+    /// could hold a write half done: `schedules_loan_against_truncation` found that).
+    /// => no writer holds the page (the droppers hold the size lock exclusively); the caller
+    /// takes the page for dropping next.
     pub(crate) fn hand_back(&self, obj: usize, page: u64, page_shift: u32, unpin: &mut dyn FnMut()) {
         if !self.any() {
             return;
         }
-        self.break_range(obj, page, page, page_shift);
+        let t = self.table.lock();
+        if !t.loans.iter().any(|l| l.obj == obj && l.settled && l.first <= page && page <= l.last) {
+            return;
+        }
+        drop(t);
+        self.break_settled(obj, page, page_shift);
         let mut t = self.table.lock();
-        for l in t.loans.iter_mut().filter(|l| l.obj == obj && l.view.is_some() && l.first <= page && page <= l.last) {
+        for l in t.loans.iter_mut().filter(|l| l.obj == obj && l.settled && l.first <= page && page <= l.last) {
             let i = page - l.first;
             if bit(&l.pinned, i) {
                 clear_bit(&mut l.pinned, i);
@@ -241,12 +260,22 @@ impl Loans {
     /// => the caller holds the pages so that their bytes are the ones lent (WRITING, or
     /// pinned/BUSY before mapping them writable): nothing may have changed them yet.
     pub(crate) fn break_range(&self, obj: usize, a: u64, b: u64, page_shift: u32) {
+        self.copy_lent(obj, a, b, page_shift, false);
+    }
+
+    /// `break_range` of page `page` for the settled loans only (`hand_back`).
+    fn break_settled(&self, obj: usize, page: u64, page_shift: u32) {
+        self.copy_lent(obj, page, page, page_shift, true);
+    }
+
+    fn copy_lent(&self, obj: usize, a: u64, b: u64, page_shift: u32, settled_only: bool) {
         if !self.any() {
             return;
         }
         let mut guard = self.table.lock();
         let t = &mut *guard;
-        for l in t.loans.iter().filter(|l| l.obj == obj && l.first <= b && a <= l.last) {
+        for l in t.loans.iter().filter(|l| l.obj == obj && l.first <= b && a <= l.last && (l.settled || !settled_only))
+        {
             let Some(v) = l.view.and_then(|vid| t.views.iter_mut().find(|v| v.id == vid)) else { continue };
             let (lo, hi) = (a.max(l.first), b.min(l.last));
             let mut p = lo;
@@ -405,6 +434,10 @@ mod tests {
         let vd = loans.attach_view(d, 0, 16, map).unwrap();
         assert_ne!(vd, va, "a broken view is not lent again");
         let mut unpinned = 0;
+        loans.hand_back(7, 12, shift, &mut || unpinned += 1);
+        assert_eq!(unpinned, 0, "loans not settled keep their pins");
+        loans.settle(a);
+        loans.settle(b);
         loans.hand_back(7, 12, shift, &mut || unpinned += 1);
         loans.hand_back(7, 12, shift, &mut || unpinned += 1);
         assert_eq!((unpinned, loans.counts().3), (2, 2), "both loans of page 12 hand it back, once");
