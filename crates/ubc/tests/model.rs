@@ -39,6 +39,14 @@ enum Op {
         off: u64,
         len: usize,
     },
+    /// Take a window through a second handle and keep it (replacing the one kept): after
+    /// every later operation it must still show the bytes it was taken with (page loanout,
+    /// copy-on-write). Only in runs with `keep_windows`.
+    KeepWindow {
+        off: u64,
+        len: usize,
+    },
+    DropWindow,
     FailWrites(bool),
     Reopen,
     /// Map (or re-map) `0..MAP_SPAN` shared and writable.
@@ -70,6 +78,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::EvictAll),
         1 => (0..SPAN, 1..9000usize, any::<u8>()).prop_map(|(off, len, seed)| Op::WindowMut { off, len, seed }),
         1 => (0..SPAN, 1..9000usize).prop_map(|(off, len)| Op::Window { off, len }),
+        2 => (0..SPAN, 1..6000usize).prop_map(|(off, len)| Op::KeepWindow { off, len }),
+        1 => Just(Op::DropWindow),
         1 => any::<bool>().prop_map(Op::FailWrites),
         1 => Just(Op::Reopen),
         1 => Just(Op::Map),
@@ -110,12 +120,21 @@ impl Drop for Watchdog {
 }
 
 fn run(ops: Vec<Op>, budget_pages: u64, window: usize) {
-    let _watchdog = Watchdog::arm(format!("budget_pages={budget_pages} window={window} ops={ops:?}"));
+    run_with(ops, budget_pages, window, false)
+}
+
+/// `keep_windows`: a second handle keeps windows across operations (`KeepWindow`), which
+/// also keeps the object open across `Reopen`.
+fn run_with(ops: Vec<Op>, budget_pages: u64, window: usize, keep_windows: bool) {
+    let _watchdog =
+        Watchdog::arm(format!("budget_pages={budget_pages} window={window} keep_windows={keep_windows} ops={ops:?}"));
     let cache =
         Cache::builder().budget(budget_pages * 4096).window_size(window).daemon(budget_pages > 4).build().unwrap();
     let mem = Arc::new(MemPager::new());
     let fault = Arc::new(InjectingPager::new(mem.clone()));
     let mut f = cache.open(fault.clone(), Access::ReadWrite).unwrap();
+    let lender = keep_windows.then(|| f.try_clone().unwrap());
+    let mut kept: Option<(ubc::Window<'_>, Vec<u8>)> = None;
     let mut model: Vec<u8> = Vec::new();
     let mut failing = false;
     let mut map: Option<Mapping> = None;
@@ -219,6 +238,20 @@ fn run(ops: Vec<Op>, budget_pages: u64, window: usize) {
                 let want = model.get(off as usize..(off as usize + w.len())).unwrap_or(&[]);
                 assert_same(&w, want, "window");
             }
+            Op::KeepWindow { off, len } => {
+                kept = None;
+                if let Some(l) = lender.as_ref() {
+                    match l.window(off, len) {
+                        Ok(w) => {
+                            let want = model.get(off as usize..(off as usize + w.len())).unwrap_or(&[]).to_vec();
+                            assert_same(&w, &want, "kept window when taken");
+                            kept = Some((w, want));
+                        }
+                        Err(e) => assert!(failing, "window failed with a healthy pager: {e}"),
+                    }
+                }
+            }
+            Op::DropWindow => kept = None,
             Op::FailWrites(on) => {
                 failing = on;
                 fault.fail_writes(on.then_some(libc::EIO));
@@ -257,7 +290,11 @@ fn run(ops: Vec<Op>, budget_pages: u64, window: usize) {
         }
         assert_eq!(f.len().unwrap(), model.len() as u64, "length");
         assert!(cache.stats().totals.resident_bytes <= budget_pages * 4096);
+        if let Some((w, snap)) = &kept {
+            assert_same(w, snap, "a kept window after a later operation");
+        }
     }
+    drop(kept);
     // Heal and check that everything written arrives in the store: nothing was dropped.
     fault.heal();
     drop(map);
@@ -272,8 +309,10 @@ proptest! {
     #[test]
     fn random_ops_match_the_model(ops in proptest::collection::vec(op(), 1..60),
                                   budget_pages in prop_oneof![Just(8u64), Just(16), Just(64), Just(1024)],
-                                  window in prop_oneof![Just(16384usize), Just(65536), Just(2 << 20)]) {
-        run(ops, budget_pages, window);
+                                  window in prop_oneof![Just(16384usize), Just(65536), Just(2 << 20)],
+                                  keep_windows in any::<bool>()) {
+        // Kept windows pin up to three pages: only where that leaves room to work.
+        run_with(ops, budget_pages, window, keep_windows && budget_pages >= 16);
     }
 }
 
