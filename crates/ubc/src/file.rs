@@ -521,7 +521,8 @@ impl File {
     /// Pages stay pinned in the cache until the guard is dropped, so eviction passes them
     /// by; a truncation or invalidation of them takes them back instead of waiting (the
     /// window keeps a copy, `CacheStats::loan_pages_handed_back`). A thread must not take a
-    /// window of pages it holds in a [`WindowMut`] (the window waits for that writer).
+    /// window of pages it holds in a [`WindowMut`] (it would wait for itself; such a window is
+    /// refused with [`Error::InvalidArgument`]).
     /// Windows read through a private view of their chunk, shared by the chunk's windows and
     /// kept for the next ones until a write copies pages into it (then the next window of
     /// the chunk maps a fresh view).
@@ -560,6 +561,7 @@ impl File {
         obj.unlock_for_change(offset, end)?;
         let chunk = obj.table.get_or_create(ci);
         let win = obj.lock_range_for_write(chunk, offset, end)?;
+        obj.note_writing_window(offset, end);
         let chunk_off = ci * ((obj.res.geo.page_size as u64) << obj.res.geo.chunk_shift);
         // SAFETY: pointer into the chunk's window, within the pages we hold.
         let ptr = unsafe { win.add((offset - chunk_off) as usize) };
@@ -645,6 +647,7 @@ impl std::ops::DerefMut for WindowMut<'_> {
 impl Drop for WindowMut<'_> {
     fn drop(&mut self) {
         if let Some(c) = self.chunk {
+            self.obj.forget_writing_window(self.offset, self.offset + self.len as u64);
             self.obj.unlock_range_written(c, self.offset, self.offset + self.len as u64);
             self.obj.changed(self.offset..self.offset + self.len as u64, false);
         }

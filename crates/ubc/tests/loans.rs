@@ -294,3 +294,35 @@ fn truncation_and_invalidation_take_lent_pages_back_without_waiting() {
         assert!(st.totals.resident_bytes <= 4 * PS as u64, "no page is left pinned: {st}");
     });
 }
+
+/// A window waits for a `WindowMut` of its pages held by another thread (and then shows its
+/// bytes whole); one held by the same thread would wait for itself, and is refused.
+#[test]
+fn a_window_waits_for_another_threads_writable_window_and_refuses_its_own() {
+    guarded("windows beside writable windows", 60, || {
+        let cache = small_cache(4 << 20);
+        let f = Arc::new(cache.open(Arc::new(MemPager::new()), Access::ReadWrite).unwrap());
+        f.write_at(&pattern(6, 0, 4 * PS), 0).unwrap();
+        {
+            let mut m = f.window_mut(100, 50).unwrap();
+            m.fill(0xCC);
+            let e = f.window(0, PS).err().expect("a window of pages this thread writes is refused");
+            assert!(matches!(e, ubc::Error::InvalidArgument(_)), "{e:?}");
+            assert_eq!(f.window(2 * PS as u64, PS).unwrap().len(), PS, "other pages are lent");
+            let (tx, rx) = std::sync::mpsc::channel();
+            let g = f.clone();
+            let t = std::thread::spawn(move || {
+                let w = g.window(0, 200).unwrap();
+                tx.send(w.to_vec()).unwrap();
+            });
+            assert!(rx.recv_timeout(Duration::from_millis(100)).is_err(), "another thread's window waits");
+            drop(m);
+            let seen = rx.recv_timeout(Duration::from_secs(10)).expect("the window after the writer");
+            t.join().unwrap();
+            let mut want = pattern(6, 0, 200);
+            want[100..150].fill(0xCC);
+            assert_same(&seen, &want, "the window shows the writable window's bytes whole");
+        }
+        assert_eq!(f.window(0, 10).unwrap().len(), 10, "lent again once the writable window is gone");
+    });
+}

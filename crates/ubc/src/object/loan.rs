@@ -3,6 +3,12 @@
 
 use super::*;
 
+thread_local! {
+    /// The `WindowMut`s this thread holds: (object, first page, last page). A window of
+    /// those pages taken by the same thread would wait for itself (`lend` waits for writers).
+    static WRITING_WINDOWS: std::cell::RefCell<Vec<(usize, u64, u64)>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// A loan made by [`Object::lend`]: `view` shows its first page.
 pub(crate) struct Lent {
     pub(crate) id: u64,
@@ -20,6 +26,13 @@ impl Object {
     /// already copying into them, so that the view shows one version of each page and keeps
     /// showing it (see `resources/loans.rs`). Undo with [`Object::end_loan`].
     pub(crate) fn lend(&self, chunk: &Chunk, first: u64, last: u64) -> Result<Lent> {
+        let key = self.loan_key();
+        if WRITING_WINDOWS.with(|w| w.borrow().iter().any(|&(o, a, b)| o == key && a <= last && first <= b)) {
+            return Err(Error::InvalidArgument(
+                "a window of pages this thread holds in a WindowMut would wait for itself: drop the WindowMut first"
+                    .into(),
+            ));
+        }
         let loans = &self.res.loans;
         // Registered before the pages are pinned and waited on: a writer that takes a page
         // after the wait below finds the loan (see the registry's ordering note).
@@ -75,6 +88,24 @@ impl Object {
         for p in pinned {
             chunk.pages[self.locate(p).1].unpin();
         }
+    }
+
+    /// This thread took a `WindowMut` of bytes `from..to` (`File::window_mut`).
+    pub(crate) fn note_writing_window(&self, from: u64, to: u64) {
+        let ps = self.ps();
+        WRITING_WINDOWS.with(|w| w.borrow_mut().push((self.loan_key(), from >> ps, (to - 1) >> ps)));
+    }
+
+    /// This thread let go of the `WindowMut` of bytes `from..to`.
+    pub(crate) fn forget_writing_window(&self, from: u64, to: u64) {
+        let ps = self.ps();
+        let me = (self.loan_key(), from >> ps, (to - 1) >> ps);
+        WRITING_WINDOWS.with(|w| {
+            let mut w = w.borrow_mut();
+            if let Some(i) = w.iter().position(|&x| x == me) {
+                w.swap_remove(i);
+            }
+        });
     }
 
     /// Unmap views the loan registry let go of (`(address, pages)`).
