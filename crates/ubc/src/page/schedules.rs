@@ -524,7 +524,7 @@ impl LoanModel {
         thread::yield_now();
         let second = self.visible(p);
         assert_eq!(first, second, "a lent page changed under its window");
-        let pinned = std::mem::replace(&mut *self.view.lock().unwrap(), (false, None, false, false)).2;
+        let pinned = std::mem::take(&mut *self.view.lock().unwrap()).2;
         self.active.fetch_sub(1, SeqCst);
         if pinned {
             p.pins.fetch_sub(1, SeqCst);
@@ -592,25 +592,14 @@ fn schedules_loan_against_truncation() {
     // A window lent while the page is written and truncated (and read again): the window
     // keeps its bytes, the truncation does not wait for it, no pin is dropped twice.
     explore("loan against truncation", || {
-        let p = Page::valid(false);
-        let loan = Arc::new(LoanModel::default());
-        let hs: Vec<_> = (0..3)
-            .map(|i| {
-                let (p, loan) = (p.clone(), loan.clone());
-                thread::spawn(move || match i {
-                    0 => loan.lend_and_read(&p),
-                    1 => loan.write(&p),
-                    _ => {
-                        loan.truncate(&p);
-                        p.read(false);
-                    }
-                })
-            })
-            .collect();
-        for h in hs {
-            h.join().unwrap();
-        }
-        p.check_quiescent();
+        run_lent(&[
+            |l, p| l.lend_and_read(p),
+            |l, p| l.write(p),
+            |l, p| {
+                l.truncate(p);
+                p.read(false);
+            },
+        ])
     });
 }
 
@@ -619,27 +608,33 @@ fn schedules_loan_against_writers() {
     // A window lent while two writers rewrite the page (and a reader comes and goes): the
     // window never shows a write half done, and never changes once lent.
     explore("loan against writers", || {
-        let p = Page::valid(false);
-        let loan = Arc::new(LoanModel::default());
-        let hs: Vec<_> = (0..3)
-            .map(|i| {
-                let (p, loan) = (p.clone(), loan.clone());
-                thread::spawn(move || match i {
-                    0 => loan.lend_and_read(&p),
-                    1 => {
-                        loan.write(&p);
-                        loan.write(&p);
-                    }
-                    _ => {
-                        loan.write(&p);
-                        p.read(false);
-                    }
-                })
-            })
-            .collect();
-        for h in hs {
-            h.join().unwrap();
-        }
-        p.check_quiescent();
+        run_lent(&[
+            |l, p| l.lend_and_read(p),
+            |l, p| {
+                l.write(p);
+                l.write(p);
+            },
+            |l, p| {
+                l.write(p);
+                p.read(false);
+            },
+        ])
     });
+}
+
+/// `run` for the loan scenarios: each role gets the loan model and the page (valid, clean).
+fn run_lent(roles: &[fn(&LoanModel, &Page)]) {
+    let p = Page::valid(false);
+    let loan = Arc::new(LoanModel::default());
+    let hs: Vec<_> = roles
+        .iter()
+        .map(|&role| {
+            let (p, loan) = (p.clone(), loan.clone());
+            thread::spawn(move || role(&loan, &p))
+        })
+        .collect();
+    for h in hs {
+        h.join().unwrap();
+    }
+    p.check_quiescent();
 }
