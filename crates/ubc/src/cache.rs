@@ -615,6 +615,7 @@ impl CacheCore {
         totals.resident_bytes = res.resident.load(SeqCst) << g.page_shift;
         let w = res.windows.stats();
         let maps = res.maps.get();
+        let (loans, loans_taken, loan_copies, loan_pages_handed_back, loan_views) = res.loans.counts();
         CacheStats {
             totals,
             budget_bytes: g.budget_pages << g.page_shift,
@@ -644,11 +645,11 @@ impl CacheCore {
                 res.count_private_copies();
                 res.private_pages.load(Relaxed) << g.page_shift
             },
-            loans: res.loans.counts().0,
-            loans_taken: res.loans.counts().1,
-            loan_copies: res.loans.counts().2,
-            loan_pages_handed_back: res.loans.counts().3,
-            loan_views: res.loans.counts().4,
+            loans,
+            loans_taken,
+            loan_copies,
+            loan_pages_handed_back,
+            loan_views,
             locked_bytes: res.locks.locked_pages() << g.page_shift,
             unlock_requests: res.locks.requests.load(Relaxed),
             unlock_refusals: res.locks.refused.load(Relaxed),

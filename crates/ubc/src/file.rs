@@ -518,14 +518,15 @@ impl File {
     /// budget while the window lives (`CacheStats::loan_copies`). A write in progress when
     /// the window is taken is waited for, so the window shows it whole or not at all.
     ///
-    /// Pages stay pinned in the cache until the guard is dropped, so eviction passes them
-    /// by; a truncation or invalidation of them takes them back instead of waiting (the
-    /// window keeps a copy, `CacheStats::loan_pages_handed_back`). A thread must not take a
-    /// window of pages it holds in a [`WindowMut`] (it would wait for itself; such a window is
-    /// refused with [`Error::InvalidArgument`]).
     /// Windows read through a private view of their chunk, shared by the chunk's windows and
     /// kept for the next ones until a write copies pages into it (then the next window of
     /// the chunk maps a fresh view).
+    ///
+    /// Pages stay pinned in the cache until the guard is dropped, so eviction passes them
+    /// by; a truncation or invalidation of them takes them back instead of waiting (the
+    /// window keeps a copy, `CacheStats::loan_pages_handed_back`). A window of pages this
+    /// thread holds in a [`WindowMut`] would wait for itself, and is refused with
+    /// [`Error::InvalidArgument`].
     pub fn window(&self, offset: u64, len: usize) -> Result<Window<'_>> {
         let obj = self.live()?;
         checked_end(offset, len)?;

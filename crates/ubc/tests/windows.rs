@@ -8,27 +8,6 @@ use ubc::pager::MemPager;
 use ubc::{Access, Cache};
 
 #[test]
-fn read_window_is_the_cached_page_itself() {
-    let cache = small_cache(1 << 20);
-    let f = cache.open(Arc::new(MemPager::new()), Access::ReadWrite).unwrap();
-    f.write_at(&pattern(1, 0, 100_000), 0).unwrap();
-    let a = f.window(5000, 3000).unwrap();
-    let b = f.window(5000, 3000).unwrap();
-    assert_eq!(a.len(), 3000);
-    assert_same(&a, &pattern(1, 5000, 3000), "window contents");
-    assert_same(&b, &pattern(1, 5000, 3000), "a second window of the same bytes");
-    assert_eq!(cache.stats().loan_copies, 0, "no copy made (tests/loans.rs checks the pages)");
-    drop((a, b));
-    // A window keeps the bytes it was taken with (page loanout, copy on write: tests/loans.rs);
-    // a window taken after a write shows it.
-    let w = f.window(0, 4096).unwrap();
-    f.write_at(b"XYZ", 10).unwrap();
-    assert_same(&w[10..13], &pattern(1, 10, 3), "a window taken before the write");
-    drop(w);
-    assert_eq!(&f.window(0, 4096).unwrap()[10..13], b"XYZ");
-}
-
-#[test]
 fn window_is_clipped_at_eof_and_window_boundary() {
     let cache = Cache::builder().budget(4 << 20).window_size(64 << 10).build().unwrap();
     let f = cache.open(Arc::new(MemPager::new()), Access::ReadWrite).unwrap();

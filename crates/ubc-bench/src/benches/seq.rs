@@ -57,50 +57,39 @@ pub fn run(ctx: &Ctx) -> Vec<Record> {
         });
         k.push(bytes / secs / 1e9);
     }
-    // Consumed in place: windows against copies.
-    let (mut w, mut uc, mut kc) = (vec![], vec![], vec![]);
-    let mut check;
-    for _ in 0..ctx.runs {
-        let (secs, s) = time(|| {
+    // Consumed in place: windows against copies. `step(off)` sums the bytes at `off` and
+    // says how many it covered.
+    let sum_passes = |step: &mut dyn FnMut(u64) -> (u64, u64)| {
+        time(|| {
             let mut s = 0u64;
             for _ in 0..passes {
                 let mut off = 0;
                 while off < len {
-                    let win = f.window(off, CHUNK).expect("window");
-                    s = s.wrapping_add(sum_words(&win));
-                    off += win.len() as u64;
+                    let (n, part) = step(off);
+                    s = s.wrapping_add(part);
+                    off += n;
                 }
             }
             s
+        })
+    };
+    let (mut w, mut uc, mut kc) = (vec![], vec![], vec![]);
+    for _ in 0..ctx.runs {
+        let (secs, check) = sum_passes(&mut |off| {
+            let win = f.window(off, CHUNK).expect("window");
+            (win.len() as u64, sum_words(&win))
         });
         w.push(bytes / secs / 1e9);
-        check = s;
-        let (secs, s) = time(|| {
-            let mut s = 0u64;
-            for _ in 0..passes {
-                let mut off = 0;
-                while off < len {
-                    let n = f.read_at(&mut buf, off).expect("read_at");
-                    s = s.wrapping_add(sum_words(&buf[..n]));
-                    off += n as u64;
-                }
-            }
-            s
+        let (secs, s) = sum_passes(&mut |off| {
+            let n = f.read_at(&mut buf, off).expect("read_at");
+            (n as u64, sum_words(&buf[..n]))
         });
         uc.push(bytes / secs / 1e9);
         assert_eq!(s, check, "windows and copies read the same bytes");
-        let (secs, s) = time(|| {
+        let (secs, s) = sum_passes(&mut |off| {
             use std::os::unix::fs::FileExt;
-            let mut s = 0u64;
-            for _ in 0..passes {
-                let mut off = 0;
-                while off < len {
-                    let n = kf.read_at(&mut buf, off).expect("pread");
-                    s = s.wrapping_add(sum_words(&buf[..n]));
-                    off += n as u64;
-                }
-            }
-            s
+            let n = kf.read_at(&mut buf, off).expect("pread");
+            (n as u64, sum_words(&buf[..n]))
         });
         kc.push(bytes / secs / 1e9);
         assert_eq!(s, check, "the kernel reads the same bytes");

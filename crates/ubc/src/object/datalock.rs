@@ -8,17 +8,6 @@
 use super::*;
 
 impl Object {
-    /// This object's key in the cache's lock registry.
-    fn lock_key(&self) -> usize {
-        self as *const Object as usize
-    }
-
-    /// Whole pages covering bytes `from..to`.
-    fn pages_of(&self, from: u64, to: u64) -> std::ops::Range<u64> {
-        let ps = self.ps();
-        (from >> ps)..to.div_ceil(1 << ps).max(from >> ps)
-    }
-
     /// `PagerRequest::lock`: write-lock bytes `from..to` (whole pages). Returns once no
     /// write begun before is still copying (the size lock, taken exclusively once, waits for
     /// them; writes that start later see the lock) and stores made through shared writable
@@ -30,7 +19,7 @@ impl Object {
         if pages.is_empty() {
             return Ok(());
         }
-        self.res.locks.lock(self.lock_key(), pages.clone());
+        self.res.locks.lock(self.id, pages.clone());
         drop(self.size_exclusive());
         // Pages being mapped into shared writable mappings by threads that looked before
         // the lock was listed: wait for them, then zap what they mapped.
@@ -57,21 +46,12 @@ impl Object {
 
     /// `PagerRequest::unlock`: lift the lock on bytes `from..to` (whole pages).
     pub(crate) fn data_unlock(&self, from: u64, to: u64) {
-        self.res.locks.unlock(self.lock_key(), self.pages_of(from, to), None);
+        self.res.locks.unlock(self.id, self.pages_of(from, to), None);
     }
 
     /// Whether page `page` is write-locked (a shared writable mapping must not map it).
     pub(crate) fn store_locked(&self, page: u64) -> bool {
-        self.res.locks.any() && self.res.locks.locked(self.lock_key(), page..page + 1).is_some()
-    }
-
-    /// See `Locks::begin_writable_map`.
-    pub(crate) fn begin_writable_map(&self) -> usize {
-        self.res.locks.begin_writable_map()
-    }
-
-    pub(crate) fn end_writable_map(&self, token: usize) {
-        self.res.locks.end_writable_map(token)
+        self.res.locks.locked(self.id, page..page + 1).is_some()
     }
 
     /// Before bytes `from..to` change: if the pager locked any of their pages, ask it
@@ -82,7 +62,7 @@ impl Object {
         if !self.res.locks.any() || from >= to {
             return Ok(());
         }
-        let Some((locked, seen)) = self.res.locks.locked(self.lock_key(), self.pages_of(from, to)) else {
+        let Some((locked, seen)) = self.res.locks.locked(self.id, self.pages_of(from, to)) else {
             return Ok(());
         };
         let ps = self.ps();
@@ -92,7 +72,7 @@ impl Object {
             Ok(()) => {
                 // Only the locks the pager was asked about: one it made while answering
                 // stays (its `lock` waits for this change, which then goes ahead).
-                self.res.locks.unlock(self.lock_key(), locked, Some(seen));
+                self.res.locks.unlock(self.id, locked, Some(seen));
                 Ok(())
             }
             Err(e) => {
@@ -104,6 +84,6 @@ impl Object {
 
     /// Forget this object's locks (teardown).
     pub(super) fn forget_locks(&self) {
-        self.res.locks.forget(self.lock_key());
+        self.res.locks.forget(self.id);
     }
 }

@@ -338,19 +338,6 @@ impl Object {
         Ok((pos.max(offset) - offset) as usize)
     }
 
-    /// Pin every page of `offset..offset+len` (one chunk) for a read window. Returns the
-    /// window address of the chunk. => range within one chunk and within the file.
-    pub(crate) fn pin_range(&self, chunk: &Chunk, first: u64, last: u64) -> Result<*mut u8> {
-        self.pin_pages(chunk, first, last)?;
-        match self.memory().and_then(|m| self.res.windows.address(chunk, m)) {
-            Ok(w) => Ok(w),
-            Err(e) => {
-                self.unpin_run(chunk, first, last + 1 - first);
-                Err(e)
-            }
-        }
-    }
-
     /// Pin pages `first..=last` of `chunk`, filling those that are not resident. On an
     /// error none stays pinned.
     pub(crate) fn pin_pages(&self, chunk: &Chunk, first: u64, last: u64) -> Result<()> {

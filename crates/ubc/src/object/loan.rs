@@ -6,7 +6,7 @@ use super::*;
 thread_local! {
     /// The `WindowMut`s this thread holds: (object, first page, last page). A window of
     /// those pages taken by the same thread would wait for itself (`lend` waits for writers).
-    static WRITING_WINDOWS: std::cell::RefCell<Vec<(usize, u64, u64)>> = const { std::cell::RefCell::new(Vec::new()) };
+    static WRITING_WINDOWS: std::cell::RefCell<Vec<(u64, u64, u64)>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// A loan made by [`Object::lend`]: `view` shows its first page.
@@ -16,17 +16,12 @@ pub(crate) struct Lent {
 }
 
 impl Object {
-    /// This object's key in the cache's loan registry.
-    fn loan_key(&self) -> usize {
-        self as *const Object as usize
-    }
-
     /// Lend pages `first..=last` of `chunk` for reading: fill and pin them, give them a
     /// view (the chunk's, shared with its other loans while intact), and wait for writers
     /// already copying into them, so that the view shows one version of each page and keeps
     /// showing it (see `resources/loans.rs`). Undo with [`Object::end_loan`].
     pub(crate) fn lend(&self, chunk: &Chunk, first: u64, last: u64) -> Result<Lent> {
-        let key = self.loan_key();
+        let key = self.id;
         if WRITING_WINDOWS.with(|w| w.borrow().iter().any(|&(o, a, b)| o == key && a <= last && first <= b)) {
             return Err(Error::InvalidArgument(
                 "a window of pages this thread holds in a WindowMut would wait for itself: drop the WindowMut first"
@@ -36,7 +31,7 @@ impl Object {
         let loans = &self.res.loans;
         // Registered before the pages are pinned and waited on: a writer that takes a page
         // after the wait below finds the loan (see the registry's ordering note).
-        let id = loans.register(self.loan_key(), first, last);
+        let id = loans.register(self.id, first, last);
         if let Err(e) = self.pin_pages(chunk, first, last) {
             // Nothing pinned (`pin_pages` let go of what it had), no view.
             let _ = loans.unregister(id);
@@ -74,7 +69,7 @@ impl Object {
                 m.tracked && r.start <= last && first < r.end
             });
             if overlaps {
-                loans.break_range(self.loan_key(), first, last, ps);
+                loans.break_range(self.id, first, last, ps);
             }
         }
         Ok(Lent { id, view: (view + (((first - chunk_first) as usize) << ps)) as *const u8 })
@@ -93,13 +88,13 @@ impl Object {
     /// This thread took a `WindowMut` of bytes `from..to` (`File::window_mut`).
     pub(crate) fn note_writing_window(&self, from: u64, to: u64) {
         let ps = self.ps();
-        WRITING_WINDOWS.with(|w| w.borrow_mut().push((self.loan_key(), from >> ps, (to - 1) >> ps)));
+        WRITING_WINDOWS.with(|w| w.borrow_mut().push((self.id, from >> ps, (to - 1) >> ps)));
     }
 
     /// This thread let go of the `WindowMut` of bytes `from..to`.
     pub(crate) fn forget_writing_window(&self, from: u64, to: u64) {
         let ps = self.ps();
-        let me = (self.loan_key(), from >> ps, (to - 1) >> ps);
+        let me = (self.id, from >> ps, (to - 1) >> ps);
         WRITING_WINDOWS.with(|w| {
             let mut w = w.borrow_mut();
             if let Some(i) = w.iter().position(|&x| x == me) {
@@ -118,23 +113,20 @@ impl Object {
 
     /// Teardown: unmap the views kept for this object's chunks.
     pub(super) fn forget_loans(&self) {
-        let views = self.res.loans.forget(self.loan_key());
+        let views = self.res.loans.forget(self.id);
         self.unmap_views(views);
     }
 
     /// A truncation or invalidation is about to take page `page` of `chunk` for dropping:
     /// windows that lent it keep copies and let go of their pins, so the drop does not wait
     /// for them (`Loans::hand_back`). => the caller takes the page next with `lock_for_drop`.
-    /// => the caller holds the size lock exclusively (no write is in progress; a writer in
-    /// progress is waited for all the same, so the copy never catches a write half done).
+    /// A writer that holds the page (none does beside a dropper, which holds the size lock
+    /// exclusively) broke the settled loans before changing a byte, so the copy is never
+    /// half a write.
     pub(super) fn hand_back_loans(&self, chunk: &Chunk, page: u64) {
         if self.res.loans.any() {
             let st = &chunk.pages[self.locate(page).1];
-            if st.has_writer() {
-                crate::order::check_wait(crate::order::Rank::page(self.depth()));
-                st.wait_no_writer();
-            }
-            self.res.loans.hand_back(self.loan_key(), page, self.ps(), &mut || st.unpin());
+            self.res.loans.hand_back(self.id, page, self.ps(), &mut || st.unpin());
         }
     }
 
@@ -144,7 +136,7 @@ impl Object {
     #[inline]
     pub(crate) fn break_loans(&self, a: u64, b: u64) {
         if self.res.loans.any() {
-            self.res.loans.break_range(self.loan_key(), a, b, self.ps());
+            self.res.loans.break_range(self.id, a, b, self.ps());
         }
     }
 }

@@ -147,7 +147,7 @@ impl Object {
             let ci = p >> cs;
             let last = (b - 1).min(((ci + 1) << cs) - 1);
             let chunk = self.table.get_or_create(ci);
-            if let Err(e) = self.pin_range(chunk, p, last) {
+            if let Err(e) = self.pin_pages(chunk, p, last) {
                 self.unpin_all(&runs);
                 return Err(e);
             }
@@ -189,10 +189,10 @@ impl crate::map::Mapped for Object {
         Object::store_locked(self, page)
     }
     fn begin_writable_map(&self) -> usize {
-        Object::begin_writable_map(self)
+        self.res.locks.begin_writable_map()
     }
     fn end_writable_map(&self, token: usize) {
-        Object::end_writable_map(self, token)
+        self.res.locks.end_writable_map(token)
     }
     fn allow_stores(&self, a: u64, b: u64) -> Result<()> {
         let ps = self.ps();

@@ -409,6 +409,12 @@ impl Object {
         r
     }
 
+    /// The whole pages covering bytes `from..to` (empty when `to <= from`).
+    pub(crate) fn pages_of(&self, from: u64, to: u64) -> std::ops::Range<u64> {
+        let ps = self.ps();
+        (from >> ps)..to.div_ceil(1 << ps).max(from >> ps)
+    }
+
     #[inline]
     pub(crate) fn ps(&self) -> u32 {
         self.res.geo.page_shift

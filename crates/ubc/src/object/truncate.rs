@@ -174,7 +174,8 @@ impl Object {
         self.clean(from, to)?;
         let _size = self.size_exclusive();
         let ps = self.ps();
-        self.drop_pages(from >> ps, to.div_ceil(1 << ps).max(from >> ps))?;
+        let pages = self.pages_of(from, to);
+        self.drop_pages(pages.start, pages.end)?;
         if length == Length::Reload {
             let old = self.len();
             let new = self.call_pager(PagerOp::Len, 0, |p| p.len())?;

@@ -43,10 +43,9 @@ impl Object {
     /// (stores through mappings included) and wait for writebacks in flight there. On error
     /// the pages stay dirty and the first error is returned.
     pub(crate) fn clean(&self, from: u64, to: u64) -> Result<()> {
-        let ps = self.ps();
-        let (a, b) = (from >> ps, to.div_ceil(1 << ps).max(from >> ps));
-        self.harvest(a, b, Harvest::Explicit);
-        self.writeback(a, b, Pass::Wait)
+        let pages = self.pages_of(from, to);
+        self.harvest(pages.start, pages.end, Harvest::Explicit);
+        self.writeback(pages.start, pages.end, Pass::Wait)
     }
 
     /// Write back dirty pages with index in `from..to`, clustered into contiguous runs of at

@@ -532,14 +532,11 @@ impl LoanModel {
         }
     }
 
-    /// A truncation of the lent page (`drop_pages`): `hand_back` (wait for a writer in
-    /// progress, copy for the loan, take its pin back) before `lock_for_drop`, which
-    /// otherwise would wait for the window.
+    /// A truncation of the lent page (`drop_pages`): `hand_back` (copy for a settled loan,
+    /// take its pin back) before `lock_for_drop`, which otherwise would wait for the window.
+    /// No size lock here, unlike the real droppers: a writer may run beside it.
     fn truncate(&self, p: &Page) {
         if self.active.load(SeqCst) > 0 {
-            // The copy must not catch a write half done (the real droppers hold the size
-            // lock exclusively, so no writer runs; waiting keeps it true without that).
-            p.st.wait_no_writer();
             let mut v = self.view.lock().unwrap();
             // Only a settled loan: one still waiting for a writer keeps its pin (the
             // dropper waits for it as for any pin) — copied now, it could catch that write

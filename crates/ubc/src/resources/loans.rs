@@ -22,7 +22,7 @@
 //! the next loan of the chunk maps a fresh one. So a window costs a map of its chunk only
 //! the first time, or after a write broke the chunk's loans.
 //!
-//! One registry per cache, keyed by object: a writer pays one atomic load (`active`) when
+//! One registry per cache, keyed by object id: a writer pays one atomic load (`active`) when
 //! no loan exists, and the objects pay no memory for it.
 //!
 //! Ordering (why a write never slips past a loan being taken), see `Object::lend`: the loan
@@ -41,7 +41,7 @@ const IDLE_VIEWS: usize = 64;
 /// A private read-only mapping of one chunk of an object's memfd.
 struct View {
     id: u64,
-    obj: usize,
+    obj: u64,
     /// The chunk's first page and its number of pages.
     first: u64,
     pages: u64,
@@ -59,7 +59,7 @@ struct View {
 /// A registered loan: which pages of which object, and (once it has one) its view.
 struct Loan {
     id: u64,
-    obj: usize,
+    obj: u64,
     first: u64,
     last: u64,
     view: Option<u64>,
@@ -99,7 +99,7 @@ pub(crate) struct Loans {
 
 impl Loans {
     /// Register a loan of pages `first..=last` of object `obj` (no view yet). Returns its id.
-    pub(crate) fn register(&self, obj: usize, first: u64, last: u64) -> u64 {
+    pub(crate) fn register(&self, obj: u64, first: u64, last: u64) -> u64 {
         let id = self.next_id.fetch_add(1, Relaxed);
         let n = last - first + 1;
         let words = n.div_ceil(64) as usize;
@@ -208,9 +208,9 @@ impl Loans {
         (v.addr, v.pages as usize)
     }
 
-    /// Forget every view of object `obj` (it is being dropped: no loan of it exists, and
-    /// another object may later have its address). Returns what to unmap.
-    pub(crate) fn forget(&self, obj: usize) -> Vec<(usize, usize)> {
+    /// Forget every view of object `obj` (its id; it is being dropped, so no loan of it
+    /// exists). Returns what to unmap.
+    pub(crate) fn forget(&self, obj: u64) -> Vec<(usize, usize)> {
         let mut t = self.table.lock();
         if t.views.is_empty() {
             return Vec::new();
@@ -228,17 +228,12 @@ impl Loans {
     /// could hold a write half done: `schedules_loan_against_truncation` found that).
     /// => no writer holds the page (the droppers hold the size lock exclusively); the caller
     /// takes the page for dropping next.
-    pub(crate) fn hand_back(&self, obj: usize, page: u64, page_shift: u32, unpin: &mut dyn FnMut()) {
+    pub(crate) fn hand_back(&self, obj: u64, page: u64, page_shift: u32, unpin: &mut dyn FnMut()) {
         if !self.any() {
             return;
         }
-        let t = self.table.lock();
-        if !t.loans.iter().any(|l| l.obj == obj && l.settled && l.first <= page && page <= l.last) {
-            return;
-        }
-        drop(t);
-        self.break_settled(obj, page, page_shift);
         let mut t = self.table.lock();
+        self.copy_lent(&mut t, obj, page, page, page_shift, true);
         for l in t.loans.iter_mut().filter(|l| l.obj == obj && l.settled && l.first <= page && page <= l.last) {
             let i = page - l.first;
             if bit(&l.pinned, i) {
@@ -259,21 +254,15 @@ impl Loans {
     /// copied into its loan's view, and the view is detached (later loans map a fresh one).
     /// => the caller holds the pages so that their bytes are the ones lent (WRITING, or
     /// pinned/BUSY before mapping them writable): nothing may have changed them yet.
-    pub(crate) fn break_range(&self, obj: usize, a: u64, b: u64, page_shift: u32) {
-        self.copy_lent(obj, a, b, page_shift, false);
-    }
-
-    /// `break_range` of page `page` for the settled loans only (`hand_back`).
-    fn break_settled(&self, obj: usize, page: u64, page_shift: u32) {
-        self.copy_lent(obj, page, page, page_shift, true);
-    }
-
-    fn copy_lent(&self, obj: usize, a: u64, b: u64, page_shift: u32, settled_only: bool) {
-        if !self.any() {
-            return;
+    pub(crate) fn break_range(&self, obj: u64, a: u64, b: u64, page_shift: u32) {
+        if self.any() {
+            self.copy_lent(&mut self.table.lock(), obj, a, b, page_shift, false);
         }
-        let mut guard = self.table.lock();
-        let t = &mut *guard;
+    }
+
+    /// Copy pages `a..=b` of `obj` into the views of the loans of them (only the settled
+    /// ones if `settled_only`) that have no copy yet, and detach those views.
+    fn copy_lent(&self, t: &mut Table, obj: u64, a: u64, b: u64, page_shift: u32, settled_only: bool) {
         for l in t.loans.iter().filter(|l| l.obj == obj && l.first <= b && a <= l.last && (l.settled || !settled_only))
         {
             let Some(v) = l.view.and_then(|vid| t.views.iter_mut().find(|v| v.id == vid)) else { continue };

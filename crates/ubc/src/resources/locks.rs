@@ -5,7 +5,7 @@
 //! locked pages; before it changes one it asks the pager (`Pager::unlock_request`) and, once
 //! allowed, forgets the lock on what it asked for. `object/datalock.rs` applies them.
 //!
-//! One registry per cache, keyed by object, as the loans are (`loans.rs`): a writer pays an
+//! One registry per cache, keyed by object id, as the loans are (`loans.rs`): a writer pays an
 //! atomic load when no object of the cache is locked, and objects pay no memory for it.
 
 use parking_lot::Mutex;
@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering::*};
 /// unlock request answered for the locks a change saw lifts only those
 /// (`unlock_seen`): a lock made while the pager was answering stays.
 struct Lock {
-    obj: usize,
+    obj: u64,
     pages: Range<u64>,
     generation: u64,
 }
@@ -47,7 +47,7 @@ impl Locks {
     }
 
     /// Lock pages `pages` of object `obj`.
-    pub(crate) fn lock(&self, obj: usize, pages: Range<u64>) {
+    pub(crate) fn lock(&self, obj: u64, pages: Range<u64>) {
         if pages.is_empty() {
             return;
         }
@@ -62,7 +62,7 @@ impl Locks {
     /// Unlock pages `pages` of object `obj`: of every lock if `seen` is `None` (the pager's
     /// own `unlock`), else of the locks numbered `seen` or lower (the ones a change asked
     /// about). Locked parts around `pages` stay locked.
-    pub(crate) fn unlock(&self, obj: usize, pages: Range<u64>, seen: Option<u64>) {
+    pub(crate) fn unlock(&self, obj: u64, pages: Range<u64>, seen: Option<u64>) {
         if !self.any() || pages.is_empty() {
             return;
         }
@@ -87,7 +87,7 @@ impl Locks {
 
     /// The locked pages of object `obj` within `pages`, as the smallest range covering them,
     /// and the newest lock's number among them (`None`: none is locked).
-    pub(crate) fn locked(&self, obj: usize, pages: Range<u64>) -> Option<(Range<u64>, u64)> {
+    pub(crate) fn locked(&self, obj: u64, pages: Range<u64>) -> Option<(Range<u64>, u64)> {
         if !self.any() {
             return None;
         }
@@ -103,9 +103,8 @@ impl Locks {
         hull
     }
 
-    /// Forget every lock of object `obj` (it is being dropped; another object may later
-    /// have its address).
-    pub(crate) fn forget(&self, obj: usize) {
+    /// Forget every lock of object `obj` (its id; it is being dropped).
+    pub(crate) fn forget(&self, obj: u64) {
         if !self.any() {
             return;
         }
