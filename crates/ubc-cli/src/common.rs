@@ -17,6 +17,20 @@ pub struct StackArgs {
     /// Cache budget in MiB
     #[arg(long, value_name = "MiB", default_value_t = 64)]
     pub budget: u64,
+    /// Huge pages for the cache: never, try (2 MiB hugetlb pages if the host's pool holds
+    /// the budget, else shmem THP if tmpfs allocates it, else ordinary pages) or require
+    #[arg(long, value_name = "WHEN", default_value = "never", value_parser = parse_huge)]
+    pub huge_pages: ubc::HugePages,
+}
+
+/// `--huge-pages never|try|require`.
+pub fn parse_huge(s: &str) -> std::result::Result<ubc::HugePages, String> {
+    match s {
+        "never" => Ok(ubc::HugePages::Never),
+        "try" => Ok(ubc::HugePages::Try),
+        "require" => Ok(ubc::HugePages::Require),
+        _ => Err(format!("'{s}': expected never, try or require")),
+    }
 }
 
 impl StackArgs {
@@ -28,11 +42,11 @@ impl StackArgs {
     /// [`StackArgs::open`] with a cache keeping at most `cached_files` closed files (see
     /// `ubc::CacheBuilder::max_cached_files`; None: its default).
     pub fn open_caching(&self, cached_files: Option<usize>) -> Result<(Stack, LayerRef)> {
-        let mut b = ubc::Cache::builder().budget(self.budget << 20);
+        let mut b = ubc::Cache::builder().budget(self.budget << 20).huge_pages(self.huge_pages);
         if let Some(n) = cached_files {
             b = b.max_cached_files(n);
         }
-        let cache = b.build().map_err(|e| Fail::usage("--budget", e.to_string()))?;
+        let cache = b.build().map_err(|e| Fail::usage("--budget/--huge-pages", e.to_string()))?;
         let stack = Stack::open(&self.stack, cache).map_err(|e| {
             // A missing directory or key file is named by the error; anything else by the spec.
             let path = crate::error::error_path(&e).unwrap_or(&self.stack).to_string();

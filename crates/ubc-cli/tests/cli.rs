@@ -101,6 +101,38 @@ fn stat_size(spec: &str, layer: Option<&str>, path: &str) -> u64 {
     line.split_whitespace().nth(1).unwrap().parse().unwrap()
 }
 
+/// `ubc stat` says which memory the cache's pages got: with `--huge-pages try`, hugetlb
+/// where the test script reserved a pool, and the reason otherwise; `require` without any
+/// huge-page path is a usage error.
+#[test]
+fn stat_reports_the_page_memory() {
+    let (t, spec) = setup();
+    let src = t.path().join("h");
+    std::fs::write(&src, b"huge\n").unwrap();
+    ubc().args(["cp", "--stack", &spec, &host(&src), "h"]).assert().success();
+    let run = |huge: &str| {
+        let o = ubc().args(["stat", "--stack", &spec, "--budget", "8", "--huge-pages", huge, "h"]).output().unwrap();
+        (
+            o.status.success(),
+            String::from_utf8_lossy(&o.stdout).to_string(),
+            String::from_utf8_lossy(&o.stderr).to_string(),
+        )
+    };
+    let (ok, out, err) = run("never");
+    assert!(ok, "{err}");
+    assert!(out.contains(" pages: shmem, 4 KiB pages (huge pages not asked for)"), "{out}");
+    let (ok, out, err) = run("try");
+    assert!(ok, "{err}");
+    let line = out.lines().find(|l| l.trim_start().starts_with("pages:")).unwrap();
+    if std::env::var("UBC_TEST_HUGETLB").is_ok_and(|v| v == "1") {
+        assert!(line.contains("hugetlb, 2 MiB pages"), "{line}");
+    } else {
+        assert!(line.contains("hugetlb"), "says why not hugetlb: {line}");
+    }
+    let (ok, _, err) = run("sometimes");
+    assert!(!ok && err.contains("expected never, try or require"), "{err}");
+}
+
 #[test]
 fn stat_top_is_cleartext_size_bottom_is_stored_size() {
     let (t, spec) = setup();

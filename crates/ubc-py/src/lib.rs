@@ -61,6 +61,8 @@ fn kind_name(k: ubc_stack::Kind) -> &'static str {
 }
 
 /// A memory budget shared by stacks: `Cache(budget=256 << 20)` (bytes).
+/// `huge_pages="try"` (or `"require"`) gives it 2 MiB pages where the host allows (see
+/// `stats()["page_memory"]`); the default is `"never"`.
 #[pyclass(module = "ubc", frozen)]
 struct Cache {
     inner: ubc::Cache,
@@ -69,9 +71,20 @@ struct Cache {
 #[pymethods]
 impl Cache {
     #[new]
-    #[pyo3(signature = (budget = 256 << 20))]
-    fn new(budget: u64) -> PyResult<Self> {
-        Ok(Cache { inner: ubc::Cache::new(budget).map_err(cache_err)? })
+    #[pyo3(signature = (budget = 256 << 20, huge_pages = "never"))]
+    fn new(budget: u64, huge_pages: &str) -> PyResult<Self> {
+        let huge = match huge_pages {
+            "never" => ubc::HugePages::Never,
+            "try" => ubc::HugePages::Try,
+            "require" => ubc::HugePages::Require,
+            other => {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "huge_pages={other:?}: expected 'never', 'try' or 'require'"
+                )));
+            }
+        };
+        let inner = ubc::Cache::builder().budget(budget).huge_pages(huge).build().map_err(cache_err)?;
+        Ok(Cache { inner })
     }
 
     /// Whole-cache statistics as a dict.
@@ -111,6 +124,7 @@ fn cache_stats<'py>(py: Python<'py>, s: &ubc::CacheStats) -> PyResult<Bound<'py,
     d.set_item("budget_bytes", s.budget_bytes)?;
     d.set_item("allocated_bytes", s.allocated_bytes)?;
     d.set_item("page_size", s.page_size)?;
+    d.set_item("page_memory", &s.page_memory)?;
     d.set_item("objects", s.objects)?;
     d.set_item("windows", s.windows)?;
     d.set_item("window_maps", s.window_maps)?;

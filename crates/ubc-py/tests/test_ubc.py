@@ -275,6 +275,25 @@ def test_stats(stack):
     assert ubc.Stack("mem").stats()["budget_bytes"] == ubc.DEFAULT_BUDGET
 
 
+def test_huge_pages(tmp_path):
+    # Which memory the pages got is always reported; "try" takes 2 MiB pages from the
+    # hugetlb pool when it holds the budget (scripts/test reserves one and says so).
+    assert ubc.Cache(8 << 20).stats()["page_memory"].startswith("shmem, 4 KiB pages")
+    c = ubc.Cache(8 << 20, huge_pages="try")
+    mem = c.stats()["page_memory"]
+    if os.environ.get("UBC_TEST_HUGETLB") == "1":
+        assert mem.startswith("hugetlb, 2 MiB pages"), mem
+        assert c.stats()["page_size"] == 2 << 20
+    s = ubc.Stack(f"dir:{tmp_path}", c)
+    data = os.urandom(5 << 20)
+    with s.open("h.bin", "wb") as f:
+        f.write(data)
+    with s.open("h.bin") as f:
+        assert f.read() == data
+    with pytest.raises(ValueError):
+        ubc.Cache(8 << 20, huge_pages="sometimes")
+
+
 def test_gil_released(env):
     data_dir, key = env
     spec = f"dir:{data_dir} | zstd | aead:keyfile={key}"

@@ -11,6 +11,7 @@
 
 use crate::error::{Error, Result};
 use crate::evict::PolicyKind;
+use crate::huge::HugePages;
 use crate::map::Serve;
 use crate::object::{Object, ObjectKey, ObjectRef, WorkHold};
 use crate::pager::{Identity, Pager};
@@ -72,6 +73,9 @@ fn machine_memory() -> u64 {
 pub struct CacheBuilder {
     budget: u64,
     page_size: usize,
+    /// Whether `page_size` was set (huge pages then keep it only if it is the huge size).
+    page_size_set: bool,
+    huge_pages: HugePages,
     window_size: usize,
     max_windows: Option<usize>,
     policy: PolicyKind,
@@ -99,6 +103,8 @@ impl Default for CacheBuilder {
         CacheBuilder {
             budget: 256 << 20,
             page_size: 4096,
+            page_size_set: false,
+            huge_pages: HugePages::Never,
             window_size: 2 << 20,
             max_windows: None,
             policy: PolicyKind::default(),
@@ -133,6 +139,15 @@ impl CacheBuilder {
     /// Page size: a power of two, at least the system page size (default 4 KiB).
     pub fn page_size(mut self, bytes: usize) -> Self {
         self.page_size = bytes;
+        self.page_size_set = true;
+        self
+    }
+    /// Huge pages for the cache's memory (default `Never`; see [`HugePages`]). With `Try` or
+    /// `Require` the page size is the huge page size (2 MiB on x86-64) when a huge-page path
+    /// is taken; leave [`CacheBuilder::page_size`] unset or set it to that size.
+    /// `CacheStats::page_memory` says which memory the cache got, and why.
+    pub fn huge_pages(mut self, h: HugePages) -> Self {
+        self.huge_pages = h;
         self
     }
     /// Bytes mapped by one window: a power of two, a multiple of the page size, at most
@@ -248,8 +263,29 @@ impl CacheBuilder {
     }
 
     /// Check the settings and start the cache (and its page daemon).
-    pub fn build(self) -> Result<Cache> {
+    pub fn build(mut self) -> Result<Cache> {
         let sys_page = rustix::param::page_size();
+        let hugetlb_faults = self.userfaultfd.then(crate::map::hugetlb_faults);
+        let choice = crate::huge::choose(
+            self.huge_pages,
+            self.page_size,
+            self.page_size_set,
+            self.budget,
+            hugetlb_faults,
+            &crate::huge::Host::read(),
+        )?;
+        if choice.page_size != self.page_size {
+            // Huge pages chose the page size. A chunk (a window's worth of pages) bounds a
+            // fault's cluster and a read-ahead fill: at one 2 MiB page per chunk, every
+            // sequential fault read its page alone and synchronously. 16 pages per window.
+            self.page_size = choice.page_size;
+            self.window_size = self.window_size.max(16 * self.page_size);
+            // Read-ahead in pages: a window of one 2 MiB page has nothing to run ahead with
+            // (the default 2 MiB maximum is one page), so streams read each page when
+            // touched. Two pages to start, eight at most.
+            self.readahead_init = self.readahead_init.max(2 * self.page_size);
+            self.readahead_max = self.readahead_max.max(8 * self.page_size);
+        }
         let bad = |m: String| Err(Error::InvalidArgument(m));
         if !self.page_size.is_power_of_two() || self.page_size < sys_page {
             return bad(format!("page size {} must be a power of two >= {sys_page}", self.page_size));
@@ -332,6 +368,7 @@ impl CacheBuilder {
                 policy_name: self.policy.to_string(),
                 policy: self.policy.build(budget_pages as usize),
                 windows: Windows::new(self.window_size, max_windows),
+                page_memory: choice,
                 watch_pressure: self.watch_pressure,
             },
         ));
@@ -634,6 +671,7 @@ impl CacheCore {
             dirty_limit_bytes: res.dirty.limit << g.page_shift,
             throttled_ms: res.dirty.throttled_us.load(Relaxed) / 1000,
             flusher_runs: self.flusher.runs.load(Relaxed),
+            page_memory: res.page_memory.clone(),
             map_mode: maps.map_or_else(|| "none yet".to_string(), |m| m.mode.clone()),
             mappings: maps.map_or(0, |m| m.live()),
             map_faults: maps.map_or(0, |m| m.faults.load(Relaxed)),

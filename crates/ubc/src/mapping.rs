@@ -103,7 +103,7 @@ impl Mapping {
             unsafe { crate::memfd::unmap(addr as *mut u8, map_len) }
         };
         let target: std::sync::Weak<dyn crate::map::Mapped> = Arc::downgrade(obj) as _;
-        let um = Arc::new(UserMap::new(addr, map_len, start, target, sharing, access));
+        let um = Arc::new(UserMap::new(addr, map_len, start, target, sharing, access, memory.granule()));
         let (a, b) = (start >> ps, end >> ps);
         let mut pinned = Vec::new();
         if svc.kernel.is_some() {

@@ -38,6 +38,7 @@
 //! none before its first cached page, and a fixed number (a descriptor each) from then on.
 
 use crate::error::{Error, Result};
+use crate::huge::PageMemory;
 use crate::pager::Access;
 use parking_lot::Mutex;
 use rustix::fd::{AsFd, OwnedFd};
@@ -93,6 +94,8 @@ pub(crate) fn lanes() -> usize {
 
 /// The cache's shared memfds: hands out slices (see the module documentation).
 pub(crate) struct Arena {
+    /// The memory every memfd of this cache is made of.
+    memory: PageMemory,
     lanes: Box<[Mutex<ArenaState>]>,
     /// The lane the next slice comes from (modulo the number of lanes).
     turn: AtomicU64,
@@ -109,9 +112,9 @@ struct ArenaState {
 }
 
 impl Arena {
-    pub(crate) fn new() -> Arena {
+    pub(crate) fn new(memory: PageMemory) -> Arena {
         let lanes = (0..lanes()).map(|_| Mutex::new(ArenaState { current: None, next: 0, all: Vec::new() })).collect();
-        Arena { lanes, turn: AtomicU64::new(0), opened: AtomicBool::new(false) }
+        Arena { memory, lanes, turn: AtomicU64::new(0), opened: AtomicBool::new(false) }
     }
 
     /// Slices one memfd holds (0 under an `RLIMIT_FSIZE` below `SLICE`).
@@ -131,7 +134,7 @@ impl Arena {
             for l in self.lanes.iter() {
                 let mut s = l.lock();
                 if s.current.is_none() {
-                    s.renew()?;
+                    s.renew(self.memory)?;
                 }
             }
             self.opened.store(true, Release);
@@ -139,7 +142,7 @@ impl Arena {
         let lane = (self.turn.fetch_add(1, Relaxed) % self.lanes.len() as u64) as usize;
         let mut s = self.lanes[lane].lock();
         if s.current.is_none() || s.next == per {
-            s.renew()?;
+            s.renew(self.memory)?;
         }
         let base = s.next * SLICE;
         s.next += 1;
@@ -177,9 +180,9 @@ impl Arena {
 
 impl ArenaState {
     /// Hand slices out of a new memfd from now on.
-    fn renew(&mut self) -> Result<()> {
+    fn renew(&mut self, memory: PageMemory) -> Result<()> {
         // Under the lane's lock, a leaf: memfd_create and ftruncate take no lock of ours.
-        let m = Arc::new(Memfd::create("pages")?);
+        let m = Arc::new(Memfd::create("pages", memory)?);
         self.all.retain(|w| w.strong_count() > 0);
         self.all.push(Arc::downgrade(&m));
         self.current = Some(m);
@@ -192,6 +195,8 @@ impl ArenaState {
 /// slices), the rest in a memfd of its own (see the module documentation). Every method
 /// takes file offsets.
 pub(crate) struct Memory {
+    /// What the memfds are made of.
+    kind: PageMemory,
     /// The shared memfd and the slice's base; `None` where there are no slices.
     low: Option<(Arc<Memfd>, u64)>,
     /// The memfd for the other offsets, made on first use.
@@ -224,13 +229,30 @@ impl Memory {
     /// An object's memory, empty: a slice of `arena` (no system call) where there are
     /// slices.
     pub(crate) fn new(arena: &Arena) -> Result<Memory> {
-        Ok(Memory { low: arena.slice()?, high: OnceLock::new(), high_init: Mutex::new(()), touched: AtomicU64::new(0) })
+        Ok(Memory {
+            kind: arena.memory,
+            low: arena.slice()?,
+            high: OnceLock::new(),
+            high_init: Mutex::new(()),
+            touched: AtomicU64::new(0),
+        })
     }
 
     /// The own memfd, made if needed. (Named by what it is, not by its object's id: an id
     /// kept for the name was 8 bytes in every cached object, for the rare one past 1 TiB.)
     fn high(&self) -> Result<&Memfd> {
-        get_or_try_init(&self.high, &self.high_init, || Memfd::create("object"))
+        get_or_try_init(&self.high, &self.high_init, || Memfd::create("object", self.kind))
+    }
+
+    /// Whether the pages are hugetlb pages, which must be allocated (`allocate`) before
+    /// anything but the kernel touches them (see `huge.rs`).
+    pub(crate) fn is_hugetlb(&self) -> bool {
+        matches!(self.kind, PageMemory::Hugetlb(_))
+    }
+
+    /// The unit of mapping: the system page, or the huge page.
+    pub(crate) fn granule(&self) -> usize {
+        self.kind.granule()
     }
 
     /// The part of `offset..offset+len` in the slice: the shared memfd, the offset there and
@@ -244,6 +266,7 @@ impl Memory {
 
     /// Note slice offsets below `end` as touched.
     fn touch(&self, end: u64) {
+        let end = end.next_multiple_of(self.granule() as u64);
         self.touched.fetch_max(end.min(SLICE), Relaxed);
     }
 
@@ -387,6 +410,8 @@ impl Drop for Memory {
 /// One memfd: offsets are the memfd's own.
 pub(crate) struct Memfd {
     fd: OwnedFd,
+    /// The hugetlb page size, 0 for shmem.
+    huge: u64,
     /// Its cache is shutting down (`Arena::retire`): a slice dropped now punches nothing,
     /// since the whole memfd (and every page in it) goes when the last slice does.
     retiring: AtomicBool,
@@ -394,11 +419,18 @@ pub(crate) struct Memfd {
 
 impl Memfd {
     /// A new, empty memfd sized to cover every file offset (sparse: costs nothing).
-    pub(crate) fn create(name: &str) -> Result<Memfd> {
+    /// Of hugetlb memory, its size is rounded down to the huge page (hugetlbfs refuses any
+    /// other).
+    pub(crate) fn create(name: &str, memory: PageMemory) -> Result<Memfd> {
         let cname = CString::new(format!("ubc:{name}")).unwrap_or_else(|_| CString::new("ubc").unwrap());
-        let fd = rustix::fs::memfd_create(&cname, MemfdFlags::CLOEXEC).map_err(|e| Error::os("memfd_create", e))?;
-        rustix::fs::ftruncate(&fd, max_size()).map_err(|e| Error::os("ftruncate(memfd)", e))?;
-        Ok(Memfd { fd, retiring: AtomicBool::new(false) })
+        let (flags, huge) = match memory {
+            PageMemory::Shmem => (MemfdFlags::CLOEXEC, 0),
+            PageMemory::Hugetlb(h) => (MemfdFlags::CLOEXEC | MemfdFlags::HUGETLB | huge_flag(h), h),
+        };
+        let fd = rustix::fs::memfd_create(&cname, flags).map_err(|e| Error::os("memfd_create", e))?;
+        let size = if huge > 0 { max_size() & !(huge - 1) } else { max_size() };
+        rustix::fs::ftruncate(&fd, size).map_err(|e| Error::os("ftruncate(memfd)", e))?;
+        Ok(Memfd { fd, huge, retiring: AtomicBool::new(false) })
     }
 
     /// Free the pages in `offset..offset+len` (and unmap them from every mapping).
@@ -409,14 +441,24 @@ impl Memfd {
 
     /// Allocate zeroed memory for the holes in `offset..offset+len` (existing pages stay).
     pub(crate) fn allocate(&self, offset: u64, len: u64) -> Result<()> {
-        rustix::fs::fallocate(&self.fd, FallocateFlags::KEEP_SIZE, offset, len)
-            .map_err(|e| Error::os("fallocate(memfd)", e))
+        rustix::fs::fallocate(&self.fd, FallocateFlags::KEEP_SIZE, offset, len).map_err(|e| {
+            if self.huge > 0 && e == rustix::io::Errno::NOSPC {
+                Error::os("fallocate(hugetlb memfd): the host's hugetlb pool has no free page", e)
+            } else {
+                Error::os("fallocate(memfd)", e)
+            }
+        })
     }
 
     /// Write `buf` at `offset` with `pwrite` (for pages that hold no memory yet: the kernel
     /// allocates them without zeroing what the write covers). => `offset + buf.len()` is at
-    /// most `max_size()`, so the write never meets `RLIMIT_FSIZE`.
+    /// most `max_size()`, so the write never meets `RLIMIT_FSIZE`. hugetlbfs has no `write`:
+    /// there the pages are allocated first (an empty pool is `ENOSPC`, not a SIGBUS in the
+    /// copy) and the bytes copied through a mapping of them made for the purpose.
     pub(crate) fn write_at(&self, mut buf: &[u8], mut offset: u64) -> Result<()> {
+        if self.huge > 0 {
+            return self.write_through_map(buf, offset);
+        }
         while !buf.is_empty() {
             match rustix::io::pwrite(&self.fd, buf, offset) {
                 Ok(0) => return Err(Error::os("pwrite(memfd)", rustix::io::Errno::NOSPC)),
@@ -427,6 +469,33 @@ impl Memfd {
                 Err(rustix::io::Errno::INTR) => {}
                 Err(e) => return Err(Error::os("pwrite(memfd)", e)),
             }
+        }
+        Ok(())
+    }
+
+    /// `write_at` for hugetlb memory. => `self.huge > 0`.
+    fn write_through_map(&self, buf: &[u8], offset: u64) -> Result<()> {
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let h = self.huge;
+        let start = offset & !(h - 1);
+        let end = (offset + buf.len() as u64).next_multiple_of(h);
+        self.allocate(start, end - start)?;
+        let len = (end - start) as usize;
+        let p = self.mmap(
+            std::ptr::null_mut(),
+            start,
+            len,
+            ProtFlags::READ | ProtFlags::WRITE,
+            MapFlags::SHARED,
+            "mmap(hugetlb write)",
+        )?;
+        // SAFETY: a fresh mapping of `len` bytes whose pages were allocated above; the
+        // caller holds the pages written (BUSY or WRITING), so no one else writes them.
+        unsafe {
+            std::ptr::copy_nonoverlapping(buf.as_ptr(), p.add((offset - start) as usize), buf.len());
+            unmap(p, len);
         }
         Ok(())
     }
@@ -465,12 +534,21 @@ impl Memfd {
         flags: MapFlags,
         what: &'static str,
     ) -> Result<*mut u8> {
+        // hugetlb: no reservation for the whole range at mmap (a user mapping of a large file
+        // would need as many free pool pages as it spans); pages are allocated one by one
+        // before use (`allocate`), so a shortage is an error there instead.
+        let flags = if self.huge > 0 { flags | MapFlags::NORESERVE } else { flags };
         // SAFETY: a fresh mapping at a kernel-chosen address, or (per the precondition) over
         // our own unused one; it aliases no Rust object.
         let p = unsafe { rustix::mm::mmap(addr as *mut _, len, prot, flags, self.fd.as_fd(), offset) }
             .map_err(|e| Error::os(what, e))?;
         Ok(p as *mut u8)
     }
+}
+
+/// `MFD_HUGE_*` for a huge page of `size` bytes: log2 of the size in bits 26..32.
+fn huge_flag(size: u64) -> MemfdFlags {
+    MemfdFlags::from_bits_retain((size.trailing_zeros()) << 26)
 }
 
 /// Unmap a window. => nobody uses the address any more.

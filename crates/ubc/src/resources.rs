@@ -160,6 +160,8 @@ pub(crate) struct Resources {
     pub(crate) windows: Windows,
     /// The memfds objects' pages share (see `memfd.rs`).
     pub(crate) arena: crate::memfd::Arena,
+    /// `CacheStats::page_memory`: which memory the pages live in, and why.
+    pub(crate) page_memory: String,
     /// Counters of objects already dropped.
     retired: Mutex<Stats>,
     /// Pages that eviction must keep for `Cache::sync_all`'s unstable writes until their
@@ -201,6 +203,8 @@ pub(crate) struct Parts {
     pub(crate) policy_name: String,
     pub(crate) windows: Windows,
     pub(crate) watch_pressure: bool,
+    /// The memory pages live in (huge pages or not), and why.
+    pub(crate) page_memory: crate::huge::Choice,
 }
 
 /// Pages reclaimed per policy-lock hold.
@@ -249,7 +253,8 @@ impl Resources {
             policy: policy::PolicyLock::new(p.policy),
             policy_name: p.policy_name,
             windows: p.windows,
-            arena: crate::memfd::Arena::new(),
+            arena: crate::memfd::Arena::new(p.page_memory.memory),
+            page_memory: p.page_memory.report,
             retired: Mutex::new(Stats::default()),
             uncommitted: AtomicU64::new(0),
             up: OnceLock::new(),

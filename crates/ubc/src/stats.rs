@@ -109,6 +109,10 @@ pub struct CacheStats {
     /// Total time writers were paused by dirty throttling, and flusher rounds.
     pub throttled_ms: u64,
     pub flusher_runs: u64,
+    /// The memory pages live in, chosen at build (`CacheBuilder::huge_pages`), and why:
+    /// "hugetlb, 2 MiB pages (…)", "shmem THP, 2 MiB pages mapped in 4 KiB PTEs (…)" or
+    /// "shmem, 4 KiB pages (…)".
+    pub page_memory: String,
     /// How mappings are served: "userfaultfd", or "populate (‹why not userfaultfd›)";
     /// "none yet" before the first `map`.
     pub map_mode: String,
@@ -209,6 +213,7 @@ impl std::fmt::Display for CacheStats {
             mib(self.private_copy_bytes),
             self.map_mode
         )?;
+        writeln!(f, "page memory   {}", self.page_memory)?;
         write!(
             f,
             "objects       {:>10}       windows {} (mapped {}, retired {})   loans {} (taken {}, pages copied {}, {:.1} MiB held)   locked {:.1} MiB (unlock requests {}, refused {})",

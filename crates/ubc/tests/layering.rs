@@ -29,6 +29,7 @@ const RANKS: &[(&str, u32)] = &[
     ("stats", 2),
     // Leaves.
     ("advice", 1),
+    ("huge", 1),
     ("order", 1),
     ("error", 1),
     ("errseq", 1),

@@ -46,7 +46,7 @@ use crate::util::*;
 use std::fs::File;
 use std::hint::black_box;
 use std::path::Path;
-use ubc::{Access, Cache, CacheStats, Sharing};
+use ubc::{Access, Cache, CacheStats, HugePages, Sharing};
 
 /// Touch stride: one byte per 4 KiB page.
 const STEP: usize = 4096;
@@ -104,14 +104,78 @@ fn map_counters(before: Option<&CacheStats>, after: &CacheStats) -> String {
 }
 
 pub fn run(ctx: &Ctx) -> Vec<Record> {
-    let mut out = resident(ctx);
-    out.push(cold_seq(ctx));
+    let mut out = resident(ctx, Pages::Default);
+    out.push(cold_seq(ctx, Pages::Default));
     out.extend(mach(ctx));
+    // The same rows on 2 MiB hugetlb pages, where the host's pool can hold the budget
+    // (`scripts/bench` reserves one when it may; the notes say which settings were in force).
+    match Pages::Hugetlb.usable(ctx.scale(512 * MIB, 256 * MIB)) {
+        Ok(()) => {
+            out.extend(resident(ctx, Pages::Hugetlb));
+            out.push(cold_seq(ctx, Pages::Hugetlb));
+        }
+        Err(why) => eprintln!("map: no _hugetlb rows: {why}"),
+    }
     out
 }
 
+/// Which cache pages a row runs on.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Pages {
+    /// The builder's default: 4 KiB shmem pages.
+    Default,
+    /// `HugePages::Require` with a pool that holds the budget: 2 MiB hugetlb pages.
+    Hugetlb,
+}
+
+impl Pages {
+    fn suffix(self) -> &'static str {
+        match self {
+            Pages::Default => "",
+            Pages::Hugetlb => "_hugetlb",
+        }
+    }
+
+    fn cache(self, budget: u64) -> Cache {
+        let b = Cache::builder().budget(budget);
+        let c = match self {
+            Pages::Default => b.build(),
+            Pages::Hugetlb => b.huge_pages(HugePages::Require).build(),
+        }
+        .expect("ubc cache");
+        if self == Pages::Hugetlb {
+            assert!(c.stats().page_memory.starts_with("hugetlb"), "{}", c.stats().page_memory);
+        }
+        c
+    }
+
+    /// Whether a cache of `budget` bytes gets hugetlb pages now.
+    fn usable(self, budget: u64) -> Result<(), String> {
+        let c = Cache::builder().budget(budget).huge_pages(HugePages::Try).build().map_err(|e| e.to_string())?;
+        let m = c.stats().page_memory;
+        if m.starts_with("hugetlb") { Ok(()) } else { Err(m) }
+    }
+}
+
+/// The host's huge-page settings, for the notes of the rows they bear on.
+fn host_huge_settings() -> String {
+    let rd = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_else(|_| "?".into());
+    let sel = |s: String| {
+        s.split_whitespace().find(|w| w.starts_with('[')).map(|w| w.trim_matches(['[', ']']).to_string()).unwrap_or(s)
+    };
+    format!(
+        "host: nr_hugepages {} (2 MiB, {} free), THP enabled {}, shmem_enabled {}",
+        rd("/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages"),
+        rd("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages"),
+        sel(rd("/sys/kernel/mm/transparent_hugepage/enabled")),
+        sel(rd("/sys/kernel/mm/transparent_hugepage/shmem_enabled")),
+    )
+}
+
 /// `map_resident_touch`, `map_random_read`, `map_first_write`: one cache, two identical files.
-fn resident(ctx: &Ctx) -> Vec<Record> {
+fn resident(ctx: &Ctx, pages: Pages) -> Vec<Record> {
+    let sfx = pages.suffix();
+    let name = |row: &str| format!("{row}{sfx}");
     let len = ctx.scale(64 * MIB, 32 * MIB);
     let n = len as usize;
     let budget = 2 * len;
@@ -119,13 +183,19 @@ fn resident(ctx: &Ctx) -> Vec<Record> {
     let kpath = ctx.dir.join("map_kernel.dat");
     make_file(&upath, len).expect("make file");
     make_file(&kpath, len).expect("make file");
-    let c = Cache::builder().budget(budget).build().expect("ubc cache");
+    let c = pages.cache(budget);
     let f = c.open_path(&upath, Access::ReadWrite).expect("ubc open");
     let mut buf = AlignedBuf::new(CHUNK);
     assert_eq!(ubc_read_all(&f, &mut buf), len); // resident in ubc
     warm_kernel_cache(&kpath);
     let kf = std::fs::OpenOptions::new().read(true).write(true).open(&kpath).expect("open");
-    let fair = format!("{} MiB file, ubc budget {} MiB, one byte per 4 KiB page", len >> 20, budget >> 20);
+    let fair = format!(
+        "{} MiB file, ubc budget {} MiB, one byte per 4 KiB page; ubc pages: {}; {}",
+        len >> 20,
+        budget >> 20,
+        c.stats().page_memory,
+        host_huge_settings()
+    );
     let mut out = vec![];
 
     // --- map_resident_touch -----------------------------------------------------------
@@ -170,7 +240,7 @@ fn resident(ctx: &Ctx) -> Vec<Record> {
     }
     let after = c.stats();
     out.push(Record::from_samples(
-        "map_resident_touch",
+        &name("map_resident_touch"),
         "GB/s",
         Better::Higher,
         &u,
@@ -186,7 +256,7 @@ fn resident(ctx: &Ctx) -> Vec<Record> {
         ),
     ));
     out.push(Record::from_samples(
-        "map_resident_touch_vs_memfd",
+        &name("map_resident_touch_vs_memfd"),
         "GB/s",
         Better::Higher,
         &u,
@@ -237,7 +307,7 @@ fn resident(ctx: &Ctx) -> Vec<Record> {
     let after = c.stats();
     drop((um, km));
     out.push(Record::from_samples(
-        "map_random_read",
+        &name("map_random_read"),
         "ops/s",
         Better::Higher,
         &u,
@@ -286,7 +356,7 @@ fn resident(ctx: &Ctx) -> Vec<Record> {
     let after = c.stats();
     let ms = |v: &[f64]| median(v) * 1e3;
     out.push(Record::from_samples(
-        "map_first_write",
+        &name("map_first_write"),
         "pages/s",
         Better::Higher,
         &u,
@@ -312,7 +382,7 @@ fn resident(ctx: &Ctx) -> Vec<Record> {
 }
 
 /// `map_cold_seq_touch`: nothing resident anywhere before each timed run.
-fn cold_seq(ctx: &Ctx) -> Record {
+fn cold_seq(ctx: &Ctx, pages: Pages) -> Record {
     let len = ctx.scale(256 * MIB, 128 * MIB);
     let n = len as usize;
     let budget = 2 * len;
@@ -322,7 +392,7 @@ fn cold_seq(ctx: &Ctx) -> Record {
     let (mut note, mut ud, mut kd) = (String::new(), IoStat::default(), IoStat::default());
     for _ in 0..ctx.runs {
         drops.push(drop_kernel_cache_checked(&path));
-        let c = Cache::builder().budget(budget).build().expect("ubc cache");
+        let c = pages.cache(budget);
         let d0 = IoStat::now();
         let (secs, (s, io)) = time(|| {
             let f = c.open_path(&path, Access::ReadOnly).expect("ubc open");
@@ -333,7 +403,7 @@ fn cold_seq(ctx: &Ctx) -> Record {
         black_box(s);
         u.push(len as f64 / secs / 1e9);
         let cs = c.stats();
-        note = format!("{}; {}", map_counters(None, &cs), ubc_note(&cs, io));
+        note = format!("{}; {}; ubc pages: {}", map_counters(None, &cs), ubc_note(&cs, io), cs.page_memory);
         drop(c);
         drops.push(drop_kernel_cache_checked(&path));
         let d0 = IoStat::now();
@@ -348,7 +418,7 @@ fn cold_seq(ctx: &Ctx) -> Record {
     }
     let _ = std::fs::remove_file(&path);
     Record::from_samples(
-        "map_cold_seq_touch",
+        &format!("map_cold_seq_touch{}", pages.suffix()),
         "GB/s",
         Better::Higher,
         &u,
@@ -356,11 +426,12 @@ fn cold_seq(ctx: &Ctx) -> Record {
         "kernel mmap (cold)",
         &format!(
             "{} MiB file, ubc budget {} MiB, fresh Cache and kernel cache dropped before every run; \
-             open + map + touch every page in order + unmap; last run: ubc {}, kernel {}; {note}; target >= 0.7x{}",
+             open + map + touch every page in order + unmap; last run: ubc {}, kernel {}; {note}; {}; target >= 0.7x{}",
             len >> 20,
             budget >> 20,
             ud.describe(1),
             kd.describe(1),
+            host_huge_settings(),
             drop_notes(&drops)
         ),
     )

@@ -14,7 +14,7 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let (_stack, layer) = a.stack.open()?;
+    let (stack, layer) = a.stack.open()?;
     let at = layer.getattr(&a.path).input(&a.path)?;
     println!("  path: {}", a.path);
     println!(" layer: {} ({})", layer.index(), layer.spec());
@@ -22,6 +22,8 @@ pub fn run(a: Args) -> Result<()> {
     println!("  size: {}", at.size);
     println!("  mode: {:04o}", at.mode & 0o7777);
     println!(" mtime: {}", show_time(at.mtime));
+    // The cache this command ran with: which memory its pages live in (huge pages or not).
+    println!(" pages: {}", stack.cache().stats().page_memory);
     Ok(())
 }
 

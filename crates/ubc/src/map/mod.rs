@@ -85,6 +85,13 @@ pub(crate) fn page_size() -> usize {
     rustix::param::page_size()
 }
 
+/// Whether userfaultfd resolves minor and missing faults on hugetlb memory here (what the
+/// hugetlb page path needs from it; `false` also when userfaultfd cannot be opened).
+pub(crate) fn hugetlb_faults() -> bool {
+    let both = feature::MINOR_HUGETLBFS | feature::MISSING_HUGETLBFS;
+    uffd::offered_features().is_some_and(|f| f & both == both)
+}
+
 /// Check once whether the mapping scheme can run here: the features, a uffd that lets
 /// kernel accesses wait, registration of a memfd mapping as the service registers user
 /// mappings with the range ioctls it uses, and `PAGEMAP_SCAN`. => call once (it opens and closes a few

@@ -105,6 +105,17 @@ impl Query {
         ret: category::PRESENT,
         max_pages: 0,
     };
+    /// Empty ptes: neither a page nor a marker. In a WP-registered hugetlb mapping, whose
+    /// unmapped ptes all hold WP markers, that is a huge page zapped while written (a zap
+    /// leaves a marker only where the pte was protected).
+    pub(crate) const EMPTY: Query = Query {
+        flags: 0,
+        inverted: category::PRESENT | category::SWAPPED,
+        mask: category::PRESENT | category::SWAPPED,
+        anyof: 0,
+        ret: category::PRESENT | category::SWAPPED,
+        max_pages: 0,
+    };
     /// Pages mapped at the address.
     pub(crate) const PRESENT: Query =
         Query { flags: 0, inverted: 0, mask: category::PRESENT, anyof: 0, ret: category::PRESENT, max_pages: 0 };
@@ -190,6 +201,11 @@ impl Pagemap {
     /// Like [`Pagemap::take_written`] but leaves the pages as they are (a peek).
     pub(crate) fn written(&self, start: usize, len: usize, out: &mut Vec<Range<usize>>) -> io::Result<u64> {
         self.scan(start, len, Query::WRITTEN, |r| push_merged(out, r.start as usize..r.end as usize))
+    }
+
+    /// Append to `out` the empty ptes of `start..start+len` ([`Query::EMPTY`]).
+    pub(crate) fn empty(&self, start: usize, len: usize, out: &mut Vec<Range<usize>>) -> io::Result<u64> {
+        self.scan(start, len, Query::EMPTY, |r| push_merged(out, r.start as usize..r.end as usize))
     }
 
     /// Append to `out` the pages of `start..start+len` mapped (present) at their address.

@@ -139,6 +139,9 @@ pub(crate) struct UserMap {
     interrupted: AtomicU32,
     /// The mapping's advice (`Mapping::advise`), an `Advice` as u8: steers its faults.
     pub(crate) pattern: std::sync::atomic::AtomicU8,
+    /// The smallest unit the kernel maps, poisons and wakes in it: the system page, or the
+    /// huge page of a hugetlb memfd (whose ranges must be aligned to it).
+    pub(crate) granule: usize,
 }
 
 impl UserMap {
@@ -149,8 +152,10 @@ impl UserMap {
         obj: Weak<dyn Mapped>,
         sharing: Sharing,
         access: Access,
+        granule: usize,
     ) -> UserMap {
         UserMap {
+            granule,
             addr,
             len,
             offset,
@@ -356,7 +361,7 @@ impl MapService {
         if !*alive {
             return;
         }
-        let sys = super::page_size();
+        let sys = m.granule;
         let mode = FillMode { dontwake: true, wp: m.tracked };
         let mut off = 0;
         let mut tries = 0;
@@ -387,6 +392,30 @@ impl MapService {
     /// Returns their file page indexes (ascending, may repeat when pages are larger than the
     /// system page). => caller holds the object's scan lock.
     pub(crate) fn take_written(&self, m: &UserMap, a: u64, b: u64, ps: u32, out: &mut Vec<u64>) {
+        self.collect_written(m, a, b, ps, out, false);
+    }
+
+    /// Zap file pages `[a, b)` out of tracked mapping `m` and append to `out` those stored
+    /// to since the last scan (eviction and a pager's lock: afterwards a store traps, and
+    /// waits for whoever holds the page). => caller holds the object's scan lock and the
+    /// pages.
+    ///
+    /// Zap first, then look: a store between a look and the zap would otherwise be lost with
+    /// the page. On shmem the written state survives the zap (an empty pte where a marker is
+    /// not reads as written). On hugetlb it does not — a zapped written huge pte is just
+    /// empty, which `PAGEMAP_SCAN` does not call written (measured on 6.18) — but a zapped
+    /// *protected* one leaves a WP marker, and every pte of the mapping holds a page or a
+    /// marker from registration on; so an empty pte after the zap is a page written since
+    /// the last scan. Those are then protected again (a marker each), so the next scan does
+    /// not find them a second time.
+    pub(crate) fn zap_taking_written(&self, m: &UserMap, a: u64, b: u64, ps: u32, out: &mut Vec<u64>) {
+        self.zap(m, a, b, ps);
+        self.collect_written(m, a, b, ps, out, m.granule > super::page_size());
+    }
+
+    /// `take_written`, or with `zapped_huge` the empty ptes of a zapped hugetlb range (see
+    /// `zap_taking_written`), protected again.
+    fn collect_written(&self, m: &UserMap, a: u64, b: u64, ps: u32, out: &mut Vec<u64>, zapped_huge: bool) {
         let Some(k) = &self.kernel else { return };
         if !m.tracked {
             return;
@@ -397,7 +426,12 @@ impl MapService {
             return;
         }
         let mut runs = Vec::new();
-        if k.pagemap.take_written(start, len, &mut runs).is_err() {
+        let scanned = if zapped_huge {
+            k.pagemap.empty(start, len, &mut runs)
+        } else {
+            k.pagemap.take_written(start, len, &mut runs)
+        };
+        if scanned.is_err() {
             // Cannot happen for a range registered WP on a WP_ASYNC uffd; if it did, the
             // safe answer is that every page may be written.
             #[allow(clippy::single_range_in_vec_init)] // one run: the whole mapping
@@ -409,6 +443,9 @@ impl MapService {
             let first = (m.offset + (r.start - m.addr) as u64) >> ps;
             let end = (m.offset + (r.end - m.addr) as u64).div_ceil(1 << ps);
             out.extend(first..end);
+            if zapped_huge {
+                let _ = k.uffd.writeprotect(r.start, r.end - r.start, true);
+            }
         }
     }
 
@@ -477,8 +514,8 @@ impl MapService {
     /// fault-around state is left alone.
     fn serve_fault(&self, k: &Kernel, addr: usize, minor: bool) {
         self.faults.fetch_add(1, Relaxed);
-        let sys = super::page_size();
-        let addr = addr & !(sys - 1);
+        let mut sys = super::page_size();
+        let mut addr = addr & !(sys - 1);
         let m = {
             let t = self.table.read();
             t.range(..=addr).next_back().filter(|(_, m)| addr < m.addr + m.len).map(|(_, m)| m.clone())
@@ -492,6 +529,9 @@ impl MapService {
             let _ = k.uffd.wake(addr, sys);
             return;
         };
+        // Poison and wake whole granules (a hugetlb mapping refuses less).
+        sys = m.granule;
+        addr &= !(sys - 1);
         let ps = obj.page_shift();
         let page = (m.offset + (addr - m.addr) as u64) >> ps;
         let end = obj.len().div_ceil(1 << ps).min(m.pages(ps).end);
@@ -597,7 +637,9 @@ impl MapService {
 /// Open the uffd with the features the scheme needs and check `PAGEMAP_SCAN`.
 fn open_kernel() -> std::result::Result<Kernel, String> {
     super::probe().map_err(|u| u.reason)?;
-    let uffd = Uffd::open(feature::SCHEME | feature::MINOR_SHMEM, 0).map_err(|u| u.reason)?;
+    let uffd =
+        Uffd::open(feature::SCHEME | feature::MINOR_SHMEM, feature::MINOR_HUGETLBFS | feature::MISSING_HUGETLBFS)
+            .map_err(|u| u.reason)?;
     let pagemap = Pagemap::open().map_err(|e| format!("open /proc/self/pagemap: {e}"))?;
     let waker = Waker::new().map_err(|e| format!("eventfd: {e}"))?;
     Ok(Kernel { uffd, pagemap, waker })

@@ -32,8 +32,7 @@ impl Object {
             let _scan = self.scan_lock.lock();
             let mut found = Vec::new();
             for m in self.maps.read().iter().filter(|m| m.tracked) {
-                svc.zap(m, pages.start, pages.end, self.ps());
-                svc.take_written(m, pages.start, pages.end, self.ps(), &mut found);
+                svc.zap_taking_written(m, pages.start, pages.end, self.ps(), &mut found);
             }
             crate::map::dedup_pages(&mut found);
             if let (Some(lo), Some(hi)) = (found.first(), found.last()) {

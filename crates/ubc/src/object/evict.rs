@@ -28,8 +28,7 @@ impl Object {
             if let Some(svc) = self.res.maps.get() {
                 for m in self.maps.read().iter().filter(|m| m.tracked) {
                     for (a, b) in runs(pages) {
-                        svc.zap(m, a, b, ps);
-                        svc.take_written(m, a, b, ps, &mut found);
+                        svc.zap_taking_written(m, a, b, ps, &mut found);
                     }
                 }
             }

@@ -115,12 +115,17 @@ impl Object {
         // showed (`ubc-fsx --other`, seed 99: after a shrink and a growth, old bytes where
         // zeros belong).
         let len = self.len();
+        let bytes = (n << self.ps()) as usize;
+        let memfd = self.memory()?;
+        if memfd.is_hugetlb() {
+            // Pool pages are taken here, before the pager or a window touches them: a pool
+            // emptied by another process is this fill's `ENOSPC`, not a SIGBUS (huge.rs).
+            memfd.allocate(offset, bytes as u64)?;
+        }
         if offset >= len {
             // Entirely past the end of the file: a hole, zero-filled by the memfd.
             return Ok(());
         }
-        let memfd = self.memory()?;
-        let bytes = (n << self.ps()) as usize;
         // Where the pager puts the bytes. A pager that reads with `O_DIRECT`, and a small
         // file (see `by_syscall`), fill this thread's page-aligned bounce buffer (made once,
         // reused), which is then `pwrite`n into the memfd. Read straight into the window,

@@ -180,6 +180,11 @@ pub struct Args {
     /// Cache budget in MiB
     #[arg(long, value_name = "MiB", default_value_t = 64)]
     budget: u64,
+    /// Huge pages for the cache: never, try (2 MiB hugetlb pages if the host's pool holds
+    /// the budget, else shmem THP if tmpfs allocates it, else ordinary pages) or require.
+    /// Which one the cache got is said on stderr when it is not what was asked for
+    #[arg(long, value_name = "WHEN", default_value = "never", value_parser = crate::common::parse_huge)]
+    huge_pages: ubc::HugePages,
     /// With `--cache writeback`: how much written data the kernel may hold for the mount
     /// before it makes writers wait (the FUSE connection's `max_bytes` in /sys/class/bdi;
     /// Linux caps a FUSE mount at 1% of its dirty limit, ~50 MB here, unless raised — root
@@ -230,8 +235,12 @@ pub fn run(a: Args) -> Result<()> {
     if let Some(n) = a.host_fds {
         ubc::pager::host_fds::set_limit(n);
     }
-    let sa = StackArgs { stack: a.stack.clone(), layer: None, budget: a.budget };
+    let sa = StackArgs { stack: a.stack.clone(), layer: None, budget: a.budget, huge_pages: a.huge_pages };
     let (stack, _) = sa.open_caching(a.cached_files)?;
+    if a.huge_pages == ubc::HugePages::Try && !stack.cache().stats().page_memory.starts_with("hugetlb") {
+        // Asked for and not (wholly) given: say which memory the pages got, and why.
+        eprintln!("ubc mount: pages: {}", stack.cache().stats().page_memory);
+    }
     if let Some(n) = a.idle_files {
         stack.set_idle_files(n);
     }
