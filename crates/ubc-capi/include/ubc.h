@@ -62,6 +62,16 @@ const char *ubc_last_error(void);
 
 /* A cache holding at most `budget` bytes of file pages. */
 ubc_cache *ubc_cache_new(size_t budget);
+/* Huge pages for a cache's memory. */
+enum { UBC_HUGE_NEVER = 0, UBC_HUGE_TRY = 1, UBC_HUGE_REQUIRE = 2 };
+/* ubc_cache_new with huge pages: UBC_HUGE_TRY gives the cache 2 MiB pages from the host's
+ * hugetlb pool when its free pages hold the budget, else shmem THP if tmpfs allocates it
+ * on writes, else ordinary pages; UBC_HUGE_REQUIRE fails (EINVAL, ubc_last_error says why)
+ * when neither huge-page path is available. */
+ubc_cache *ubc_cache_new_huge(size_t budget, int huge);
+/* Which memory the cache's pages live in, and why ("hugetlb, 2 MiB pages (...)"), copied
+ * NUL-terminated into buf (truncated to len); returns the whole length, or -1. */
+ssize_t ubc_cache_page_memory(const ubc_cache *cache, char *buf, size_t len);
 /* Release the caller's reference (stacks and files opened over it keep it alive).
  * NULL is ignored. */
 void ubc_cache_free(ubc_cache *cache);

@@ -177,6 +177,51 @@ pub extern "C" fn ubc_cache_new(budget: usize) -> *mut ubc_cache {
     })
 }
 
+/// `ubc_cache_new` with huge pages: `huge` is `UBC_HUGE_NEVER` (0), `UBC_HUGE_TRY` (1) or
+/// `UBC_HUGE_REQUIRE` (2), as `ubc::HugePages`.
+#[unsafe(no_mangle)]
+pub extern "C" fn ubc_cache_new_huge(budget: usize, huge: c_int) -> *mut ubc_cache {
+    guard(std::ptr::null_mut(), || {
+        let h = match huge {
+            0 => ubc::HugePages::Never,
+            1 => ubc::HugePages::Try,
+            2 => ubc::HugePages::Require,
+            _ => {
+                return Err(Fail(libc::EINVAL, format!("huge pages {huge}: expected UBC_HUGE_NEVER, _TRY or _REQUIRE")));
+            }
+        };
+        let cache = ubc::Cache::builder().budget(budget as u64).huge_pages(h).build().map_err(|e| {
+            let msg = format!("cache of {budget} bytes: {e}");
+            let errno = match &e {
+                ubc::Error::InvalidArgument(_) => libc::EINVAL,
+                _ => ::ubc_stack::Error::from(e).errno(),
+            };
+            Fail(errno, msg)
+        })?;
+        Ok(Box::into_raw(Box::new(ubc_cache { cache })))
+    })
+}
+
+/// Which memory the cache's pages live in, and why (`CacheStats::page_memory`), copied into
+/// `buf` (at most `len - 1` bytes and a NUL); returns its whole length, or -1.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ubc_cache_page_memory(cache: *const ubc_cache, buf: *mut c_char, len: usize) -> isize {
+    guard(-1, || {
+        // SAFETY: the caller passes a live cache handle or NULL (ubc.h, "Pointer arguments").
+        let c = unsafe { handle(cache as *mut ubc_cache, "cache") }?;
+        let s = c.cache.stats().page_memory;
+        if !buf.is_null() && len > 0 {
+            let n = s.len().min(len - 1);
+            // SAFETY: the caller's buffer holds `len` bytes; we write `n + 1 <= len`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(s.as_ptr(), buf as *mut u8, n);
+                *buf.add(n) = 0;
+            }
+        }
+        Ok(s.len() as isize)
+    })
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ubc_cache_free(cache: *mut ubc_cache) {
     guard((), || {

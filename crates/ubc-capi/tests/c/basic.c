@@ -9,6 +9,29 @@ int main(int argc, char **argv) {
     CHECK(argc == 3);
     char spec[4096];
     snprintf(spec, sizeof spec, "dir:%s | zstd | aead:keyfile=%s", argv[1], argv[2]);
+    /* huge pages: asked for, reported; a bad choice is EINVAL */
+    ubc_cache *h = ubc_cache_new_huge(8 << 20, UBC_HUGE_TRY);
+    CHECK(h != NULL);
+    char mem[512];
+    ssize_t ml = ubc_cache_page_memory(h, mem, sizeof mem);
+    CHECK(ml > 0 && (size_t)ml == strlen(mem));
+    const char *req = getenv("UBC_TEST_HUGETLB");
+    if (req && strcmp(req, "1") == 0) CHECK(strncmp(mem, "hugetlb, 2 MiB pages", 20) == 0);
+    ubc_stack *hs = ubc_stack_open(h, "mem");
+    CHECK(hs != NULL);
+    ubc_file *hf = ubc_open(hs, -1, "h", UBC_RDWR | UBC_CREAT);
+    CHECK(hf != NULL);
+    static unsigned char hb[3 << 20], hr[3 << 20];
+    for (size_t i = 0; i < sizeof hb; i++) hb[i] = (unsigned char)(i * 13 + 1);
+    CHECK(ubc_pwrite(hf, hb, sizeof hb, 5) == (ssize_t)sizeof hb);
+    CHECK(ubc_pread(hf, hr, sizeof hr, 5) == (ssize_t)sizeof hr);
+    CHECK(memcmp(hb, hr, sizeof hb) == 0);
+    CHECK(ubc_close(hf) == 0);
+    ubc_stack_close(hs);
+    ubc_cache_free(h);
+    CHECK(ubc_cache_new_huge(8 << 20, 7) == NULL && errno == EINVAL);
+    CHECK(ubc_cache_page_memory(NULL, mem, sizeof mem) == -1);
+
     ubc_cache *c = ubc_cache_new(64 << 20);
     CHECK(c != NULL);
     ubc_stack *s = ubc_stack_open(c, spec);
