@@ -187,7 +187,10 @@ pub extern "C" fn ubc_cache_new_huge(budget: usize, huge: c_int) -> *mut ubc_cac
             1 => ubc::HugePages::Try,
             2 => ubc::HugePages::Require,
             _ => {
-                return Err(Fail(libc::EINVAL, format!("huge pages {huge}: expected UBC_HUGE_NEVER, _TRY or _REQUIRE")));
+                return Err(Fail(
+                    libc::EINVAL,
+                    format!("huge pages {huge}: expected UBC_HUGE_NEVER, _TRY or _REQUIRE"),
+                ));
             }
         };
         let cache = ubc::Cache::builder().budget(budget as u64).huge_pages(h).build().map_err(|e| {

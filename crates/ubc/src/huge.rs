@@ -74,6 +74,15 @@ pub(crate) struct Host {
     pub(crate) shmem_thp: String,
 }
 
+/// "4 KiB", "2 MiB", "1 GiB".
+fn size_name(b: u64) -> String {
+    match b {
+        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{} GiB", b >> 30),
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
+        b => format!("{} KiB", b >> 10),
+    }
+}
+
 fn read_sys(path: &str) -> Option<String> {
     std::fs::read_to_string(path).ok().map(|s| s.trim().to_string())
 }
@@ -127,7 +136,7 @@ pub(crate) fn choose(
     let plain = |why: String| Choice {
         memory: PageMemory::Shmem,
         page_size,
-        report: format!("shmem, {} KiB pages ({why})", page_size >> 10),
+        report: format!("shmem, {} pages ({why})", size_name(page_size as u64)),
     };
     if ask == HugePages::Never {
         return Ok(plain("huge pages not asked for".into()));

@@ -28,6 +28,13 @@ fn pool_free() -> u64 {
         .unwrap_or(0)
 }
 
+fn pool_total() -> u64 {
+    std::fs::read_to_string("/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 fn shmem_thp() -> String {
     let s = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled").unwrap_or_default();
     s.split_whitespace().find(|w| w.starts_with('[')).unwrap_or("").trim_matches(['[', ']']).to_string()
@@ -91,8 +98,8 @@ fn try_takes_the_pool_or_says_why_and_require_refuses() {
         assert!(mem.contains("hugetlb pages"), "the report says why not hugetlb: {mem}");
     }
     drop(c);
-    // A budget one page more than the pool holds: never hugetlb.
-    let over = (pool_free() + 1) * HUGE;
+    // A budget one page more than the whole pool (free or not): never hugetlb.
+    let over = (pool_total() + 1) * HUGE;
     let c = Cache::builder().budget(over).huge_pages(HugePages::Try).build().unwrap();
     let mem = c.stats().page_memory;
     assert!(!mem.starts_with("hugetlb"), "{mem}");
@@ -122,78 +129,95 @@ fn every_path_keeps_every_byte_with_a_budget_far_below_the_file() {
     let _g = POOL.lock().unwrap_or_else(|e| e.into_inner());
     guarded("hugetlb model", 300, || {
         let Some(c) = hugetlb_cache(8 << 20) else { return };
-        let dir = tempfile::tempdir().unwrap();
-        let len = 48u64 << 20;
-        let path = host_file(dir.path(), "f", len, 7);
-        let mut model = pattern(7, 0, len as usize);
-        let f = c.open_path(&path, Access::ReadWrite).unwrap();
-        let mut rng = StdRng::seed_from_u64(20);
-        let mut buf = vec![0u8; 3 << 20];
-        for round in 0..400 {
-            let cur = model.len() as u64;
-            let off = rng.random_range(0..cur);
-            let n = rng.random_range(1..=(3u64 << 20).min(cur - off)) as usize;
-            match rng.random_range(0..10) {
-                0..=4 => {
-                    let got = f.read_at(&mut buf[..n], off).unwrap();
-                    assert_eq!(got, n);
-                    assert!(buf[..n] == model[off as usize..off as usize + n], "round {round}: read {off}+{n}");
-                }
-                5..=7 => {
-                    let data: Vec<u8> = (0..n as u64).map(|i| byte_at(round, i)).collect();
-                    f.write_at(&data, off).unwrap();
-                    model[off as usize..off as usize + n].copy_from_slice(&data);
-                }
-                8 => {
-                    // Stores through a shared mapping of a stretch around `off`.
-                    let a = off & !(HUGE - 1);
-                    let b = (a + 8 * HUGE).min(cur);
-                    let mut m = f.map(a..b, Access::ReadWrite, Sharing::Shared).unwrap();
-                    let s: &mut [u8] = &mut m;
-                    for _ in 0..64 {
-                        let i = rng.random_range(0..s.len());
-                        let v = (round as u8) | 1;
-                        s[i] = v;
-                        model[a as usize + i] = v;
-                    }
-                    if *s != model[a as usize..b as usize] {
-                        let i = s.iter().zip(&model[a as usize..b as usize]).position(|(x, y)| x != y).unwrap();
-                        let mut r = vec![0u8; 16];
-                        f.read_at(&mut r, a + i as u64).unwrap();
-                        panic!(
-                            "round {round}: mapping {a}..{b} differs at {} (page {}, +{}): map {:?} model {:?} read_at {:?}",
-                            a + i as u64,
-                            (a + i as u64) / HUGE,
-                            (a + i as u64) % HUGE,
-                            &s[i..i + 16],
-                            &model[a as usize + i..a as usize + i + 16],
-                            r
-                        );
-                    }
-                    m.flush().unwrap();
-                }
-                _ => {
-                    // Cut into the middle of a huge page, then grow back: zeros past the cut.
-                    let cut = rng.random_range(cur / 2..cur);
-                    f.set_len(cut).unwrap();
-                    f.set_len(len).unwrap();
-                    model.truncate(cut as usize);
-                    model.resize(len as usize, 0);
-                }
+        model_run(c);
+    });
+}
+
+/// The same on ordinary memfds with 2 MiB cache pages: the shmem THP path's geometry (with
+/// THP on, the kernel backs each such page with one folio; the cache's code is the same).
+#[test]
+fn every_path_keeps_every_byte_on_2mib_shmem_pages() {
+    guarded("2 MiB shmem model", 300, || {
+        let c = Cache::builder().budget(8 << 20).page_size(2 << 20).window_size(32 << 20).build().unwrap();
+        assert!(c.stats().page_memory.starts_with("shmem, 2 MiB pages"), "{}", c.stats().page_memory);
+        model_run(c);
+    });
+}
+
+/// Random `read_at`, `write_at`, stores through a mapping and truncations against a model,
+/// the file six times `c`'s 8 MiB budget; then the host file, read without ubc, is the model.
+fn model_run(c: Cache) {
+    let dir = tempfile::tempdir().unwrap();
+    let len = 48u64 << 20;
+    let path = host_file(dir.path(), "f", len, 7);
+    let mut model = pattern(7, 0, len as usize);
+    let f = c.open_path(&path, Access::ReadWrite).unwrap();
+    let mut rng = StdRng::seed_from_u64(20);
+    let mut buf = vec![0u8; 3 << 20];
+    for round in 0..400 {
+        let cur = model.len() as u64;
+        let off = rng.random_range(0..cur);
+        let n = rng.random_range(1..=(3u64 << 20).min(cur - off)) as usize;
+        match rng.random_range(0..10) {
+            0..=4 => {
+                let got = f.read_at(&mut buf[..n], off).unwrap();
+                assert_eq!(got, n);
+                assert!(buf[..n] == model[off as usize..off as usize + n], "round {round}: read {off}+{n}");
             }
-            let st = c.stats();
-            assert!(st.totals.resident_bytes <= 8 << 20, "round {round}: {} resident", st.totals.resident_bytes);
+            5..=7 => {
+                let data: Vec<u8> = (0..n as u64).map(|i| byte_at(round, i)).collect();
+                f.write_at(&data, off).unwrap();
+                model[off as usize..off as usize + n].copy_from_slice(&data);
+            }
+            8 => {
+                // Stores through a shared mapping of a stretch around `off`.
+                let a = off & !(HUGE - 1);
+                let b = (a + 8 * HUGE).min(cur);
+                let mut m = f.map(a..b, Access::ReadWrite, Sharing::Shared).unwrap();
+                let s: &mut [u8] = &mut m;
+                for _ in 0..64 {
+                    let i = rng.random_range(0..s.len());
+                    let v = (round as u8) | 1;
+                    s[i] = v;
+                    model[a as usize + i] = v;
+                }
+                if *s != model[a as usize..b as usize] {
+                    let i = s.iter().zip(&model[a as usize..b as usize]).position(|(x, y)| x != y).unwrap();
+                    let mut r = vec![0u8; 16];
+                    f.read_at(&mut r, a + i as u64).unwrap();
+                    panic!(
+                        "round {round}: mapping {a}..{b} differs at {} (page {}, +{}): map {:?} model {:?} read_at {:?}",
+                        a + i as u64,
+                        (a + i as u64) / HUGE,
+                        (a + i as u64) % HUGE,
+                        &s[i..i + 16],
+                        &model[a as usize + i..a as usize + i + 16],
+                        r
+                    );
+                }
+                m.flush().unwrap();
+            }
+            _ => {
+                // Cut into the middle of a huge page, then grow back: zeros past the cut.
+                let cut = rng.random_range(cur / 2..cur);
+                f.set_len(cut).unwrap();
+                f.set_len(len).unwrap();
+                model.truncate(cut as usize);
+                model.resize(len as usize, 0);
+            }
         }
         let st = c.stats();
-        assert!(st.totals.evictions > 0, "the budget was far below the file: {st}");
-        f.sync().unwrap();
-        drop(f);
-        drop(c);
-        let host = std::fs::read(&path).unwrap();
-        assert_eq!(host.len(), model.len());
-        let first = host.iter().zip(&model).position(|(a, b)| a != b);
-        assert_eq!(first, None, "the host file differs from the model");
-    });
+        assert!(st.totals.resident_bytes <= 8 << 20, "round {round}: {} resident", st.totals.resident_bytes);
+    }
+    let st = c.stats();
+    assert!(st.totals.evictions > 0, "the budget was far below the file: {st}");
+    f.sync().unwrap();
+    drop(f);
+    drop(c);
+    let host = std::fs::read(&path).unwrap();
+    assert_eq!(host.len(), model.len());
+    let first = host.iter().zip(&model).position(|(a, b)| a != b);
+    assert_eq!(first, None, "the host file differs from the model");
 }
 
 /// A mapping of a resident file is mapped at map time, one PMD per cache page: no fault
@@ -288,9 +312,16 @@ fn an_empty_pool_is_an_error_not_a_crash() {
 fn hog_pool() -> rustix::fd::OwnedFd {
     use rustix::fs::{FallocateFlags, MemfdFlags};
     let fd = rustix::fs::memfd_create("hog", MemfdFlags::CLOEXEC | MemfdFlags::HUGETLB | MemfdFlags::HUGE_2MB).unwrap();
-    let n = pool_free();
-    rustix::fs::ftruncate(&fd, n * HUGE).unwrap();
-    rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, n * HUGE).unwrap();
+    // A page at a time until the pool says no (others may take or free pages meanwhile).
+    let mut n = 0;
+    loop {
+        rustix::fs::ftruncate(&fd, (n + 1) * HUGE).unwrap();
+        match rustix::fs::fallocate(&fd, FallocateFlags::empty(), n * HUGE, HUGE) {
+            Ok(()) => n += 1,
+            Err(rustix::io::Errno::NOSPC) => break,
+            Err(e) => panic!("fallocate(hugetlb): {e}"),
+        }
+    }
     assert_eq!(pool_free(), 0);
     fd
 }
