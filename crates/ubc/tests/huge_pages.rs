@@ -430,3 +430,45 @@ fn threads_mixing_writes_reads_and_stores_on_huge_pages() {
         }
     });
 }
+
+/// The shmem THP path, where the host enables it for tmpfs writes: the cache's pages come in
+/// huge folios (`ShmemHugePages` grows by the file's size). On a host with THP for shmem
+/// off, the cache must say so and keep ordinary pages.
+#[test]
+fn shmem_thp_path_takes_huge_folios_where_the_host_allows() {
+    let _g = POOL.lock().unwrap_or_else(|e| e.into_inner());
+    guarded("shmem THP", 120, || {
+        let on_write = matches!(shmem_thp().as_str(), "always" | "within_size" | "force");
+        // A budget past the whole pool: never hugetlb.
+        let c = Cache::builder().budget((pool_total() + 1) * HUGE).huge_pages(HugePages::Try).build().unwrap();
+        let mem = c.stats().page_memory;
+        if !on_write {
+            assert!(
+                std::env::var("UBC_TEST_THP").is_err(),
+                "UBC_TEST_THP set but shmem_enabled is {}",
+                shmem_thp()
+            );
+            assert!(mem.starts_with("shmem, 4 KiB pages (huge pages tried"), "{mem}");
+            eprintln!("not tested here (shmem_enabled is {}): {mem}", shmem_thp());
+            return;
+        }
+        assert!(mem.starts_with("shmem THP, 2 MiB pages"), "{mem}");
+        let meminfo = |key: &str| -> u64 {
+            let m = std::fs::read_to_string("/proc/meminfo").unwrap();
+            let l = m.lines().find(|l| l.starts_with(key)).unwrap();
+            l.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() << 10
+        };
+        let before = meminfo("ShmemHugePages:");
+        let dir = tempfile::tempdir().unwrap();
+        let len = 32u64 << 20;
+        let path = host_file(dir.path(), "thp", len, 17);
+        let f = c.open_path(&path, Access::ReadOnly).unwrap();
+        let mut b = vec![0u8; len as usize];
+        f.read_at(&mut b, 0).unwrap();
+        assert!(b == pattern(17, 0, len as usize));
+        let grew = meminfo("ShmemHugePages:").saturating_sub(before);
+        // Other processes may allocate or free shmem THPs meanwhile: most of it is enough.
+        eprintln!("ShmemHugePages grew by {} MiB for {} MiB cached", grew >> 20, len >> 20);
+        assert!(grew >= len / 2, "ShmemHugePages grew by {grew} B for {len} B cached: {mem}");
+    });
+}
