@@ -443,11 +443,7 @@ fn shmem_thp_path_takes_huge_folios_where_the_host_allows() {
         let c = Cache::builder().budget((pool_total() + 1) * HUGE).huge_pages(HugePages::Try).build().unwrap();
         let mem = c.stats().page_memory;
         if !on_write {
-            assert!(
-                std::env::var("UBC_TEST_THP").is_err(),
-                "UBC_TEST_THP set but shmem_enabled is {}",
-                shmem_thp()
-            );
+            assert!(std::env::var("UBC_TEST_THP").is_err(), "UBC_TEST_THP set but shmem_enabled is {}", shmem_thp());
             assert!(mem.starts_with("shmem, 4 KiB pages (huge pages tried"), "{mem}");
             eprintln!("not tested here (shmem_enabled is {}): {mem}", shmem_thp());
             return;
