@@ -83,6 +83,9 @@ struct RunArgs {
     /// Cache budgets in MiB, comma-separated
     #[arg(long, default_value = "16,64,1024")]
     budgets: String,
+    /// Huge pages for every cache of the run (mounts and the library): never, try, require
+    #[arg(long, default_value = "never")]
+    huge_pages: String,
     /// Patterns, comma-separated: rand4k-threads, rand4k-procs, seq1m-fsync, mixed, two-mounts
     #[arg(long, default_value = "rand4k-threads,rand4k-procs,seq1m-fsync,mixed,two-mounts")]
     patterns: String,
@@ -127,6 +130,8 @@ struct CaseArgs {
     stack: String,
     #[arg(long)]
     budget: u64,
+    #[arg(long, default_value = "never")]
+    huge_pages: String,
     #[arg(long)]
     pattern: String,
     #[arg(long)]
@@ -154,6 +159,8 @@ struct LibWorkerArgs {
     spec: String,
     #[arg(long)]
     budget: u64,
+    #[arg(long, default_value = "never")]
+    huge_pages: String,
     #[arg(long)]
     file: String,
     #[arg(long)]
@@ -490,7 +497,7 @@ struct Mount {
 impl Mount {
     fn start(c: &CaseArgs, spec: &str, ats: &[(usize, PathBuf)], prog: &Progress, log: &Path) -> R<Mount> {
         let mut cmd = Command::new(&c.ubc);
-        cmd.args(["mount", "--stack", spec, "--budget", &c.budget.to_string()]);
+        cmd.args(["mount", "--stack", spec, "--budget", &c.budget.to_string(), "--huge-pages", &c.huge_pages]);
         for (n, mp) in ats {
             std::fs::create_dir_all(mp).ctx(mp.display())?;
             cmd.arg("--at").arg(format!("{n}:{}", mp.display()));
@@ -797,7 +804,7 @@ fn case(c: &CaseArgs, prog: &Progress) -> R<Outcome> {
             m.stop(prog)?;
         }
         _ => {
-            let cache = ubc::Cache::new(c.budget << 20).ctx("cache")?;
+            let cache = soak_cache(c.budget, &c.huge_pages)?;
             let stack = ubc_stack::Stack::open(&spec, cache).ctx("reopen stack")?;
             for (name, model) in &models {
                 let f = stack.top().open(name).ctx(format!("open {name} after reopen"))?;
@@ -1130,6 +1137,7 @@ fn lib_pattern(c: &CaseArgs, prog: &Progress, spec: &str) -> R<Phase> {
             let slot = prog.slot();
             let child = Command::new(&me)
                 .args(["lib-worker", "--spec", spec, "--budget", &c.budget.to_string(), "--file", &format!("f{k}")])
+                .args(["--huge-pages", &c.huge_pages])
                 .args([
                     "--size",
                     &quarter.to_string(),
@@ -1163,7 +1171,7 @@ fn lib_pattern(c: &CaseArgs, prog: &Progress, spec: &str) -> R<Phase> {
         let models = (0..4u64).map(|k| (format!("f{k}"), rand_model(c.seed + 100 * k, 1, quarter, ops))).collect();
         return Ok((models, Outcome { ops: 4 * ops, bytes: 4 * ops * BS4K, secs, ..Default::default() }));
     }
-    let cache = ubc::Cache::new(c.budget << 20).ctx("cache")?;
+    let cache = soak_cache(c.budget, &c.huge_pages)?;
     let stack = ubc_stack::Stack::open(spec, cache).ctx("open stack")?;
     let r = match c.pattern.as_str() {
         "rand4k-threads" => {
@@ -1203,10 +1211,21 @@ fn lib_pattern(c: &CaseArgs, prog: &Progress, spec: &str) -> R<Phase> {
     Ok(r)
 }
 
+/// A cache of `budget` MiB with huge pages as `--huge-pages` says.
+fn soak_cache(budget: u64, huge: &str) -> R<ubc::Cache> {
+    let h = match huge {
+        "never" => ubc::HugePages::Never,
+        "try" => ubc::HugePages::Try,
+        "require" => ubc::HugePages::Require,
+        other => return Err(format!("--huge-pages {other}: expected never, try or require")),
+    };
+    ubc::Cache::builder().budget(budget << 20).huge_pages(h).build().ctx("cache")
+}
+
 fn lib_worker(a: LibWorkerArgs) -> R<()> {
     let prog = Progress::open(&a.progress, false)?;
     let ctr = prog.counter_at(a.slot);
-    let cache = ubc::Cache::new(a.budget << 20).ctx("cache")?;
+    let cache = soak_cache(a.budget, &a.huge_pages)?;
     let stack = ubc_stack::Stack::open(&a.spec, cache).ctx("open stack")?;
     let f = stack.top().create(&a.file).ctx("create")?;
     f.set_len(a.size).ctx("set_len")?;
@@ -1349,6 +1368,7 @@ fn run(a: RunArgs) -> i32 {
                     let ca = CaseArgs {
                         stack: stack.clone(),
                         budget,
+                        huge_pages: a.huge_pages.clone(),
                         pattern: pattern.clone(),
                         frontend: frontend.clone(),
                         size: mib * MIB,
@@ -1432,6 +1452,8 @@ fn run_case(ca: &CaseArgs, a: &RunArgs, row: &mut Row) {
             &ca.stack,
             "--budget",
             &ca.budget.to_string(),
+            "--huge-pages",
+            &ca.huge_pages,
             "--pattern",
             &ca.pattern,
             "--frontend",
