@@ -308,6 +308,7 @@ impl CacheBuilder {
         if self.budget > memory {
             return bad(format!("budget {} B is more than the machine's memory and swap ({memory} B)", self.budget));
         }
+        crate::huge::return_page_buffers(self.page_size);
         let page_shift = self.page_size.trailing_zeros();
         let chunk_shift = (self.window_size / self.page_size).trailing_zeros();
         let pages = |b: usize| ((b / self.page_size).max(1)) as u64;
