@@ -16,6 +16,7 @@ fn rss_anon() -> u64 {
 /// few, as fills and writebacks through general layers do — and, between them, small
 /// allocations that live on (a cache's metadata does), returned to the caller. Those pin
 /// the arena's memory above them: freed buffers below them cannot be given back by a trim.
+#[allow(clippy::vec_box)] // each small allocation its own, on purpose
 fn churn() -> Vec<Vec<Box<[u8; 64]>>> {
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..8usize)
