@@ -164,17 +164,20 @@ pub struct ubc_stack {
 
 #[unsafe(no_mangle)]
 pub extern "C" fn ubc_cache_new(budget: usize) -> *mut ubc_cache {
-    guard(std::ptr::null_mut(), || {
-        let cache = ubc::Cache::new(budget as u64).map_err(|e| {
-            let msg = format!("cache of {budget} bytes: {e}");
-            let errno = match &e {
-                ubc::Error::InvalidArgument(_) => libc::EINVAL,
-                _ => ::ubc_stack::Error::from(e).errno(),
-            };
-            Fail(errno, msg)
-        })?;
-        Ok(Box::into_raw(Box::new(ubc_cache { cache })))
-    })
+    guard(std::ptr::null_mut(), || new_cache(budget, ubc::HugePages::Never))
+}
+
+/// A cache handle, or the error as errno and message.
+fn new_cache(budget: usize, huge: ubc::HugePages) -> R<*mut ubc_cache> {
+    let cache = ubc::Cache::builder().budget(budget as u64).huge_pages(huge).build().map_err(|e| {
+        let msg = format!("cache of {budget} bytes: {e}");
+        let errno = match &e {
+            ubc::Error::InvalidArgument(_) => libc::EINVAL,
+            _ => ::ubc_stack::Error::from(e).errno(),
+        };
+        Fail(errno, msg)
+    })?;
+    Ok(Box::into_raw(Box::new(ubc_cache { cache })))
 }
 
 /// `ubc_cache_new` with huge pages: `huge` is `UBC_HUGE_NEVER` (0), `UBC_HUGE_TRY` (1) or
@@ -193,15 +196,7 @@ pub extern "C" fn ubc_cache_new_huge(budget: usize, huge: c_int) -> *mut ubc_cac
                 ));
             }
         };
-        let cache = ubc::Cache::builder().budget(budget as u64).huge_pages(h).build().map_err(|e| {
-            let msg = format!("cache of {budget} bytes: {e}");
-            let errno = match &e {
-                ubc::Error::InvalidArgument(_) => libc::EINVAL,
-                _ => ::ubc_stack::Error::from(e).errno(),
-            };
-            Fail(errno, msg)
-        })?;
-        Ok(Box::into_raw(Box::new(ubc_cache { cache })))
+        new_cache(budget, h)
     })
 }
 
