@@ -1777,3 +1777,39 @@ impl Drop for KillOnDrop {
         let _ = self.0.wait();
     }
 }
+
+/// `ubc mount --huge-pages`: the stacked mount on 2 MiB cache pages (hugetlb where the test
+/// script reserved a pool: `require` then) keeps every byte through writes, an overwrite in
+/// the middle of a huge page, `cp`, and a remount; with `try` and no pool it says on stderr
+/// which pages it got.
+#[test]
+fn a_mount_on_huge_pages_keeps_every_byte() {
+    if !fuse_available() {
+        return;
+    }
+    let pooled = std::env::var("UBC_TEST_HUGETLB").is_ok_and(|v| v == "1");
+    let how = if pooled { "require" } else { "try" };
+    let (t, spec, clear, _stored, mut d) = clear_and_stored(&["--huge-pages", how, "--budget", "32"]);
+    let data = sample(5 << 20);
+    std::fs::write(clear.join("h"), &data).unwrap();
+    let mut want = data.clone();
+    {
+        let f = std::fs::OpenOptions::new().write(true).open(clear.join("h")).unwrap();
+        f.write_all_at(b"IN THE MIDDLE OF A HUGE PAGE", (3 << 20) + 12345).unwrap();
+        f.sync_all().unwrap();
+    }
+    want[(3 << 20) + 12345..(3 << 20) + 12345 + 28].copy_from_slice(b"IN THE MIDDLE OF A HUGE PAGE");
+    assert!(std::fs::read(clear.join("h")).unwrap() == want);
+    assert!(Command::new("cp").arg(clear.join("h")).arg(clear.join("h2")).status().unwrap().success());
+    if !pooled {
+        d.wait_for_message("pages:", Duration::from_secs(5));
+    }
+    d.unmount();
+    let (clear2, stored2) = (t.path().join("clear2"), t.path().join("stored2"));
+    std::fs::create_dir(&clear2).unwrap();
+    std::fs::create_dir(&stored2).unwrap();
+    let mut d2 = Daemon::start(&spec, &[(2, &clear2), (0, &stored2)], &[], &t.path().join("err2"));
+    assert!(std::fs::read(clear2.join("h")).unwrap() == want);
+    assert!(std::fs::read(clear2.join("h2")).unwrap() == want);
+    d2.unmount();
+}
