@@ -117,6 +117,11 @@ impl Arena {
         Arena { memory, lanes, turn: AtomicU64::new(0), opened: AtomicBool::new(false) }
     }
 
+    /// Whether the cache's pages are hugetlb pages (see `Memory::is_hugetlb`).
+    pub(crate) fn is_hugetlb(&self) -> bool {
+        matches!(self.memory, PageMemory::Hugetlb(_))
+    }
+
     /// Slices one memfd holds (0 under an `RLIMIT_FSIZE` below `SLICE`).
     fn slices_per_memfd() -> u64 {
         max_size() / SLICE
@@ -452,13 +457,10 @@ impl Memfd {
 
     /// Write `buf` at `offset` with `pwrite` (for pages that hold no memory yet: the kernel
     /// allocates them without zeroing what the write covers). => `offset + buf.len()` is at
-    /// most `max_size()`, so the write never meets `RLIMIT_FSIZE`. hugetlbfs has no `write`:
-    /// there the pages are allocated first (an empty pool is `ENOSPC`, not a SIGBUS in the
-    /// copy) and the bytes copied through a mapping of them made for the purpose.
+    /// most `max_size()`, so the write never meets `RLIMIT_FSIZE`. Not for hugetlb memory
+    /// (hugetlbfs has no `write`: `EINVAL`); its writers allocate and copy through a window.
     pub(crate) fn write_at(&self, mut buf: &[u8], mut offset: u64) -> Result<()> {
-        if self.huge > 0 {
-            return self.write_through_map(buf, offset);
-        }
+        debug_assert_eq!(self.huge, 0, "pwrite into hugetlb memory");
         while !buf.is_empty() {
             match rustix::io::pwrite(&self.fd, buf, offset) {
                 Ok(0) => return Err(Error::os("pwrite(memfd)", rustix::io::Errno::NOSPC)),
@@ -469,33 +471,6 @@ impl Memfd {
                 Err(rustix::io::Errno::INTR) => {}
                 Err(e) => return Err(Error::os("pwrite(memfd)", e)),
             }
-        }
-        Ok(())
-    }
-
-    /// `write_at` for hugetlb memory. => `self.huge > 0`.
-    fn write_through_map(&self, buf: &[u8], offset: u64) -> Result<()> {
-        if buf.is_empty() {
-            return Ok(());
-        }
-        let h = self.huge;
-        let start = offset & !(h - 1);
-        let end = (offset + buf.len() as u64).next_multiple_of(h);
-        self.allocate(start, end - start)?;
-        let len = (end - start) as usize;
-        let p = self.mmap(
-            std::ptr::null_mut(),
-            start,
-            len,
-            ProtFlags::READ | ProtFlags::WRITE,
-            MapFlags::SHARED,
-            "mmap(hugetlb write)",
-        )?;
-        // SAFETY: a fresh mapping of `len` bytes whose pages were allocated above; the
-        // caller holds the pages written (BUSY or WRITING), so no one else writes them.
-        unsafe {
-            std::ptr::copy_nonoverlapping(buf.as_ptr(), p.add((offset - start) as usize), buf.len());
-            unmap(p, len);
         }
         Ok(())
     }

@@ -117,7 +117,8 @@ impl Object {
         let len = self.len();
         let bytes = (n << self.ps()) as usize;
         let memfd = self.memory()?;
-        if memfd.is_hugetlb() {
+        let hugetlb = memfd.is_hugetlb();
+        if hugetlb {
             // Pool pages are taken here, before the pager or a window touches them: a pool
             // emptied by another process is this fill's `ENOSPC`, not a SIGBUS (huge.rs).
             memfd.allocate(offset, bytes as u64)?;
@@ -139,7 +140,9 @@ impl Object {
         }
         let direct = self.pager.read().io_mode() == crate::pager::IoMode::Direct;
         let mut bounce = None;
-        let bounced = direct || self.by_syscall(chunk);
+        // hugetlb pages are allocated already (above) and cannot be `pwrite`n: always the
+        // window, where a direct read lands in one pinned huge page.
+        let bounced = !hugetlb && (direct || self.by_syscall(chunk));
         let buf = if bounced {
             // Taken out while in use: a pager that reads through this cache re-enters here
             // on the same thread, and gets a buffer of its own.

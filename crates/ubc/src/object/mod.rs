@@ -485,8 +485,10 @@ impl Object {
     /// larger file (its copies repeat over the same mapping), and a chunk mapped already
     /// (a `Window` guard made one) is used. Both ways reach the same memfd pages, so the
     /// choice is the copier's own business.
+    /// hugetlb memory has no `write`: its copies always go through a window.
     fn by_syscall(&self, chunk: &Chunk) -> bool {
-        chunk.window.load(SeqCst) <= WIN_RETIRING
+        !self.res.arena.is_hugetlb()
+            && chunk.window.load(SeqCst) <= WIN_RETIRING
             && self.len() <= 1 << (self.res.geo.chunk_shift + self.ps())
             && chunk.cold_copies.load(Relaxed) < COLD_COPIES
             && chunk.cold_copies.fetch_add(1, Relaxed) < COLD_COPIES

@@ -176,16 +176,19 @@ impl Object {
                 self.release_written(prev);
             }
             let src = &buf[(pos - offset) as usize..(to - offset) as usize];
-            let copied = if matches!(h, Held::Filled(_, _, true)) {
+            let copied = match (matches!(h, Held::Filled(_, _, true)), self.memory()) {
                 // A page with no memory yet: `pwrite` into the memfd allocates it in the
                 // kernel without zeroing it first and without a page fault on the window
                 // (measured in docs/bench.md, table1 writes). The page is BUSY: no mapping
-                // maps it (they are registered MINOR), no reader reads it. `checked_end` kept the write below the memfd's
-                // size, so below any RLIMIT_FSIZE.
-                self.memory().and_then(|m| m.write_at(src, pos))
-            } else {
+                // maps it (they are registered MINOR), no reader reads it. `checked_end`
+                // kept the write below the memfd's size, so below any RLIMIT_FSIZE.
+                (true, Ok(m)) if !m.is_hugetlb() => m.write_at(src, pos),
+                // hugetlbfs has no `write`: the page is allocated (an empty pool is this
+                // write's error, not a SIGBUS in the copy), then copied into as any other.
+                (true, Ok(m)) => m.allocate(page << ps, 1 << ps).and_then(|()| self.copy_in(chunk, pos, src)),
                 // We hold the page (WRITING or BUSY): no other writer, no eviction.
-                self.copy_in(chunk, pos, src)
+                (false, Ok(_)) => self.copy_in(chunk, pos, src),
+                (_, Err(e)) => Err(e),
             };
             match copied {
                 Ok(()) => {}
