@@ -19,11 +19,9 @@
 //! the hugetlb path only if the pool's free pages hold its whole budget when it is built,
 //! and allocates each page (`fallocate`) before anything touches it, so a pool emptied
 //! later by someone else makes a fill fail with `ENOSPC` (a typed error; SIGBUS for a
-//! mapping's fault) instead of killing the process with a SIGBUS inside the cache. A
-//! `Sharing::Private` mapping's stores copy into pages of the same pool, outside that
-//! check: they are counted against the budget (`private_copy_bytes`), but a pool with no
-//! headroom left can make such a store raise SIGBUS, as for any hugetlb mapping made with
-//! `MAP_NORESERVE`.
+//! mapping's fault) instead of killing the process with a SIGBUS inside the cache.
+//! `Sharing::Private` mappings of a hugetlb cache are refused: hugetlbfs drops a private
+//! mapping's copy of a page when a hole is punched in it, and eviction punches.
 
 use crate::error::{Error, Result};
 

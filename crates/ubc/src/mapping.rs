@@ -91,12 +91,20 @@ impl Mapping {
         let len = usize::try_from(range.end - range.start)
             .map_err(|_| Error::InvalidArgument("mapping larger than the address space".into()))?;
         checked_end(range.start, len)?;
+        let memory = obj.memory_for_map()?;
+        if sharing == Sharing::Private && memory.is_hugetlb() {
+            // hugetlbfs drops a private mapping's copies with the file's page when a hole is
+            // punched (measured: a stored byte reads 0 after the punch, where shmem keeps
+            // it), and eviction punches: the stores would be lost.
+            return Err(Error::InvalidArgument(
+                "a private mapping of a cache on hugetlb pages would lose its stores when the page is evicted".into(),
+            ));
+        }
         let ps = obj.page_shift();
         let start = range.start >> ps << ps;
         let end = range.end.div_ceil(1 << ps) << ps;
         let map_len = (end - start) as usize;
         let svc = obj.res.map_service().clone();
-        let memory = obj.memory_for_map()?;
         let addr = memory.map_user(start, map_len, sharing, access)? as usize;
         let unmap = || {
             // SAFETY: our fresh mapping; nothing refers to it yet.

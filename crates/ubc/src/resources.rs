@@ -416,7 +416,8 @@ impl Resources {
     /// Count the private mappings' copied pages again (`private_pages`).
     pub(crate) fn count_private_copies(&self) {
         if let Some(svc) = self.maps.get() {
-            self.private_pages.store(svc.private_copies(), Relaxed);
+            // In cache pages: the scan counts system pages, a cache page may be larger.
+            self.private_pages.store(svc.private_copies().div_ceil(self.geo.page_size as u64), Relaxed);
         }
     }
 

@@ -212,6 +212,7 @@ impl MapService {
     /// Pages the private mappings have copied on write (anonymous pages present in them),
     /// counted by `PAGEMAP_SCAN`; 0 without the kernel's help (populate mode). The page
     /// daemon charges them against the budget (`Resources::charged`).
+    /// Bytes of the private mappings' copies (anonymous pages present in them).
     pub(crate) fn private_copies(&self) -> u64 {
         let Some(k) = &self.kernel else { return 0 };
         let private: Vec<Arc<UserMap>> = self.table.read().values().filter(|m| m.private).cloned().collect();
@@ -220,7 +221,8 @@ impl MapService {
             .iter()
             .filter(|m| *m.alive.read())
             .map(|m| k.pagemap.scan(m.addr, m.len, anon, |_| {}).unwrap_or(0))
-            .sum()
+            .sum::<u64>()
+            * super::page_size() as u64
     }
 
     /// Probe the kernel and start `threads` handler threads; without userfaultfd (or with
