@@ -19,18 +19,8 @@ pub struct StackArgs {
     pub budget: u64,
     /// Huge pages for the cache: never, try (2 MiB hugetlb pages if the host's pool holds
     /// the budget, else shmem THP if tmpfs allocates it, else ordinary pages) or require
-    #[arg(long, value_name = "WHEN", default_value = "never", value_parser = parse_huge)]
+    #[arg(long, value_name = "WHEN", default_value = "never")]
     pub huge_pages: ubc::HugePages,
-}
-
-/// `--huge-pages never|try|require`.
-pub fn parse_huge(s: &str) -> std::result::Result<ubc::HugePages, String> {
-    match s {
-        "never" => Ok(ubc::HugePages::Never),
-        "try" => Ok(ubc::HugePages::Try),
-        "require" => Ok(ubc::HugePages::Require),
-        _ => Err(format!("'{s}': expected never, try or require")),
-    }
 }
 
 impl StackArgs {

@@ -73,16 +73,8 @@ impl Cache {
     #[new]
     #[pyo3(signature = (budget = 256 << 20, huge_pages = "never"))]
     fn new(budget: u64, huge_pages: &str) -> PyResult<Self> {
-        let huge = match huge_pages {
-            "never" => ubc::HugePages::Never,
-            "try" => ubc::HugePages::Try,
-            "require" => ubc::HugePages::Require,
-            other => {
-                return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                    "huge_pages={other:?}: expected 'never', 'try' or 'require'"
-                )));
-            }
-        };
+        let huge: ubc::HugePages =
+            huge_pages.parse().map_err(|e| pyo3::exceptions::PyValueError::new_err(format!("huge_pages={e}")))?;
         let inner = ubc::Cache::builder().budget(budget).huge_pages(huge).build().map_err(cache_err)?;
         Ok(Cache { inner })
     }

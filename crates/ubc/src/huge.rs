@@ -41,6 +41,20 @@ pub enum HugePages {
     Require,
 }
 
+/// `never`, `try`, `require` (the spelling of the command line and of the C and Python
+/// APIs).
+impl std::str::FromStr for HugePages {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<HugePages, String> {
+        match s {
+            "never" => Ok(HugePages::Never),
+            "try" => Ok(HugePages::Try),
+            "require" => Ok(HugePages::Require),
+            _ => Err(format!("'{s}': expected never, try or require")),
+        }
+    }
+}
+
 /// The memory a cache's pages live in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum PageMemory {

@@ -1213,12 +1213,7 @@ fn lib_pattern(c: &CaseArgs, prog: &Progress, spec: &str) -> R<Phase> {
 
 /// A cache of `budget` MiB with huge pages as `--huge-pages` says.
 fn soak_cache(budget: u64, huge: &str) -> R<ubc::Cache> {
-    let h = match huge {
-        "never" => ubc::HugePages::Never,
-        "try" => ubc::HugePages::Try,
-        "require" => ubc::HugePages::Require,
-        other => return Err(format!("--huge-pages {other}: expected never, try or require")),
-    };
+    let h: ubc::HugePages = huge.parse().map_err(|e| format!("--huge-pages {e}"))?;
     ubc::Cache::builder().budget(budget << 20).huge_pages(h).build().ctx("cache")
 }
 

@@ -183,7 +183,7 @@ pub struct Args {
     /// Huge pages for the cache: never, try (2 MiB hugetlb pages if the host's pool holds
     /// the budget, else shmem THP if tmpfs allocates it, else ordinary pages) or require.
     /// Which one the cache got is said on stderr when it is not what was asked for
-    #[arg(long, value_name = "WHEN", default_value = "never", value_parser = crate::common::parse_huge)]
+    #[arg(long, value_name = "WHEN", default_value = "never")]
     huge_pages: ubc::HugePages,
     /// With `--cache writeback`: how much written data the kernel may hold for the mount
     /// before it makes writers wait (the FUSE connection's `max_bytes` in /sys/class/bdi;
