@@ -109,7 +109,7 @@ pub fn run(ctx: &Ctx) -> Vec<Record> {
     out.extend(mach(ctx));
     // The same rows on 2 MiB hugetlb pages, where the host's pool can hold the budget
     // (`scripts/bench` reserves one when it may; the notes say which settings were in force).
-    match Pages::Hugetlb.usable(ctx.scale(512 * MIB, 256 * MIB)) {
+    match hugetlb_holds(ctx.scale(512 * MIB, 256 * MIB)) {
         Ok(()) => {
             out.extend(resident(ctx, Pages::Hugetlb));
             out.push(cold_seq(ctx, Pages::Hugetlb));
@@ -148,13 +148,13 @@ impl Pages {
         }
         c
     }
+}
 
-    /// Whether a cache of `budget` bytes gets hugetlb pages now.
-    fn usable(self, budget: u64) -> Result<(), String> {
-        let c = Cache::builder().budget(budget).huge_pages(HugePages::Try).build().map_err(|e| e.to_string())?;
-        let m = c.stats().page_memory;
-        if m.starts_with("hugetlb") { Ok(()) } else { Err(m) }
-    }
+/// Whether a cache of `budget` bytes gets hugetlb pages now (else what it gets, and why).
+fn hugetlb_holds(budget: u64) -> Result<(), String> {
+    let c = Cache::builder().budget(budget).huge_pages(HugePages::Try).build().map_err(|e| e.to_string())?;
+    let m = c.stats().page_memory;
+    if m.starts_with("hugetlb") { Ok(()) } else { Err(m) }
 }
 
 /// The host's huge-page settings, for the notes of the rows they bear on.
@@ -255,21 +255,25 @@ fn resident(ctx: &Ctx, pages: Pages) -> Vec<Record> {
             map_counters(Some(&before), &after)
         ),
     ));
-    out.push(Record::from_samples(
-        &name("map_resident_touch_vs_memfd"),
-        "GB/s",
-        Better::Higher,
-        &u,
-        &fl,
-        "mmap of a bare memfd holding the same bytes (no cache, no userfaultfd)",
-        &format!(
-            "{fair}; the floor of any cache whose pages live in memfds here: 4 KiB shmem pages, \
+    // The floor is a 4 KiB shmem memfd: the floor of the default pages only (hugetlb pages
+    // are no such memfd's).
+    if pages == Pages::Default {
+        out.push(Record::from_samples(
+            "map_resident_touch_vs_memfd",
+            "GB/s",
+            Better::Higher,
+            &u,
+            &fl,
+            "mmap of a bare memfd holding the same bytes (no cache, no userfaultfd)",
+            &format!(
+                "{fair}; the floor of any cache whose pages live in memfds here: 4 KiB shmem pages, \
              mapped 16 per fault (fault-around), where the kernel maps its file's large folios whole; \
              the floor itself vs. the kernel: {:.2}x; ubc maps resident pages at map time with \
              UFFDIO_CONTINUE (so that eviction can never race a store)",
-            median(&fl) / median(&k)
-        ),
-    ));
+                median(&fl) / median(&k)
+            ),
+        ));
+    }
     drop(floor_fd);
 
     // --- map_random_read ----------------------------------------------------------------

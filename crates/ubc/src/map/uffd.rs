@@ -615,14 +615,14 @@ fn handshake(fd: BorrowedFd<'_>, features: u64) -> Result<UffdioApi, i32> {
     Ok(api)
 }
 
-/// What the kernel offers (handshake on a throw-away uffd, asking nothing), cached: the
-/// kernel does not change under a running process, and a handshake can be done only once
-/// per uffd, so learning the offer costs a descriptor.
 /// The features the kernel offers, if a uffd can be opened at all.
 pub(crate) fn offered_features() -> Option<u64> {
     offered().ok().map(|f| f.offered)
 }
 
+/// What the kernel offers (handshake on a throw-away uffd, asking nothing), cached: the
+/// kernel does not change under a running process, and a handshake can be done only once
+/// per uffd, so learning the offer costs a descriptor.
 fn offered() -> Result<Features, Unavailable> {
     static OFFERED: std::sync::OnceLock<Result<Features, Unavailable>> = std::sync::OnceLock::new();
     OFFERED
