@@ -21,6 +21,10 @@ pub struct StackArgs {
     /// the budget, else shmem THP if tmpfs allocates it, else ordinary pages) or require
     #[arg(long, value_name = "WHEN", default_value = "never")]
     pub huge_pages: ubc::HugePages,
+    /// Cache files of memory-backed stores (the `mem` layer, host files on tmpfs) as copies,
+    /// instead of serving them in place from the store's own pages (execute-in-place)
+    #[arg(long)]
+    pub no_xip: bool,
 }
 
 impl StackArgs {
@@ -32,7 +36,7 @@ impl StackArgs {
     /// [`StackArgs::open`] with a cache keeping at most `cached_files` closed files (see
     /// `ubc::CacheBuilder::max_cached_files`; None: its default).
     pub fn open_caching(&self, cached_files: Option<usize>) -> Result<(Stack, LayerRef)> {
-        let mut b = ubc::Cache::builder().budget(self.budget << 20).huge_pages(self.huge_pages);
+        let mut b = ubc::Cache::builder().budget(self.budget << 20).huge_pages(self.huge_pages).xip(!self.no_xip);
         if let Some(n) = cached_files {
             b = b.max_cached_files(n);
         }

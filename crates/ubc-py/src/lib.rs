@@ -62,7 +62,9 @@ fn kind_name(k: ubc_stack::Kind) -> &'static str {
 
 /// A memory budget shared by stacks: `Cache(budget=256 << 20)` (bytes).
 /// `huge_pages="try"` (or `"require"`) gives it 2 MiB pages where the host allows (see
-/// `stats()["page_memory"]`); the default is `"never"`.
+/// `stats()["page_memory"]`); the default is `"never"`. Files of memory-backed stores (the
+/// `mem` layer, host files on tmpfs) are served in place from the store's own pages
+/// (`stats()["xip_bytes"]`), unless `xip=False`.
 #[pyclass(module = "ubc", frozen)]
 struct Cache {
     inner: ubc::Cache,
@@ -71,11 +73,11 @@ struct Cache {
 #[pymethods]
 impl Cache {
     #[new]
-    #[pyo3(signature = (budget = 256 << 20, huge_pages = "never"))]
-    fn new(budget: u64, huge_pages: &str) -> PyResult<Self> {
+    #[pyo3(signature = (budget = 256 << 20, huge_pages = "never", xip = true))]
+    fn new(budget: u64, huge_pages: &str, xip: bool) -> PyResult<Self> {
         let huge: ubc::HugePages =
             huge_pages.parse().map_err(|e| pyo3::exceptions::PyValueError::new_err(format!("huge_pages={e}")))?;
-        let inner = ubc::Cache::builder().budget(budget).huge_pages(huge).build().map_err(cache_err)?;
+        let inner = ubc::Cache::builder().budget(budget).huge_pages(huge).xip(xip).build().map_err(cache_err)?;
         Ok(Cache { inner })
     }
 
@@ -113,6 +115,7 @@ fn cache_stats<'py>(py: Python<'py>, s: &ubc::CacheStats) -> PyResult<Bound<'py,
     d.set_item("readahead_waste", t.readahead_waste)?;
     d.set_item("resident_bytes", t.resident_bytes)?;
     d.set_item("dirty_bytes", t.dirty_bytes)?;
+    d.set_item("xip_bytes", t.xip_bytes)?;
     d.set_item("budget_bytes", s.budget_bytes)?;
     d.set_item("allocated_bytes", s.allocated_bytes)?;
     d.set_item("page_size", s.page_size)?;

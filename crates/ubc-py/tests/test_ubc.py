@@ -294,6 +294,26 @@ def test_huge_pages(tmp_path):
         ubc.Cache(8 << 20, huge_pages="sometimes")
 
 
+def test_mem_files_are_served_in_place():
+    # A `mem` file lives once, in its store: the cache holds no copy of it and charges
+    # nothing to its budget, however small (execute-in-place); with xip=False it is cached.
+    data = os.urandom(8 << 20)
+    for xip in (True, False):
+        c = ubc.Cache(1 << 20, xip=xip)
+        s = ubc.Stack("mem", c)
+        with s.open("m.bin", "wb") as f:
+            f.write(data)
+        with s.open("m.bin") as f:
+            assert f.read() == data
+        st = c.stats()
+        if xip:
+            assert st["resident_bytes"] == 0, st
+            assert st["xip_bytes"] >= 7 << 20, st
+        else:
+            assert st["resident_bytes"] > 0, st
+            assert st["xip_bytes"] == 0, st
+
+
 def test_gil_released(env):
     data_dir, key = env
     spec = f"dir:{data_dir} | zstd | aead:keyfile={key}"

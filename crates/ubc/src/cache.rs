@@ -96,6 +96,7 @@ pub struct CacheBuilder {
     userfaultfd: bool,
     fault_threads: usize,
     watch_pressure: bool,
+    xip: bool,
 }
 
 impl Default for CacheBuilder {
@@ -125,6 +126,7 @@ impl Default for CacheBuilder {
             userfaultfd: true,
             fault_threads: 2,
             watch_pressure: true,
+            xip: true,
         }
     }
 }
@@ -148,6 +150,16 @@ impl CacheBuilder {
     /// `CacheStats::page_memory` says which memory the cache got, and why.
     pub fn huge_pages(mut self, h: HugePages) -> Self {
         self.huge_pages = h;
+        self
+    }
+    /// UBC's execute-in-place (default on): a file whose store keeps its bytes in shared
+    /// memory and offers it ([`Pager::memory`](crate::Pager::memory): files of the `mem`
+    /// layer, [`ShmPager`](crate::pager::ShmPager), host files on tmpfs and memfds) is read,
+    /// written and mapped in the store's own pages, with no copy in the cache and nothing
+    /// charged to the budget. Off, such files are cached like any other. Always off for a
+    /// cache of hugetlb pages (the stores' pages are shmem pages).
+    pub fn xip(mut self, on: bool) -> Self {
+        self.xip = on;
         self
     }
     /// Bytes mapped by one window: a power of two, a multiple of the page size, at most
@@ -371,6 +383,7 @@ impl CacheBuilder {
                 windows: Windows::new(self.window_size, max_windows),
                 page_memory: choice,
                 watch_pressure: self.watch_pressure,
+                xip: self.xip,
             },
         ));
         let core = Arc::new(CacheCore {

@@ -210,6 +210,11 @@ pub(crate) struct Memory {
     /// One past the highest slice offset ever written, allocated or mapped: what a drop
     /// punches.
     touched: AtomicU64,
+    /// A store's own file (`Memory::of_store_file`), not memory of ours: its length is the
+    /// file's, and another process may shorten it, so the cache copies to and from it with
+    /// `pread`/`pwrite` (a short file is an error, where a touch through a window past its end
+    /// would be `SIGBUS`).
+    foreign: bool,
 }
 
 /// `cell`'s value, made by `make` if there is none yet; `lock` serializes the makers, so
@@ -240,7 +245,62 @@ impl Memory {
             high: OnceLock::new(),
             high_init: Mutex::new(()),
             touched: AtomicU64::new(0),
+            foreign: false,
         })
+    }
+
+    /// The memory of a store kept in a shmem file of its own (a file on tmpfs, a memfd) —
+    /// file offset `o` at `o` in `fd` — for a cache that serves the store's pages in place
+    /// (XIP, `pager::StoreMemory`). Nothing is allocated or punched by its drop: the pages are
+    /// the store's.
+    pub(crate) fn of_store_file(fd: OwnedFd) -> Memory {
+        STORE_FILES.fetch_add(1, Relaxed);
+        let high = OnceLock::new();
+        let _ = high.set(Memfd { fd, huge: 0, retiring: AtomicBool::new(false) });
+        Memory {
+            kind: PageMemory::Shmem,
+            low: None,
+            high,
+            high_init: Mutex::new(()),
+            touched: AtomicU64::new(0),
+            foreign: true,
+        }
+    }
+
+    /// Whether this is a store's own file (see `foreign`).
+    pub(crate) fn is_store_file(&self) -> bool {
+        self.foreign
+    }
+
+    /// Where data or a hole lies from file offset `offset` on, within `offset..end`
+    /// (`lseek(SEEK_DATA / SEEK_HOLE)` on the memfds): the first offset of the kind, `end`
+    /// if there is none before it.
+    pub(crate) fn seek(&self, offset: u64, end: u64, data: bool) -> Result<u64> {
+        let mut at = offset;
+        while at < end {
+            let (low, n) = self.in_slice(at, end - at);
+            let (fd, base, stop) = match low {
+                Some((m, mat)) => (Some(&m.fd), mat - at, at + n),
+                None => (self.high.get().map(|h| &h.fd), 0, end),
+            };
+            let Some(fd) = fd else {
+                // No own memfd: all hole.
+                return Ok(if data { end } else { at });
+            };
+            // SEEK_DATA past the last data is ENXIO; SEEK_HOLE always finds one (the size).
+            let whence =
+                if data { rustix::fs::SeekFrom::Data(base + at) } else { rustix::fs::SeekFrom::Hole(base + at) };
+            let found = match rustix::fs::seek(fd, whence) {
+                Ok(o) => o - base,
+                Err(rustix::io::Errno::NXIO) => u64::MAX,
+                Err(e) => return Err(Error::os("lseek(memfd)", e)),
+            };
+            if found < stop {
+                return Ok(found.max(at).min(end));
+            }
+            at = stop;
+        }
+        Ok(end)
     }
 
     /// The own memfd, made if needed. (Named by what it is, not by its object's id: an id
@@ -396,8 +456,19 @@ impl Memory {
     }
 }
 
+/// Store files' memories alive (`Memory::of_store_file`): a descriptor each.
+static STORE_FILES: AtomicU64 = AtomicU64::new(0);
+
+/// How many descriptors store files' memories hold now.
+pub(crate) fn store_files() -> usize {
+    STORE_FILES.load(Relaxed) as usize
+}
+
 impl Drop for Memory {
     fn drop(&mut self) {
+        if self.foreign {
+            STORE_FILES.fetch_sub(1, Relaxed);
+        }
         // The object's teardown leaves its pages to this (it accounts them gone, and punches
         // nothing): one `fallocate` of every slice offset ever written, allocated or mapped,
         // per object that had pages. Without it that memory would stay allocated until the

@@ -160,6 +160,9 @@ pub(crate) struct Resources {
     pub(crate) windows: Windows,
     /// The memfds objects' pages share (see `memfd.rs`).
     pub(crate) arena: crate::memfd::Arena,
+    /// Whether a store that offers its own memory (`Pager::memory`) is served from it in
+    /// place (XIP): the cache's setting, and off for hugetlb pages (the store's are shmem).
+    pub(crate) xip: bool,
     /// `CacheStats::page_memory`: which memory the pages live in, and why.
     pub(crate) page_memory: String,
     /// Counters of objects already dropped.
@@ -203,6 +206,8 @@ pub(crate) struct Parts {
     pub(crate) policy_name: String,
     pub(crate) windows: Windows,
     pub(crate) watch_pressure: bool,
+    /// `CacheBuilder::xip`.
+    pub(crate) xip: bool,
     /// The memory pages live in (huge pages or not), and why.
     pub(crate) page_memory: crate::huge::Choice,
 }
@@ -254,6 +259,7 @@ impl Resources {
             policy_name: p.policy_name,
             windows: p.windows,
             arena: crate::memfd::Arena::new(p.page_memory.memory),
+            xip: p.xip && p.page_memory.memory == crate::huge::PageMemory::Shmem,
             page_memory: p.page_memory.report,
             retired: Mutex::new(Stats::default()),
             uncommitted: AtomicU64::new(0),

@@ -44,6 +44,11 @@ pub struct Stats {
     pub resident_bytes: u64,
     /// Bytes currently dirty.
     pub dirty_bytes: u64,
+    /// Bytes of pages served in place from a store's own memory (execute-in-place,
+    /// [`CacheBuilder::xip`](crate::CacheBuilder::xip)): valid pages the cache did not copy,
+    /// not part of `resident_bytes` nor of the budget. Cache-wide: summed over the cached
+    /// objects.
+    pub xip_bytes: u64,
     /// How the object's pager reaches its store (`Unknown` in cache-wide totals).
     pub io_mode: crate::IoMode,
 }
@@ -70,6 +75,7 @@ impl Stats {
         self.readahead_waste += o.readahead_waste;
         self.resident_bytes += o.resident_bytes;
         self.dirty_bytes += o.dirty_bytes;
+        self.xip_bytes += o.xip_bytes;
     }
 }
 
@@ -164,10 +170,11 @@ impl std::fmt::Display for CacheStats {
         )?;
         writeln!(
             f,
-            "resident      {:>10.1} MiB   (allocated {:.1} MiB)   dirty {:.1} MiB",
+            "resident      {:>10.1} MiB   (allocated {:.1} MiB)   dirty {:.1} MiB   in place (xip) {:.1} MiB",
             mib(t.resident_bytes),
             mib(self.allocated_bytes),
-            mib(t.dirty_bytes)
+            mib(t.dirty_bytes),
+            mib(t.xip_bytes)
         )?;
         writeln!(
             f,

@@ -12,6 +12,7 @@ pub mod stack;
 pub mod table1;
 pub mod tlpi;
 pub mod ws;
+pub mod xip;
 pub mod zipf;
 
 use crate::report::Record;
@@ -49,5 +50,6 @@ pub fn all() -> Vec<(&'static str, BenchFn)> {
         ("ws", ws::run as BenchFn),
         ("small", small::run as BenchFn),
         ("mount", mount::run as BenchFn),
+        ("xip", xip::run as BenchFn),
     ]
 }

@@ -1,5 +1,9 @@
 //! `mem`: an in-memory tree (Mach's default pager for every file). Nothing persists past
 //! the process; useful for tests, scratch stacks and as the bottom of benchmarks.
+//!
+//! A file's bytes live in shared memory (`ubc::pager::ShmPager`), which the cache serves in
+//! place (UBC's execute-in-place, `CacheBuilder::xip`): a `mem` file is held once, in its
+//! store, not copied into the cache, and costs the cache's budget nothing.
 
 use super::{Attr, Below, DirEntry, Kind, Layer, Opened, Rename, SetAttr, parent};
 use crate::error::{Error, Result};
@@ -12,9 +16,9 @@ use std::time::SystemTime;
 
 static NEXT_TREE: AtomicU64 = AtomicU64::new(1);
 
-/// A file's store: a memory pager with an identity, so every open shares one object.
+/// A file's store: a shared-memory pager with an identity, so every open shares one object.
 struct MemFile {
-    pager: ubc::pager::MemPager,
+    pager: ubc::pager::ShmPager,
     id: String,
 }
 
@@ -42,6 +46,18 @@ impl ubc::Pager for MemFile {
     }
     fn io_mode(&self) -> ubc::IoMode {
         ubc::IoMode::Memory
+    }
+    fn memory(&self) -> Option<ubc::pager::StoreMemory> {
+        self.pager.memory()
+    }
+    fn can_punch(&self) -> bool {
+        true
+    }
+    fn punch(&self, offset: u64, len: u64) -> io::Result<bool> {
+        self.pager.punch(offset, len)
+    }
+    fn seek(&self, offset: u64, what: ubc::pager::Seek) -> io::Result<Option<u64>> {
+        self.pager.seek(offset, what)
     }
 }
 
@@ -101,7 +117,7 @@ impl Mem {
         }
         let ino = self.next_ino.fetch_add(1, Relaxed);
         let data = (kind == Kind::File)
-            .then(|| Arc::new(MemFile { pager: ubc::pager::MemPager::new(), id: format!("{}:{ino}", self.tree) }));
+            .then(|| Arc::new(MemFile { pager: ubc::pager::ShmPager::new(), id: format!("{}:{ino}", self.tree) }));
         n.insert(path.into(), Node::new(kind, ino, mode, data));
         Ok(())
     }

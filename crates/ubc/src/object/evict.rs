@@ -50,7 +50,7 @@ impl Object {
             let (keep, go): (Vec<u64>, Vec<u64>) = pages.iter().partition(|p| is_dirty(p));
             {
                 let mut pol = self.res.policy.lock();
-                for &p in &keep {
+                for &p in keep.iter().filter(|_| !self.xip) {
                     let chunk = self.chunk_of(p).expect("a page held for eviction has its chunk");
                     self.policy_admit(pol.as_mut(), chunk, p, Admission::Demand);
                 }
@@ -65,12 +65,10 @@ impl Object {
         } else {
             pages
         };
-        if let Some(m) = self.memory.get() {
-            for (a, b) in runs(pages) {
-                // A failed punch would leave memory allocated that we no longer account; it
-                // cannot fail for a valid range of a memfd, so there is nothing to undo.
-                let _ = m.punch(a << ps, (b - a) << ps);
-            }
+        for (a, b) in runs(pages) {
+            // A failed punch would leave memory allocated that we no longer account; it
+            // cannot fail for a valid range of a memfd, so there is nothing to undo.
+            let _ = self.free_memory(a << ps, (b - a) << ps);
         }
         let mut waste = 0;
         for &p in pages {
@@ -81,7 +79,7 @@ impl Object {
         }
         let n = pages.len() as u64;
         self.resident.fetch_sub(n, Relaxed);
-        self.res.unreserve(n);
+        self.uncharge(n);
         let sh = self.counters.cold();
         bump(&sh.evictions, n);
         bump(&sh.readahead_waste, waste);

@@ -55,10 +55,10 @@ impl Object {
         // the page cache): reserving may reclaim, and reclaim may write back any file —
         // which it could not do while this thread held pages BUSY (`order.rs`: a pager
         // above could be waiting for them).
-        self.res.reserve(ahead + behind)?;
+        self.charge(ahead + behind)?;
         let _pages = crate::order::hold(crate::order::Rank::page(self.depth()));
         if !at(first).try_lock_empty() {
-            self.res.unreserve(ahead + behind);
+            self.uncharge(ahead + behind);
             return Ok(0);
         }
         let mut n = 1u64;
@@ -71,10 +71,10 @@ impl Object {
         while b < behind && at(first - b - 1).try_lock_empty() {
             b += 1;
         }
-        self.res.unreserve(ahead - n + behind - b);
+        self.uncharge(ahead - n + behind - b);
         let lo = first - b;
         if let Err(e) = self.fill_locked(chunk, lo, b + n) {
-            self.res.unreserve(b + n);
+            self.uncharge(b + n);
             (lo..first + n).for_each(|p| {
                 at(p).release_empty();
             });
@@ -105,6 +105,10 @@ impl Object {
     /// Read pages `first..first+n` of `chunk` from the pager into the cache.
     /// => caller holds those pages BUSY and has reserved budget for them.
     pub(crate) fn fill_locked(&self, chunk: &Chunk, first: u64, n: u64) -> Result<()> {
+        if self.xip {
+            // The pages are the store's: nothing to read (see "Execute in place").
+            return Ok(());
+        }
         let offset = first << self.ps();
         // Read once, after the caller took the pages: a truncation that publishes a shorter
         // length later finds them BUSY and drops them after this fill; one that published it
@@ -171,7 +175,7 @@ impl Object {
         };
         if r.is_err() {
             // The pager (or the `pwrite`) may have filled part of the memfd: free it.
-            let _ = memfd.punch(offset, bytes as u64);
+            let _ = self.free_memory(offset, bytes as u64);
         }
         if let Some(b) = bounce {
             BOUNCE.set(Some(b));
@@ -197,14 +201,22 @@ impl Object {
         // admitted by the next holder, after they are valid (`resources/policy.rs`: a fill
         // never sleeps on the lock that eviction holds). Their slots say "not in the policy"
         // meanwhile; the pages are still BUSY, so nobody else reads or sets them.
-        let staged = match self.res.policy.lock_or_stage() {
-            Some(mut pol) => {
+        // XIP pages are not the cache's to evict: the policy never hears of them.
+        let policy = if self.xip { None } else { Some(self.res.policy.lock_or_stage()) };
+        let staged = match policy {
+            None => {
+                for p in first..first + n {
+                    chunk.pages.slot_at((p - base) as usize).store(NO_SLOT, Relaxed);
+                }
+                false
+            }
+            Some(Some(mut pol)) => {
                 for p in first..first + n {
                     self.policy_admit(pol.as_mut(), chunk, p, admission);
                 }
                 false
             }
-            None => {
+            Some(None) => {
                 for p in first..first + n {
                     chunk.pages.slot_at((p - base) as usize).store(NO_SLOT, Relaxed);
                 }
@@ -264,7 +276,8 @@ impl Object {
         req_last: Option<u64>,
         pattern: Advice,
     ) -> Result<u64> {
-        let req_last = req_last.filter(|_| pattern != Advice::Random);
+        // No read-ahead for XIP pages: there is nothing to read.
+        let req_last = req_last.filter(|_| pattern != Advice::Random && !self.xip);
         let sequential = pattern == Advice::Sequential;
         // A pin waits while the page is BUSY (a fill, perhaps a queued read-ahead job).
         crate::order::check_wait(crate::order::Rank::page(self.depth()));

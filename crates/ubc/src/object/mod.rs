@@ -159,9 +159,14 @@ pub(crate) struct Object {
     pub(crate) res: Arc<Resources>,
     pager: RwLock<Arc<dyn Pager>>,
     pub(crate) table: PageTable,
-    /// The memory holding this object's pages (made on first use; see `memfd.rs`).
-    memory: OnceLock<Memory>,
+    /// The memory holding this object's pages (made on first use; see `memfd.rs`), or the
+    /// store's own (XIP, set when the object is made).
+    memory: OnceLock<ObjectMemory>,
     memory_init: Mutex<()>,
+    /// Execute-in-place: the pages are the store's own memory (`Pager::memory`). They are
+    /// not filled, written back, charged to the budget, known to the replacement policy nor
+    /// freed by the cache: see "Execute in place" below.
+    xip: bool,
     /// Logical length: the cache's, authoritative while the object lives.
     len: AtomicU64,
     pub(crate) size_lock: RwLock<()>,
@@ -239,6 +244,12 @@ impl Object {
             })?,
         };
         let writable = pager.is_writable();
+        let store = if res.xip { pager.memory() } else { None };
+        let xip = store.is_some();
+        let memory = OnceLock::new();
+        if let Some(m) = store {
+            let _ = memory.set(ObjectMemory::Store(m.0));
+        }
         Ok(Arc::new_cyclic(|me| Object {
             id,
             me: me.clone(),
@@ -249,8 +260,9 @@ impl Object {
             depth: AtomicU32::new(pager.depth()),
             pager: RwLock::new(pager),
             res,
-            memory: OnceLock::new(),
+            memory,
             memory_init: Mutex::new(()),
+            xip,
             len: AtomicU64::new(len),
             size_lock: RwLock::new(()),
             handles: AtomicU32::new(0),
@@ -370,19 +382,93 @@ impl Object {
     /// Memory held by this object's own memfd (its pages past `memfd::SLICE`); the pages in
     /// its slice are counted with the cache's arena.
     pub(crate) fn own_allocated_bytes(&self) -> u64 {
-        self.memory.get().map_or(0, Memory::own_allocated_bytes)
+        match self.memory.get() {
+            Some(ObjectMemory::Own(m)) => m.own_allocated_bytes(),
+            _ => 0,
+        }
     }
 
     pub(crate) fn stats(&self) -> Stats {
         let mut s = self.counters.snapshot();
-        s.resident_bytes = self.resident_pages() << self.res.geo.page_shift;
+        let valid = self.resident_pages() << self.res.geo.page_shift;
+        if self.xip {
+            s.xip_bytes = valid;
+        } else {
+            s.resident_bytes = valid;
+        }
         s.dirty_bytes = self.dirty_pages() << self.res.geo.page_shift;
         s.io_mode = self.pager.read().io_mode();
         s
     }
 
     fn memory(&self) -> Result<&Memory> {
-        crate::memfd::get_or_try_init(&self.memory, &self.memory_init, || Memory::new(&self.res.arena))
+        crate::memfd::get_or_try_init(&self.memory, &self.memory_init, || {
+            Memory::new(&self.res.arena).map(ObjectMemory::Own)
+        })
+        .map(|m| &**m)
+    }
+
+    // Execute in place. UBC's planned work (Silvers, conclusions): "Adding support for "XIP"
+    // (eXecute In Place). This will allow zero-copy access to filesystem images stored in
+    // flash roms or other memory-mapped storage devices." Here the memory-mapped storage is
+    // a store kept in shared memory (`Pager::memory`). An XIP object keeps the whole page machinery — page
+    // states, pins, writers, dirty bits, windows, loans, locks, mappings and their faults —
+    // over memory that is the store itself, so every path and every coherence rule stays the
+    // same, and changes only what is about *owning* the memory:
+    // * a fill copies nothing (`fill_locked`): the bytes are there;
+    // * no page is charged to the budget nor admitted to the replacement policy (`charge`,
+    //   `publish_filled`), so the page daemon never picks one; closing the file forgets its
+    //   pages' states but frees no memory;
+    // * the cache never frees (punches) the memory (`free_memory`): dropping a page forgets its
+    //   state; truncation and hole punching are the store's (`set_len`, `punch`), which it
+    //   applies to the memory at once;
+    // * a writeback writes nothing (`write_run`): the write reached the store when it was
+    //   copied; a write that extends the file extends the store first (`xip_extend`);
+    // * `Stats::resident_bytes` stays 0; the valid pages are `Stats::xip_bytes`.
+
+    /// Charge `n` pages to the budget (`Resources::reserve`, which may reclaim): nothing for
+    /// XIP pages.
+    fn charge(&self, n: u64) -> Result<()> {
+        if self.xip { Ok(()) } else { self.res.reserve(n) }
+    }
+
+    /// `charge` without reclaiming (`Resources::try_reserve`).
+    fn try_charge(&self, n: u64) -> Result<()> {
+        if self.xip { Ok(()) } else { self.res.try_reserve(n) }
+    }
+
+    /// Give back `n` charged pages.
+    fn uncharge(&self, n: u64) {
+        if !self.xip {
+            self.res.unreserve(n);
+        }
+    }
+
+    /// Free the memory of pages `offset..offset+len` that left the cache: nothing for XIP
+    /// (the memory is the store's data).
+    fn free_memory(&self, offset: u64, len: u64) -> Result<()> {
+        match self.memory.get() {
+            Some(ObjectMemory::Own(m)) => m.punch(offset, len),
+            _ => Ok(()),
+        }
+    }
+
+    /// XIP: the store is at least `end` long before a page up to `end` is published (or,
+    /// for a writable window over a store's own file, before the window is handed out: a
+    /// touch past that file's end would be `SIGBUS`), as a writeback extends it for other
+    /// objects. => size_lock held shared (no truncation runs).
+    fn xip_extend(&self, end: u64) -> Result<()> {
+        if !self.xip || end <= self.len() {
+            return Ok(());
+        }
+        // The memory's lock (its memory was set when the object was made, so it guards
+        // nothing else): two writers extending at once must not shrink the store.
+        let _g = self.memory_init.lock();
+        let stored = self.call_pager(PagerOp::Len, 0, |p| p.len())?;
+        if stored < end {
+            self.call_pager(PagerOp::SetLen, end, |p| p.set_len(end))?;
+        }
+        Ok(())
     }
 
     fn io_err(&self, op: PagerOp, offset: u64, source: std::io::Error) -> Error {
@@ -486,7 +572,14 @@ impl Object {
     /// (a `Window` guard made one) is used. Both ways reach the same memfd pages, so the
     /// choice is the copier's own business.
     /// hugetlb memory has no `write`: its copies always go through a window.
+    /// A store's own file (XIP of a host file) is always copied by system call: its length is
+    /// the file's, and another process may shorten it under a window (`SIGBUS`).
     fn by_syscall(&self, chunk: &Chunk) -> bool {
+        if let Some(ObjectMemory::Store(m)) = self.memory.get()
+            && m.is_store_file()
+        {
+            return true;
+        }
         !self.res.arena.is_hugetlb()
             && chunk.window.load(SeqCst) <= WIN_RETIRING
             && self.len() <= 1 << (self.res.geo.chunk_shift + self.ps())
@@ -530,6 +623,22 @@ impl Object {
         // be a `Window` of this file over the same bytes (`write_at(&window, …)`).
         unsafe { std::ptr::copy(src.as_ptr(), at, src.len()) };
         Ok(())
+    }
+}
+
+/// An object's memory: its own (a slice of the cache's arena), or the store's (XIP).
+enum ObjectMemory {
+    Own(Memory),
+    Store(Arc<Memory>),
+}
+
+impl std::ops::Deref for ObjectMemory {
+    type Target = Memory;
+    fn deref(&self) -> &Memory {
+        match self {
+            ObjectMemory::Own(m) => m,
+            ObjectMemory::Store(m) => m,
+        }
     }
 }
 

@@ -282,7 +282,7 @@ impl Object {
         // pager above, which could wait for them.
         let _pages = crate::order::hold(crate::order::Rank::page(self.depth()));
         let base = ci << self.res.geo.chunk_shift;
-        if self.res.try_reserve(n).is_err() {
+        if self.try_charge(n).is_err() {
             // No room without waiting: read-ahead is optional.
             (first - base..first + n - base).for_each(|i| {
                 chunk.pages[i as usize].release_empty();
@@ -291,7 +291,7 @@ impl Object {
         }
         if self.fill_locked(chunk, first, n).is_err() {
             // A read error is reported to whoever reads the page on demand.
-            self.res.unreserve(n);
+            self.uncharge(n);
             (first - base..first + n - base).for_each(|i| {
                 chunk.pages[i as usize].release_empty();
             });

@@ -29,7 +29,9 @@ impl Object {
             // Zero the cached last page's tail only now: a fill of that page in flight
             // (read-ahead) may have read the store before it was truncated; `zero_tail`
             // waits for it, and fills that start later read the truncated store.
-            return if !new.is_multiple_of(1 << ps) { self.zero_tail(new) } else { Ok(()) };
+            // (An XIP store zeroed it in its own `set_len`, and a write there now would extend
+            // a store's own file again.)
+            return if !new.is_multiple_of(1 << ps) && !self.xip { self.zero_tail(new) } else { Ok(()) };
         } else {
             // Growing: the pager first, so that a refusal (a layer's own limit, an I/O
             // error) leaves the file as it was instead of longer than its store can be.
@@ -140,9 +142,9 @@ impl Object {
                     self.policy_forget(pol.as_mut(), chunk, p);
                 }
             }
-            if let Some(m) = self.memory.get().filter(|_| punch) {
+            if punch {
                 for (a, b) in runs(&dropped) {
-                    if let Err(e) = m.punch(a << ps, (b - a) << ps) {
+                    if let Err(e) = self.free_memory(a << ps, (b - a) << ps) {
                         err = Err(e);
                     }
                 }
@@ -158,7 +160,7 @@ impl Object {
             }
             let n = dropped.len() as u64;
             self.resident.fetch_sub(n, Relaxed);
-            self.res.unreserve(n);
+            self.uncharge(n);
         });
         err
     }

@@ -47,12 +47,12 @@ impl Object {
             }
             WriteLock::Empty => {
                 bump(&self.counters.mine().misses, 1);
-                if let Err(e) = self.res.reserve(1) {
+                if let Err(e) = self.charge(1) {
                     st.release_empty();
                     return Err(e);
                 }
                 if let Err(e) = self.res.reserve_dirty(self, None) {
-                    self.res.unreserve(1);
+                    self.uncharge(1);
                     st.release_empty();
                     return Err(e);
                 }
@@ -60,7 +60,7 @@ impl Object {
                 let covers = overwrite && from == page_off && to == page_off + (1 << self.ps());
                 let fresh = covers || page_off >= self.len();
                 if !fresh && let Err(e) = self.fill_locked(chunk, page, 1) {
-                    self.res.unreserve(1);
+                    self.uncharge(1);
                     self.res.unreserve_dirty();
                     st.release_empty();
                     return Err(e);
@@ -111,10 +111,8 @@ impl Object {
                 st.abort_write();
             }
             Held::Filled(chunk, page, _) => {
-                if let Some(m) = self.memory.get() {
-                    let _ = m.punch(page << self.ps(), 1 << self.ps());
-                }
-                self.res.unreserve(1);
+                let _ = self.free_memory(page << self.ps(), 1 << self.ps());
+                self.uncharge(1);
                 self.res.unreserve_dirty();
                 chunk.pages[self.locate(page).1].release_empty();
             }
@@ -190,7 +188,8 @@ impl Object {
                 (false, Ok(_)) => self.copy_in(chunk, pos, src),
                 (_, Err(e)) => Err(e),
             };
-            match copied {
+            // XIP: the store as long as the bytes just copied into it, before they are published.
+            match copied.and_then(|()| self.xip_extend(to)) {
                 Ok(()) => {}
                 Err(e) => {
                     // Nothing was copied into this page: give it back untouched.
@@ -241,6 +240,8 @@ impl Object {
     pub(crate) fn lock_range_for_write(&self, chunk: &Chunk, from: u64, to: u64) -> Result<*mut u8> {
         let ps = self.ps();
         let (first, last) = (from >> ps, (to - 1) >> ps);
+        // XIP: the window is the store's memory, which reaches `to` before it is handed out.
+        self.xip_extend(to)?;
         let mut helds = Vec::with_capacity((last + 1 - first) as usize);
         let _pages = crate::order::hold(crate::order::Rank::page(self.depth()));
         for page in first..=last {

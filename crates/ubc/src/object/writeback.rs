@@ -215,6 +215,15 @@ impl Object {
         let sh = self.counters.cold();
         let r = if bytes == 0 {
             Ok(())
+        } else if self.xip {
+            // The bytes are in the store already (see "Execute in place"): nothing to write.
+            // A hook still hears of them, in order, though it cannot hold them back.
+            match self.writeback_hook() {
+                Some(hook) => run_hook(&hook, offset..offset + bytes as u64)
+                    .inspect_err(|e| self.wb_errors.retained(PagerOp::PutPages, e))
+                    .map_err(|e| self.io_err(PagerOp::PutPages, offset, e)),
+                None => Ok(()),
+            }
         } else {
             // A small file's pages go through a buffer and `pread` (see `by_syscall`), and so
             // do a hooked file's: its hook must see the bytes that will be stored, and stores

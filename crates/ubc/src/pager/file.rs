@@ -605,6 +605,33 @@ impl Pager for FilePager {
     fn io_mode(&self) -> IoMode {
         if self.direct_io().is_some() { IoMode::Direct } else { IoMode::Buffered }
     }
+
+    /// A file on tmpfs (or a memfd) keeps its bytes in shmem pages: the cache can serve it
+    /// from them in place (XIP) instead of holding a second copy. The memory is a descriptor
+    /// of its own (the pooled one may be closed and reopened; a mapping needs one that
+    /// stays), read-write where this process may write the file — whatever this pager's
+    /// access, so a later writable open of the same cached file can write through it — and
+    /// read-only otherwise. Files opened for direct I/O are not on tmpfs: no `fstatfs` for
+    /// them. Such descriptors are bounded like the pool's (`host_fds`): past its limit a file
+    /// on tmpfs is cached as a copy (its descriptor pooled) instead.
+    fn memory(&self) -> Option<super::StoreMemory> {
+        if self.align.is_some() || crate::memfd::store_files() >= super::host_fds::limit() {
+            return None;
+        }
+        let f = self.file.get().ok()?;
+        let fs_type = rustix::fs::fstatfs(&*f).ok()?.f_type as u64 & 0xffff_ffff;
+        if fs_type != TMPFS_MAGIC {
+            return None;
+        }
+        let (dev, ino) = (self.file.dev(), self.file.ino());
+        let path = self.reopenable.then_some(&*self.path);
+        let flags = OFlags::RDWR | OFlags::CLOEXEC;
+        let fd = match reopen(&f, path, flags, dev, ino) {
+            Ok(rw) => rw,
+            Err(_) => f.try_clone().ok()?,
+        };
+        super::StoreMemory::from_fd(fd.into()).ok()
+    }
 }
 
 /// Open an `O_DIRECT` descriptor on the same inode as `file`, with its alignment, or `None`

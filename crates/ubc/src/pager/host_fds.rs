@@ -151,6 +151,10 @@ pub struct DescriptorPoolStats {
     /// Descriptors closed to stay under the limit, and reopened by handle, so far.
     pub parks: u64,
     pub reopens: u64,
+    /// Descriptors held apart from the pool by host files a cache serves in place (XIP: a
+    /// file on tmpfs; see `FilePager`'s `Pager::memory`): at most the limit — past it such
+    /// files are cached as copies, with pooled descriptors.
+    pub in_place: usize,
 }
 
 /// Set the limit on descriptors file pagers keep open (at least 1): beyond it the least
@@ -171,7 +175,13 @@ pub fn stats() -> DescriptorPoolStats {
         pinned,
         parks: s.parks,
         reopens: s.reopens,
+        in_place: crate::memfd::store_files(),
     }
+}
+
+/// The pool's limit now.
+pub(crate) fn limit() -> usize {
+    POOL.limit.load(Relaxed)
 }
 
 /// Keep the descriptors of every file pager on inode `(dev, ino)` open from now on

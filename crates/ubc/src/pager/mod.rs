@@ -13,6 +13,7 @@ pub mod host_fds;
 #[cfg(feature = "testing")]
 mod inject;
 mod mem;
+mod shm;
 
 pub(crate) use file::Access;
 pub(crate) use file::AlignedBuf;
@@ -20,6 +21,7 @@ pub use file::FilePager;
 #[cfg(feature = "testing")]
 pub use inject::{InjectedCounts, InjectingPager, Injector};
 pub use mem::MemPager;
+pub use shm::{ShmPager, StoreMemory};
 
 use std::io;
 
@@ -181,6 +183,26 @@ pub trait Pager: Send + Sync + 'static {
     /// it was synced, and calls it at the next [`crate::Cache::sync_all`]. `None` (the
     /// default): such a store is not followed once forgotten.
     fn domain_syncer(&self) -> Option<DomainSyncer> {
+        None
+    }
+
+    /// UBC's execute-in-place: the store's own memory, if it keeps its bytes in shared
+    /// memory — byte `o` of the file at offset `o` of a tmpfs file or memfd ([`StoreMemory`]).
+    /// A cache built with [`CacheBuilder::xip`](crate::CacheBuilder::xip) on (the default)
+    /// whose pages are shmem pages (not hugetlb) then serves the file *from* those pages:
+    /// reads copy out of them, writes copy into them, windows and mappings map them; it makes
+    /// no copy, charges nothing to its budget, never evicts them, and
+    /// [`Stats::resident_bytes`](crate::Stats::resident_bytes) stays 0 (the pages are counted
+    /// in [`Stats::xip_bytes`](crate::Stats::xip_bytes)).
+    ///
+    /// What the store must do then: keep its bytes there (`get_pages` and `put_pages` are no
+    /// longer called for the file; a write reaches the store when it is copied, and a
+    /// writeback only marks pages clean), answer `len` with the length, and apply `set_len`
+    /// and `punch` to that memory at once (the cache never frees the store's pages itself:
+    /// a truncation is the store's `set_len`). Asked once per cached object, when it is made;
+    /// the default (`None`) keeps the usual copy. A wrapper that must see the transfers (one
+    /// that injects faults, encrypts, counts) answers `None`.
+    fn memory(&self) -> Option<StoreMemory> {
         None
     }
 

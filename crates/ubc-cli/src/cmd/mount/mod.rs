@@ -185,6 +185,10 @@ pub struct Args {
     /// Which one the cache got is said on stderr when it is not what was asked for
     #[arg(long, value_name = "WHEN", default_value = "never")]
     huge_pages: ubc::HugePages,
+    /// Cache files of memory-backed stores (the `mem` layer, host files on tmpfs) as copies,
+    /// instead of serving them in place from the store's own pages (execute-in-place)
+    #[arg(long)]
+    no_xip: bool,
     /// With `--cache writeback`: how much written data the kernel may hold for the mount
     /// before it makes writers wait (the FUSE connection's `max_bytes` in /sys/class/bdi;
     /// Linux caps a FUSE mount at 1% of its dirty limit, ~50 MB here, unless raised — root
@@ -235,7 +239,8 @@ pub fn run(a: Args) -> Result<()> {
     if let Some(n) = a.host_fds {
         ubc::pager::host_fds::set_limit(n);
     }
-    let sa = StackArgs { stack: a.stack.clone(), layer: None, budget: a.budget, huge_pages: a.huge_pages };
+    let sa =
+        StackArgs { stack: a.stack.clone(), layer: None, budget: a.budget, huge_pages: a.huge_pages, no_xip: a.no_xip };
     let (stack, _) = sa.open_caching(a.cached_files)?;
     if a.huge_pages == ubc::HugePages::Try && !stack.cache().stats().page_memory.starts_with("hugetlb") {
         // Asked for and not (wholly) given: say which memory the pages got, and why.
