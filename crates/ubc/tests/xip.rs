@@ -363,3 +363,44 @@ fn a_tmpfs_file_shortened_by_another_program_is_an_error_not_a_crash() {
     f.invalidate(0..u64::MAX, Length::Reload).unwrap();
     assert_eq!(f.len().unwrap(), 4096);
 }
+
+#[test]
+fn windows_keep_their_bytes_and_private_mappings_their_copies_in_place() {
+    let cache = xip_cache(MIB);
+    let store = Arc::new(ShmPager::new());
+    let f = cache.open(store.clone(), Access::ReadWrite).unwrap();
+    f.write_at(&[1; 64 << 10], 0).unwrap();
+    // A lent window keeps what it showed when a write changes the store's page under it.
+    let w = f.window(4096, 8192).unwrap();
+    f.write_at(&[2; 100], 4096 + 50).unwrap();
+    assert!(w.iter().all(|&b| b == 1), "the window kept its bytes");
+    drop(w);
+    let mut b = [0u8; 100];
+    f.read_exact_at(&mut b, 4096 + 50).unwrap();
+    assert_eq!(b, [2; 100], "the store has the write");
+    // A private mapping: its stores stay its own; the file shows through where it did not
+    // store (as Linux's MAP_PRIVATE), and its copies are counted against the budget.
+    let mut p = f.map(0..64 << 10, Access::ReadWrite, Sharing::Private).unwrap();
+    p[8192] = 9;
+    f.write_at(&[3; 10], 8192).unwrap();
+    f.write_at(&[4; 10], 16384).unwrap();
+    assert_eq!(p[8192], 9, "the private store stays");
+    assert_eq!(p[16384], 4, "a page not stored to shows the file");
+    let mut s = [0u8; 1];
+    f.read_exact_at(&mut s, 8192).unwrap();
+    assert_eq!(s[0], 3, "the file never sees the private store");
+    assert!(cache.stats().private_copy_bytes >= 4096);
+    drop(p);
+    // A writeback hook hears of in-place writes, in order, at writeback (it cannot hold
+    // bytes back: they are in the store already).
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let s2 = seen.clone();
+    f.set_writeback_hook(Some(Arc::new(move |r: std::ops::Range<u64>| {
+        s2.lock().unwrap().push(r);
+        Ok(())
+    })))
+    .unwrap();
+    f.write_at(&[5; 4096], 40960).unwrap();
+    f.sync().unwrap();
+    assert!(seen.lock().unwrap().iter().any(|r| r.contains(&40960)), "hook: {:?}", seen.lock().unwrap());
+}
