@@ -27,7 +27,7 @@ fn options(layer: &str, s: &str) -> Result<HashMap<String, String>> {
     Ok(m)
 }
 
-fn size(layer: &str, key: &str, v: &str) -> Result<usize> {
+pub(crate) fn size(layer: &str, key: &str, v: &str) -> Result<usize> {
     let (num, mult) = match v.strip_suffix(['k', 'K']) {
         Some(n) => (n, 1024),
         None => match v.strip_suffix(['m', 'M']) {
@@ -107,6 +107,13 @@ pub fn parse(spec: &str) -> Result<Vec<Arc<dyn Layer>>> {
                     return Err(Error::Spec("mem: takes no options".into()));
                 }
                 Arc::new(Mem::new())
+            }
+            #[cfg(feature = "s3")]
+            "s3" => {
+                if lower.is_some() {
+                    return Err(Error::Spec("`s3` must be the bottom layer".into()));
+                }
+                Arc::new(crate::layer::s3::S3::open(&crate::layer::s3::S3Options::parse(rest)?)?)
             }
             "null" => {
                 if !rest.is_empty() {

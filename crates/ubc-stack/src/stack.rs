@@ -485,7 +485,11 @@ impl Stack {
         if let Some(e) = first.into_inner() {
             return Err(e);
         }
-        Ok(self.inner.cache.sync_all()?)
+        self.inner.cache.sync_all()?;
+        for l in &self.inner.layers {
+            l.sync_all()?;
+        }
+        Ok(())
     }
 
     /// Most idle files (closed, neither open nor mapped) kept open in the pool: see the

@@ -20,6 +20,9 @@ pub mod general;
 pub mod inject;
 pub mod mem;
 pub mod null;
+#[cfg(feature = "s3")]
+pub mod s3;
+pub(crate) mod tree;
 pub mod union;
 
 use crate::coherence::Translate;
@@ -274,6 +277,13 @@ pub trait Layer: Send + Sync {
     /// removes and renames in it survive a crash).
     fn sync_dir(&self, path: &str) -> Result<()> {
         self.below()?.sync_dir(path)
+    }
+    /// Make everything this layer keeps of its own durable, beyond the files' pagers (which
+    /// `Cache::sync_all` syncs): a store that batches its names and attributes (`s3`
+    /// commits its tree). Called by [`crate::Stack::sync_all`] for every layer, bottom
+    /// first. Default: nothing.
+    fn sync_all(&self) -> Result<()> {
+        Ok(())
     }
     /// Make `path` a symbolic link to `target` (kept as given; never followed by a layer).
     fn symlink(&self, target: &str, path: &str) -> Result<()> {

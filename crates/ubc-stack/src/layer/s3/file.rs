@@ -1,0 +1,299 @@
+//! One file of the `s3` layer: its pager. The file's bytes are chunks of `chunk_size`,
+//! each an immutable object `c/<ino>/<index>.<version>`; a chunk written since the last
+//! upload is *staged* in memory (written back as a whole new version at the next commit, or
+//! when the file's staged bytes pass `STAGE_MAX`). The cache fills whole chunks
+//! (`fill_granule`): one ranged GET per chunk, the chunks of one fill fetched in parallel.
+
+use super::format::Chunk;
+use super::{Inner, Shared};
+use object_store::ObjectStoreExt;
+use parking_lot::Mutex;
+use std::collections::BTreeMap;
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Arc, Weak};
+
+/// Staged bytes of one file past which its staged chunks are uploaded at once (the tree is
+/// committed later): bounds the memory a writer holds outside the cache.
+const STAGE_MAX: usize = 16 << 20;
+
+/// What is known of a file's bytes.
+#[derive(Default)]
+pub(crate) struct FileState {
+    pub(crate) size: u64,
+    /// Uploaded chunks by index (absent: a hole).
+    pub(crate) chunks: BTreeMap<u64, Chunk>,
+    /// Chunks changed since their upload, whole (`chunk_size` bytes, zeros past the size).
+    staged: BTreeMap<u64, Vec<u8>>,
+}
+
+pub(crate) struct S3File {
+    pub(crate) shared: Arc<Shared>,
+    /// The layer, for a commit at `sync` (weak: the layer's tree holds this file).
+    inner: Weak<Inner>,
+    pub(crate) ino: u64,
+    pub(crate) state: Mutex<FileState>,
+    /// Its last name is gone: when the file is dropped (no open handle left), its objects
+    /// are deleted after the next commit.
+    pub(crate) unlinked: AtomicBool,
+}
+
+impl S3File {
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        inner: Weak<Inner>,
+        ino: u64,
+        size: u64,
+        chunks: BTreeMap<u64, Chunk>,
+    ) -> S3File {
+        S3File {
+            shared,
+            inner,
+            ino,
+            state: Mutex::new(FileState { size, chunks, staged: BTreeMap::new() }),
+            unlinked: AtomicBool::new(false),
+        }
+    }
+
+    fn chunk(&self) -> u64 {
+        self.shared.chunk
+    }
+
+    /// The bytes of stored chunk `idx` (`c.len` of them).
+    fn fetch(&self, idx: u64, c: Chunk, range: std::ops::Range<u64>) -> io::Result<bytes::Bytes> {
+        let path = self.shared.chunk_path(self.ino, idx, c.version);
+        let store = self.shared.store.clone();
+        let b = self.shared.rt.block_on(async move { store.get_range(&path, range).await }).map_err(super::io_err)?;
+        self.shared.counted_get(b.len());
+        Ok(b)
+    }
+
+    /// Stage chunk `idx` with its current bytes. => `st` is this file's state, locked.
+    fn stage<'a>(&self, st: &'a mut FileState, idx: u64) -> io::Result<&'a mut Vec<u8>> {
+        if !st.staged.contains_key(&idx) {
+            let mut buf = vec![0u8; self.chunk() as usize];
+            if let Some(&c) = st.chunks.get(&idx) {
+                let b = self.fetch(idx, c, 0..c.len as u64)?;
+                buf[..b.len()].copy_from_slice(&b);
+            }
+            st.staged.insert(idx, buf);
+        }
+        Ok(st.staged.get_mut(&idx).expect("staged above"))
+    }
+
+    /// Upload every staged chunk as a new version (in parallel); the versions they replace
+    /// become garbage. => `st` is this file's state, locked. On error the chunks stay staged.
+    fn upload(&self, st: &mut FileState) -> io::Result<()> {
+        if st.staged.is_empty() {
+            return Ok(());
+        }
+        let chunk = self.chunk();
+        let size = st.size;
+        let mut puts = Vec::new();
+        for (&idx, buf) in &st.staged {
+            let start = idx * chunk;
+            if start >= size {
+                continue;
+            }
+            let len = (size - start).min(chunk) as usize;
+            let version = self.shared.new_version();
+            let path = self.shared.chunk_path(self.ino, idx, version);
+            puts.push((idx, version, len as u32, path, bytes::Bytes::copy_from_slice(&buf[..len])));
+        }
+        let store = self.shared.store.clone();
+        let jobs: Vec<_> = puts.iter().map(|(_, _, _, p, b)| (p.clone(), b.clone())).collect();
+        let results = self.shared.rt.block_on(async move {
+            let futs = jobs.into_iter().map(|(p, b)| {
+                let store = store.clone();
+                async move { store.put(&p, b.into()).await }
+            });
+            futures::future::join_all(futs).await
+        });
+        let mut first_err = None;
+        for ((idx, version, len, path, b), r) in puts.into_iter().zip(results) {
+            match r {
+                Ok(_) => {
+                    self.shared.counted_put(b.len());
+                    st.staged.remove(&idx);
+                    // Updated before the old version is listed as garbage, under this lock: a
+                    // commit that takes the garbage then reads the new version.
+                    if let Some(old) = st.chunks.insert(idx, Chunk { version, len }) {
+                        self.shared.garbage.lock().push(self.shared.chunk_path(self.ino, idx, old.version));
+                    }
+                }
+                Err(e) => {
+                    // A failed PUT may have stored the object anyway: it is garbage.
+                    self.shared.garbage.lock().push(path);
+                    first_err.get_or_insert(super::io_err(e));
+                }
+            }
+        }
+        // Staged chunks wholly past the size hold nothing.
+        st.staged.retain(|&idx, _| idx * chunk < size);
+        if let Some(inner) = self.inner.upgrade() {
+            inner.tree.changed.store(true, Relaxed);
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Upload this file's staged chunks (a commit does, for every file).
+    pub(crate) fn flush(&self) -> io::Result<()> {
+        let mut st = self.state.lock();
+        self.upload(&mut st)
+    }
+
+    fn mark_changed(&self) {
+        if let Some(inner) = self.inner.upgrade() {
+            inner.tree.changed.store(true, Relaxed);
+        }
+    }
+
+    /// One attempt of `get_pages`: `Err(NotFound)` if a chunk's version was replaced (and
+    /// deleted) between reading the state and the fetch.
+    fn read_once(&self, offset: u64, buf: &mut [u8]) -> io::Result<ubc::Fill> {
+        let chunk = self.chunk();
+        buf.fill(0);
+        let end = offset + buf.len() as u64;
+        let mut remote = Vec::new();
+        let mut any = false;
+        {
+            let st = self.state.lock();
+            let stop = end.min(st.size);
+            if offset >= stop {
+                return Ok(ubc::Fill::Hole);
+            }
+            for idx in offset / chunk..stop.div_ceil(chunk) {
+                let cstart = idx * chunk;
+                let (a, b) = (offset.max(cstart), stop.min(cstart + chunk));
+                if let Some(s) = st.staged.get(&idx) {
+                    buf[(a - offset) as usize..(b - offset) as usize]
+                        .copy_from_slice(&s[(a - cstart) as usize..(b - cstart) as usize]);
+                    any = true;
+                } else if let Some(&c) = st.chunks.get(&idx) {
+                    let b = b.min(cstart + c.len as u64);
+                    if a < b {
+                        remote.push((idx, c, a - cstart..b - cstart));
+                    }
+                }
+            }
+        }
+        if remote.is_empty() {
+            return Ok(if any { ubc::Fill::Data } else { ubc::Fill::Hole });
+        }
+        let store = self.shared.store.clone();
+        let jobs: Vec<_> =
+            remote.iter().map(|(idx, c, r)| (self.shared.chunk_path(self.ino, *idx, c.version), r.clone())).collect();
+        let got = self.shared.rt.block_on(async move {
+            let futs = jobs.into_iter().map(|(p, r)| {
+                let store = store.clone();
+                async move { store.get_range(&p, r).await }
+            });
+            futures::future::join_all(futs).await
+        });
+        for ((idx, _, r), g) in remote.into_iter().zip(got) {
+            let bytes = g.map_err(super::io_err)?;
+            self.shared.counted_get(bytes.len());
+            let at = (idx * chunk + r.start - offset) as usize;
+            buf[at..at + bytes.len()].copy_from_slice(&bytes);
+        }
+        Ok(ubc::Fill::Data)
+    }
+}
+
+impl Drop for S3File {
+    fn drop(&mut self) {
+        if self.unlinked.load(Relaxed) {
+            self.shared.gone.lock().push(self.ino);
+        }
+    }
+}
+
+impl ubc::Pager for S3File {
+    fn get_pages(&self, offset: u64, buf: &mut [u8]) -> io::Result<ubc::Fill> {
+        let mut tries = 0;
+        loop {
+            match self.read_once(offset, buf) {
+                // A flush replaced a chunk and a commit deleted the old version between the
+                // look at the state and the fetch: look again.
+                Err(e) if e.kind() == io::ErrorKind::NotFound && tries < 3 => tries += 1,
+                r => return r,
+            }
+        }
+    }
+
+    fn put_pages(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        let chunk = self.chunk();
+        let end = offset.checked_add(data.len() as u64).ok_or_else(|| io::Error::from_raw_os_error(libc::EFBIG))?;
+        let mut st = self.state.lock();
+        let mut pos = offset;
+        while pos < end {
+            let idx = pos / chunk;
+            let cstart = idx * chunk;
+            let to = end.min(cstart + chunk);
+            let whole = pos == cstart && to == cstart + chunk;
+            if whole && !st.staged.contains_key(&idx) {
+                // Every byte of the chunk is new: no need to read the old version.
+                st.staged.insert(idx, vec![0u8; chunk as usize]);
+            }
+            let buf = self.stage(&mut st, idx)?;
+            buf[(pos - cstart) as usize..(to - cstart) as usize]
+                .copy_from_slice(&data[(pos - offset) as usize..(to - offset) as usize]);
+            pos = to;
+        }
+        st.size = st.size.max(end);
+        self.mark_changed();
+        if st.staged.len() * chunk as usize > STAGE_MAX {
+            self.upload(&mut st)?;
+        }
+        Ok(())
+    }
+
+    fn len(&self) -> io::Result<u64> {
+        Ok(self.state.lock().size)
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        let chunk = self.chunk();
+        let mut st = self.state.lock();
+        if len < st.size {
+            let keep = len.div_ceil(chunk);
+            let cut: Vec<u64> = st.chunks.range(keep..).map(|(&i, _)| i).collect();
+            for idx in cut {
+                let c = st.chunks.remove(&idx).expect("listed");
+                self.shared.garbage.lock().push(self.shared.chunk_path(self.ino, idx, c.version));
+            }
+            st.staged.retain(|&i, _| i < keep);
+            let tail = len % chunk;
+            if tail != 0 {
+                let idx = len / chunk;
+                let stored_past = st.chunks.get(&idx).is_some_and(|c| c.len as u64 > tail);
+                if st.staged.contains_key(&idx) || stored_past {
+                    let buf = self.stage(&mut st, idx)?;
+                    buf[tail as usize..].fill(0);
+                }
+            }
+        }
+        st.size = len;
+        self.mark_changed();
+        Ok(())
+    }
+
+    fn sync(&self) -> io::Result<()> {
+        match self.inner.upgrade() {
+            Some(inner) => inner.commit(),
+            None => Err(io::Error::other("the s3 layer is gone")),
+        }
+    }
+
+    fn identity(&self) -> Option<ubc::Identity> {
+        Some(ubc::Identity::Named { kind: "s3", name: format!("{}#{}", self.shared.id, self.ino) })
+    }
+
+    fn describe(&self) -> String {
+        format!("s3 {} inode {}", self.shared.id, self.ino)
+    }
+
+    fn fill_granule(&self) -> u64 {
+        self.chunk()
+    }
+}

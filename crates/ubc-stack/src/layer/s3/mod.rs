@@ -1,0 +1,597 @@
+//! `s3`: a bottom layer in an S3 bucket (issue 21, first part), through the `object_store`
+//! crate. Spec: `s3:BUCKET[/PREFIX][?endpoint=URL&region=R&chunk=SIZE]`; credentials the
+//! standard way (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`,
+//! `AWS_REGION`, `AWS_ENDPOINT`, instance metadata), as every AWS client takes them.
+//!
+//! # How files are stored (docs/formats.md, "The s3 layer", has the bytes)
+//!
+//! The designs S3 file systems use, and why this one:
+//! * *an object per file, named by its path* (s3fs, goofys, mountpoint-s3): a random write
+//!   rewrites the whole object (or is refused), a rename copies every byte;
+//! * *chunks and a metadata engine* (JuiceFS, S3QL): a file is a list of immutable chunk
+//!   objects named by inode, versioned; names, sizes and chunk lists live in a database. A
+//!   random write uploads one chunk; a rename changes metadata only.
+//!
+//! ubc takes the second, with the metadata kept in the bucket itself (a separate database is
+//! issue 21's coherence part, through etcd): chunk objects `PREFIX/ubc-s3/c/<ino>/<index>.
+//! <version>` (16 hex digits each), immutable — a changed chunk is uploaded as a new
+//! version — and one *tree* object `PREFIX/ubc-s3/tree` holding every name with its
+//! attributes, size and chunk list. A commit uploads the staged chunks, then replaces the
+//! tree object (a PUT is atomic: a reader or a restart finds the old tree or the new one,
+//! never a mix), then deletes the versions the new tree no longer names. So after a crash
+//! the bucket holds the last committed tree, every chunk it names, and perhaps garbage
+//! (objects of a commit that did not finish), which the next open sweeps away.
+//!
+//! Commits happen at a file's `sync` (`fsync`), a directory's `sync_dir`, `Stack::sync_all`,
+//! every 5 seconds while something changed (the background committer) and when the layer is
+//! dropped. The tree costs O(names) per commit: fine to ~10⁵ names.
+//!
+//! What is not done yet (issue 21): several machines writing one prefix (the open sweep and
+//! the single tree assume one writer; etcd tokens will coordinate them), multipart uploads
+//! (chunks are ≤ 16 MiB single PUTs), and the fault tests with a server killed mid-upload.
+
+mod file;
+pub(crate) mod format;
+
+use super::tree::{Node, Tree};
+use super::{Attr, Below, DirEntry, Kind, Layer, Opened, Rename, SetAttr};
+use crate::error::{Error, Result};
+use file::S3File;
+use format::{StoredNode, StoredTree};
+use futures::StreamExt;
+use object_store::path::Path as ObjPath;
+use object_store::{ObjectStore, ObjectStoreExt};
+use parking_lot::Mutex;
+use std::collections::BTreeMap;
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+/// How long the background committer waits between looks.
+const COMMIT_EVERY: Duration = Duration::from_secs(5);
+
+/// Where and how: parsed from the spec.
+#[derive(Clone, Debug)]
+pub struct S3Options {
+    pub bucket: String,
+    /// Object name prefix (no leading or trailing `/`; empty for the bucket's root).
+    pub prefix: String,
+    /// The service's URL (`http://127.0.0.1:9000`); `None`: AWS (or `AWS_ENDPOINT`).
+    pub endpoint: Option<String>,
+    pub region: Option<String>,
+    /// Bytes per chunk object: a power of two from 64 KiB to 16 MiB (default 1 MiB). A
+    /// random write uploads one whole chunk at the next commit.
+    pub chunk_size: u64,
+}
+
+impl S3Options {
+    /// Parse `BUCKET[/PREFIX][?endpoint=URL&region=R&chunk=SIZE]`.
+    pub fn parse(s: &str) -> Result<S3Options> {
+        let (loc, query) = s.split_once('?').unwrap_or((s, ""));
+        let loc = loc.trim_matches('/');
+        let (bucket, prefix) = loc.split_once('/').unwrap_or((loc, ""));
+        if bucket.is_empty() {
+            return Err(Error::Spec("s3: needs a bucket (s3:BUCKET/PREFIX?endpoint=URL)".into()));
+        }
+        let mut o = S3Options {
+            bucket: bucket.into(),
+            prefix: prefix.trim_matches('/').into(),
+            endpoint: None,
+            region: None,
+            chunk_size: 1 << 20,
+        };
+        for kv in query.split('&').filter(|x| !x.is_empty()) {
+            let (k, v) = kv.split_once('=').ok_or_else(|| Error::Spec(format!("s3: `{kv}` is not key=value")))?;
+            match k {
+                "endpoint" => o.endpoint = Some(v.into()),
+                "region" => o.region = Some(v.into()),
+                "chunk" => {
+                    let n = crate::spec::size("s3", "chunk", v)? as u64;
+                    if !n.is_power_of_two() || !(64 << 10..=16 << 20).contains(&n) {
+                        return Err(Error::Spec(format!("s3: chunk={v} must be a power of two from 64K to 16M")));
+                    }
+                    o.chunk_size = n;
+                }
+                _ => return Err(Error::Spec(format!("s3: unknown option `{k}` (known: endpoint, region, chunk)"))),
+            }
+        }
+        Ok(o)
+    }
+}
+
+/// Requests and bytes moved to and from the store (for tests and benchmarks).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct S3Stats {
+    pub gets: u64,
+    pub get_bytes: u64,
+    pub puts: u64,
+    pub put_bytes: u64,
+    pub deletes: u64,
+    pub commits: u64,
+}
+
+/// What the layer and its files share.
+pub(crate) struct Shared {
+    pub(crate) store: Arc<dyn ObjectStore>,
+    pub(crate) rt: tokio::runtime::Runtime,
+    /// `PREFIX/ubc-s3/` (or `ubc-s3/`).
+    root: String,
+    pub(crate) chunk: u64,
+    /// `endpoint/bucket/prefix`, naming the store in identities and messages.
+    pub(crate) id: String,
+    next_version: AtomicU64,
+    /// Chunk objects no committed tree will name once the next commit is done: deleted
+    /// after it.
+    pub(crate) garbage: Mutex<Vec<ObjPath>>,
+    /// Inodes unlinked and closed: every object of theirs goes after the next commit.
+    pub(crate) gone: Mutex<Vec<u64>>,
+    gets: AtomicU64,
+    get_bytes: AtomicU64,
+    puts: AtomicU64,
+    put_bytes: AtomicU64,
+    deletes: AtomicU64,
+    commits: AtomicU64,
+}
+
+impl Shared {
+    pub(crate) fn chunk_path(&self, ino: u64, idx: u64, version: u64) -> ObjPath {
+        ObjPath::from(format!("{}c/{ino:016x}/{idx:016x}.{version:016x}", self.root))
+    }
+
+    fn tree_path(&self) -> ObjPath {
+        ObjPath::from(format!("{}tree", self.root))
+    }
+
+    pub(crate) fn new_version(&self) -> u64 {
+        self.next_version.fetch_add(1, Relaxed)
+    }
+
+    pub(crate) fn counted_get(&self, bytes: usize) {
+        self.gets.fetch_add(1, Relaxed);
+        self.get_bytes.fetch_add(bytes as u64, Relaxed);
+    }
+
+    pub(crate) fn counted_put(&self, bytes: usize) {
+        self.puts.fetch_add(1, Relaxed);
+        self.put_bytes.fetch_add(bytes as u64, Relaxed);
+    }
+
+    /// Delete `paths` (in parallel); a failure leaves garbage, not an error of the caller's.
+    fn delete_all(&self, paths: Vec<ObjPath>) {
+        if paths.is_empty() {
+            return;
+        }
+        let store = self.store.clone();
+        let n = paths.len() as u64;
+        self.rt.block_on(async move {
+            futures::stream::iter(paths)
+                .for_each_concurrent(16, |p| {
+                    let store = store.clone();
+                    async move {
+                        let _ = store.delete(&p).await;
+                    }
+                })
+                .await
+        });
+        self.deletes.fetch_add(n, Relaxed);
+    }
+
+    /// Every object under `sub` of the layer's root.
+    fn list(&self, sub: &str) -> io::Result<Vec<ObjPath>> {
+        let prefix = ObjPath::from(format!("{}{sub}", self.root));
+        let store = self.store.clone();
+        self.rt.block_on(async move {
+            let mut out = Vec::new();
+            let mut s = store.list(Some(&prefix));
+            while let Some(m) = s.next().await {
+                out.push(m.map_err(io_err)?.location);
+            }
+            Ok(out)
+        })
+    }
+}
+
+/// An object store error as an I/O error (not found stays `NotFound`).
+pub(crate) fn io_err(e: object_store::Error) -> io::Error {
+    match e {
+        object_store::Error::NotFound { .. } => io::Error::new(io::ErrorKind::NotFound, e),
+        e => io::Error::other(e),
+    }
+}
+
+pub(crate) struct Inner {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) tree: Tree<S3File>,
+    /// Serializes commits.
+    commit_lock: Mutex<()>,
+    /// Set when the layer is dropped: the committer stops.
+    closing: AtomicBool,
+}
+
+impl Inner {
+    /// Upload every staged chunk, replace the tree object, then delete what it no longer
+    /// names.
+    pub(crate) fn commit(&self) -> io::Result<()> {
+        let _c = self.commit_lock.lock();
+        let files: Vec<Arc<S3File>> = self.tree.nodes.lock().values().filter_map(|n| n.data.clone()).collect();
+        for f in &files {
+            f.flush()?;
+        }
+        self.tree.changed.store(false, Relaxed);
+        let (bytes, garbage, gone) = {
+            let nodes = self.tree.nodes.lock();
+            // Taken under the tree's lock, before the files' states are read: a version
+            // listed here was replaced in its file's state before it was listed.
+            let garbage = std::mem::take(&mut *self.shared.garbage.lock());
+            let gone = std::mem::take(&mut *self.shared.gone.lock());
+            let stored = nodes
+                .iter()
+                .map(|(p, n)| {
+                    let (size, chunks) = match &n.data {
+                        Some(f) => {
+                            let st = f.state.lock();
+                            (st.size, st.chunks.clone())
+                        }
+                        None => (0, BTreeMap::new()),
+                    };
+                    let node = StoredNode {
+                        kind: n.kind,
+                        ino: n.ino,
+                        mode: n.mode,
+                        uid: n.uid,
+                        gid: n.gid,
+                        rdev: n.rdev,
+                        mtime: n.mtime,
+                        atime: n.atime,
+                        ctime: n.ctime,
+                        target: n.target.clone(),
+                        size,
+                        chunks,
+                    };
+                    (p.clone(), node)
+                })
+                .collect();
+            let t = StoredTree {
+                next_ino: self.tree.next_ino.load(Relaxed),
+                next_version: self.shared.next_version.load(Relaxed),
+                chunk_size: self.shared.chunk as u32,
+                nodes: stored,
+            };
+            (t.encode(), garbage, gone)
+        };
+        let store = self.shared.store.clone();
+        let path = self.shared.tree_path();
+        let n = bytes.len();
+        let r = self.shared.rt.block_on(async move { store.put(&path, bytes::Bytes::from(bytes).into()).await });
+        if let Err(e) = r {
+            // Not committed: what was to go stays listed for the next commit.
+            self.shared.garbage.lock().extend(garbage);
+            self.shared.gone.lock().extend(gone);
+            self.tree.changed.store(true, Relaxed);
+            return Err(io_err(e));
+        }
+        self.shared.counted_put(n);
+        self.shared.commits.fetch_add(1, Relaxed);
+        self.shared.delete_all(garbage);
+        for ino in gone {
+            if let Ok(objs) = self.shared.list(&format!("c/{ino:016x}/")) {
+                self.shared.delete_all(objs);
+            }
+        }
+        Ok(())
+    }
+
+    /// Delete chunk objects the committed tree does not name and that are older than
+    /// `SWEEP_AGE` (left by a commit that did not finish: a crash). Run once, when the layer
+    /// is opened, before anything of this layer's own is uploaded. Younger ones may be a
+    /// live writer's uploads not committed yet — another process over the same prefix, or
+    /// an instance of this layer not dropped yet — and stay for a later sweep.
+    fn sweep(&self) -> io::Result<()> {
+        let named: std::collections::HashSet<ObjPath> = {
+            let nodes = self.tree.nodes.lock();
+            nodes
+                .values()
+                .filter_map(|n| n.data.as_ref())
+                .flat_map(|f| {
+                    let st = f.state.lock();
+                    st.chunks.iter().map(|(&i, c)| self.shared.chunk_path(f.ino, i, c.version)).collect::<Vec<_>>()
+                })
+                .collect()
+        };
+        let prefix = ObjPath::from(format!("{}c/", self.shared.root));
+        let store = self.shared.store.clone();
+        let old = chrono_now_minus(SWEEP_AGE);
+        let stale = self.shared.rt.block_on(async move {
+            let mut out = Vec::new();
+            let mut s = store.list(Some(&prefix));
+            while let Some(m) = s.next().await {
+                let m = m.map_err(io_err)?;
+                if !named.contains(&m.location) && m.last_modified < old {
+                    out.push(m.location);
+                }
+            }
+            Ok::<_, io::Error>(out)
+        })?;
+        self.shared.delete_all(stale);
+        Ok(())
+    }
+}
+
+/// A random, non-zero 32-bit number for this opening's chunk versions.
+fn epoch() -> u64 {
+    let mut b = [0u8; 4];
+    let _ = getrandom::fill(&mut b);
+    u64::from(u32::from_le_bytes(b)).max(1)
+}
+
+/// How old an unnamed chunk object must be before a sweep takes it for a crash's leftover.
+const SWEEP_AGE: Duration = Duration::from_secs(15 * 60);
+
+/// Now minus `d`, in the time type object listings carry.
+fn chrono_now_minus(d: Duration) -> chrono::DateTime<chrono::Utc> {
+    chrono::Utc::now() - chrono::TimeDelta::from_std(d).unwrap_or_default()
+}
+
+/// The `s3` layer.
+pub struct S3 {
+    inner: Arc<Inner>,
+    spec: String,
+}
+
+impl S3 {
+    /// Open (or start) the file system at `o`: its tree is read from the bucket.
+    pub fn open(o: &S3Options) -> Result<S3> {
+        let spec = format!(
+            "s3:{}{}{}",
+            o.bucket,
+            if o.prefix.is_empty() { String::new() } else { format!("/{}", o.prefix) },
+            match (&o.endpoint, &o.region) {
+                (Some(e), Some(r)) => format!("?endpoint={e}&region={r}"),
+                (Some(e), None) => format!("?endpoint={e}"),
+                (None, Some(r)) => format!("?region={r}"),
+                (None, None) => String::new(),
+            }
+        );
+        let bad = |e: &dyn std::fmt::Display| Error::Spec(format!("{spec}: {e}"));
+        // Client options first: they carry `allow_http`, which a later `with_client_options`
+        // would reset.
+        let client = object_store::ClientOptions::new()
+            .with_timeout(Duration::from_secs(30))
+            .with_connect_timeout(Duration::from_secs(5));
+        let mut b =
+            object_store::aws::AmazonS3Builder::from_env().with_client_options(client).with_bucket_name(&o.bucket);
+        if let Some(r) = o.region.clone().or_else(|| std::env::var("AWS_REGION").ok()) {
+            b = b.with_region(r);
+        } else {
+            b = b.with_region("us-east-1");
+        }
+        if let Some(e) = &o.endpoint {
+            b = b.with_endpoint(e).with_allow_http(e.starts_with("http://")).with_virtual_hosted_style_request(false);
+        }
+        let retry = object_store::RetryConfig {
+            backoff: object_store::BackoffConfig::default(),
+            max_retries: 10,
+            retry_timeout: Duration::from_secs(120),
+        };
+        let store: Arc<dyn ObjectStore> = Arc::new(b.with_retry(retry).build().map_err(|e| bad(&e))?);
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(4)
+            .thread_name("ubc-s3")
+            .enable_all()
+            .build()
+            .map_err(|e| bad(&e))?;
+        let root = if o.prefix.is_empty() { "ubc-s3/".to_string() } else { format!("{}/ubc-s3/", o.prefix) };
+        let id = format!("{}/{}/{}", o.endpoint.as_deref().unwrap_or("aws"), o.bucket, o.prefix);
+        let shared = Arc::new(Shared {
+            store,
+            rt,
+            root,
+            chunk: o.chunk_size,
+            id: id.clone(),
+            // Versions carry this opening's epoch in their high 32 bits (random), so two
+            // instances over one prefix — a process and its successor still committing, or
+            // two processes — never upload to the same object name.
+            next_version: AtomicU64::new(epoch() << 32),
+            garbage: Mutex::new(Vec::new()),
+            gone: Mutex::new(Vec::new()),
+            gets: AtomicU64::new(0),
+            get_bytes: AtomicU64::new(0),
+            puts: AtomicU64::new(0),
+            put_bytes: AtomicU64::new(0),
+            deletes: AtomicU64::new(0),
+            commits: AtomicU64::new(0),
+        });
+        // The committed tree, or none yet (a new file system).
+        let store = shared.store.clone();
+        let path = shared.tree_path();
+        let got = shared.rt.block_on(async move {
+            match store.get(&path).await {
+                Ok(r) => r.bytes().await.map(Some),
+                Err(object_store::Error::NotFound { .. }) => Ok(None),
+                Err(e) => Err(e),
+            }
+        });
+        let stored = match got.map_err(|e| bad(&e))? {
+            Some(b) => Some(StoredTree::decode(&b).map_err(|e| bad(&e))?),
+            None => None,
+        };
+        if let Some(t) = &stored
+            && t.chunk_size as u64 != o.chunk_size
+        {
+            return Err(bad(&format!(
+                "stored with chunk={} (the chunk size of a file system cannot change)",
+                t.chunk_size
+            )));
+        }
+        let dev = {
+            use std::hash::{BuildHasher, BuildHasherDefault};
+            BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default().hash_one(&id)
+        };
+        let inner = Arc::new_cyclic(|weak: &Weak<Inner>| {
+            let tree = match stored {
+                None => Tree::empty(dev),
+                Some(t) => {
+                    let nodes = t
+                        .nodes
+                        .into_iter()
+                        .map(|(p, n)| {
+                            let data = (n.kind == Kind::File)
+                                .then(|| Arc::new(S3File::new(shared.clone(), weak.clone(), n.ino, n.size, n.chunks)));
+                            let node = Node {
+                                kind: n.kind,
+                                ino: n.ino,
+                                mode: n.mode,
+                                uid: n.uid,
+                                gid: n.gid,
+                                mtime: n.mtime,
+                                atime: n.atime,
+                                ctime: n.ctime,
+                                data,
+                                target: n.target,
+                                rdev: n.rdev,
+                            };
+                            (p, node)
+                        })
+                        .collect();
+                    Tree::with(nodes, dev, t.next_ino)
+                }
+            };
+            Inner { shared: shared.clone(), tree, commit_lock: Mutex::new(()), closing: AtomicBool::new(false) }
+        });
+        inner.sweep().map_err(|e| bad(&e))?;
+        let weak = Arc::downgrade(&inner);
+        std::thread::Builder::new().name("ubc-s3-commit".into()).spawn(move || committer(weak)).map_err(|e| bad(&e))?;
+        Ok(S3 { inner, spec })
+    }
+
+    /// Requests and bytes moved so far.
+    pub fn stats(&self) -> S3Stats {
+        let s = &self.inner.shared;
+        S3Stats {
+            gets: s.gets.load(Relaxed),
+            get_bytes: s.get_bytes.load(Relaxed),
+            puts: s.puts.load(Relaxed),
+            put_bytes: s.put_bytes.load(Relaxed),
+            deletes: s.deletes.load(Relaxed),
+            commits: s.commits.load(Relaxed),
+        }
+    }
+
+    /// Commit now (what `sync_dir` and a file's `sync` do).
+    pub fn commit(&self) -> Result<()> {
+        self.inner.commit().map_err(|e| Error::io(&self.spec, e))
+    }
+
+    fn add(&self, path: &str, kind: Kind, mode: u32) -> Result<()> {
+        let (shared, weak) = (self.inner.shared.clone(), Arc::downgrade(&self.inner));
+        let file = |ino| Arc::new(S3File::new(shared, weak, ino, 0, BTreeMap::new()));
+        self.inner.tree.add(path, kind, mode, file).map(drop)
+    }
+
+    /// A node that lost its last name: its file's objects go once it is closed.
+    fn unlinked(node: Option<Node<S3File>>) {
+        if let Some(f) = node.and_then(|n| n.data) {
+            f.unlinked.store(true, Relaxed);
+        }
+    }
+}
+
+/// The background committer: commits every `COMMIT_EVERY` while something changed, until
+/// the layer is dropped.
+fn committer(weak: Weak<Inner>) {
+    loop {
+        std::thread::sleep(COMMIT_EVERY);
+        let Some(inner) = weak.upgrade() else { return };
+        if inner.closing.load(Relaxed) {
+            return;
+        }
+        if inner.tree.changed.load(Relaxed) {
+            let _ = inner.commit();
+        }
+    }
+}
+
+impl Drop for S3 {
+    fn drop(&mut self) {
+        self.inner.closing.store(true, Relaxed);
+        if self.inner.tree.changed.load(Relaxed) {
+            let _ = self.inner.commit();
+        }
+    }
+}
+
+impl Layer for S3 {
+    fn spec(&self) -> String {
+        self.spec.clone()
+    }
+    fn lower(&self) -> Option<&Arc<dyn Layer>> {
+        None
+    }
+    fn getattr(&self, path: &str) -> Result<Attr> {
+        self.inner.tree.getattr(path)
+    }
+    fn setattr(&self, path: &str, set: &SetAttr) -> Result<()> {
+        self.inner.tree.setattr(path, set)
+    }
+    fn readdir(&self, path: &str) -> Result<Vec<DirEntry>> {
+        self.inner.tree.readdir(path)
+    }
+    fn create(&self, path: &str, mode: u32) -> Result<()> {
+        self.add(path, Kind::File, mode)
+    }
+    fn mkdir(&self, path: &str, mode: u32) -> Result<()> {
+        self.add(path, Kind::Dir, mode)
+    }
+    fn remove(&self, path: &str) -> Result<()> {
+        S3::unlinked(Some(self.inner.tree.remove(path)?));
+        Ok(())
+    }
+    fn rmdir(&self, path: &str) -> Result<()> {
+        self.inner.tree.rmdir(path)
+    }
+    fn rename(&self, from: &str, to: &str) -> Result<()> {
+        S3::unlinked(self.inner.tree.rename(from, to)?);
+        Ok(())
+    }
+    fn rename_with(&self, from: &str, to: &str, how: Rename) -> Result<()> {
+        match how {
+            Rename::Replace => self.rename(from, to),
+            _ => self.inner.tree.rename_with(from, to, how, "an s3 tree"),
+        }
+    }
+    fn sync_dir(&self, _path: &str) -> Result<()> {
+        self.commit()
+    }
+    fn symlink(&self, target: &str, path: &str) -> Result<()> {
+        self.inner.tree.symlink(target, path)
+    }
+    fn readlink(&self, path: &str) -> Result<String> {
+        self.inner.tree.readlink(path)
+    }
+    fn link(&self, _from: &str, to: &str) -> Result<()> {
+        Err(Error::NotSupported(format!("{to}: hard links in an s3 tree")))
+    }
+    fn mknod(&self, path: &str, kind: Kind, mode: u32, rdev: u64) -> Result<()> {
+        self.inner.tree.mknod(path, kind, mode, rdev)
+    }
+    fn getxattr(&self, path: &str, _name: &str) -> Result<Vec<u8>> {
+        Err(Error::NotSupported(format!("{path}: extended attributes in an s3 tree")))
+    }
+    fn setxattr(&self, path: &str, _name: &str, _value: &[u8], _flags: i32) -> Result<()> {
+        Err(Error::NotSupported(format!("{path}: extended attributes in an s3 tree")))
+    }
+    fn listxattr(&self, path: &str) -> Result<Vec<String>> {
+        Err(Error::NotSupported(format!("{path}: extended attributes in an s3 tree")))
+    }
+    fn removexattr(&self, path: &str, _name: &str) -> Result<()> {
+        Err(Error::NotSupported(format!("{path}: extended attributes in an s3 tree")))
+    }
+    fn open(&self, path: &str, _access: ubc::Access, _below: &dyn Below) -> Result<Opened> {
+        Ok(Opened::Store(self.inner.tree.data(path)?))
+    }
+    fn sync_all(&self) -> Result<()> {
+        self.commit()
+    }
+}
