@@ -63,6 +63,9 @@ pub struct S3Options {
     /// Bytes per chunk object: a power of two from 64 KiB to 16 MiB (default 1 MiB). A
     /// random write uploads one whole chunk at the next commit.
     pub chunk_size: u64,
+    /// How long a request is retried (with exponential backoff) before it fails (default
+    /// 120 s); each attempt times out after 30 s.
+    pub retry_timeout: Duration,
 }
 
 impl S3Options {
@@ -80,6 +83,7 @@ impl S3Options {
             endpoint: None,
             region: None,
             chunk_size: 1 << 20,
+            retry_timeout: Duration::from_secs(120),
         };
         for kv in query.split('&').filter(|x| !x.is_empty()) {
             let (k, v) = kv.split_once('=').ok_or_else(|| Error::Spec(format!("s3: `{kv}` is not key=value")))?;
@@ -93,7 +97,19 @@ impl S3Options {
                     }
                     o.chunk_size = n;
                 }
-                _ => return Err(Error::Spec(format!("s3: unknown option `{k}` (known: endpoint, region, chunk)"))),
+                "retry_timeout" => {
+                    let secs: f64 = v
+                        .parse()
+                        .ok()
+                        .filter(|s: &f64| s.is_finite() && *s >= 0.0 && *s <= 3600.0)
+                        .ok_or_else(|| Error::Spec(format!("s3: retry_timeout={v} is not 0..=3600 seconds")))?;
+                    o.retry_timeout = Duration::from_secs_f64(secs);
+                }
+                _ => {
+                    return Err(Error::Spec(format!(
+                        "s3: unknown option `{k}` (known: endpoint, region, chunk, retry_timeout)"
+                    )));
+                }
             }
         }
         Ok(o)
@@ -343,16 +359,25 @@ pub struct S3 {
 impl S3 {
     /// Open (or start) the file system at `o`: its tree is read from the bucket.
     pub fn open(o: &S3Options) -> Result<S3> {
+        let mut query = Vec::new();
+        if let Some(e) = &o.endpoint {
+            query.push(format!("endpoint={e}"));
+        }
+        if let Some(r) = &o.region {
+            query.push(format!("region={r}"));
+        }
+        if o.chunk_size != 1 << 20 {
+            query.push(format!("chunk={}K", o.chunk_size >> 10));
+        }
+        if o.retry_timeout != Duration::from_secs(120) {
+            query.push(format!("retry_timeout={}", o.retry_timeout.as_secs_f64()));
+        }
         let spec = format!(
-            "s3:{}{}{}",
+            "s3:{}{}{}{}",
             o.bucket,
             if o.prefix.is_empty() { String::new() } else { format!("/{}", o.prefix) },
-            match (&o.endpoint, &o.region) {
-                (Some(e), Some(r)) => format!("?endpoint={e}&region={r}"),
-                (Some(e), None) => format!("?endpoint={e}"),
-                (None, Some(r)) => format!("?region={r}"),
-                (None, None) => String::new(),
-            }
+            if query.is_empty() { "" } else { "?" },
+            query.join("&")
         );
         let bad = |e: &dyn std::fmt::Display| Error::Spec(format!("{spec}: {e}"));
         // Client options first: they carry `allow_http`, which a later `with_client_options`
@@ -373,7 +398,7 @@ impl S3 {
         let retry = object_store::RetryConfig {
             backoff: object_store::BackoffConfig::default(),
             max_retries: 10,
-            retry_timeout: Duration::from_secs(120),
+            retry_timeout: o.retry_timeout,
         };
         let store: Arc<dyn ObjectStore> = Arc::new(b.with_retry(retry).build().map_err(|e| bad(&e))?);
         let rt = tokio::runtime::Builder::new_multi_thread()
