@@ -6,6 +6,7 @@ pub mod mach61;
 pub mod map;
 pub mod mount;
 pub mod policy;
+pub mod s3;
 pub mod seq;
 pub mod small;
 pub mod stack;
@@ -51,5 +52,6 @@ pub fn all() -> Vec<(&'static str, BenchFn)> {
         ("small", small::run as BenchFn),
         ("mount", mount::run as BenchFn),
         ("xip", xip::run as BenchFn),
+        ("s3", s3::run as BenchFn),
     ]
 }

@@ -13,6 +13,23 @@ use std::io;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Weak};
 
+/// Chunks a sequential reader's pager fetches ahead of the one asked for, in parallel.
+const AHEAD: u64 = 8;
+
+/// A whole chunk being fetched or fetched (shared by every fill that wants part of it).
+type Fetch = futures::future::Shared<futures::future::BoxFuture<'static, Result<bytes::Bytes, Arc<io::Error>>>>;
+
+/// Whole chunks fetched ahead of a sequential reader, and the chunk a fill asked for last
+/// (the cache fills a chunk larger than its largest fill in several calls: one GET serves
+/// them all). Keyed by (index, version): a replaced chunk's old bytes are never used.
+#[derive(Default)]
+struct Ahead {
+    chunks: std::collections::HashMap<(u64, u64), Fetch>,
+    order: std::collections::VecDeque<(u64, u64)>,
+    /// The last chunk a fill asked for.
+    last: Option<u64>,
+}
+
 /// Staged bytes of one file past which its staged chunks are uploaded at once (the tree is
 /// committed later): bounds the memory a writer holds outside the cache.
 const STAGE_MAX: usize = 16 << 20;
@@ -33,6 +50,7 @@ pub(crate) struct S3File {
     inner: Weak<Inner>,
     pub(crate) ino: u64,
     pub(crate) state: Mutex<FileState>,
+    ahead: Mutex<Ahead>,
     /// Its last name is gone: when the file is dropped (no open handle left), its objects
     /// are deleted after the next commit.
     pub(crate) unlinked: AtomicBool,
@@ -51,6 +69,7 @@ impl S3File {
             inner,
             ino,
             state: Mutex::new(FileState { size, chunks, staged: BTreeMap::new() }),
+            ahead: Mutex::new(Ahead::default()),
             unlinked: AtomicBool::new(false),
         }
     }
@@ -66,6 +85,44 @@ impl S3File {
         let b = self.shared.rt.block_on(async move { store.get_range(&path, range).await }).map_err(super::io_err)?;
         self.shared.counted_get(b.len());
         Ok(b)
+    }
+
+    /// The fetch of stored chunk `idx` (version `c`), started now on the runtime unless one
+    /// is under way or done. => `ahead` is this file's, locked.
+    fn fetch_whole(&self, ahead: &mut Ahead, idx: u64, c: Chunk) -> Fetch {
+        use futures::FutureExt;
+        let key = (idx, c.version);
+        if let Some(f) = ahead.chunks.get(&key) {
+            return f.clone();
+        }
+        let path = self.shared.chunk_path(self.ino, idx, c.version);
+        let store = self.shared.store.clone();
+        let shared = self.shared.clone();
+        let task = self.shared.rt.spawn(async move {
+            let r = store.get_range(&path, 0..c.len as u64).await;
+            if let Ok(b) = &r {
+                shared.counted_get(b.len());
+            }
+            r
+        });
+        let f: Fetch = async move {
+            match task.await {
+                Ok(Ok(b)) => Ok(b),
+                Ok(Err(e)) => Err(Arc::new(super::io_err(e))),
+                Err(e) => Err(Arc::new(io::Error::other(e))),
+            }
+        }
+        .boxed()
+        .shared();
+        ahead.chunks.insert(key, f.clone());
+        ahead.order.push_back(key);
+        // Bounded: the oldest are forgotten (a fetch still running finishes on its own).
+        while ahead.order.len() as u64 > AHEAD + 4 {
+            if let Some(old) = ahead.order.pop_front() {
+                ahead.chunks.remove(&old);
+            }
+        }
+        f
     }
 
     /// Stage chunk `idx` with its current bytes. => `st` is this file's state, locked.
@@ -180,21 +237,34 @@ impl S3File {
         if remote.is_empty() {
             return Ok(if any { ubc::Fill::Data } else { ubc::Fill::Hole });
         }
-        let store = self.shared.store.clone();
-        let jobs: Vec<_> =
-            remote.iter().map(|(idx, c, r)| (self.shared.chunk_path(self.ino, *idx, c.version), r.clone())).collect();
-        let got = self.shared.rt.block_on(async move {
-            let futs = jobs.into_iter().map(|(p, r)| {
-                let store = store.clone();
-                async move { store.get_range(&p, r).await }
-            });
-            futures::future::join_all(futs).await
-        });
+        // Whole chunks, fetched in parallel (each once for all the fills of its parts), and
+        // for a sequential reader the next `AHEAD` stored chunks too.
+        let fetches: Vec<Fetch> = {
+            let mut ahead = self.ahead.lock();
+            let first = remote[0].0;
+            let last = remote[remote.len() - 1].0;
+            let sequential = ahead.last.is_some_and(|l| first == l || first == l + 1);
+            ahead.last = Some(last);
+            let wanted: Vec<Fetch> = remote.iter().map(|&(idx, c, _)| self.fetch_whole(&mut ahead, idx, c)).collect();
+            if sequential {
+                let st = self.state.lock();
+                for idx in last + 1..=last + AHEAD {
+                    if let Some(&c) = st.chunks.get(&idx).filter(|_| !st.staged.contains_key(&idx)) {
+                        // Started on the runtime: it runs whether or not anyone waits.
+                        drop(self.fetch_whole(&mut ahead, idx, c));
+                    }
+                }
+            }
+            wanted
+        };
+        let got = self.shared.rt.block_on(futures::future::join_all(fetches));
         for ((idx, _, r), g) in remote.into_iter().zip(got) {
-            let bytes = g.map_err(super::io_err)?;
-            self.shared.counted_get(bytes.len());
+            let whole = g.map_err(|e| io::Error::new(e.kind(), e.to_string()))?;
+            let part = whole.get(r.start as usize..r.end as usize).ok_or_else(|| {
+                io::Error::new(io::ErrorKind::InvalidData, format!("chunk {idx} of inode {} is short", self.ino))
+            })?;
             let at = (idx * chunk + r.start - offset) as usize;
-            buf[at..at + bytes.len()].copy_from_slice(&bytes);
+            buf[at..at + part.len()].copy_from_slice(part);
         }
         Ok(ubc::Fill::Data)
     }
