@@ -59,6 +59,15 @@ fn cache(budget: u64) -> ubc::Cache {
     ubc::Cache::builder().budget(budget).build().unwrap()
 }
 
+/// A stack over an s3 layer this test keeps a handle on (for its statistics), 64 KiB chunks.
+fn own_layer(endpoint: &str, bucket: &str, test: &str) -> (S3Options, Arc<S3>, Stack) {
+    let o = S3Options::parse(&format!("{bucket}/{}?endpoint={endpoint}&chunk=64K", fresh_prefix(test))).unwrap();
+    let layer = Arc::new(S3::open(&o).unwrap());
+    let l2 = layer.clone();
+    let s = Stack::builder(cache(1 << 20)).push(move |_| Ok(l2 as Arc<dyn ubc_stack::Layer>)).unwrap().build().unwrap();
+    (o, layer, s)
+}
+
 fn write_file(s: &Stack, path: &str, bytes: &[u8]) {
     let f = s.top().open_with(path, OpenOptions::new().write(true).create(true).truncate(true)).unwrap();
     f.write_at(bytes, 0).unwrap();
@@ -110,13 +119,7 @@ fn files_and_names_survive_a_restart_with_layers_above() {
 #[test]
 fn a_random_4k_write_uploads_one_chunk_not_the_file() {
     let Some((e, b)) = server("a_random_4k_write_uploads_one_chunk") else { return };
-    let o = S3Options::parse(&format!("{b}/{}?endpoint={e}&chunk=64K", fresh_prefix("rand"))).unwrap();
-    let layer = Arc::new(S3::open(&o).unwrap());
-    let s = Stack::builder(cache(1 << 20))
-        .push(|_| Ok(layer.clone() as Arc<dyn ubc_stack::Layer>))
-        .unwrap()
-        .build()
-        .unwrap();
+    let (o, layer, s) = own_layer(&e, &b, "rand");
     let len = 8 << 20;
     let mut model = data(1, len);
     write_file(&s, "big", &model);
@@ -175,13 +178,7 @@ fn what_was_synced_survives_a_crash_and_the_rest_may_not() {
 #[test]
 fn removed_files_and_replaced_chunks_leave_no_objects() {
     let Some((e, b)) = server("removed_files_leave_no_objects") else { return };
-    let o = S3Options::parse(&format!("{b}/{}?endpoint={e}&chunk=64K", fresh_prefix("gc"))).unwrap();
-    let layer = Arc::new(S3::open(&o).unwrap());
-    let s = Stack::builder(cache(1 << 20))
-        .push(|_| Ok(layer.clone() as Arc<dyn ubc_stack::Layer>))
-        .unwrap()
-        .build()
-        .unwrap();
+    let (o, _layer, s) = own_layer(&e, &b, "gc");
     write_file(&s, "a", &data(1, 500_000));
     write_file(&s, "b", &data(2, 500_000));
     // Rewritten twice: each chunk's old versions go.
