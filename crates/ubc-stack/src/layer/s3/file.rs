@@ -13,8 +13,15 @@ use std::io;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Weak};
 
-/// Chunks a sequential reader's pager fetches ahead of the one asked for, in parallel.
-const AHEAD: u64 = 8;
+/// Bytes a sequential reader's pager keeps in flight ahead of the chunk asked for, in
+/// parallel requests: what keeps a stream of requests, each paying the store's latency,
+/// ahead of the reader (8 MiB: 8 chunks of 1 MiB, 64 of 128 KiB).
+const AHEAD_BYTES: u64 = 8 << 20;
+
+/// Chunks fetched ahead, for chunks of `chunk` bytes: 8 to 64.
+fn ahead_chunks(chunk: u64) -> u64 {
+    (AHEAD_BYTES / chunk).clamp(8, 64)
+}
 
 /// A whole chunk being fetched or fetched (shared by every fill that wants part of it).
 type Fetch = futures::future::Shared<futures::future::BoxFuture<'static, Result<bytes::Bytes, Arc<io::Error>>>>;
@@ -117,7 +124,7 @@ impl S3File {
         ahead.chunks.insert(key, f.clone());
         ahead.order.push_back(key);
         // Bounded: the oldest are forgotten (a fetch still running finishes on its own).
-        while ahead.order.len() as u64 > AHEAD + 4 {
+        while ahead.order.len() as u64 > ahead_chunks(self.chunk()) + 4 {
             if let Some(old) = ahead.order.pop_front() {
                 ahead.chunks.remove(&old);
             }
@@ -238,7 +245,7 @@ impl S3File {
             return Ok(if any { ubc::Fill::Data } else { ubc::Fill::Hole });
         }
         // Whole chunks, fetched in parallel (each once for all the fills of its parts), and
-        // for a sequential reader the next `AHEAD` stored chunks too.
+        // for a sequential reader the next `ahead_chunks` stored chunks too.
         let fetches: Vec<Fetch> = {
             let mut ahead = self.ahead.lock();
             let first = remote[0].0;
@@ -248,7 +255,7 @@ impl S3File {
             let wanted: Vec<Fetch> = remote.iter().map(|&(idx, c, _)| self.fetch_whole(&mut ahead, idx, c)).collect();
             if sequential {
                 let st = self.state.lock();
-                for idx in last + 1..=last + AHEAD {
+                for idx in last + 1..=last + ahead_chunks(chunk) {
                     if let Some(&c) = st.chunks.get(&idx).filter(|_| !st.staged.contains_key(&idx)) {
                         // Started on the runtime: it runs whether or not anyone waits.
                         drop(self.fetch_whole(&mut ahead, idx, c));
