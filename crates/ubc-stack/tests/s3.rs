@@ -260,7 +260,16 @@ fn a_damaged_tree_is_an_error_not_a_guess() {
         write_file(&s, "x", b"hello");
         s.sync_all().unwrap();
     }
-    let tree = std::path::Path::new(&root).join(&b).join(&p).join("ubc-s3/tree");
+    // The last committed tree: the highest sequence number under `tree/`.
+    let trees = std::path::Path::new(&root).join(&b).join(&p).join("ubc-s3/tree");
+    let mut names: Vec<_> = std::fs::read_dir(&trees)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| !p.file_name().unwrap().to_string_lossy().starts_with('.'))
+        .collect();
+    names.sort();
+    let tree = names.last().expect("a committed tree").clone();
     let mut t = std::fs::read(&tree).unwrap();
     let mid = t.len() / 2;
     t[mid] ^= 1;
@@ -373,4 +382,139 @@ fn chunks_fetched_ahead_never_show_bytes_written_since() {
         f.read_exact_at(&mut again, 0).unwrap();
         same(&again, &model, &format!("round {round}"));
     }
+}
+
+/// A TCP proxy whose requests can be slowed down (`delay_ms`) or held (`stall`) at will.
+struct Throttle {
+    port: u16,
+    delay_ms: Arc<AtomicU64>,
+    stall: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Throttle {
+    fn start(upstream_port: u16) -> Throttle {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let delay_ms = Arc::new(AtomicU64::new(0));
+        let stall = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (d, st) = (delay_ms.clone(), stall.clone());
+        std::thread::spawn(move || {
+            for client in listener.incoming().flatten() {
+                let Ok(server) = std::net::TcpStream::connect(("127.0.0.1", upstream_port)) else { continue };
+                let (mut c_in, mut s_out) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+                let (d, st) = (d.clone(), st.clone());
+                std::thread::spawn(move || {
+                    let mut buf = vec![0u8; 64 << 10];
+                    while let Ok(n) = c_in.read(&mut buf) {
+                        if n == 0 {
+                            break;
+                        }
+                        while st.load(Relaxed) {
+                            std::thread::sleep(std::time::Duration::from_millis(10));
+                        }
+                        std::thread::sleep(std::time::Duration::from_millis(d.load(Relaxed)));
+                        if s_out.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                    let _ = s_out.shutdown(std::net::Shutdown::Write);
+                });
+                let (mut s_in, mut c_out) = (server, client);
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut s_in, &mut c_out);
+                    let _ = c_out.shutdown(std::net::Shutdown::Write);
+                });
+            }
+        });
+        Throttle { port, delay_ms, stall }
+    }
+}
+
+#[test]
+fn a_slow_or_stalled_server_delays_or_fails_a_sync_and_loses_nothing() {
+    let Some(_) = server("a_slow_or_stalled_server") else { return };
+    let Ok(bin) = std::env::var("UBC_TEST_S3FS") else {
+        assert!(std::env::var("UBC_TEST_S3_REQUIRED").as_deref() != Ok("1"), "UBC_TEST_S3FS (the server binary) unset");
+        return;
+    };
+    let root = tempfile::tempdir().unwrap();
+    std::fs::create_dir(root.path().join("ubc-slow")).unwrap();
+    let srv = OwnServer::start(&bin, root.path(), None);
+    let proxy = Throttle::start(srv.port);
+    let via = format!("s3:ubc-slow/p?endpoint=http://127.0.0.1:{}&chunk=64K&timeout=1&retry_timeout=3", proxy.port);
+    let s = Stack::open(&via, cache(1 << 20)).unwrap();
+    let mut model = data(31, 400_000);
+    write_file(&s, "f", &model);
+    let f = s.top().open_with("f", OpenOptions::new().write(true)).unwrap();
+    // Slow (300 ms per request, under the 1 s attempt timeout): the sync takes longer and
+    // succeeds.
+    proxy.delay_ms.store(300, Relaxed);
+    let d = data(32, 70_000);
+    f.write_at(&d, 50_000).unwrap();
+    model[50_000..120_000].copy_from_slice(&d);
+    let t = std::time::Instant::now();
+    f.sync().unwrap();
+    assert!(t.elapsed() >= std::time::Duration::from_millis(300), "the slow server was not in the path");
+    // Stalled (no answer at all): every attempt times out; the sync fails once the retries
+    // are spent, and says so.
+    proxy.delay_ms.store(0, Relaxed);
+    proxy.stall.store(true, Relaxed);
+    let d = data(33, 100_000);
+    f.write_at(&d, 250_000).unwrap();
+    model[250_000..350_000].copy_from_slice(&d);
+    let t = std::time::Instant::now();
+    let err = f.sync().expect_err("a sync through a stalled server succeeded");
+    eprintln!("sync through a stalled server, after {:?}: {err}", t.elapsed());
+    assert!(t.elapsed() < std::time::Duration::from_secs(60), "the sync waited {:?}", t.elapsed());
+    // The server answers again: the next sync stores everything.
+    proxy.stall.store(false, Relaxed);
+    f.sync().unwrap();
+    drop(f);
+    s.sync_all().unwrap();
+    drop(s);
+    let direct = format!("s3:ubc-slow/p?endpoint=http://127.0.0.1:{}&chunk=64K", srv.port);
+    let s = Stack::open(&direct, cache(1 << 20)).unwrap();
+    same(&read_file(&s, "f"), &model, "after the slow and stalled syncs");
+}
+
+#[test]
+fn a_tree_put_delayed_past_newer_commits_is_never_read() {
+    let Some((e, b)) = server("a_tree_put_delayed_past_newer_commits") else { return };
+    let root = std::env::var("UBC_TEST_S3_ROOT").unwrap_or_default();
+    if root.is_empty() {
+        return;
+    }
+    let p = fresh_prefix("delayed");
+    let sp = spec(&e, &b, &p);
+    let trees = std::path::Path::new(&root).join(&b).join(&p).join("ubc-s3/tree");
+    let listed = || {
+        let mut v: Vec<std::path::PathBuf> = std::fs::read_dir(&trees)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| !p.file_name().unwrap().to_string_lossy().starts_with('.'))
+            .collect();
+        v.sort();
+        v
+    };
+    let s = Stack::open(&sp, cache(1 << 20)).unwrap();
+    write_file(&s, "old", b"old");
+    s.sync_all().unwrap();
+    let first = std::fs::read(listed().last().unwrap()).unwrap();
+    write_file(&s, "new", b"new");
+    s.top().remove("old").unwrap();
+    s.sync_all().unwrap();
+    s.sync_all().unwrap();
+    drop(s);
+    // The first commit's PUT "arrives late": an old tree written again under its old number
+    // (the lowest); a reopen must read the newest, and drop the straggler.
+    let trees_now = listed();
+    assert!(trees_now.len() <= 2, "older trees are deleted: {trees_now:?}");
+    std::fs::write(trees.join(format!("{:016x}", 1)), &first).unwrap();
+    let s = Stack::open(&sp, cache(1 << 20)).unwrap();
+    same(&read_file(&s, "new"), b"new", "the newest tree's file");
+    assert!(s.top().getattr("old").is_err(), "the straggler's name came back");
+    drop(s);
+    assert!(!trees.join(format!("{:016x}", 1)).exists(), "the straggler was not deleted");
 }

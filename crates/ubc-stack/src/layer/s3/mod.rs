@@ -15,10 +15,12 @@
 //! ubc takes the second, with the metadata kept in the bucket itself (a separate database is
 //! issue 21's coherence part, through etcd): chunk objects `PREFIX/ubc-s3/c/<ino>/<index>.
 //! <version>` (16 hex digits each), immutable — a changed chunk is uploaded as a new
-//! version — and one *tree* object `PREFIX/ubc-s3/tree` holding every name with its
-//! attributes, size and chunk list. A commit uploads the staged chunks, then replaces the
-//! tree object (a PUT is atomic: a reader or a restart finds the old tree or the new one,
-//! never a mix), then deletes the versions the new tree no longer names. So after a crash
+//! version — and a *tree* object per commit, `PREFIX/ubc-s3/tree/<seq>`, holding every name
+//! with its attributes, size and chunk list. A commit uploads the staged chunks, then PUTs
+//! the next tree (a PUT is atomic, and an opening reads the highest number: it finds the old
+//! tree or the new one, never a mix — and a PUT delayed in the network, arriving after a
+//! newer commit, only adds an older tree that nobody reads), then deletes the versions the
+//! new tree no longer names and the trees before the previous one. So after a crash
 //! the bucket holds the last committed tree, every chunk it names, and perhaps garbage
 //! (objects of a commit that did not finish), which the next open sweeps away.
 //!
@@ -64,8 +66,10 @@ pub struct S3Options {
     /// random write uploads one whole chunk at the next commit.
     pub chunk_size: u64,
     /// How long a request is retried (with exponential backoff) before it fails (default
-    /// 120 s); each attempt times out after 30 s.
+    /// 120 s).
     pub retry_timeout: Duration,
+    /// How long one attempt may take before it is abandoned (and retried): default 30 s.
+    pub timeout: Duration,
 }
 
 impl S3Options {
@@ -84,6 +88,7 @@ impl S3Options {
             region: None,
             chunk_size: 1 << 20,
             retry_timeout: Duration::from_secs(120),
+            timeout: Duration::from_secs(30),
         };
         for kv in query.split('&').filter(|x| !x.is_empty()) {
             let (k, v) = kv.split_once('=').ok_or_else(|| Error::Spec(format!("s3: `{kv}` is not key=value")))?;
@@ -97,17 +102,24 @@ impl S3Options {
                     }
                     o.chunk_size = n;
                 }
-                "retry_timeout" => {
+                "retry_timeout" | "timeout" => {
                     let secs: f64 = v
                         .parse()
                         .ok()
                         .filter(|s: &f64| s.is_finite() && *s >= 0.0 && *s <= 3600.0)
-                        .ok_or_else(|| Error::Spec(format!("s3: retry_timeout={v} is not 0..=3600 seconds")))?;
-                    o.retry_timeout = Duration::from_secs_f64(secs);
+                        .ok_or_else(|| Error::Spec(format!("s3: {k}={v} is not 0..=3600 seconds")))?;
+                    if k == "timeout" {
+                        if secs == 0.0 {
+                            return Err(Error::Spec("s3: timeout=0 would fail every request".into()));
+                        }
+                        o.timeout = Duration::from_secs_f64(secs);
+                    } else {
+                        o.retry_timeout = Duration::from_secs_f64(secs);
+                    }
                 }
                 _ => {
                     return Err(Error::Spec(format!(
-                        "s3: unknown option `{k}` (known: endpoint, region, chunk, retry_timeout)"
+                        "s3: unknown option `{k}` (known: endpoint, region, chunk, retry_timeout, timeout)"
                     )));
                 }
             }
@@ -156,8 +168,20 @@ impl Shared {
         ObjPath::from(format!("{}c/{ino:016x}/{idx:016x}.{version:016x}", self.root))
     }
 
-    fn tree_path(&self) -> ObjPath {
-        ObjPath::from(format!("{}tree", self.root))
+    /// The tree of commit `seq`.
+    fn tree_path(&self, seq: u64) -> ObjPath {
+        ObjPath::from(format!("{}tree/{seq:016x}", self.root))
+    }
+
+    /// The committed trees' sequence numbers, ascending.
+    fn tree_seqs(&self) -> io::Result<Vec<u64>> {
+        let mut seqs: Vec<u64> = self
+            .list("tree/")?
+            .iter()
+            .filter_map(|p| p.filename().and_then(|f| u64::from_str_radix(f, 16).ok()))
+            .collect();
+        seqs.sort_unstable();
+        Ok(seqs)
     }
 
     pub(crate) fn new_version(&self) -> u64 {
@@ -220,17 +244,16 @@ pub(crate) fn io_err(e: object_store::Error) -> io::Error {
 pub(crate) struct Inner {
     pub(crate) shared: Arc<Shared>,
     pub(crate) tree: Tree<S3File>,
-    /// Serializes commits.
-    commit_lock: Mutex<()>,
+    /// Serializes commits; holds the sequence number of the last tree committed (0: none).
+    commit_lock: Mutex<u64>,
     /// Set when the layer is dropped: the committer stops.
     closing: AtomicBool,
 }
 
 impl Inner {
-    /// Upload every staged chunk, replace the tree object, then delete what it no longer
-    /// names.
+    /// Upload every staged chunk, PUT the next tree, then delete what it no longer names.
     pub(crate) fn commit(&self) -> io::Result<()> {
-        let _c = self.commit_lock.lock();
+        let mut seq = self.commit_lock.lock();
         let files: Vec<Arc<S3File>> = self.tree.nodes.lock().values().filter_map(|n| n.data.clone()).collect();
         for f in &files {
             f.flush()?;
@@ -278,7 +301,7 @@ impl Inner {
             (t.encode(), garbage, gone)
         };
         let store = self.shared.store.clone();
-        let path = self.shared.tree_path();
+        let path = self.shared.tree_path(*seq + 1);
         let n = bytes.len();
         let r = self.shared.rt.block_on(async move { store.put(&path, bytes::Bytes::from(bytes).into()).await });
         if let Err(e) = r {
@@ -290,6 +313,12 @@ impl Inner {
         }
         self.shared.counted_put(n);
         self.shared.commits.fetch_add(1, Relaxed);
+        *seq += 1;
+        // The tree before this one is kept (a reader that listed before this commit reads
+        // it); older ones go.
+        if *seq >= 3 {
+            self.shared.delete_all(vec![self.shared.tree_path(*seq - 2)]);
+        }
         self.shared.delete_all(garbage);
         for ino in gone {
             if let Ok(objs) = self.shared.list(&format!("c/{ino:016x}/")) {
@@ -372,6 +401,9 @@ impl S3 {
         if o.retry_timeout != Duration::from_secs(120) {
             query.push(format!("retry_timeout={}", o.retry_timeout.as_secs_f64()));
         }
+        if o.timeout != Duration::from_secs(30) {
+            query.push(format!("timeout={}", o.timeout.as_secs_f64()));
+        }
         let spec = format!(
             "s3:{}{}{}{}",
             o.bucket,
@@ -383,8 +415,8 @@ impl S3 {
         // Client options first: they carry `allow_http`, which a later `with_client_options`
         // would reset.
         let client = object_store::ClientOptions::new()
-            .with_timeout(Duration::from_secs(30))
-            .with_connect_timeout(Duration::from_secs(5));
+            .with_timeout(o.timeout)
+            .with_connect_timeout(o.timeout.min(Duration::from_secs(5)));
         let mut b =
             object_store::aws::AmazonS3Builder::from_env().with_client_options(client).with_bucket_name(&o.bucket);
         if let Some(r) = o.region.clone().or_else(|| std::env::var("AWS_REGION").ok()) {
@@ -428,20 +460,23 @@ impl S3 {
             deletes: AtomicU64::new(0),
             commits: AtomicU64::new(0),
         });
-        // The committed tree, or none yet (a new file system).
-        let store = shared.store.clone();
-        let path = shared.tree_path();
-        let got = shared.rt.block_on(async move {
-            match store.get(&path).await {
-                Ok(r) => r.bytes().await.map(Some),
-                Err(object_store::Error::NotFound { .. }) => Ok(None),
-                Err(e) => Err(e),
-            }
-        });
-        let stored = match got.map_err(|e| bad(&e))? {
-            Some(b) => Some(StoredTree::decode(&b).map_err(|e| bad(&e))?),
-            None => None,
+        // The last committed tree (the highest sequence number), or none yet (a new file
+        // system). Trees are never overwritten, so a PUT delayed in the network (a request
+        // its client gave up on, arriving after a newer commit) adds an older tree, which is
+        // never read — where one mutable tree object would have been rolled back by it.
+        let seqs = shared.tree_seqs().map_err(|e| bad(&e))?;
+        let last_seq = seqs.last().copied().unwrap_or(0);
+        let stored = if last_seq == 0 {
+            None
+        } else {
+            let store = shared.store.clone();
+            let path = shared.tree_path(last_seq);
+            let b = shared.rt.block_on(async move { store.get(&path).await?.bytes().await }).map_err(|e| bad(&e))?;
+            Some(StoredTree::decode(&b).map_err(|e| bad(&format!("tree {last_seq:016x}: {e}")))?)
         };
+        // Trees older than the one before the last: leftovers (such a delayed PUT).
+        let stale: Vec<ObjPath> = seqs.iter().filter(|&&s| s + 1 < last_seq).map(|&s| shared.tree_path(s)).collect();
+        shared.delete_all(stale);
         if let Some(t) = &stored
             && t.chunk_size as u64 != o.chunk_size
         {
@@ -483,7 +518,7 @@ impl S3 {
                     Tree::with(nodes, dev, t.next_ino)
                 }
             };
-            Inner { shared: shared.clone(), tree, commit_lock: Mutex::new(()), closing: AtomicBool::new(false) }
+            Inner { shared: shared.clone(), tree, commit_lock: Mutex::new(last_seq), closing: AtomicBool::new(false) }
         });
         inner.sweep().map_err(|e| bad(&e))?;
         let weak = Arc::downgrade(&inner);
