@@ -202,6 +202,14 @@ pub fn aead_case(data: &[u8]) {
 
 pub fn spec_case(data: &[u8]) {
     let Ok(s) = std::str::from_utf8(data) else { return };
+    // An `s3` layer would reach the network: only its options are parsed.
+    let s3 = ubc_stack::s3_layers(s);
+    if !s3.is_empty() {
+        for o in s3 {
+            let _ = ubc_stack::layer::s3::S3Options::parse(o);
+        }
+        return;
+    }
     if let Ok(st) = ubc_stack::Stack::open(s, cache().clone()) {
         let _ = st.spec();
         let _ = st.top().getattr("");

@@ -38,6 +38,7 @@ mod sync;
 pub use coherence::{CoherenceStats, LowerWrites, Translate};
 pub use error::{Error, Result};
 pub use layer::{Attr, DirEntry, Kind, Layer, Rename, SetAttr};
+pub use spec::s3_layers;
 pub use stack::{
     Change, ChangeWatcher, Coherence, File, LayerRef, LockConflict, LockKind, LockOwner, LockWait, Mapping,
     OpenOptions, Stack, StackBuilder,

@@ -75,6 +75,19 @@ fn unknown(layer: &str, m: &HashMap<String, String>, known: &[&str]) -> Result<(
     Ok(())
 }
 
+/// The options of every `s3` layer in `spec` (what follows `s3:`), in order: a stack with any
+/// would reach the network when opened (AWS itself, without an `endpoint=`). For callers that
+/// must not — the spec fuzzers parse these options instead of opening the stack.
+pub fn s3_layers(spec: &str) -> Vec<&str> {
+    spec.split('|')
+        .map(str::trim)
+        .filter_map(|part| {
+            let (name, rest) = part.split_once(':').map_or((part, ""), |(a, b)| (a.trim(), b.trim()));
+            (name == "s3").then_some(rest)
+        })
+        .collect()
+}
+
 /// Parse `spec` into layers, bottom first.
 pub fn parse(spec: &str) -> Result<Vec<Arc<dyn Layer>>> {
     let mut layers: Vec<Arc<dyn Layer>> = Vec::new();

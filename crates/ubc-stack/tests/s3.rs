@@ -518,3 +518,33 @@ fn a_tree_put_delayed_past_newer_commits_is_never_read() {
     drop(s);
     assert!(!trees.join(format!("{:016x}", 1)).exists(), "the straggler was not deleted");
 }
+
+#[test]
+fn s3_specs_parse_or_say_why_not() {
+    let o = S3Options::parse("bkt/a/b/?endpoint=http://h:9&region=eu&chunk=256K&retry_timeout=2.5&timeout=1").unwrap();
+    assert_eq!((o.bucket.as_str(), o.prefix.as_str()), ("bkt", "a/b"));
+    assert_eq!(o.endpoint.as_deref(), Some("http://h:9"));
+    assert_eq!(o.region.as_deref(), Some("eu"));
+    assert_eq!(o.chunk_size, 256 << 10);
+    assert_eq!(o.retry_timeout, std::time::Duration::from_millis(2500));
+    assert_eq!(o.timeout, std::time::Duration::from_secs(1));
+    let d = S3Options::parse("bkt").unwrap();
+    assert_eq!((d.prefix.as_str(), d.chunk_size), ("", 1 << 20));
+    for bad in [
+        "",
+        "/",
+        "b?chunk=3K",
+        "b?chunk=32M",
+        "b?chunk=32K",
+        "b?nope=1",
+        "b?endpoint",
+        "b?timeout=0",
+        "b?retry_timeout=-1",
+        "b?timeout=nan",
+    ] {
+        let e = S3Options::parse(bad).expect_err(bad).to_string();
+        assert!(e.starts_with("stack spec: s3"), "{bad}: {e}");
+    }
+    assert_eq!(ubc_stack::s3_layers("mem | s3:x?y=z| zstd |s3 : q"), ["x?y=z", "q"]);
+    assert!(Stack::open("mem | s3:b", cache(1 << 20)).is_err(), "s3 above another layer");
+}
