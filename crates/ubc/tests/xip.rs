@@ -404,3 +404,43 @@ fn windows_keep_their_bytes_and_private_mappings_their_copies_in_place() {
     f.sync().unwrap();
     assert!(seen.lock().unwrap().iter().any(|r| r.contains(&40960)), "hook: {:?}", seen.lock().unwrap());
 }
+
+#[test]
+fn stores_through_a_mapping_of_an_in_place_file_are_found_even_after_its_pages_were_dropped() {
+    // The coherence of layers above rests on this: the cache hears of every store made
+    // through a mapping (the file's watcher, `mapped == true`), whether the page was read
+    // before, and after its state was dropped (`drop_clean`, `invalidate`: for XIP pages
+    // these forget the state and leave the store's page mapped).
+    for (read_first, drop_between) in [(false, false), (true, false), (false, true), (true, true)] {
+        let cache = xip_cache(MIB);
+        let f = cache.open(Arc::new(ShmPager::new()), Access::ReadWrite).unwrap();
+        f.write_at(&[1; MIB as usize], 0).unwrap();
+        f.sync().unwrap();
+        let heard = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let h = heard.clone();
+        assert!(f.watch(Arc::new(move |r: std::ops::Range<u64>, mapped: bool| {
+            if mapped {
+                h.lock().unwrap().push(r)
+            }
+        })));
+        if read_first {
+            let mut b = vec![0u8; MIB as usize];
+            f.read_exact_at(&mut b, 0).unwrap();
+        }
+        let mut m = f.map(0..MIB, Access::ReadWrite, Sharing::Shared).unwrap();
+        assert_eq!(m[8192], 1);
+        if drop_between {
+            f.drop_clean(0..u64::MAX).unwrap();
+            f.invalidate(0..u64::MAX, Length::Keep).unwrap();
+        }
+        m[4096 * 100] = 9;
+        m.flush().unwrap();
+        f.sync().unwrap();
+        let got = heard.lock().unwrap().clone();
+        assert!(
+            got.iter().any(|r| r.contains(&(4096 * 100))),
+            "read_first {read_first}, drop_between {drop_between}: heard {got:?}"
+        );
+        assert!(f.stats().xip_bytes > 0 || drop_between);
+    }
+}
