@@ -73,6 +73,14 @@ pub(crate) fn max_size() -> u64 {
     })
 }
 
+/// `offset + len`, or an `OffsetOverflow` error past `max_size()` (the largest file length).
+pub(crate) fn checked_end(offset: u64, len: usize) -> Result<u64> {
+    match offset.checked_add(len as u64) {
+        Some(end) if end <= max_size() => Ok(end),
+        _ => Err(Error::OffsetOverflow { offset, len: len as u64 }),
+    }
+}
+
 /// Whether stores through a mapping reach the file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]

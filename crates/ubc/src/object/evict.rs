@@ -50,7 +50,7 @@ impl Object {
             let (keep, go): (Vec<u64>, Vec<u64>) = pages.iter().partition(|p| is_dirty(p));
             {
                 let mut pol = self.res.policy.lock();
-                for &p in keep.iter().filter(|_| !self.xip) {
+                for &p in keep.iter().filter(|_| !self.xip()) {
                     let chunk = self.chunk_of(p).expect("a page held for eviction has its chunk");
                     self.policy_admit(pol.as_mut(), chunk, p, Admission::Demand);
                 }

@@ -105,7 +105,7 @@ impl Object {
     /// Read pages `first..first+n` of `chunk` from the pager into the cache.
     /// => caller holds those pages BUSY and has reserved budget for them.
     pub(crate) fn fill_locked(&self, chunk: &Chunk, first: u64, n: u64) -> Result<()> {
-        if self.xip {
+        if self.xip() {
             // The pages are the store's: nothing to read (see "Execute in place").
             return Ok(());
         }
@@ -201,26 +201,21 @@ impl Object {
         // admitted by the next holder, after they are valid (`resources/policy.rs`: a fill
         // never sleeps on the lock that eviction holds). Their slots say "not in the policy"
         // meanwhile; the pages are still BUSY, so nobody else reads or sets them.
-        // XIP pages are not the cache's to evict: the policy never hears of them.
-        let policy = if self.xip { None } else { Some(self.res.policy.lock_or_stage()) };
-        let staged = match policy {
-            None => {
-                for p in first..first + n {
-                    chunk.pages.slot_at((p - base) as usize).store(NO_SLOT, Relaxed);
-                }
-                false
-            }
-            Some(Some(mut pol)) => {
+        // XIP pages are not the cache's to evict: the policy never hears of them (their slots
+        // stay "not in the policy", and nothing is staged).
+        let xip = self.xip();
+        let staged = match if xip { None } else { self.res.policy.lock_or_stage() } {
+            Some(mut pol) => {
                 for p in first..first + n {
                     self.policy_admit(pol.as_mut(), chunk, p, admission);
                 }
                 false
             }
-            Some(None) => {
+            None => {
                 for p in first..first + n {
                     chunk.pages.slot_at((p - base) as usize).store(NO_SLOT, Relaxed);
                 }
-                true
+                !xip
             }
         };
         // Valid first, then mapped into every user mapping, held by a pin meanwhile (a page
@@ -277,7 +272,7 @@ impl Object {
         pattern: Advice,
     ) -> Result<u64> {
         // No read-ahead for XIP pages: there is nothing to read.
-        let req_last = req_last.filter(|_| pattern != Advice::Random && !self.xip);
+        let req_last = req_last.filter(|_| pattern != Advice::Random && !self.xip());
         let sequential = pattern == Advice::Sequential;
         // A pin waits while the page is BUSY (a fill, perhaps a queued read-ahead job).
         crate::order::check_wait(crate::order::Rank::page(self.depth()));

@@ -69,13 +69,7 @@ pub(crate) fn max_end() -> u64 {
     crate::memfd::max_size()
 }
 
-/// `offset + len`, or an `OffsetOverflow` error past `max_end()`.
-pub(crate) fn checked_end(offset: u64, len: usize) -> Result<u64> {
-    match offset.checked_add(len as u64) {
-        Some(end) if end <= max_end() => Ok(end),
-        _ => Err(Error::OffsetOverflow { offset, len: len as u64 }),
-    }
-}
+pub(crate) use crate::memfd::checked_end;
 
 /// What makes two opens reach the same cached object: the data's identity if the pager
 /// has one, else the pager instance itself (its address: the object keeps the pager alive,
@@ -163,10 +157,6 @@ pub(crate) struct Object {
     /// store's own (XIP, set when the object is made).
     memory: OnceLock<ObjectMemory>,
     memory_init: Mutex<()>,
-    /// Execute-in-place: the pages are the store's own memory (`Pager::memory`). They are
-    /// not filled, written back, charged to the budget, known to the replacement policy nor
-    /// freed by the cache: see "Execute in place" below.
-    xip: bool,
     /// Logical length: the cache's, authoritative while the object lives.
     len: AtomicU64,
     pub(crate) size_lock: RwLock<()>,
@@ -244,10 +234,8 @@ impl Object {
             })?,
         };
         let writable = pager.is_writable();
-        let store = if res.xip { pager.memory() } else { None };
-        let xip = store.is_some();
         let memory = OnceLock::new();
-        if let Some(m) = store {
+        if let Some(m) = pager.memory().filter(|_| res.xip) {
             let _ = memory.set(ObjectMemory::Store(m.0));
         }
         Ok(Arc::new_cyclic(|me| Object {
@@ -262,7 +250,6 @@ impl Object {
             res,
             memory,
             memory_init: Mutex::new(()),
-            xip,
             len: AtomicU64::new(len),
             size_lock: RwLock::new(()),
             handles: AtomicU32::new(0),
@@ -391,7 +378,7 @@ impl Object {
     pub(crate) fn stats(&self) -> Stats {
         let mut s = self.counters.snapshot();
         let valid = self.resident_pages() << self.res.geo.page_shift;
-        if self.xip {
+        if self.xip() {
             s.xip_bytes = valid;
         } else {
             s.resident_bytes = valid;
@@ -426,20 +413,28 @@ impl Object {
     //   copied; a write that extends the file extends the store first (`xip_extend`);
     // * `Stats::resident_bytes` stays 0; the valid pages are `Stats::xip_bytes`.
 
+    /// Execute-in-place: the pages are the store's own memory (`Pager::memory`, set when the
+    /// object was made). They are not filled, written back, charged to the budget, known to
+    /// the replacement policy nor freed by the cache.
+    #[inline]
+    pub(crate) fn xip(&self) -> bool {
+        matches!(self.memory.get(), Some(ObjectMemory::Store(_)))
+    }
+
     /// Charge `n` pages to the budget (`Resources::reserve`, which may reclaim): nothing for
     /// XIP pages.
     fn charge(&self, n: u64) -> Result<()> {
-        if self.xip { Ok(()) } else { self.res.reserve(n) }
+        if self.xip() { Ok(()) } else { self.res.reserve(n) }
     }
 
     /// `charge` without reclaiming (`Resources::try_reserve`).
     fn try_charge(&self, n: u64) -> Result<()> {
-        if self.xip { Ok(()) } else { self.res.try_reserve(n) }
+        if self.xip() { Ok(()) } else { self.res.try_reserve(n) }
     }
 
     /// Give back `n` charged pages.
     fn uncharge(&self, n: u64) {
-        if !self.xip {
+        if !self.xip() {
             self.res.unreserve(n);
         }
     }
@@ -453,12 +448,13 @@ impl Object {
         }
     }
 
-    /// XIP: the store is at least `end` long before a page up to `end` is published (or,
-    /// for a writable window over a store's own file, before the window is handed out: a
-    /// touch past that file's end would be `SIGBUS`), as a writeback extends it for other
-    /// objects. => size_lock held shared (no truncation runs).
+    /// XIP: make the store at least `end` long before a write or a writable window reaches
+    /// past the file's end (a touch past a store file's end through a window would be
+    /// `SIGBUS`), as a writeback extends the store for other objects. Once per write, before
+    /// its pages are copied: a write that fails part-way leaves the store longer, with zeros,
+    /// as an extension by `set_len` would. => size_lock held shared (no truncation runs).
     fn xip_extend(&self, end: u64) -> Result<()> {
-        if !self.xip || end <= self.len() {
+        if !self.xip() || end <= self.len() {
             return Ok(());
         }
         // The memory's lock (its memory was set when the object was made, so it guards

@@ -31,7 +31,7 @@ impl Object {
             // waits for it, and fills that start later read the truncated store.
             // (An XIP store zeroed it in its own `set_len`, and a write there now would extend
             // a store's own file again.)
-            return if !new.is_multiple_of(1 << ps) && !self.xip { self.zero_tail(new) } else { Ok(()) };
+            return if !new.is_multiple_of(1 << ps) && !self.xip() { self.zero_tail(new) } else { Ok(()) };
         } else {
             // Growing: the pager first, so that a refusal (a layer's own limit, an I/O
             // error) leaves the file as it was instead of longer than its store can be.

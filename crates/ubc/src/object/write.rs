@@ -153,6 +153,7 @@ impl Object {
         let _size = self.size_shared();
         // A range the pager locked: ask it first (nothing held but the size lock).
         self.unlock_for_change(offset, end)?;
+        self.xip_extend(end)?;
         // Pages are held from here on (lock coupling), each taken in ascending order.
         let _pages = crate::order::hold(crate::order::Rank::page(self.depth()));
         let mut held: Option<Held<'_>> = None;
@@ -188,8 +189,7 @@ impl Object {
                 (false, Ok(_)) => self.copy_in(chunk, pos, src),
                 (_, Err(e)) => Err(e),
             };
-            // XIP: the store as long as the bytes just copied into it, before they are published.
-            match copied.and_then(|()| self.xip_extend(to)) {
+            match copied {
                 Ok(()) => {}
                 Err(e) => {
                     // Nothing was copied into this page: give it back untouched.

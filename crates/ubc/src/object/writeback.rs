@@ -215,33 +215,30 @@ impl Object {
         let sh = self.counters.cold();
         let r = if bytes == 0 {
             Ok(())
-        } else if self.xip {
-            // The bytes are in the store already (see "Execute in place"): nothing to write.
-            // A hook still hears of them, in order, though it cannot hold them back.
-            match self.writeback_hook() {
-                Some(hook) => run_hook(&hook, offset..offset + bytes as u64)
-                    .inspect_err(|e| self.wb_errors.retained(PagerOp::PutPages, e))
-                    .map_err(|e| self.io_err(PagerOp::PutPages, offset, e)),
-                None => Ok(()),
-            }
         } else {
             // A small file's pages go through a buffer and `pread` (see `by_syscall`), and so
             // do a hooked file's: its hook must see the bytes that will be stored, and stores
             // through a mapping may change a page under writeback (see `set_writeback_hook`).
+            // XIP pages are in the store already ("Execute in place"): nothing is read or put,
+            // and the hook still hears of them, in order, though it cannot hold them back.
             let hook = self.writeback_hook();
             let mut bounce = Vec::new();
-            let data = if hook.is_some() || self.by_syscall(chunk) {
+            let data = if self.xip() {
+                Ok(None)
+            } else if hook.is_some() || self.by_syscall(chunk) {
                 bounce.resize(bytes, 0u8);
-                self.memory().and_then(|m| m.read_at(&mut bounce, offset)).map(|()| &bounce[..])
+                self.memory().and_then(|m| m.read_at(&mut bounce, offset)).map(|()| Some(&bounce[..]))
             } else {
                 self.memory().and_then(|m| self.window_at(chunk, m, offset)).map(|at| {
                     // SAFETY: pages held WRITEBACK (stable: no writer, no eviction, no
                     // retirement).
-                    unsafe { std::slice::from_raw_parts(at, bytes) }
+                    Some(unsafe { std::slice::from_raw_parts(at, bytes) })
                 })
             };
             data.and_then(|data| {
-                bump(&sh.put_calls, 1);
+                if data.is_some() {
+                    bump(&sh.put_calls, 1);
+                }
                 self.call_pager(PagerOp::PutPages, offset, |p| {
                     // In the pager's scope: what the hook writes into the cache (a log) does
                     // not wait at the dirty limit nor reclaim by writing back this object,
@@ -250,6 +247,7 @@ impl Object {
                         run_hook(hook, offset..offset + bytes as u64)
                             .inspect_err(|e| self.wb_errors.retained(PagerOp::PutPages, e))?;
                     }
+                    let Some(data) = data else { return Ok(()) };
                     let r = if unstable { p.put_pages_unstable(offset, data) } else { p.put_pages(offset, data) };
                     r.inspect_err(|e| self.wb_errors.retained(PagerOp::PutPages, e))
                 })
@@ -268,7 +266,9 @@ impl Object {
                     as u64;
         }
         if ok {
-            bump(&sh.written_bytes, bytes as u64);
+            if !self.xip() {
+                bump(&sh.written_bytes, bytes as u64);
+            }
             bump(&sh.writebacks, n);
             self.res.dirty.cleaned(n);
         } else {

@@ -103,14 +103,6 @@ impl ShmPager {
     }
 }
 
-/// `offset + len`, or `EFBIG` past the largest length a memfd (and a cached file) may have.
-fn end_within(offset: u64, len: u64) -> io::Result<u64> {
-    offset
-        .checked_add(len)
-        .filter(|&e| e <= crate::memfd::max_size())
-        .ok_or_else(|| io::Error::from_raw_os_error(libc::EFBIG))
-}
-
 impl Pager for ShmPager {
     fn get_pages(&self, offset: u64, buf: &mut [u8]) -> io::Result<Fill> {
         let end = offset.saturating_add(buf.len() as u64);
@@ -124,7 +116,7 @@ impl Pager for ShmPager {
     }
 
     fn put_pages(&self, offset: u64, data: &[u8]) -> io::Result<()> {
-        let end = end_within(offset, data.len() as u64)?;
+        let end = crate::memfd::checked_end(offset, data.len())?;
         self.memory_made()?.write_at(data, offset)?;
         self.len.fetch_max(end, SeqCst);
         Ok(())
@@ -135,7 +127,7 @@ impl Pager for ShmPager {
     }
 
     fn set_len(&self, len: u64) -> io::Result<()> {
-        end_within(len, 0)?;
+        crate::memfd::checked_end(len, 0)?;
         let _g = self.resize.lock();
         let old = self.len.load(SeqCst);
         if len < old
