@@ -85,21 +85,17 @@ impl S3File {
         self.shared.chunk
     }
 
-    /// The bytes of stored chunk `idx` (`c.len` of them).
-    fn fetch(&self, idx: u64, c: Chunk, range: std::ops::Range<u64>) -> io::Result<bytes::Bytes> {
-        let path = self.shared.chunk_path(self.ino, idx, c.version);
-        let store = self.shared.store.clone();
-        let b = self.shared.rt.block_on(async move { store.get_range(&path, range).await }).map_err(super::io_err)?;
-        self.shared.counted_get(b.len());
-        Ok(b)
-    }
-
     /// The fetch of stored chunk `idx` (version `c`), started now on the runtime unless one
-    /// is under way or done. => `ahead` is this file's, locked.
+    /// is under way or done. => `ahead` is this file's, locked. (Lock order: a file's state,
+    /// then its `ahead`; never the other way.)
     fn fetch_whole(&self, ahead: &mut Ahead, idx: u64, c: Chunk) -> Fetch {
         use futures::FutureExt;
         let key = (idx, c.version);
-        if let Some(f) = ahead.chunks.get(&key) {
+        // A version's bytes never change: a fetch done or under way serves every later ask —
+        // unless it failed (a network error is not the chunk's last word: fetch again).
+        if let Some(f) = ahead.chunks.get(&key)
+            && !matches!(f.peek(), Some(Err(_)))
+        {
             return f.clone();
         }
         let path = self.shared.chunk_path(self.ino, idx, c.version);
@@ -132,12 +128,14 @@ impl S3File {
         f
     }
 
-    /// Stage chunk `idx` with its current bytes. => `st` is this file's state, locked.
+    /// Stage chunk `idx` with its current bytes (fetched, or taken from a fetch ahead). =>
+    /// `st` is this file's state, locked.
     fn stage<'a>(&self, st: &'a mut FileState, idx: u64) -> io::Result<&'a mut Vec<u8>> {
         if !st.staged.contains_key(&idx) {
             let mut buf = vec![0u8; self.chunk() as usize];
             if let Some(&c) = st.chunks.get(&idx) {
-                let b = self.fetch(idx, c, 0..c.len as u64)?;
+                let fetch = self.fetch_whole(&mut self.ahead.lock(), idx, c);
+                let b = self.shared.rt.block_on(fetch).map_err(|e| io::Error::new(e.kind(), e.to_string()))?;
                 buf[..b.len()].copy_from_slice(&b);
             }
             st.staged.insert(idx, buf);
@@ -194,9 +192,7 @@ impl S3File {
         }
         // Staged chunks wholly past the size hold nothing.
         st.staged.retain(|&idx, _| idx * chunk < size);
-        if let Some(inner) = self.inner.upgrade() {
-            inner.tree.changed.store(true, Relaxed);
-        }
+        self.mark_changed();
         first_err.map_or(Ok(()), Err)
     }
 
@@ -219,6 +215,9 @@ impl S3File {
         buf.fill(0);
         let end = offset + buf.len() as u64;
         let mut remote = Vec::new();
+        // Stored chunks past the asked ones, for a sequential reader: read under the same
+        // hold of the state (the `ahead` lock is taken after it, never inside it).
+        let mut next = Vec::new();
         let mut any = false;
         {
             let st = self.state.lock();
@@ -240,6 +239,11 @@ impl S3File {
                     }
                 }
             }
+            if let Some(&(last, _, _)) = remote.last() {
+                next.extend((last + 1..=last + ahead_chunks(chunk)).filter_map(|idx| {
+                    st.chunks.get(&idx).filter(|_| !st.staged.contains_key(&idx)).map(|&c| (idx, c))
+                }));
+            }
         }
         if remote.is_empty() {
             return Ok(if any { ubc::Fill::Data } else { ubc::Fill::Hole });
@@ -254,12 +258,9 @@ impl S3File {
             ahead.last = Some(last);
             let wanted: Vec<Fetch> = remote.iter().map(|&(idx, c, _)| self.fetch_whole(&mut ahead, idx, c)).collect();
             if sequential {
-                let st = self.state.lock();
-                for idx in last + 1..=last + ahead_chunks(chunk) {
-                    if let Some(&c) = st.chunks.get(&idx).filter(|_| !st.staged.contains_key(&idx)) {
-                        // Started on the runtime: it runs whether or not anyone waits.
-                        drop(self.fetch_whole(&mut ahead, idx, c));
-                    }
+                for (idx, c) in next {
+                    // Started on the runtime: it runs whether or not anyone waits.
+                    drop(self.fetch_whole(&mut ahead, idx, c));
                 }
             }
             wanted

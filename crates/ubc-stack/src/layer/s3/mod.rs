@@ -178,7 +178,7 @@ impl Shared {
         let mut seqs: Vec<u64> = self
             .list("tree/")?
             .iter()
-            .filter_map(|p| p.filename().and_then(|f| u64::from_str_radix(f, 16).ok()))
+            .filter_map(|m| m.location.filename().and_then(|f| u64::from_str_radix(f, 16).ok()))
             .collect();
         seqs.sort_unstable();
         Ok(seqs)
@@ -219,14 +219,14 @@ impl Shared {
     }
 
     /// Every object under `sub` of the layer's root.
-    fn list(&self, sub: &str) -> io::Result<Vec<ObjPath>> {
+    fn list(&self, sub: &str) -> io::Result<Vec<object_store::ObjectMeta>> {
         let prefix = ObjPath::from(format!("{}{sub}", self.root));
         let store = self.store.clone();
         self.rt.block_on(async move {
             let mut out = Vec::new();
             let mut s = store.list(Some(&prefix));
             while let Some(m) = s.next().await {
-                out.push(m.map_err(io_err)?.location);
+                out.push(m.map_err(io_err)?);
             }
             Ok(out)
         })
@@ -322,7 +322,7 @@ impl Inner {
         self.shared.delete_all(garbage);
         for ino in gone {
             if let Ok(objs) = self.shared.list(&format!("c/{ino:016x}/")) {
-                self.shared.delete_all(objs);
+                self.shared.delete_all(objs.into_iter().map(|m| m.location).collect());
             }
         }
         Ok(())
@@ -345,21 +345,11 @@ impl Inner {
                 })
                 .collect()
         };
-        let prefix = ObjPath::from(format!("{}c/", self.shared.root));
-        let store = self.shared.store.clone();
         let old = chrono_now_minus(SWEEP_AGE);
-        let stale = self.shared.rt.block_on(async move {
-            let mut out = Vec::new();
-            let mut s = store.list(Some(&prefix));
-            while let Some(m) = s.next().await {
-                let m = m.map_err(io_err)?;
-                if !named.contains(&m.location) && m.last_modified < old {
-                    out.push(m.location);
-                }
-            }
-            Ok::<_, io::Error>(out)
-        })?;
-        self.shared.delete_all(stale);
+        let stale = self.shared.list("c/")?.into_iter();
+        self.shared.delete_all(
+            stale.filter(|m| !named.contains(&m.location) && m.last_modified < old).map(|m| m.location).collect(),
+        );
         Ok(())
     }
 }
