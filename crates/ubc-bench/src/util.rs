@@ -6,6 +6,16 @@ use std::os::unix::io::AsRawFd;
 use std::path::Path;
 use std::time::Instant;
 
+/// Fill `buf` with the xorshift stream whose state is `x` (non-repeating data).
+pub fn fill_pattern(x: &mut u64, buf: &mut [u8]) {
+    for chunk in buf.chunks_mut(8) {
+        *x ^= *x << 13;
+        *x ^= *x >> 7;
+        *x ^= *x << 17;
+        chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
+    }
+}
+
 /// Create `path` with `len` bytes of non-zero, non-repeating data.
 pub fn make_file(path: &Path, len: u64) -> std::io::Result<()> {
     let mut f = File::create(path)?;
@@ -13,12 +23,7 @@ pub fn make_file(path: &Path, len: u64) -> std::io::Result<()> {
     let mut x = 0x1234_5678_9abc_def0u64;
     let mut done = 0;
     while done < len {
-        for chunk in buf.chunks_mut(8) {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
-        }
+        fill_pattern(&mut x, &mut buf);
         let n = (len - done).min(buf.len() as u64) as usize;
         f.write_all(&buf[..n])?;
         done += n as u64;

@@ -99,13 +99,7 @@ fn rows(ctx: &Ctx, endpoint: &str, bucket: &str, suffix: &str, how: &str) -> Vec
     let len = ctx.scale(256 * MIB, 64 * MIB) as usize;
     let prefix = format!("bench-{}{suffix}", std::process::id());
     let mut data = vec![0u8; len];
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
-    for c in data.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
-    }
+    fill_pattern(&mut 0x9e37_79b9_7f4a_7c15u64, &mut data);
     // UBC_BENCH_S3_CHUNK: the chunk size to try (default: the layer's).
     let chunk = std::env::var("UBC_BENCH_S3_CHUNK").map(|c| format!("&chunk={c}")).unwrap_or_default();
     let opts = S3Options::parse(&format!("{bucket}/{prefix}?endpoint={endpoint}{chunk}")).expect("s3 options");

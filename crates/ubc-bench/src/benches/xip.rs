@@ -43,6 +43,13 @@ impl Drop for ShmDir {
     }
 }
 
+/// A 4 KiB read at each of `offsets` with `read`.
+fn random_reads(offsets: &[u64], buf: &mut [u8], mut read: impl FnMut(&mut [u8], u64) -> usize) {
+    for &o in offsets {
+        black_box(read(&mut buf[..4096], o));
+    }
+}
+
 pub fn run(ctx: &Ctx) -> Vec<Record> {
     let dir = ShmDir(Path::new("/dev/shm").join(format!("ubc-bench-xip-{}", std::process::id())));
     if !on_tmpfs(Path::new("/dev/shm")) || std::fs::create_dir_all(&dir.0).is_err() {
@@ -62,11 +69,7 @@ pub fn run(ctx: &Ctx) -> Vec<Record> {
     for _ in 0..ctx.runs {
         let c = Cache::builder().budget(budget).build().expect("cache");
         let f = c.open_path(&path, Access::ReadOnly).expect("ubc open");
-        let (secs, _) = time(|| {
-            for &o in &offsets {
-                black_box(f.read_at(&mut buf[..4096], o).expect("read_at"));
-            }
-        });
+        let (secs, _) = time(|| random_reads(&offsets, &mut buf, |b, o| f.read_at(b, o).expect("read_at")));
         ur.push(reads as f64 / secs / 1e6);
         let (secs, n) = time(|| ubc_read_all(&f, &mut buf));
         us.push(n as f64 / secs / 1e9);
@@ -80,11 +83,7 @@ pub fn run(ctx: &Ctx) -> Vec<Record> {
             ubc_note(&cs, f.stats().io_mode)
         );
         drop((f, c));
-        let (secs, _) = time(|| {
-            for &o in &offsets {
-                black_box(kf.read_at(&mut buf[..4096], o).expect("pread"));
-            }
-        });
+        let (secs, _) = time(|| random_reads(&offsets, &mut buf, |b, o| kf.read_at(b, o).expect("pread")));
         kr.push(reads as f64 / secs / 1e6);
         let (secs, n) = time(|| kernel_read_all(&kf, &mut buf));
         ks.push(n as f64 / secs / 1e9);
@@ -94,9 +93,7 @@ pub fn run(ctx: &Ctx) -> Vec<Record> {
     let copy = {
         let c = Cache::builder().budget(budget).xip(false).build().expect("cache");
         let f = c.open_path(&path, Access::ReadOnly).expect("ubc open");
-        for &o in &offsets {
-            black_box(f.read_at(&mut buf[..4096], o).expect("read_at"));
-        }
+        random_reads(&offsets, &mut buf, |b, o| f.read_at(b, o).expect("read_at"));
         ubc_read_all(&f, &mut buf);
         (allocated(&path) + c.stats().allocated_bytes) as f64 / len as f64
     };
