@@ -86,6 +86,49 @@ pub trait Translate: Send + Sync {
     }
 }
 
+/// A token between machines on a file (issue 21; `dist.rs` implements it over etcd): the
+/// bottom layer gives one for a file whose store other machines share, and every operation
+/// on the file through the stack pins it first — before any lock of the stack or the cache
+/// is taken, since pinning may wait for other machines.
+pub trait Remote: Send + Sync {
+    /// Pin the token in `mode` for one operation (acquiring it first if this machine does
+    /// not hold it so; a token got back after a time without it reloads every attached
+    /// cache before this returns). Unpinned when the pin is dropped.
+    fn pin(self: Arc<Self>, mode: Mode) -> std::io::Result<RemotePin>;
+    /// For `sync`, which stores what this machine changed under its write token and must
+    /// not lose that token halfway — nor take it from others: pin the write token if this
+    /// machine holds it (`Some`); `None` if it does not (nothing of this machine's is
+    /// unstored: it stored everything when it gave the token up); an error if changes
+    /// were lost with the token (its lease expired), once.
+    fn pin_for_sync(self: Arc<Self>) -> std::io::Result<Option<RemotePin>>;
+    /// Attach a cache of the file's pages (a stack's group), for the token to write back,
+    /// drop and reload when it is given up or got back.
+    fn attach(&self, cache: std::sync::Weak<dyn RemoteCache>);
+}
+
+/// A pinned [`Remote`] token; dropping it ends the pin.
+pub struct RemotePin(#[allow(dead_code)] Box<dyn Send>);
+
+impl RemotePin {
+    pub fn new(pin: Box<dyn Send>) -> RemotePin {
+        RemotePin(pin)
+    }
+}
+
+/// What a [`Remote`] token asks of a cache of its file (Mach's `pager_clean_request` and
+/// `pager_flush_request`, made by another machine's need). Called with no pin of the file
+/// in flight on this machine.
+pub trait RemoteCache: Send + Sync {
+    /// Push every layer's dirty data down into the stored file and write it into the
+    /// bottom layer's pager.
+    fn write_back(&self) -> std::io::Result<()>;
+    /// Drop every layer's cached pages (after [`RemoteCache::write_back`]).
+    fn drop_cached(&self) -> std::io::Result<()>;
+    /// The stored file may have changed: drop every layer's pages and reload each layer's
+    /// state and length, bottom first.
+    fn reload(&self) -> std::io::Result<()>;
+}
+
 /// Token modes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
@@ -450,6 +493,8 @@ pub(crate) struct Group<F = ubc::File> {
     pub(crate) appending: Mutex<()>,
     /// Writes in flight into the domains, for the general layers' pagers above them.
     pub(crate) lower_writes: Arc<LowerWrites>,
+    /// The file's token between machines, for a store other machines share (issue 21).
+    remote: std::sync::OnceLock<Arc<dyn Remote>>,
 }
 
 /// One owner's lock on bytes `range` of `domain`, as POSIX record locks keep them: an
@@ -586,6 +631,49 @@ impl Group {
     }
 }
 
+impl Group {
+    /// Make `remote` this file's token between machines and attach the group to it.
+    pub(crate) fn set_remote(self: &Arc<Self>, remote: Arc<dyn Remote>) {
+        if self.remote.set(remote.clone()).is_ok() {
+            let me: Arc<dyn RemoteCache> = self.clone();
+            remote.attach(Arc::downgrade(&me));
+        }
+    }
+}
+
+impl RemoteCache for Group {
+    fn write_back(&self) -> std::io::Result<()> {
+        self.flush_dirty_above(0, Flush::Publish).map_err(std::io::Error::other)?;
+        if let Some(d) = self.domain(0) {
+            d.file.clean(ALL)?;
+        }
+        Ok(())
+    }
+
+    fn drop_cached(&self) -> std::io::Result<()> {
+        let _g = self.lock.lock();
+        let doms = self.domains.read().clone();
+        for e in doms.iter().rev() {
+            let mut t = e.tokens.write();
+            e.file.invalidate(ALL, ubc::Length::Keep)?;
+            t.forget(&ALL);
+        }
+        Ok(())
+    }
+
+    fn reload(&self) -> std::io::Result<()> {
+        let _g = self.lock.lock();
+        let doms = self.domains.read().clone();
+        // Bottom first: each layer reloads from the bytes below it, reloaded already.
+        for e in doms.iter() {
+            let mut t = e.tokens.write();
+            self.invalidate_locked(e, &[ALL], true, false)?;
+            t.forget(&ALL);
+        }
+        Ok(())
+    }
+}
+
 impl<F: Actions> Group<F> {
     /// A group whose domains' cache objects are `F`s (`ubc::File` but in the model tests).
     pub(crate) fn with_actions(counters: Arc<Counters>, coherence: Coherence) -> Group<F> {
@@ -603,6 +691,30 @@ impl<F: Actions> Group<F> {
             modified: Mutex::new(None),
             appending: Mutex::new(()),
             lower_writes: Arc::new(LowerWrites::default()),
+            remote: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// For a `sync` (see [`Remote::pin_for_sync`]): `Ok(None)` if the file is not shared
+    /// with other machines (sync as usual), `Ok(Some(Some(pin)))` if this machine holds the
+    /// write token (sync under the pin), `Ok(Some(None))` if there is nothing of this
+    /// machine's to sync.
+    pub(crate) fn pin_remote_for_sync(&self) -> ubc::Result<Option<Option<RemotePin>>> {
+        let Some(r) = self.remote.get() else { return Ok(None) };
+        ubc::order::check_wait(ubc::order::Rank::STACK);
+        r.clone().pin_for_sync().map(Some).map_err(|e| layer_err("syncing", e))
+    }
+
+    /// Pin the file's token between machines for one operation in `mode`, if the store is
+    /// shared with other machines (`None` otherwise). => nothing of the stack or the cache
+    /// held (pinning may wait for other machines, and reloads this group).
+    pub(crate) fn pin_remote(&self, mode: Mode) -> ubc::Result<Option<RemotePin>> {
+        match self.remote.get() {
+            None => Ok(None),
+            Some(r) => {
+                ubc::order::check_wait(ubc::order::Rank::STACK);
+                r.clone().pin(mode).map(Some).map_err(|e| layer_err("taking the token of", e))
+            }
         }
     }
 

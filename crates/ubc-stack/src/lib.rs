@@ -28,6 +28,8 @@
 
 pub mod coherence;
 pub mod compress;
+#[cfg(feature = "etcd")]
+pub(crate) mod dist;
 pub mod encrypt;
 mod error;
 pub mod layer;
@@ -36,6 +38,8 @@ mod stack;
 mod sync;
 
 pub use coherence::{CoherenceStats, LowerWrites, Translate};
+#[cfg(feature = "etcd")]
+pub use dist::DistStats;
 pub use error::{Error, Result};
 pub use layer::{Attr, DirEntry, Kind, Layer, Rename, SetAttr};
 pub use spec::s3_layers;

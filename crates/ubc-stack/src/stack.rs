@@ -797,6 +797,9 @@ impl Inner {
                     None => GroupKey::Path(level, path.to_string()),
                 };
                 let group = self.take(key, Some((level, path)));
+                if let Some(r) = self.layers[level].remote(path) {
+                    group.group.set_remote(r);
+                }
                 let dom = group.add_domain(0, || Ok((file.reopen(ubc::Access::ReadOnly)?, None)))?;
                 self.watch_domain(&group.key, &dom.file, 0);
                 Ok(Node { file, group, domain: 0 })
@@ -970,6 +973,12 @@ impl LayerRef {
         self.layer().spec()
     }
 
+    /// Whether other machines use this layer's store at once (`s3:…?etcd=…`): what they
+    /// change reaches the stack's caches, but no cache in front of the stack (a kernel's).
+    pub fn is_shared(&self) -> bool {
+        self.layer().is_shared()
+    }
+
     /// The host directory whose files are this layer's files (a `dir` layer), if it is one.
     pub fn host_root(&self) -> Option<std::path::PathBuf> {
         self.layer().host_root().map(|p| p.to_path_buf())
@@ -996,12 +1005,20 @@ impl LayerRef {
         // group; a group released since is not reopened for a store layer (the store's
         // size is then the truth: nothing of it is cached above).
         let named = self.inner().names[self.level].lock().get(&p).cloned();
+        // A store whose names other machines change (s3 with etcd) may have given the name
+        // to another file since it was cached here: only the same file's group counts.
+        let bottom = &self.inner().layers[0];
+        let named = named.filter(|(k, _)| match (k, bottom.file_identity(&a)) {
+            (GroupKey::Data(id), Some(want)) => *id == want,
+            _ => true,
+        });
         let held = named.and_then(|(k, d)| Some((self.inner().take_open(&k)?, d)));
         // Data written but not yet written back has moved the times already (POSIX), though
         // the store's own clock moves only at writeback: the group knows when.
         let modified = match held.and_then(|(g, d)| Some((g.domain(d)?, g, d))) {
             Some((dom, g, d)) => {
                 self.inner().name_hits.fetch_add(1, Relaxed);
+                let _r = g.pin_remote(Mode::Read)?;
                 let _p = g.acquire(&dom, d, ALL, Mode::Read)?;
                 a.size = dom.file.len()?;
                 g.modified()
@@ -1322,16 +1339,19 @@ impl File {
     }
 
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        let _r = self.group.pin_remote(Mode::Read)?;
         let _p = self.group.acquire(&self.dom, self.domain, span(offset, buf.len())?, Mode::Read)?;
         Ok(self.inner.read_at(buf, offset)?)
     }
 
     pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        let _r = self.group.pin_remote(Mode::Read)?;
         let _p = self.group.acquire(&self.dom, self.domain, span(offset, buf.len())?, Mode::Read)?;
         Ok(self.inner.read_exact_at(buf, offset)?)
     }
 
     pub fn write_at(&self, buf: &[u8], offset: u64) -> Result<usize> {
+        let _r = self.group.pin_remote(Mode::Write)?;
         let _p = self.group.acquire(&self.dom, self.domain, span(offset, buf.len())?, Mode::Write)?;
         let _d = Direct::enter(self.domain);
         let r = self.inner.write_at(buf, offset);
@@ -1351,6 +1371,7 @@ impl File {
 
     /// Length as this layer sees it (data written through layers above included).
     pub fn len(&self) -> Result<u64> {
+        let _r = self.group.pin_remote(Mode::Read)?;
         let _p = self.group.acquire(&self.dom, self.domain, ALL, Mode::Read)?;
         Ok(self.inner.len()?)
     }
@@ -1361,6 +1382,7 @@ impl File {
 
     pub fn set_len(&self, len: u64) -> Result<()> {
         let cur = self.inner.len()?;
+        let _r = self.group.pin_remote(Mode::Write)?;
         let _p = self.group.acquire(&self.dom, self.domain, cur.min(len)..u64::MAX, Mode::Write)?;
         let _d = Direct::enter(self.domain);
         let r = self.inner.set_len(len);
@@ -1373,6 +1395,7 @@ impl File {
     /// layers sharing its file), zeros written elsewhere (see [`ubc::File::punch_hole`]).
     /// Every other layer sees it as a write.
     pub fn punch_hole(&self, range: Range<u64>) -> Result<()> {
+        let _r = self.group.pin_remote(Mode::Write)?;
         let _p = self.group.acquire(&self.dom, self.domain, range.clone(), Mode::Write)?;
         let _d = Direct::enter(self.domain);
         let r = self.inner.punch_hole(range);
@@ -1390,12 +1413,14 @@ impl File {
     /// `lseek(SEEK_DATA)` in this layer's bytes (see [`ubc::File::seek_data`]); data
     /// written through other layers counts.
     pub fn seek_data(&self, offset: u64) -> Result<Option<u64>> {
+        let _r = self.group.pin_remote(Mode::Read)?;
         let _p = self.group.acquire(&self.dom, self.domain, ALL, Mode::Read)?;
         Ok(self.inner.seek_data(offset)?)
     }
 
     /// `lseek(SEEK_HOLE)` in this layer's bytes (see [`ubc::File::seek_hole`]).
     pub fn seek_hole(&self, offset: u64) -> Result<Option<u64>> {
+        let _r = self.group.pin_remote(Mode::Read)?;
         let _p = self.group.acquire(&self.dom, self.domain, ALL, Mode::Read)?;
         Ok(self.inner.seek_hole(offset)?)
     }
@@ -1420,6 +1445,10 @@ impl File {
     /// Data written through layers above this one is pushed down, then everything reaches
     /// the store and is made durable (through every layer below): `fdatasync(2)`.
     pub fn sync(&self) -> Result<()> {
+        let _r = match self.group.pin_remote_for_sync()? {
+            Some(None) => return Ok(()),
+            pin => pin,
+        };
         self.group.flush_above(self.domain)?;
         Ok(self.inner.sync()?)
     }
@@ -1427,6 +1456,10 @@ impl File {
     /// `fsync(2)`: [`File::sync`], then the store's other metadata (times) made durable too
     /// ([`ubc::File::sync_all`]).
     pub fn sync_all(&self) -> Result<()> {
+        let _r = match self.group.pin_remote_for_sync()? {
+            Some(None) => return Ok(()),
+            pin => pin,
+        };
         self.group.flush_above(self.domain)?;
         Ok(self.inner.sync_all()?)
     }
@@ -1445,6 +1478,10 @@ impl File {
     /// for: [`crate::compress::CompressPager::publish`]). Then the stored bytes' pages are
     /// written. Durable only after [`File::sync`].
     pub fn write_back(&self) -> Result<()> {
+        let _r = match self.group.pin_remote_for_sync()? {
+            Some(None) => return Ok(()),
+            pin => pin,
+        };
         self.group.flush_dirty_above(0, Flush::Publish)?;
         match self.group.domain(0) {
             Some(d) => Ok(d.file.clean(0..u64::MAX)?),
@@ -1466,6 +1503,9 @@ impl File {
     pub fn map(&self, range: Range<u64>, access: ubc::Access, sharing: ubc::Sharing) -> Result<Mapping> {
         let write = access == ubc::Access::ReadWrite && sharing == ubc::Sharing::Shared;
         let mode = if write { Mode::Write } else { Mode::Read };
+        // Between machines a mapping is coherent as of its faults: the token is pinned while
+        // it is made, and a revocation later drops its pages (they re-fault).
+        let _r = self.group.pin_remote(mode)?;
         // Registered first, so that conflicting operations in other domains see it from
         // the moment pages can be faulted.
         let id = self.group.map(self.domain, range.clone(), write);

@@ -2,6 +2,8 @@
 //! `runs` times, and reports medians.
 
 pub mod cached;
+#[cfg(feature = "etcd")]
+pub mod dist;
 pub mod mach61;
 pub mod map;
 pub mod mount;
@@ -53,5 +55,7 @@ pub fn all() -> Vec<(&'static str, BenchFn)> {
         ("mount", mount::run as BenchFn),
         ("xip", xip::run as BenchFn),
         ("s3", s3::run as BenchFn),
+        #[cfg(feature = "etcd")]
+        ("dist", dist::run as BenchFn),
     ]
 }

@@ -320,6 +320,30 @@ pub trait Layer: Send + Sync {
     /// Open the data of regular file `path`. => the file exists (the stack checked).
     fn open(&self, path: &str, access: ubc::Access, below: &dyn Below) -> Result<Opened>;
 
+    /// The token between machines of the store file `path` opened last (issue 21): for a
+    /// store other machines share (`s3` with `etcd=`); `None` for every other layer. The
+    /// stack pins it around every operation on the file and attaches the file's caches.
+    fn remote(&self, path: &str) -> Option<Arc<dyn crate::coherence::Remote>> {
+        let _ = path;
+        None
+    }
+
+    /// Whether other machines use this store at once (`s3` with `etcd=`): their changes
+    /// reach this machine's cache through the files' tokens, but no other cache of this
+    /// machine (a kernel's, in front of a mount) hears of them.
+    fn is_shared(&self) -> bool {
+        false
+    }
+
+    /// The identity of the cached file `a` describes (the one its pager gives, see
+    /// [`ubc::Pager::identity`]), for a bottom layer whose names another party changes
+    /// (`s3` with `etcd=`: another machine): the stack then checks that a name it cached
+    /// still names that file. `None`: the stack's own name caches are the truth.
+    fn file_identity(&self, a: &Attr) -> Option<ubc::Identity> {
+        let _ = a;
+        None
+    }
+
     /// The host directory whose files *are* this layer's files, byte for byte (`dir`);
     /// `None` for every other layer. A file's attributes then name its host file.
     fn host_root(&self) -> Option<&std::path::Path> {

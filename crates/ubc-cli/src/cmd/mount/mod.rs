@@ -151,7 +151,8 @@ pub struct Args {
     /// the stack (the default with several mounts); `direct` — nothing (every read, write
     /// and stat goes to the stack: one copy of the data, at a round trip per call). Stacks
     /// over memory stores are always `direct` (their files carry no identity to match
-    /// changes by)
+    /// changes by), and so are stacks over a store shared with other machines
+    /// (`s3:…?etcd=…`: the kernel would not hear their changes)
     #[arg(long, value_name = "MODE", value_parser = ["passthrough", "writeback", "kernel", "direct"])]
     cache: Option<String>,
     /// With `--cache kernel` or `writeback`: how long the kernel may keep attributes and
@@ -269,6 +270,15 @@ pub fn run(a: Args) -> Result<()> {
     // Kernel caching needs files known by their store's identity (`kernels`): a stack over
     // memory has none.
     let identified = !stack.layer(0).map(|l| l.spec().starts_with("mem")).unwrap_or(true);
+    // A store other machines change (s3 with etcd): their changes reach ubc's cache through
+    // the files' tokens, not the kernel's caches — so the kernel caches nothing.
+    let shared = stack.layer(0).map(|l| l.is_shared()).unwrap_or(false);
+    if shared && a.cache.as_deref().is_some_and(|m| m != "direct") {
+        return Err(Fail::usage(
+            "--cache",
+            "the stack's store is shared with other machines (etcd=): the kernel's caches would not hear their changes (use --cache direct, the default here)",
+        ));
+    }
     // A kernel's write-back cache holds bytes nothing else can see until it sends them:
     // sound only when that kernel is the one way into the stack, i.e. one mount.
     // Passthrough hands the host files to the kernel, bypassing the cache: sound only when
@@ -278,7 +288,9 @@ pub fn run(a: Args) -> Result<()> {
     let host_files = ats.len() == 1 && ats[0].0 == 0 && statfs_dir.is_some();
     let stacked_fs = statfs_dir.as_deref().and_then(passthrough::stacked_fs);
     let mode = a.cache.clone().unwrap_or_else(|| {
-        if host_files && stacked_fs.is_none() && passthrough::may_pass_through() {
+        if shared {
+            "direct"
+        } else if host_files && stacked_fs.is_none() && passthrough::may_pass_through() {
             "passthrough"
         } else if ats.len() == 1 {
             "writeback"

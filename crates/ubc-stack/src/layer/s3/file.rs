@@ -55,12 +55,23 @@ pub(crate) struct S3File {
     pub(crate) shared: Arc<Shared>,
     /// The layer, for a commit at `sync` (weak: the layer's tree holds this file).
     inner: Weak<Inner>,
+    /// Shared with other machines (`etcd=`): the file's own record and token.
+    #[cfg(feature = "etcd")]
+    dist: Option<Dist>,
     pub(crate) ino: u64,
     pub(crate) state: Mutex<FileState>,
     ahead: Mutex<Ahead>,
     /// Its last name is gone: when the file is dropped (no open handle left), its objects
     /// are deleted after the next commit.
     pub(crate) unlinked: AtomicBool,
+}
+
+/// A file shared with other machines: its token, and whether it changed since its commit.
+#[cfg(feature = "etcd")]
+struct Dist {
+    fs: Weak<super::shared::SharedFs>,
+    token: Arc<crate::dist::Token>,
+    changed: AtomicBool,
 }
 
 impl S3File {
@@ -78,7 +89,71 @@ impl S3File {
             state: Mutex::new(FileState { size, chunks, staged: BTreeMap::new() }),
             ahead: Mutex::new(Ahead::default()),
             unlinked: AtomicBool::new(false),
+            #[cfg(feature = "etcd")]
+            dist: None,
         }
+    }
+
+    /// A file of a file system shared with other machines (`fs`), with its token.
+    #[cfg(feature = "etcd")]
+    pub(crate) fn shared_file(
+        shared: Arc<Shared>,
+        fs: Weak<super::shared::SharedFs>,
+        ino: u64,
+        size: u64,
+        chunks: BTreeMap<u64, Chunk>,
+    ) -> Arc<S3File> {
+        Arc::new_cyclic(|me: &Weak<S3File>| {
+            let holder: Weak<dyn crate::dist::TokenHolder> = me.clone();
+            let token = fs.upgrade().expect("called by the file system").machine.token(ino, holder);
+            let mut f = S3File::new(shared, Weak::new(), ino, size, chunks);
+            f.dist = Some(Dist { fs, token, changed: AtomicBool::new(false) });
+            f
+        })
+    }
+
+    /// Whether the file is shared with other machines (`etcd=`).
+    fn is_shared(&self) -> bool {
+        #[cfg(feature = "etcd")]
+        return self.dist.is_some();
+        #[cfg(not(feature = "etcd"))]
+        false
+    }
+
+    /// The token between machines of a shared file.
+    #[cfg(feature = "etcd")]
+    pub(crate) fn token(&self) -> Option<Arc<crate::dist::Token>> {
+        self.dist.as_ref().map(|d| d.token.clone())
+    }
+
+    /// Replace what is known of the stored file (its record was read again). => nothing is
+    /// staged (a shared file stages only under its write token, and stores or discards
+    /// before giving it up).
+    #[cfg(feature = "etcd")]
+    pub(crate) fn replace_state(&self, size: u64, chunks: BTreeMap<u64, Chunk>) {
+        let mut st = self.state.lock();
+        debug_assert!(st.staged.is_empty(), "a reload with staged chunks");
+        st.staged.clear();
+        (st.size, st.chunks) = (size, chunks);
+    }
+
+    /// The size and uploaded chunks, for a record.
+    #[cfg(feature = "etcd")]
+    pub(crate) fn stored_state(&self) -> (u64, BTreeMap<u64, Chunk>) {
+        let st = self.state.lock();
+        (st.size, st.chunks.clone())
+    }
+
+    /// Whether a shared file changed since its last commit (and forget it).
+    #[cfg(feature = "etcd")]
+    pub(crate) fn take_changed(&self) -> bool {
+        self.dist.as_ref().is_some_and(|d| d.changed.swap(false, Relaxed))
+    }
+
+    /// Whether a shared file lost changes with its token (and forget it).
+    #[cfg(feature = "etcd")]
+    pub(crate) fn take_lost_changes(&self) -> bool {
+        self.dist.as_ref().is_some_and(|d| d.token.take_lost_changes())
     }
 
     fn chunk(&self) -> u64 {
@@ -192,7 +267,11 @@ impl S3File {
         }
         // Staged chunks wholly past the size hold nothing.
         st.staged.retain(|&idx, _| idx * chunk < size);
-        self.mark_changed();
+        // The tree names chunk versions: it must be committed again. (A shared file's own
+        // record is rewritten by the commit that uploads, or was marked by the write.)
+        if !self.is_shared() {
+            self.mark_changed();
+        }
         first_err.map_or(Ok(()), Err)
     }
 
@@ -202,7 +281,12 @@ impl S3File {
         self.upload(&mut st)
     }
 
-    fn mark_changed(&self) {
+    pub(crate) fn mark_changed(&self) {
+        #[cfg(feature = "etcd")]
+        if let Some(d) = &self.dist {
+            d.changed.store(true, Relaxed);
+            return;
+        }
         if let Some(inner) = self.inner.upgrade() {
             inner.tree.changed.store(true, Relaxed);
         }
@@ -280,10 +364,28 @@ impl S3File {
 
 impl Drop for S3File {
     fn drop(&mut self) {
+        #[cfg(feature = "etcd")]
+        if let Some(d) = &self.dist {
+            // Closed everywhere on this machine: store what changed, give the token up.
+            if let Some(fs) = d.fs.upgrade() {
+                if self.unlinked.load(Relaxed) {
+                    fs.delete_objects(&self.shared, self.ino);
+                } else if let Err(e) = fs.commit(&self.shared, self) {
+                    eprintln!("ubc: s3 inode {}: changes not stored at close: {e}", self.ino);
+                }
+            }
+            d.token.leave();
+            return;
+        }
         if self.unlinked.load(Relaxed) {
             self.shared.gone.lock().push(self.ino);
         }
     }
+}
+
+/// The identity of file `ino` of the store `shared` is (its cache object's key).
+pub(crate) fn identity(shared: &Shared, ino: u64) -> ubc::Identity {
+    ubc::Identity::Named { kind: "s3", name: format!("{}#{ino}", shared.id) }
 }
 
 impl ubc::Pager for S3File {
@@ -357,6 +459,13 @@ impl ubc::Pager for S3File {
     }
 
     fn sync(&self) -> io::Result<()> {
+        #[cfg(feature = "etcd")]
+        if let Some(d) = &self.dist {
+            return match d.fs.upgrade() {
+                Some(fs) => fs.commit(&self.shared, self),
+                None => Err(io::Error::other("the s3 layer is gone")),
+            };
+        }
         match self.inner.upgrade() {
             Some(inner) => inner.commit(),
             None => Err(io::Error::other("the s3 layer is gone")),
@@ -364,7 +473,7 @@ impl ubc::Pager for S3File {
     }
 
     fn identity(&self) -> Option<ubc::Identity> {
-        Some(ubc::Identity::Named { kind: "s3", name: format!("{}#{}", self.shared.id, self.ino) })
+        Some(identity(&self.shared, self.ino))
     }
 
     fn describe(&self) -> String {
@@ -373,5 +482,30 @@ impl ubc::Pager for S3File {
 
     fn fill_granule(&self) -> u64 {
         self.chunk()
+    }
+}
+
+#[cfg(feature = "etcd")]
+impl crate::dist::TokenHolder for S3File {
+    fn reload(&self) -> io::Result<()> {
+        match self.dist.as_ref().and_then(|d| d.fs.upgrade()) {
+            Some(fs) => fs.reload(self),
+            None => Ok(()),
+        }
+    }
+
+    fn store(&self) -> io::Result<()> {
+        match self.dist.as_ref().and_then(|d| d.fs.upgrade()) {
+            Some(fs) => fs.commit(&self.shared, self),
+            None => Err(io::Error::other("the s3 layer is gone")),
+        }
+    }
+
+    fn discard(&self) {
+        let mut st = self.state.lock();
+        st.staged.clear();
+        if let Some(d) = &self.dist {
+            d.changed.store(false, Relaxed);
+        }
     }
 }

@@ -11,6 +11,13 @@
 //!          chunks × (index u64 | version u64 | len u32)
 //! trailer  crc32 u32 of everything before it
 //! ```
+//!
+//! One node alone, as a record in etcd (`StoredNode::encode`, the `etcd=` option's
+//! per-inode record): the node above without its path.
+//!
+//! ```text
+//! record   magic "UBCS3N01" (8) | node without path_len and path | crc32 u32
+//! ```
 
 use super::super::Kind;
 use std::collections::BTreeMap;
@@ -18,6 +25,9 @@ use std::io;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 pub(crate) const MAGIC: &[u8; 8] = b"UBCS3T01";
+/// Magic of one node stored alone ([`StoredNode::encode`]).
+#[cfg_attr(not(feature = "etcd"), allow(dead_code))] // records are etcd's (the tree has its own header)
+pub(crate) const NODE_MAGIC: &[u8; 8] = b"UBCS3N01";
 
 /// One stored chunk of a file: its version (part of its object's name) and how many bytes
 /// the object holds (the rest of the chunk, up to the file's size, reads as zeros).
@@ -53,7 +63,7 @@ pub(crate) struct StoredTree {
     pub(crate) nodes: BTreeMap<String, StoredNode>,
 }
 
-fn kind_code(k: Kind) -> u8 {
+pub(crate) fn kind_code(k: Kind) -> u8 {
     match k {
         Kind::File => 1,
         Kind::Dir => 2,
@@ -65,7 +75,7 @@ fn kind_code(k: Kind) -> u8 {
     }
 }
 
-fn kind_of(c: u8) -> Option<Kind> {
+pub(crate) fn kind_of(c: u8) -> Option<Kind> {
     Some(match c {
         1 => Kind::File,
         2 => Kind::Dir,
@@ -104,25 +114,7 @@ impl StoredTree {
         for (path, n) in &self.nodes {
             b.extend_from_slice(&(path.len() as u16).to_le_bytes());
             b.extend_from_slice(path.as_bytes());
-            b.push(kind_code(n.kind));
-            b.extend_from_slice(&n.ino.to_le_bytes());
-            b.extend_from_slice(&n.mode.to_le_bytes());
-            b.extend_from_slice(&n.uid.to_le_bytes());
-            b.extend_from_slice(&n.gid.to_le_bytes());
-            b.extend_from_slice(&n.rdev.to_le_bytes());
-            for t in [n.mtime, n.atime, n.ctime] {
-                b.extend_from_slice(&ns(t).to_le_bytes());
-            }
-            let target = n.target.as_deref().unwrap_or("");
-            b.extend_from_slice(&(target.len() as u16).to_le_bytes());
-            b.extend_from_slice(target.as_bytes());
-            b.extend_from_slice(&n.size.to_le_bytes());
-            b.extend_from_slice(&(n.chunks.len() as u32).to_le_bytes());
-            for (i, c) in &n.chunks {
-                b.extend_from_slice(&i.to_le_bytes());
-                b.extend_from_slice(&c.version.to_le_bytes());
-                b.extend_from_slice(&c.len.to_le_bytes());
-            }
+            n.put_body(&mut b);
         }
         let crc = crc32fast::hash(&b);
         b.extend_from_slice(&crc.to_le_bytes());
@@ -138,7 +130,7 @@ impl StoredTree {
         if crc32fast::hash(body) != u32::from_le_bytes(crc.try_into().expect("4 bytes")) {
             return Err(bad("checksum mismatch"));
         }
-        let mut r = Reader { b: body, at: 8 };
+        let mut r = Reader { b: body, at: 8, what: "s3 tree object" };
         let next_ino = r.u64()?;
         let next_version = r.u64()?;
         let chunk_size = r.u32()?;
@@ -147,23 +139,7 @@ impl StoredTree {
         for _ in 0..count {
             let plen = r.u16()? as usize;
             let path = String::from_utf8(r.bytes(plen)?.to_vec()).map_err(|_| bad("a path is not UTF-8"))?;
-            let kind = kind_of(r.u8()?).ok_or_else(|| bad("unknown kind"))?;
-            let (ino, mode, uid, gid, rdev) = (r.u64()?, r.u32()?, r.u32()?, r.u32()?, r.u64()?);
-            let (mtime, atime, ctime) = (time(r.i64()?), time(r.i64()?), time(r.i64()?));
-            let tlen = r.u16()? as usize;
-            let target = String::from_utf8(r.bytes(tlen)?.to_vec()).map_err(|_| bad("a target is not UTF-8"))?;
-            let size = r.u64()?;
-            let nchunks = r.u32()?;
-            let mut chunks = BTreeMap::new();
-            for _ in 0..nchunks {
-                let i = r.u64()?;
-                chunks.insert(i, Chunk { version: r.u64()?, len: r.u32()? });
-            }
-            let target = (kind == Kind::Symlink).then_some(target);
-            nodes.insert(
-                path,
-                StoredNode { kind, ino, mode, uid, gid, rdev, mtime, atime, ctime, target, size, chunks },
-            );
+            nodes.insert(path, StoredNode::read_body(&mut r)?);
         }
         if r.at != body.len() {
             return Err(bad("trailing bytes"));
@@ -175,15 +151,96 @@ impl StoredTree {
     }
 }
 
+impl StoredNode {
+    /// The node's fields after the path, as both the tree and the record store them.
+    fn put_body(&self, b: &mut Vec<u8>) {
+        b.push(kind_code(self.kind));
+        b.extend_from_slice(&self.ino.to_le_bytes());
+        b.extend_from_slice(&self.mode.to_le_bytes());
+        b.extend_from_slice(&self.uid.to_le_bytes());
+        b.extend_from_slice(&self.gid.to_le_bytes());
+        b.extend_from_slice(&self.rdev.to_le_bytes());
+        for t in [self.mtime, self.atime, self.ctime] {
+            b.extend_from_slice(&ns(t).to_le_bytes());
+        }
+        let target = self.target.as_deref().unwrap_or("");
+        b.extend_from_slice(&(target.len() as u16).to_le_bytes());
+        b.extend_from_slice(target.as_bytes());
+        b.extend_from_slice(&self.size.to_le_bytes());
+        b.extend_from_slice(&(self.chunks.len() as u32).to_le_bytes());
+        for (i, c) in &self.chunks {
+            b.extend_from_slice(&i.to_le_bytes());
+            b.extend_from_slice(&c.version.to_le_bytes());
+            b.extend_from_slice(&c.len.to_le_bytes());
+        }
+    }
+
+    /// Read what [`StoredNode::put_body`] wrote.
+    fn read_body(r: &mut Reader<'_>) -> io::Result<StoredNode> {
+        let kind = kind_of(r.u8()?).ok_or_else(|| r.bad("unknown kind"))?;
+        let (ino, mode, uid, gid, rdev) = (r.u64()?, r.u32()?, r.u32()?, r.u32()?, r.u64()?);
+        let (mtime, atime, ctime) = (time(r.i64()?), time(r.i64()?), time(r.i64()?));
+        let tlen = r.u16()? as usize;
+        let target = String::from_utf8(r.bytes(tlen)?.to_vec()).map_err(|_| r.bad("a target is not UTF-8"))?;
+        let size = r.u64()?;
+        let nchunks = r.u32()?;
+        let mut chunks = BTreeMap::new();
+        for _ in 0..nchunks {
+            let i = r.u64()?;
+            chunks.insert(i, Chunk { version: r.u64()?, len: r.u32()? });
+        }
+        let target = (kind == Kind::Symlink).then_some(target);
+        Ok(StoredNode { kind, ino, mode, uid, gid, rdev, mtime, atime, ctime, target, size, chunks })
+    }
+
+    /// This node alone, as a standalone record (etcd's per-inode record): magic
+    /// `UBCS3N01`, the node as in a tree but without its path, CRC-32 of all before.
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(96 + self.chunks.len() * 20);
+        b.extend_from_slice(NODE_MAGIC);
+        self.put_body(&mut b);
+        let crc = crc32fast::hash(&b);
+        b.extend_from_slice(&crc.to_le_bytes());
+        b
+    }
+
+    /// Read a record [`StoredNode::encode`] wrote; a damaged or truncated one is refused.
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+    pub(crate) fn decode(b: &[u8]) -> io::Result<StoredNode> {
+        let what = "s3 node record";
+        let bad = |m: &str| io::Error::new(io::ErrorKind::InvalidData, format!("{what}: {m}"));
+        // magic, the smallest node (no target, no chunks), crc
+        if b.len() < 8 + 67 + 4 || &b[..8] != NODE_MAGIC {
+            return Err(bad("not a ubc s3 node record (bad magic or too short)"));
+        }
+        let (body, crc) = b.split_at(b.len() - 4);
+        if crc32fast::hash(body) != u32::from_le_bytes(crc.try_into().expect("4 bytes")) {
+            return Err(bad("checksum mismatch"));
+        }
+        let mut r = Reader { b: body, at: 8, what };
+        let n = StoredNode::read_body(&mut r)?;
+        if r.at != body.len() {
+            return Err(bad("trailing bytes"));
+        }
+        Ok(n)
+    }
+}
+
 struct Reader<'a> {
     b: &'a [u8],
     at: usize,
+    /// What is read, for errors.
+    what: &'static str,
 }
 
 impl<'a> Reader<'a> {
+    fn bad(&self, m: &str) -> io::Error {
+        io::Error::new(io::ErrorKind::InvalidData, format!("{}: {m}", self.what))
+    }
     fn bytes(&mut self, n: usize) -> io::Result<&'a [u8]> {
         let end = self.at.checked_add(n).filter(|&e| e <= self.b.len());
-        let end = end.ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "s3 tree object: truncated"))?;
+        let end = end.ok_or_else(|| self.bad("truncated"))?;
         let s = &self.b[self.at..end];
         self.at = end;
         Ok(s)
@@ -246,5 +303,52 @@ mod tests {
             assert!(StoredTree::decode(&d).is_err(), "damage at {at} accepted");
         }
         assert!(StoredTree::decode(&b[..b.len() - 5]).is_err());
+    }
+
+    #[test]
+    fn a_node_record_round_trips_and_damage_is_refused() {
+        let t0 = UNIX_EPOCH + Duration::from_nanos(1_700_000_000_123_456_789);
+        let before = UNIX_EPOCH - Duration::from_nanos(5_000_000_007);
+        let mut f = StoredNode {
+            kind: Kind::File,
+            ino: 7,
+            mode: 0o4755,
+            uid: 1000,
+            gid: 100,
+            rdev: 0,
+            mtime: t0,
+            atime: before,
+            ctime: t0,
+            target: None,
+            size: 3 << 20,
+            chunks: BTreeMap::new(),
+        };
+        f.chunks.insert(0, Chunk { version: 9, len: 1 << 20 });
+        f.chunks.insert(2, Chunk { version: 12, len: 77 });
+        let mut l = f.clone();
+        (l.kind, l.ino, l.target, l.size, l.chunks) = (Kind::Symlink, 8, Some("../x".into()), 0, BTreeMap::new());
+        let mut d = f.clone();
+        (d.kind, d.ino, d.rdev, d.size, d.chunks) = (Kind::CharDevice, 9, 0x0103, 0, BTreeMap::new());
+        for n in [f, l, d] {
+            let b = n.encode();
+            assert_eq!(&b[..8], NODE_MAGIC);
+            assert_eq!(StoredNode::decode(&b).unwrap(), n);
+            for at in [0, 8, 9, 40, b.len() / 2, b.len() - 5, b.len() - 1] {
+                let mut x = b.clone();
+                x[at] ^= 0x40;
+                assert!(StoredNode::decode(&x).is_err(), "damage at {at} accepted");
+            }
+            assert!(StoredNode::decode(&b[..b.len() - 1]).is_err());
+            assert!(StoredNode::decode(&b[..b.len() - 5]).is_err());
+            // A body that is whole but followed by extra bytes (with a valid CRC) is refused.
+            let mut long = b[..b.len() - 4].to_vec();
+            long.push(0);
+            let crc = crc32fast::hash(&long);
+            long.extend_from_slice(&crc.to_le_bytes());
+            assert!(StoredNode::decode(&long).is_err());
+        }
+        // A tree is not a record.
+        let t = StoredTree { next_ino: 2, next_version: 1, chunk_size: 1 << 20, nodes: BTreeMap::new() };
+        assert!(StoredNode::decode(&t.encode()).is_err());
     }
 }

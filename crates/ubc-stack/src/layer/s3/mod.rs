@@ -34,6 +34,10 @@
 
 mod file;
 pub(crate) mod format;
+#[cfg(feature = "etcd")]
+pub(crate) mod meta_etcd;
+#[cfg(feature = "etcd")]
+mod shared;
 
 use super::tree::{Node, Tree};
 use super::{Attr, Below, DirEntry, Kind, Layer, Opened, Rename, SetAttr};
@@ -70,6 +74,13 @@ pub struct S3Options {
     pub retry_timeout: Duration,
     /// How long one attempt may take before it is abandoned (and retried): default 30 s.
     pub timeout: Duration,
+    /// etcd's client URLs (comma-separated): names, records and tokens live there, and
+    /// several machines may use the file system at once (`etcd=`; feature `etcd`).
+    pub etcd: Option<String>,
+    /// The TTL of this machine's etcd lease (`lease=`, seconds, default 10): how long
+    /// another machine waits at most for a token this one held when it vanished, and how
+    /// stale a partitioned machine's cache may be.
+    pub lease: Duration,
 }
 
 impl S3Options {
@@ -89,6 +100,8 @@ impl S3Options {
             chunk_size: 1 << 20,
             retry_timeout: Duration::from_secs(120),
             timeout: Duration::from_secs(30),
+            etcd: None,
+            lease: Duration::from_secs(10),
         };
         for kv in query.split('&').filter(|x| !x.is_empty()) {
             let (k, v) = kv.split_once('=').ok_or_else(|| Error::Spec(format!("s3: `{kv}` is not key=value")))?;
@@ -101,6 +114,15 @@ impl S3Options {
                         return Err(Error::Spec(format!("s3: chunk={v} must be a power of two from 64K to 16M")));
                     }
                     o.chunk_size = n;
+                }
+                "etcd" => o.etcd = Some(v.into()),
+                "lease" => {
+                    let secs: u64 = v
+                        .parse()
+                        .ok()
+                        .filter(|s| (2..=3600).contains(s))
+                        .ok_or_else(|| Error::Spec(format!("s3: lease={v} is not 2..=3600 seconds")))?;
+                    o.lease = Duration::from_secs(secs);
                 }
                 "retry_timeout" | "timeout" => {
                     let secs: f64 = v
@@ -119,7 +141,7 @@ impl S3Options {
                 }
                 _ => {
                     return Err(Error::Spec(format!(
-                        "s3: unknown option `{k}` (known: endpoint, region, chunk, retry_timeout, timeout)"
+                        "s3: unknown option `{k}` (known: endpoint, region, chunk, retry_timeout, timeout, etcd, lease)"
                     )));
                 }
             }
@@ -184,6 +206,16 @@ impl Shared {
         Ok(seqs)
     }
 
+    /// Take the garbage of file `ino` out of the list (its own commit deletes it).
+    #[cfg(feature = "etcd")]
+    fn take_garbage_of(&self, ino: u64) -> Vec<ObjPath> {
+        let mine = format!("{}c/{ino:016x}/", self.root);
+        let mut g = self.garbage.lock();
+        let (of, rest): (Vec<ObjPath>, Vec<ObjPath>) = g.drain(..).partition(|p| p.as_ref().starts_with(&mine));
+        *g = rest;
+        of
+    }
+
     pub(crate) fn new_version(&self) -> u64 {
         self.next_version.fetch_add(1, Relaxed)
     }
@@ -244,6 +276,10 @@ pub(crate) fn io_err(e: object_store::Error) -> io::Error {
 pub(crate) struct Inner {
     pub(crate) shared: Arc<Shared>,
     pub(crate) tree: Tree<S3File>,
+    /// Shared with other machines (`etcd=`): names, records and tokens in etcd; `tree` is
+    /// then unused.
+    #[cfg(feature = "etcd")]
+    dist: Option<Arc<shared::SharedFs>>,
     /// Serializes commits; holds the sequence number of the last tree committed (0: none).
     commit_lock: Mutex<u64>,
     /// Set when the layer is dropped: the committer stops.
@@ -253,6 +289,10 @@ pub(crate) struct Inner {
 impl Inner {
     /// Upload every staged chunk, PUT the next tree, then delete what it no longer names.
     pub(crate) fn commit(&self) -> io::Result<()> {
+        #[cfg(feature = "etcd")]
+        if let Some(fs) = &self.dist {
+            return fs.commit_all(&self.shared);
+        }
         let mut seq = self.commit_lock.lock();
         let files: Vec<Arc<S3File>> = self.tree.nodes.lock().values().filter_map(|n| n.data.clone()).collect();
         for f in &files {
@@ -328,6 +368,14 @@ impl Inner {
         Ok(())
     }
 
+    /// Whether the file system is shared with other machines (`etcd=`).
+    fn is_shared(&self) -> bool {
+        #[cfg(feature = "etcd")]
+        return self.dist.is_some();
+        #[cfg(not(feature = "etcd"))]
+        false
+    }
+
     /// Delete chunk objects the committed tree does not name and that are older than
     /// `SWEEP_AGE` (left by a commit that did not finish: a crash). Run once, when the layer
     /// is opened, before anything of this layer's own is uploaded. Younger ones may be a
@@ -394,6 +442,12 @@ impl S3 {
         if o.timeout != Duration::from_secs(30) {
             query.push(format!("timeout={}", o.timeout.as_secs_f64()));
         }
+        if let Some(e) = &o.etcd {
+            query.push(format!("etcd={e}"));
+        }
+        if o.lease != Duration::from_secs(10) {
+            query.push(format!("lease={}", o.lease.as_secs()));
+        }
         let spec = format!(
             "s3:{}{}{}{}",
             o.bucket,
@@ -450,6 +504,41 @@ impl S3 {
             deletes: AtomicU64::new(0),
             commits: AtomicU64::new(0),
         });
+        let dev = {
+            use std::hash::{BuildHasher, BuildHasherDefault};
+            BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default().hash_one(&id)
+        };
+        if let Some(endpoints) = &o.etcd {
+            #[cfg(not(feature = "etcd"))]
+            {
+                let _ = endpoints;
+                return Err(bad(&"etcd= needs ubc built with the `etcd` feature"));
+            }
+            #[cfg(feature = "etcd")]
+            {
+                // Shared with other machines: nothing of the bucket is read here — names and
+                // records are in etcd, under a prefix naming the bucket and the prefix.
+                let prefix = format!("/ubc/{}/{}", o.bucket, shared.root);
+                let h = shared.rt.handle().clone();
+                let meta = meta_etcd::EtcdMeta::open(h.clone(), endpoints, prefix.clone(), dev)?;
+                let machine =
+                    crate::dist::Machine::join(h, meta.client(), prefix.clone(), o.lease).map_err(|e| bad(&e))?;
+                let fs = Arc::new(shared::SharedFs::new(meta, machine, prefix));
+                let inner = Arc::new(Inner {
+                    shared,
+                    tree: Tree::empty(dev),
+                    dist: Some(fs),
+                    commit_lock: Mutex::new(0),
+                    closing: AtomicBool::new(false),
+                });
+                let weak = Arc::downgrade(&inner);
+                std::thread::Builder::new()
+                    .name("ubc-s3-commit".into())
+                    .spawn(move || committer(weak))
+                    .map_err(|e| bad(&e))?;
+                return Ok(S3 { inner, spec });
+            }
+        }
         // The last committed tree (the highest sequence number), or none yet (a new file
         // system). Trees are never overwritten, so a PUT delayed in the network (a request
         // its client gave up on, arriving after a newer commit) adds an older tree, which is
@@ -475,10 +564,6 @@ impl S3 {
                 t.chunk_size
             )));
         }
-        let dev = {
-            use std::hash::{BuildHasher, BuildHasherDefault};
-            BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default().hash_one(&id)
-        };
         let inner = Arc::new_cyclic(|weak: &Weak<Inner>| {
             let tree = match stored {
                 None => Tree::empty(dev),
@@ -508,7 +593,14 @@ impl S3 {
                     Tree::with(nodes, dev, t.next_ino)
                 }
             };
-            Inner { shared: shared.clone(), tree, commit_lock: Mutex::new(last_seq), closing: AtomicBool::new(false) }
+            Inner {
+                shared: shared.clone(),
+                tree,
+                #[cfg(feature = "etcd")]
+                dist: None,
+                commit_lock: Mutex::new(last_seq),
+                closing: AtomicBool::new(false),
+            }
         });
         inner.sweep().map_err(|e| bad(&e))?;
         let weak = Arc::downgrade(&inner);
@@ -527,6 +619,13 @@ impl S3 {
             deletes: s.deletes.load(Relaxed),
             commits: s.commits.load(Relaxed),
         }
+    }
+
+    /// Tokens between machines acquired, requested and given up (`etcd=`; `None` for a
+    /// file system of one machine).
+    #[cfg(feature = "etcd")]
+    pub fn dist_stats(&self) -> Option<crate::DistStats> {
+        self.inner.dist.as_ref().map(|fs| fs.machine.stats())
     }
 
     /// Commit now (what `sync_dir` and a file's `sync` do).
@@ -557,7 +656,7 @@ fn committer(weak: Weak<Inner>) {
         if inner.closing.load(Relaxed) {
             return;
         }
-        if inner.tree.changed.load(Relaxed) {
+        if inner.tree.changed.load(Relaxed) || inner.is_shared() {
             let _ = inner.commit();
         }
     }
@@ -566,10 +665,20 @@ fn committer(weak: Weak<Inner>) {
 impl Drop for S3 {
     fn drop(&mut self) {
         self.inner.closing.store(true, Relaxed);
-        if self.inner.tree.changed.load(Relaxed) {
+        if self.inner.tree.changed.load(Relaxed) || self.inner.is_shared() {
             let _ = self.inner.commit();
         }
     }
+}
+
+/// Dispatch to the shared file system's operation when there is one (`etcd=`).
+macro_rules! shared_or {
+    ($self:ident, $fs:ident => $shared:expr) => {
+        #[cfg(feature = "etcd")]
+        if let Some($fs) = &$self.inner.dist {
+            return $shared;
+        }
+    };
 }
 
 impl Layer for S3 {
@@ -580,50 +689,70 @@ impl Layer for S3 {
         None
     }
     fn getattr(&self, path: &str) -> Result<Attr> {
+        shared_or!(self, fs => fs.getattr(&self.inner.shared, path));
         self.inner.tree.getattr(path)
     }
     fn setattr(&self, path: &str, set: &SetAttr) -> Result<()> {
+        shared_or!(self, fs => fs.meta.setattr(path, set));
         self.inner.tree.setattr(path, set)
     }
     fn readdir(&self, path: &str) -> Result<Vec<DirEntry>> {
+        shared_or!(self, fs => fs.meta.readdir(path));
         self.inner.tree.readdir(path)
     }
     fn create(&self, path: &str, mode: u32) -> Result<()> {
+        shared_or!(self, fs => fs.meta.add(path, Kind::File, mode, 0, None).map(drop));
         self.add(path, Kind::File, mode)
     }
     fn mkdir(&self, path: &str, mode: u32) -> Result<()> {
+        shared_or!(self, fs => fs.meta.add(path, Kind::Dir, mode, 0, None).map(drop));
         self.add(path, Kind::Dir, mode)
     }
     fn remove(&self, path: &str) -> Result<()> {
+        shared_or!(self, fs => fs.remove(&self.inner.shared, path));
         S3::unlinked(Some(self.inner.tree.remove(path)?));
         Ok(())
     }
     fn rmdir(&self, path: &str) -> Result<()> {
+        shared_or!(self, fs => fs.meta.rmdir(path));
         self.inner.tree.rmdir(path)
     }
     fn rename(&self, from: &str, to: &str) -> Result<()> {
+        shared_or!(self, fs => fs.rename(&self.inner.shared, from, to, Rename::Replace));
         S3::unlinked(self.inner.tree.rename(from, to)?);
         Ok(())
     }
     fn rename_with(&self, from: &str, to: &str, how: Rename) -> Result<()> {
+        shared_or!(self, fs => fs.rename(&self.inner.shared, from, to, how));
         match how {
             Rename::Replace => self.rename(from, to),
             _ => self.inner.tree.rename_with(from, to, how, "an s3 tree"),
         }
     }
     fn sync_dir(&self, _path: &str) -> Result<()> {
+        // Shared: every change of a name is in etcd (durable) when it returns.
+        shared_or!(self, _fs => Ok(()));
         self.commit()
     }
     fn symlink(&self, target: &str, path: &str) -> Result<()> {
+        shared_or!(self, fs => fs.meta.add(path, Kind::Symlink, 0o777, 0, Some(target.to_string())).map(drop));
         self.inner.tree.symlink(target, path)
     }
     fn readlink(&self, path: &str) -> Result<String> {
+        shared_or!(self, fs => fs.meta.readlink(path));
         self.inner.tree.readlink(path)
     }
     fn link(&self, _from: &str, to: &str) -> Result<()> {
         Err(Error::NotSupported(format!("{to}: hard links in an s3 tree")))
     }
     fn mknod(&self, path: &str, kind: Kind, mode: u32, rdev: u64) -> Result<()> {
+        #[cfg(feature = "etcd")]
+        if let Some(fs) = &self.inner.dist {
+            if matches!(kind, Kind::File | Kind::Dir | Kind::Symlink) {
+                return Err(Error::Invalid(format!("{path}: mknod makes special files only")));
+            }
+            return fs.meta.add(path, kind, mode, rdev, None).map(drop);
+        }
         self.inner.tree.mknod(path, kind, mode, rdev)
     }
     fn getxattr(&self, path: &str, _name: &str) -> Result<Vec<u8>> {
@@ -639,7 +768,21 @@ impl Layer for S3 {
         Err(Error::NotSupported(format!("{path}: extended attributes in an s3 tree")))
     }
     fn open(&self, path: &str, _access: ubc::Access, _below: &dyn Below) -> Result<Opened> {
+        shared_or!(self, fs => fs.open(&self.inner.shared, path));
         Ok(Opened::Store(self.inner.tree.data(path)?))
+    }
+    fn remote(&self, path: &str) -> Option<Arc<dyn crate::coherence::Remote>> {
+        shared_or!(self, fs => fs.remote(&self.inner.shared, path));
+        let _ = path;
+        None
+    }
+    fn is_shared(&self) -> bool {
+        self.inner.is_shared()
+    }
+    fn file_identity(&self, a: &Attr) -> Option<ubc::Identity> {
+        shared_or!(self, _fs => Some(file::identity(&self.inner.shared, a.ino)));
+        let _ = a;
+        None
     }
     fn sync_all(&self) -> Result<()> {
         self.commit()

@@ -1,0 +1,792 @@
+//! Coherence between machines (issue 21): tokens on files, held under etcd leases.
+//!
+//! The stack paper's division of labour: each machine's cache manager (`coherence.rs`) keeps
+//! the layers of *its* stack coherent, and a distributed-protocol layer between machines
+//! keeps their caches coherent — here a token service on etcd, the role Mach gave a network
+//! memory server ("the pager … may request that the kernel flush, clean or lock data", Mach
+//! external pager interface). A machine may cache a file's pages, its length and its record
+//! only while it holds the file's token:
+//!
+//! * **read** (shared by any number of machines): cached pages may be used;
+//! * **write** (one machine, no reader elsewhere): pages may also be dirtied.
+//!
+//! Tokens are whole-file: the unit of a remote revocation is the file (its record — size,
+//! chunk list — changes with any write, so a range token would still serialize on it).
+//!
+//! # In etcd (keys under the layer's prefix `K`)
+//!
+//! * `K t/<ino>/<machine>` = `r` | `w`: machine `<machine>` holds the token, attached to
+//!   that machine's lease. A machine that stops renewing its lease (a crash, a partition)
+//!   loses its keys when the lease expires: nobody waits longer than the TTL for it.
+//! * `K q/<holder>/<ino>/<requester>` = `r` | `w`: a request that `<holder>` give way, put
+//!   by the requester under its own lease; each machine watches `K q/<itself>/`.
+//!
+//! To acquire, a machine reads `K t/<ino>/` at revision `R`; if no other holder conflicts it
+//! puts its key in a transaction that succeeds only if no key of the file was changed after
+//! `R` (a range compare: two machines cannot both win); else it puts a request to each
+//! conflicting holder and waits on a watch of `K t/<ino>/` until they change, then tries
+//! again. A holder told to give way waits for its operations in flight on the file
+//! (pins), writes back what it dirtied through every layer, stores it (the layer's
+//! commit: chunks uploaded, record rewritten), drops its cached pages unless it may keep a
+//! read token, and only then rewrites or deletes its key — so the requester's next look
+//! at the store sees everything the holder wrote.
+//!
+//! # Rules that keep it free of deadlock
+//!
+//! * A token is *pinned* for each operation, from before the operation takes any lock of
+//!   the stack or the cache to its end; waiting for other machines happens only while
+//!   pinning, holding nothing. A holder giving way waits only for pins, which never wait
+//!   for another machine.
+//! * A machine acquiring a token it must upgrade (read → write) is not an obstacle to
+//!   others: a request that reaches it meanwhile is served at once (it gives up its read
+//!   token); its own acquisition then finds the file changed and reloads.
+//!
+//! # Losing the lease
+//!
+//! A machine whose lease could not be renewed for its TTL takes every token as lost
+//! (another machine may hold it now): cached pages are dropped, changes not yet stored are
+//! dropped too and the next `sync` of such a file fails (`ESTALE`, as NFS reports lost
+//! locks), and it takes a new lease before it serves anything again.
+
+use crate::coherence::{Mode, Remote, RemoteCache, RemotePin};
+use etcd_client::{Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions};
+use parking_lot::{Condvar, Mutex};
+use std::collections::HashMap;
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering::Relaxed, Ordering::SeqCst};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+/// What a token protects and how to give it up: the bottom layer's file (its record and
+/// staged changes; the caches of every stack that has the file open are attached to the
+/// token separately).
+pub(crate) trait TokenHolder: Send + Sync {
+    /// The token was granted after a time without one: re-read what is stored (the record).
+    fn reload(&self) -> io::Result<()>;
+    /// Store what was changed under the write token (called after the caches above wrote
+    /// back into the holder).
+    fn store(&self) -> io::Result<()>;
+    /// The token was lost (the lease expired): forget changes not stored.
+    fn discard(&self);
+}
+
+/// How long an acquisition waits for other machines before it fails (`TimedOut`).
+const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// How long one wait on a watch lasts before the holders are read again (a lost watch
+/// event costs this much, never a hang).
+const WATCH_SLICE: Duration = Duration::from_millis(500);
+
+fn etcd_err(e: etcd_client::Error) -> io::Error {
+    io::Error::other(format!("etcd: {e}"))
+}
+
+fn mode_byte(m: Mode) -> &'static [u8] {
+    match m {
+        Mode::Read => b"r",
+        Mode::Write => b"w",
+    }
+}
+
+fn mode_of(b: &[u8]) -> Option<Mode> {
+    match b {
+        b"r" => Some(Mode::Read),
+        b"w" => Some(Mode::Write),
+        _ => None,
+    }
+}
+
+fn covers(held: Option<Mode>, want: Mode) -> bool {
+    matches!((held, want), (Some(Mode::Write), _) | (Some(Mode::Read), Mode::Read))
+}
+
+/// Counters, for tests and benchmarks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DistStats {
+    /// Tokens acquired from etcd (a transaction won).
+    pub acquired: u64,
+    /// Requests this machine put to other holders.
+    pub requested: u64,
+    /// Tokens this machine gave up or downgraded for others.
+    pub revoked: u64,
+    /// Times the lease was lost.
+    pub leases_lost: u64,
+}
+
+/// One machine's membership: its lease, its tokens, the watch on requests to it.
+pub(crate) struct Machine {
+    inner: Arc<MachineInner>,
+}
+
+struct MachineInner {
+    rt: tokio::runtime::Handle,
+    client: Client,
+    /// `K`: ends with `/`.
+    prefix: String,
+    id: u64,
+    ttl: Duration,
+    /// The current lease (0: none, being taken again).
+    lease: AtomicI64,
+    lease_cv: (Mutex<()>, Condvar),
+    tokens: Mutex<HashMap<u64, Weak<Token>>>,
+    closing: AtomicBool,
+    acquired: AtomicU64,
+    requested: AtomicU64,
+    revoked: AtomicU64,
+    leases_lost: AtomicU64,
+}
+
+impl Machine {
+    /// Join: take a lease of `ttl` (kept alive by a thread of its own) and watch for
+    /// requests. => not called on a thread of `rt`.
+    pub(crate) fn join(
+        rt: tokio::runtime::Handle,
+        client: Client,
+        prefix: String,
+        ttl: Duration,
+    ) -> io::Result<Machine> {
+        let id = {
+            let mut b = [0u8; 8];
+            getrandom::fill(&mut b).map_err(|e| io::Error::other(e.to_string()))?;
+            u64::from_le_bytes(b) | 1
+        };
+        let inner = Arc::new(MachineInner {
+            rt,
+            client,
+            prefix,
+            id,
+            ttl: ttl.max(Duration::from_secs(1)),
+            lease: AtomicI64::new(0),
+            lease_cv: (Mutex::new(()), Condvar::new()),
+            tokens: Mutex::new(HashMap::new()),
+            closing: AtomicBool::new(false),
+            acquired: AtomicU64::new(0),
+            requested: AtomicU64::new(0),
+            revoked: AtomicU64::new(0),
+            leases_lost: AtomicU64::new(0),
+        });
+        let lease = inner.grant()?;
+        inner.lease.store(lease, SeqCst);
+        let w = Arc::downgrade(&inner);
+        std::thread::Builder::new().name("ubc-dist-lease".into()).spawn(move || keep_alive(w))?;
+        let w = Arc::downgrade(&inner);
+        std::thread::Builder::new().name("ubc-dist-requests".into()).spawn(move || watch_requests(w))?;
+        Ok(Machine { inner })
+    }
+
+    /// The token of file `ino`, protecting `holder`'s data (one per file and machine).
+    pub(crate) fn token(&self, ino: u64, holder: Weak<dyn TokenHolder>) -> Arc<Token> {
+        let mut t = self.inner.tokens.lock();
+        if let Some(x) = t.get(&ino).and_then(Weak::upgrade) {
+            return x;
+        }
+        let x = Arc::new(Token {
+            machine: Arc::downgrade(&self.inner),
+            ino,
+            holder,
+            st: Mutex::new(TokState::default()),
+            cv: Condvar::new(),
+            caches: Mutex::new(Vec::new()),
+        });
+        t.insert(ino, Arc::downgrade(&x));
+        t.retain(|_, w| w.strong_count() > 0);
+        x
+    }
+
+    /// A transaction condition that holds only while this machine holds `ino`'s write
+    /// token in etcd (a commit's fence).
+    pub(crate) fn write_fence(&self, ino: u64) -> Compare {
+        Compare::value(self.inner.tkey(ino, self.inner.id), CompareOp::Equal, mode_byte(Mode::Write))
+    }
+
+    /// Whether this machine holds `ino`'s write token (as it knows).
+    pub(crate) fn holds_write(&self, ino: u64) -> bool {
+        self.inner.tokens.lock().get(&ino).and_then(Weak::upgrade).is_some_and(|t| t.holds(Mode::Write))
+    }
+
+    pub(crate) fn stats(&self) -> DistStats {
+        let m = &self.inner;
+        DistStats {
+            acquired: m.acquired.load(Relaxed),
+            requested: m.requested.load(Relaxed),
+            revoked: m.revoked.load(Relaxed),
+            leases_lost: m.leases_lost.load(Relaxed),
+        }
+    }
+}
+
+impl Drop for Machine {
+    fn drop(&mut self) {
+        // Leave: the lease's revocation deletes every key of this machine at once.
+        self.inner.closing.store(true, SeqCst);
+        let lease = self.inner.lease.swap(0, SeqCst);
+        if lease != 0 {
+            let mut c = self.inner.client.clone();
+            let _ = self
+                .inner
+                .rt
+                .block_on(async move { tokio::time::timeout(Duration::from_secs(2), c.lease_revoke(lease)).await });
+        }
+    }
+}
+
+impl MachineInner {
+    fn grant(&self) -> io::Result<i64> {
+        let mut c = self.client.clone();
+        let ttl = self.ttl.as_secs().max(1) as i64;
+        let r = self.rt.block_on(async move { c.lease_grant(ttl, None).await }).map_err(etcd_err)?;
+        Ok(r.id())
+    }
+
+    /// The current lease, waiting (bounded) while it is being taken again.
+    fn lease(&self, deadline: Instant) -> io::Result<i64> {
+        loop {
+            let l = self.lease.load(SeqCst);
+            if l != 0 {
+                return Ok(l);
+            }
+            if self.closing.load(SeqCst) {
+                return Err(io::Error::other("the layer is closing"));
+            }
+            if Instant::now() >= deadline {
+                return Err(io::Error::new(io::ErrorKind::TimedOut, "no etcd lease (etcd unreachable?)"));
+            }
+            let mut g = self.lease_cv.0.lock();
+            self.lease_cv.1.wait_for(&mut g, Duration::from_millis(100));
+        }
+    }
+
+    fn tkey(&self, ino: u64, machine: u64) -> String {
+        format!("{}t/{ino:016x}/{machine:016x}", self.prefix)
+    }
+
+    fn tprefix(&self, ino: u64) -> String {
+        format!("{}t/{ino:016x}/", self.prefix)
+    }
+
+    fn qkey(&self, holder: u64, ino: u64, requester: u64) -> String {
+        format!("{}q/{holder:016x}/{ino:016x}/{requester:016x}", self.prefix)
+    }
+
+    /// Make this machine a holder of `ino`'s token in `mode` in etcd: wait (asking them)
+    /// until no other machine's token conflicts, then put the key in a transaction no
+    /// concurrent change of the file's holders lets through. => called holding nothing.
+    fn acquire(&self, ino: u64, mode: Mode) -> io::Result<()> {
+        let deadline = Instant::now() + ACQUIRE_TIMEOUT;
+        let me = self.id;
+        let tprefix = self.tprefix(ino);
+        let mykey = self.tkey(ino, me);
+        let mut asked: Vec<String> = Vec::new();
+        let r = loop {
+            let lease = self.lease(deadline)?;
+            let mut c = self.client.clone();
+            let (tp, mk) = (tprefix.clone(), mykey.clone());
+            let step = self.rt.block_on(async move {
+                let got = c.get(tp.clone(), Some(GetOptions::new().with_prefix())).await?;
+                let rev = got.header().map_or(0, |h| h.revision());
+                let mut conflicting = Vec::new();
+                for kv in got.kvs() {
+                    let Some(holder) = kv
+                        .key_str()
+                        .ok()
+                        .and_then(|k| k.rsplit('/').next())
+                        .and_then(|h| u64::from_str_radix(h, 16).ok())
+                    else {
+                        continue;
+                    };
+                    if holder == me {
+                        continue;
+                    }
+                    let m = mode_of(kv.value());
+                    if mode == Mode::Write || m == Some(Mode::Write) || m.is_none() {
+                        conflicting.push(holder);
+                    }
+                }
+                if conflicting.is_empty() {
+                    let txn = Txn::new()
+                        .when([Compare::mod_revision(tp.as_str(), CompareOp::Less, rev + 1).with_prefix()])
+                        .and_then([TxnOp::put(
+                            mk.as_str(),
+                            mode_byte(mode),
+                            Some(PutOptions::new().with_lease(lease)),
+                        )]);
+                    let ok = c.txn(txn).await?.succeeded();
+                    return Ok::<_, etcd_client::Error>((ok, Vec::new(), rev));
+                }
+                Ok((false, conflicting, rev))
+            });
+            let (won, conflicting, rev) = match step {
+                Ok(x) => x,
+                Err(e) if Instant::now() < deadline => {
+                    // etcd unreachable for a moment: try again (bounded by the deadline).
+                    let _ = e;
+                    std::thread::sleep(Duration::from_millis(100));
+                    continue;
+                }
+                Err(e) => break Err(etcd_err(e)),
+            };
+            if won {
+                self.acquired.fetch_add(1, Relaxed);
+                break Ok(());
+            }
+            if Instant::now() >= deadline {
+                break Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("inode {ino}: another machine kept its {mode:?}-conflicting token for {ACQUIRE_TIMEOUT:?}"),
+                ));
+            }
+            if conflicting.is_empty() {
+                continue; // lost a race: look again at once
+            }
+            // Ask each conflicting holder to give way, then wait for a change of the holders.
+            let mut c = self.client.clone();
+            let keys: Vec<String> = conflicting.iter().map(|&h| self.qkey(h, ino, me)).collect();
+            for k in &keys {
+                if !asked.contains(k) {
+                    asked.push(k.clone());
+                }
+            }
+            self.requested.fetch_add(keys.len() as u64, Relaxed);
+            let tp = tprefix.clone();
+            let _ = self.rt.block_on(async move {
+                for k in keys {
+                    c.put(k, mode_byte(mode), Some(PutOptions::new().with_lease(lease))).await?;
+                }
+                let mut ws = c.watch(tp, Some(WatchOptions::new().with_prefix().with_start_revision(rev + 1))).await?;
+                let _ = tokio::time::timeout(WATCH_SLICE, ws.message()).await;
+                Ok::<_, etcd_client::Error>(())
+            });
+        };
+        if !asked.is_empty() {
+            let mut c = self.client.clone();
+            self.rt.block_on(async move {
+                for k in asked {
+                    let _ = c.delete(k, None).await;
+                }
+            });
+        }
+        r
+    }
+
+    /// Rewrite this machine's key of `ino` from `from` to `to` (`None`: delete it) — only
+    /// if it still says `from`: an acquisition of this machine's may have changed it since.
+    fn set_key(&self, ino: u64, from: Mode, to: Option<Mode>) -> io::Result<()> {
+        let key = self.tkey(ino, self.id);
+        let lease = self.lease.load(SeqCst);
+        let mut c = self.client.clone();
+        let op = match to {
+            Some(m) => TxnOp::put(key.as_str(), mode_byte(m), Some(PutOptions::new().with_lease(lease))),
+            None => TxnOp::delete(key.as_str(), None),
+        };
+        let txn = Txn::new().when([Compare::value(key.as_str(), CompareOp::Equal, mode_byte(from))]).and_then([op]);
+        self.rt.block_on(async move { c.txn(txn).await }).map_err(etcd_err)?;
+        Ok(())
+    }
+
+    /// Every token of this machine is lost (the lease expired).
+    fn lose_all(&self) {
+        self.leases_lost.fetch_add(1, Relaxed);
+        let tokens: Vec<Arc<Token>> = self.tokens.lock().values().filter_map(Weak::upgrade).collect();
+        for t in tokens {
+            t.lose();
+        }
+    }
+}
+
+/// Keep the lease alive (a renewal every fifth of its TTL). The lease counts as lost three
+/// quarters of a TTL after the *sending* of the last renewal etcd answered — before etcd
+/// itself can expire it (etcd counts from the renewal's arrival, later), so that this
+/// machine has stopped using its tokens by the time another machine can be granted them.
+/// Then every token is lost and a new lease is taken.
+fn keep_alive(w: Weak<MachineInner>) {
+    let mut renewed = Instant::now();
+    let mut stream: Option<(etcd_client::LeaseKeeper, etcd_client::LeaseKeepAliveStream)> = None;
+    loop {
+        let Some(m) = w.upgrade() else { return };
+        if m.closing.load(SeqCst) {
+            return;
+        }
+        let period = m.ttl / 5;
+        let lease = m.lease.load(SeqCst);
+        let sent = Instant::now();
+        let ok = lease != 0 && {
+            let mut c = m.client.clone();
+            let mut s = stream.take();
+            let (ok, s) = m.rt.block_on(async move {
+                let r = tokio::time::timeout(period, async {
+                    if s.as_ref().is_none_or(|(k, _)| k.id() != lease) {
+                        s = Some(c.lease_keep_alive(lease).await?);
+                    }
+                    let (keeper, st) = s.as_mut().expect("made");
+                    keeper.keep_alive().await?;
+                    st.message().await
+                })
+                .await;
+                match r {
+                    Ok(Ok(Some(resp))) if resp.ttl() > 0 => (true, s),
+                    _ => (false, None),
+                }
+            });
+            stream = s;
+            ok
+        };
+        if ok {
+            renewed = sent;
+        } else if lease == 0 || renewed.elapsed() >= m.ttl * 3 / 4 {
+            // What was held may be another machine's soon (or already, if etcd said so).
+            if lease != 0 {
+                m.lease.store(0, SeqCst);
+                m.lose_all();
+            }
+            if let Ok(l) = m.grant() {
+                m.lease.store(l, SeqCst);
+                m.lease_cv.1.notify_all();
+                renewed = Instant::now();
+            }
+        }
+        drop(m);
+        std::thread::sleep(period.saturating_sub(sent.elapsed()));
+    }
+}
+
+/// Watch `K q/<me>/` and serve each request on a thread of its own.
+fn watch_requests(w: Weak<MachineInner>) {
+    loop {
+        let Some(m) = w.upgrade() else { return };
+        if m.closing.load(SeqCst) {
+            return;
+        }
+        let prefix = format!("{}q/{:016x}/", m.prefix, m.id);
+        let mut c = m.client.clone();
+        let (tx, rx) = std::sync::mpsc::channel::<(u64, Mode, String)>();
+        let parse = |key: &str, value: &[u8]| -> Option<(u64, Mode, String)> {
+            let rest = key.strip_prefix(prefix.as_str())?;
+            let ino = u64::from_str_radix(rest.split('/').next()?, 16).ok()?;
+            Some((ino, mode_of(value)?, key.to_string()))
+        };
+        let weak = w.clone();
+        // Requests are served off the watch's thread: giving way may take long (a store).
+        let server = std::thread::spawn(move || {
+            for (ino, want, key) in rx {
+                let weak = weak.clone();
+                let _ = std::thread::Builder::new().name("ubc-dist-revoke".into()).spawn(move || {
+                    if let Some(m) = weak.upgrade() {
+                        serve_request(&m, ino, want, &key);
+                    }
+                });
+            }
+        });
+        let closing = &m.closing;
+        let r: Result<(), etcd_client::Error> = m.rt.block_on(async {
+            let got = c.get(prefix.as_str(), Some(GetOptions::new().with_prefix())).await?;
+            let rev = got.header().map_or(0, |h| h.revision());
+            for kv in got.kvs() {
+                if let Some(x) = kv.key_str().ok().and_then(|k| parse(k, kv.value())) {
+                    let _ = tx.send(x);
+                }
+            }
+            let mut ws =
+                c.watch(prefix.as_str(), Some(WatchOptions::new().with_prefix().with_start_revision(rev + 1))).await?;
+            loop {
+                if closing.load(SeqCst) {
+                    return Ok(());
+                }
+                match tokio::time::timeout(Duration::from_secs(1), ws.message()).await {
+                    Err(_) => continue,
+                    Ok(Ok(Some(resp))) => {
+                        if resp.canceled() {
+                            return Ok(());
+                        }
+                        for ev in resp.events() {
+                            if ev.event_type() != EventType::Put {
+                                continue;
+                            }
+                            if let Some(kv) = ev.kv()
+                                && let Some(x) = kv.key_str().ok().and_then(|k| parse(k, kv.value()))
+                            {
+                                let _ = tx.send(x);
+                            }
+                        }
+                    }
+                    Ok(Ok(None)) => return Ok(()),
+                    Ok(Err(e)) => return Err(e),
+                }
+            }
+        });
+        drop(tx);
+        let _ = server.join();
+        let _ = r;
+        drop(m);
+        // The watch ended (etcd restarted, a network error): look again after a moment.
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Serve one request to give way on `ino` (then delete it, unless the requester did).
+fn serve_request(m: &MachineInner, ino: u64, want: Mode, key: &str) {
+    let token = m.tokens.lock().get(&ino).and_then(Weak::upgrade);
+    match token {
+        Some(t) => {
+            // Retried while storing fails (the object store down): the requester waits, and
+            // times out if it lasts; nothing written here is dropped.
+            let mut delay = Duration::from_millis(100);
+            while let Err(e) = t.give_way(want) {
+                if m.closing.load(SeqCst) {
+                    return;
+                }
+                eprintln!("ubc: giving up the token of inode {ino} failed ({e}); retrying");
+                std::thread::sleep(delay);
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+        }
+        None => {
+            // Nothing of the file is held here any more; a key left behind goes.
+            let mut c = m.client.clone();
+            let k = m.tkey(ino, m.id);
+            let _ = m.rt.block_on(async move { c.delete(k, None).await });
+        }
+    }
+    let mut c = m.client.clone();
+    let k = key.to_string();
+    let _ = m.rt.block_on(async move { c.delete(k, None).await });
+}
+
+#[derive(Default)]
+struct TokState {
+    held: Option<Mode>,
+    /// Operations in flight under the token.
+    pins: usize,
+    /// A thread of this machine is acquiring it (others wait for it).
+    acquiring: bool,
+    /// It is being given up (new pins wait).
+    revoking: bool,
+    /// Bumped each time the token is given up entirely or lost: an acquisition that began
+    /// holding a read token finds out whether it kept it throughout.
+    epoch: u64,
+    /// It was lost with changes not stored: the next `sync` says so.
+    lost_changes: bool,
+}
+
+/// One file's token on one machine.
+pub(crate) struct Token {
+    machine: Weak<MachineInner>,
+    ino: u64,
+    holder: Weak<dyn TokenHolder>,
+    st: Mutex<TokState>,
+    cv: Condvar,
+    caches: Mutex<Vec<Weak<dyn RemoteCache>>>,
+}
+
+/// A pin on a token: the operation it covers may use what the token allows.
+struct Pinned(Arc<Token>);
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        let mut st = self.0.st.lock();
+        st.pins -= 1;
+        if st.pins == 0 {
+            self.0.cv.notify_all();
+        }
+    }
+}
+
+impl Token {
+    fn caches(&self) -> Vec<Arc<dyn RemoteCache>> {
+        let mut c = self.caches.lock();
+        c.retain(|w| w.strong_count() > 0);
+        c.iter().filter_map(Weak::upgrade).collect()
+    }
+
+    /// Whether this machine holds the token in a mode that allows `mode`.
+    pub(crate) fn holds(&self, mode: Mode) -> bool {
+        covers(self.st.lock().held, mode)
+    }
+
+    /// Take the note of changes lost with the lease (once).
+    pub(crate) fn take_lost_changes(&self) -> bool {
+        std::mem::take(&mut self.st.lock().lost_changes)
+    }
+
+    /// Pin in `mode`, acquiring from etcd first if needed. => the caller holds no lock of
+    /// the stack or the cache.
+    pub(crate) fn pin_arc(self: &Arc<Self>, mode: Mode) -> io::Result<()> {
+        let mut st = self.st.lock();
+        loop {
+            if !st.revoking && !st.acquiring && covers(st.held, mode) {
+                st.pins += 1;
+                return Ok(());
+            }
+            if st.revoking || st.acquiring {
+                self.cv.wait(&mut st);
+                continue;
+            }
+            st.acquiring = true;
+            let (was, epoch) = (st.held, st.epoch);
+            drop(st);
+            let m = self.machine.upgrade().ok_or_else(|| io::Error::other("the layer is gone"))?;
+            let mut r = m.acquire(self.ino, mode);
+            st = self.st.lock();
+            // Kept a read token throughout: nothing changed elsewhere, nothing to reload.
+            let unchanged = was.is_some() && st.epoch == epoch && st.held.is_some();
+            if r.is_ok() {
+                st.held = Some(if covers(st.held, mode) { st.held.expect("held") } else { mode });
+            }
+            if r.is_ok() && !unchanged {
+                // Another machine may have changed the file: reload before anyone uses it.
+                drop(st);
+                r = self.refresh();
+                st = self.st.lock();
+                if r.is_err() {
+                    st.held = None;
+                    st.epoch += 1;
+                }
+            }
+            st.acquiring = false;
+            self.cv.notify_all();
+            r?;
+        }
+    }
+
+    fn refresh(&self) -> io::Result<()> {
+        if let Some(h) = self.holder.upgrade() {
+            h.reload()?;
+        }
+        for c in self.caches() {
+            c.reload()?;
+        }
+        Ok(())
+    }
+
+    /// Give way to a request for `want`: wait for the pins, push what is dirty through
+    /// every cache into the holder, store it, drop cached pages unless a read token may be
+    /// kept, then rewrite the key. Requests arrive more than once (a requester repeats its
+    /// request while it waits): one finding nothing to give is a no-op. Errors (the store
+    /// failing) leave the token as it was.
+    fn give_way(&self, want: Mode) -> io::Result<()> {
+        let mut st = self.st.lock();
+        while st.revoking {
+            self.cv.wait(&mut st);
+        }
+        let held = match st.held {
+            None => return Ok(()),
+            Some(Mode::Read) if want == Mode::Read => return Ok(()),
+            Some(h) => h,
+        };
+        st.revoking = true;
+        while st.pins > 0 {
+            self.cv.wait(&mut st);
+        }
+        drop(st);
+        let keep = (want == Mode::Read).then_some(Mode::Read);
+        let r = self.release(held, keep);
+        let mut st = self.st.lock();
+        if r.is_ok() {
+            // An acquisition of this machine's that finished meanwhile (a read token being
+            // upgraded) holds what it got: its key is in etcd, and the epoch told it to reload.
+            if st.held == Some(held) {
+                st.held = keep;
+            }
+            if let Some(m) = self.machine.upgrade() {
+                m.revoked.fetch_add(1, Relaxed);
+            }
+        }
+        st.revoking = false;
+        self.cv.notify_all();
+        r
+    }
+
+    fn release(&self, held: Mode, keep: Option<Mode>) -> io::Result<()> {
+        let caches = self.caches();
+        if held == Mode::Write {
+            for c in &caches {
+                c.write_back()?;
+            }
+            if let Some(h) = self.holder.upgrade() {
+                h.store()?;
+            }
+        }
+        if keep.is_none() {
+            for c in &caches {
+                c.drop_cached()?;
+            }
+            // Before the key goes: from the moment another machine may take the token, an
+            // acquisition of this machine's must reload.
+            self.st.lock().epoch += 1;
+        }
+        let m = self.machine.upgrade().ok_or_else(|| io::Error::other("the layer is gone"))?;
+        m.set_key(self.ino, held, keep)
+    }
+
+    /// The lease expired: the token is another machine's to take. Cached pages go, changes
+    /// not stored go too (noted for the next `sync`).
+    fn lose(&self) {
+        let mut st = self.st.lock();
+        let Some(held) = st.held else { return };
+        while st.revoking {
+            self.cv.wait(&mut st);
+        }
+        st.revoking = true;
+        while st.pins > 0 {
+            self.cv.wait(&mut st);
+        }
+        drop(st);
+        let caches = self.caches();
+        for c in &caches {
+            // Dirty pages are written back into the holder first (its staging), then
+            // dropped with the rest of what it did not store.
+            let _ = c.write_back();
+        }
+        let dirty = held == Mode::Write;
+        if let Some(h) = self.holder.upgrade() {
+            h.discard();
+        }
+        for c in &caches {
+            let _ = c.drop_cached();
+        }
+        let mut st = self.st.lock();
+        st.held = None;
+        st.epoch += 1;
+        st.lost_changes |= dirty;
+        st.revoking = false;
+        self.cv.notify_all();
+    }
+
+    /// Give the token up (the file is closed everywhere on this machine): store changes,
+    /// delete the key. Best effort: a failure leaves the key to the lease.
+    pub(crate) fn leave(&self) {
+        let held = self.st.lock().held.take();
+        if let (Some(h), Some(m)) = (held, self.machine.upgrade()) {
+            let _ = m.set_key(self.ino, h, None);
+        }
+    }
+}
+
+impl Remote for Token {
+    fn pin(self: Arc<Self>, mode: Mode) -> io::Result<RemotePin> {
+        self.pin_arc(mode)?;
+        Ok(RemotePin::new(Box::new(Pinned(self))))
+    }
+
+    fn pin_for_sync(self: Arc<Self>) -> io::Result<Option<RemotePin>> {
+        let mut st = self.st.lock();
+        while st.revoking || st.acquiring {
+            self.cv.wait(&mut st);
+        }
+        if std::mem::take(&mut st.lost_changes) {
+            // ESTALE, as NFS reports state lost with a server's lease: another machine may
+            // have the file now, and what this one had not stored is gone.
+            return Err(io::Error::from_raw_os_error(libc::ESTALE));
+        }
+        if st.held != Some(Mode::Write) {
+            return Ok(None);
+        }
+        st.pins += 1;
+        drop(st);
+        Ok(Some(RemotePin::new(Box::new(Pinned(self)))))
+    }
+
+    fn attach(&self, cache: Weak<dyn RemoteCache>) {
+        self.caches.lock().push(cache);
+    }
+}

@@ -1,0 +1,219 @@
+//! The `s3` layer shared by several machines (`etcd=`, issue 21): names and per-file records
+//! in etcd (`meta_etcd.rs`), each file's cached state guarded by a token between machines
+//! (`crate::dist`). Data stays in chunk objects as for one machine; what changes is where a
+//! file's record lives (one etcd key per file, rewritten at the file's commit, instead of
+//! one tree object per commit of everything) and who may cache what.
+//!
+//! A file's commit (its `sync`, the committer every 5 s, giving its write token to another
+//! machine, its last close) uploads its staged chunks, then rewrites its record in an etcd
+//! transaction that also checks that this machine still holds the file's write token — a
+//! fence: a machine that lost its lease (a partition) cannot overwrite what the next holder
+//! committed, it gets `ESTALE` instead.
+
+use super::super::{Attr, Kind, Opened, Rename};
+use super::Shared;
+use super::file::S3File;
+use super::format::StoredNode;
+use super::meta_etcd::EtcdMeta;
+use crate::coherence::{Mode, Remote};
+use crate::dist::Machine;
+use crate::error::{Error, Result};
+use etcd_client::{Compare, CompareOp, Txn, TxnOp};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::io;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Weak};
+use std::time::SystemTime;
+
+/// What the machines share, and this machine's files.
+pub(crate) struct SharedFs {
+    pub(crate) meta: EtcdMeta,
+    pub(crate) machine: Machine,
+    /// `K`: the etcd key prefix of this file system.
+    pub(crate) prefix: String,
+    /// Files of this machine by inode (one `S3File`, hence one token, per file).
+    files: Mutex<HashMap<u64, Weak<S3File>>>,
+}
+
+/// An etcd error as an I/O error.
+pub(crate) fn etcd_io(e: etcd_client::Error) -> io::Error {
+    io::Error::other(format!("etcd: {e}"))
+}
+
+impl SharedFs {
+    pub(crate) fn new(meta: EtcdMeta, machine: Machine, prefix: String) -> SharedFs {
+        SharedFs { meta, machine, prefix, files: Mutex::new(HashMap::new()) }
+    }
+
+    fn record_key(&self, ino: u64) -> String {
+        format!("{}i/{ino:016x}", self.prefix)
+    }
+
+    /// The file `ino` of this machine, made (with its stored record, read without a token:
+    /// the first pin reloads it) if there is none.
+    pub(crate) fn file(self: &Arc<Self>, shared: &Arc<Shared>, ino: u64) -> io::Result<Arc<S3File>> {
+        let mut files = self.files.lock();
+        if let Some(f) = files.get(&ino).and_then(Weak::upgrade) {
+            return Ok(f);
+        }
+        let (size, chunks) = match self.meta.record(ino).map_err(io::Error::other)? {
+            Some((n, _)) => (n.size, n.chunks),
+            None => return Err(io::Error::new(io::ErrorKind::NotFound, format!("inode {ino}: no record"))),
+        };
+        let f = S3File::shared_file(shared.clone(), Arc::downgrade(self), ino, size, chunks);
+        files.insert(ino, Arc::downgrade(&f));
+        files.retain(|_, w| w.strong_count() > 0);
+        Ok(f)
+    }
+
+    /// This machine's file `ino`, if it has one.
+    pub(crate) fn open_file(&self, ino: u64) -> Option<Arc<S3File>> {
+        self.files.lock().get(&ino).and_then(Weak::upgrade)
+    }
+
+    /// Every file of this machine.
+    fn all_files(&self) -> Vec<Arc<S3File>> {
+        self.files.lock().values().filter_map(Weak::upgrade).collect()
+    }
+
+    /// Re-read `f`'s record (its token was got back: another machine may have changed it).
+    pub(crate) fn reload(&self, f: &S3File) -> io::Result<()> {
+        let (node, _) = self
+            .meta
+            .record(f.ino)
+            .map_err(io::Error::other)?
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("inode {}: removed", f.ino)))?;
+        f.replace_state(node.size, node.chunks);
+        Ok(())
+    }
+
+    /// Commit `f`: upload its staged chunks, then rewrite its record — only while this
+    /// machine holds its write token (the fence) — then delete the versions it replaced.
+    pub(crate) fn commit(&self, shared: &Shared, f: &S3File) -> io::Result<()> {
+        if f.take_lost_changes() {
+            return Err(io::Error::from_raw_os_error(libc::ESTALE));
+        }
+        if !f.take_changed() {
+            return Ok(());
+        }
+        let r = self.commit_changed(shared, f);
+        if r.is_err() {
+            f.mark_changed();
+        }
+        r
+    }
+
+    fn commit_changed(&self, shared: &Shared, f: &S3File) -> io::Result<()> {
+        f.flush()?;
+        let (size, chunks) = f.stored_state();
+        let key = self.record_key(f.ino);
+        let fence = self.machine.write_fence(f.ino);
+        let mut c = self.meta.client();
+        for _ in 0..100 {
+            let (mut node, rev): (StoredNode, i64) = self
+                .meta
+                .record(f.ino)
+                .map_err(io::Error::other)?
+                .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("inode {}: removed", f.ino)))?;
+            node.size = size;
+            node.chunks = chunks.clone();
+            let now = SystemTime::now();
+            (node.mtime, node.ctime) = (now, now);
+            let txn = Txn::new()
+                .when([Compare::mod_revision(key.as_str(), CompareOp::Equal, rev), fence.clone()])
+                .and_then([TxnOp::put(key.as_str(), node.encode(), None)]);
+            let ok = shared.rt.block_on(c.txn(txn)).map_err(etcd_io)?.succeeded();
+            if ok {
+                shared.commits.fetch_add(1, Relaxed);
+                shared.delete_all(shared.take_garbage_of(f.ino));
+                return Ok(());
+            }
+            if !self.machine.holds_write(f.ino) {
+                // Fenced off: the lease ran out (another machine may have stored since).
+                return Err(io::Error::from_raw_os_error(libc::ESTALE));
+            }
+            // The record changed (an attribute set by another machine): merge again.
+        }
+        Err(io::Error::other(format!("inode {}: record contended", f.ino)))
+    }
+
+    /// Commit every changed file of this machine (`Stack::sync_all`, the committer, drop).
+    pub(crate) fn commit_all(&self, shared: &Shared) -> io::Result<()> {
+        let mut first = None;
+        for f in self.all_files() {
+            if let Err(e) = self.commit(shared, &f) {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Delete every object of file `ino` (its last name is gone and nothing here has it
+    /// open).
+    pub(crate) fn delete_objects(&self, shared: &Shared, ino: u64) {
+        if let Ok(objs) = shared.list(&format!("c/{ino:016x}/")) {
+            shared.delete_all(objs.into_iter().map(|m| m.location).collect());
+        }
+    }
+}
+
+/// The layer's operations on a shared file system (`mod.rs` dispatches here).
+impl SharedFs {
+    fn file_at(self: &Arc<Self>, shared: &Arc<Shared>, path: &str, ino: u64) -> Result<Arc<S3File>> {
+        self.file(shared, ino).map_err(|e| Error::io(path, e))
+    }
+
+    /// Attributes; a regular file's size is read under its read token (a writer elsewhere
+    /// stores its changes first), or is this machine's own while it holds the write token.
+    pub(crate) fn getattr(self: &Arc<Self>, shared: &Arc<Shared>, path: &str) -> Result<Attr> {
+        let mut a = self.meta.getattr(path)?;
+        if a.kind == Kind::File {
+            let f = self.file_at(shared, path, a.ino)?;
+            let token = f.token().expect("a shared file has a token");
+            let _pin = Remote::pin(token, Mode::Read).map_err(|e| Error::io(path, e))?;
+            a.size = f.stored_state().0;
+            a.blocks = a.size.div_ceil(512);
+        }
+        Ok(a)
+    }
+
+    pub(crate) fn open(self: &Arc<Self>, shared: &Arc<Shared>, path: &str) -> Result<Opened> {
+        let (ino, kind) = self.meta.lookup(path)?;
+        if kind != Kind::File {
+            return Err(Error::IsDir(path.into()));
+        }
+        Ok(Opened::Store(self.file_at(shared, path, ino)?))
+    }
+
+    pub(crate) fn remote(self: &Arc<Self>, shared: &Arc<Shared>, path: &str) -> Option<Arc<dyn Remote>> {
+        let (ino, _) = self.meta.lookup(path).ok()?;
+        let t = self.file(shared, ino).ok()?.token()?;
+        Some(t)
+    }
+
+    pub(crate) fn remove(&self, shared: &Shared, path: &str) -> Result<()> {
+        let node = self.meta.remove(path)?;
+        self.freed(shared, &node);
+        Ok(())
+    }
+
+    pub(crate) fn rename(&self, shared: &Shared, from: &str, to: &str, how: Rename) -> Result<()> {
+        if let Some(node) = self.meta.rename(from, to, how)? {
+            self.freed(shared, &node);
+        }
+        Ok(())
+    }
+
+    /// A file lost its last name: its objects go now, or at its last close here. (Another
+    /// machine that has it open loses it at once: names are shared, open files are not.)
+    fn freed(&self, shared: &Shared, node: &StoredNode) {
+        if node.kind != Kind::File {
+            return;
+        }
+        match self.open_file(node.ino) {
+            Some(f) => f.unlinked.store(true, Relaxed),
+            None => self.delete_objects(shared, node.ino),
+        }
+    }
+}

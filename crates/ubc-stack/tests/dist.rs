@@ -1,0 +1,448 @@
+//! Coherence between machines (issue 21): several `s3:…?etcd=…` stacks over one bucket and
+//! one etcd, each with its own cache — as separate machines are. `./scripts/test` starts a
+//! real S3 server (s3s-fs) and a real etcd and sets `UBC_TEST_S3_ENDPOINT`,
+//! `UBC_TEST_S3_BUCKET`, `UBC_TEST_ETCD` (and the `AWS_*` credentials); without them each
+//! test says it skipped, unless `UBC_TEST_ETCD_REQUIRED=1`, where that is a failure.
+//!
+//! The guarantee under test (docs/guarantees.md, "Between machines"): a read that starts
+//! after a write returned on another machine sees it — data, length and names — through
+//! any layers above; a machine cut off from etcd stops using what it cached once its lease
+//! runs out, and what it had not stored is refused at `sync`, never written over what
+//! another machine stored since.
+#![cfg(feature = "etcd")]
+
+use rand::{RngExt, SeedableRng, rngs::StdRng};
+use std::io::{Read, Write};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::time::{Duration, Instant};
+use ubc_stack::{OpenOptions, Stack};
+
+struct Env {
+    s3: String,
+    bucket: String,
+    etcd: String,
+}
+
+/// The servers, or `None` (skipped).
+fn env(test: &str) -> Option<Env> {
+    match (std::env::var("UBC_TEST_S3_ENDPOINT"), std::env::var("UBC_TEST_S3_BUCKET"), std::env::var("UBC_TEST_ETCD")) {
+        (Ok(s3), Ok(bucket), Ok(etcd)) => Some(Env { s3, bucket, etcd }),
+        _ => {
+            assert!(
+                std::env::var("UBC_TEST_ETCD_REQUIRED").as_deref() != Ok("1"),
+                "{test}: UBC_TEST_ETCD_REQUIRED=1 but no S3 server or etcd (UBC_TEST_S3_ENDPOINT, UBC_TEST_ETCD)"
+            );
+            eprintln!("SKIP {test}: no S3 server or etcd (run ./scripts/test, which starts both)");
+            None
+        }
+    }
+}
+
+/// A prefix no other test (or earlier run) uses.
+fn fresh_prefix(test: &str) -> String {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+    format!("{test}-{}-{t}-{}", std::process::id(), N.fetch_add(1, Relaxed))
+}
+
+impl Env {
+    /// The spec of one shared file system; `etcd` may be a proxy's URL.
+    fn spec(&self, prefix: &str, etcd: &str, extra: &str) -> String {
+        format!("s3:{}/{prefix}?endpoint={}&chunk=64K&etcd={etcd}{extra}", self.bucket, self.s3)
+    }
+}
+
+fn cache() -> ubc::Cache {
+    ubc::Cache::builder().budget(1 << 20).build().unwrap()
+}
+
+fn data(seed: u64, len: usize) -> Vec<u8> {
+    let mut r = StdRng::seed_from_u64(seed);
+    (0..len).map(|_| r.random::<u8>() | 1).collect()
+}
+
+/// Equal, or a failure naming the first differing byte.
+#[track_caller]
+fn same(got: &[u8], want: &[u8], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
+        panic!("{what}: first difference at byte {i}: got {:#04x}, want {:#04x}", got[i], want[i]);
+    }
+}
+
+fn read_all(f: &ubc_stack::File) -> Vec<u8> {
+    let mut v = vec![0u8; f.len().unwrap() as usize];
+    f.read_exact_at(&mut v, 0).unwrap();
+    v
+}
+
+fn rw() -> OpenOptions {
+    OpenOptions::new().write(true).create(true)
+}
+
+#[test]
+fn a_write_on_one_machine_is_read_on_another_without_a_sync() {
+    let Some(env) = env("a_write_on_one_machine_is_read_on_another") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("key");
+    std::fs::write(&key, "22".repeat(32)).unwrap();
+    for above in ["", " | zstd", " | aead:keyfile=KEY | zstd"] {
+        let above = above.replace("KEY", key.to_str().unwrap());
+        let sp = format!("{}{above}", env.spec(&fresh_prefix("rw"), &env.etcd, ""));
+        let a = Stack::open(&sp, cache()).unwrap();
+        let b = Stack::open(&sp, cache()).unwrap();
+        let fa = a.top().open_with("f", rw()).unwrap();
+        let one = data(1, 150_000);
+        fa.write_at(&one, 0).unwrap();
+        // No sync: B's read takes A's write token away, which stores A's pages first.
+        let fb = b.top().open_with("f", OpenOptions::new().write(true)).unwrap();
+        same(&read_all(&fb), &one, &format!("{above}: B reads A's write"));
+        // B overwrites the middle and extends; A (which cached the file) sees both.
+        let two = data(2, 70_000);
+        fb.write_at(&two, 100_000).unwrap();
+        let mut want = one.clone();
+        want.resize(170_000, 0);
+        want[100_000..170_000].copy_from_slice(&two);
+        assert_eq!(fa.len().unwrap(), 170_000, "{above}: A sees B's length");
+        same(&read_all(&fa), &want, &format!("{above}: A reads B's write"));
+        // Truncation travels too.
+        fa.set_len(5_000).unwrap();
+        assert_eq!(fb.len().unwrap(), 5_000, "{above}: B sees A's truncation");
+        same(&read_all(&fb), &want[..5_000], &format!("{above}: B after the truncation"));
+        // Names: a file made on A is there on B, a removal on B is seen on A.
+        a.top().mkdir("d").unwrap();
+        a.top().open_with("d/new", rw()).unwrap().write_at(b"fresh", 0).unwrap();
+        let mut got = vec![0u8; 5];
+        b.top().open("d/new").unwrap().read_exact_at(&mut got, 0).unwrap();
+        assert_eq!(&got, b"fresh", "{above}: a new file");
+        b.top().remove("d/new").unwrap();
+        assert!(a.top().readdir("d").unwrap().is_empty(), "{above}: the removal seen on A");
+        // A name moved to another file on B: A's `stat` and open find the new file, not
+        // the one A has cached under that name.
+        drop(fa);
+        b.top().rename("f", "g").unwrap();
+        b.top().open_with("f", rw()).unwrap().write_at(b"short", 0).unwrap();
+        assert_eq!(a.top().getattr("f").unwrap().size, 5, "{above}: stat of a name moved on B");
+        assert_eq!(a.top().getattr("g").unwrap().size, 5_000, "{above}: stat of the moved file");
+        same(&read_all(&a.top().open("f").unwrap()), b"short", &format!("{above}: the new file under the old name"));
+        let fa = a.top().open("g").unwrap();
+        drop((fa, fb));
+    }
+}
+
+#[test]
+fn two_machines_follow_one_model_under_random_operations() {
+    let Some(env) = env("two_machines_follow_one_model") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("key");
+    std::fs::write(&key, "33".repeat(32)).unwrap();
+    for (k, above) in ["", " | aead:keyfile=KEY | zstd"].iter().enumerate() {
+        let above = above.replace("KEY", key.to_str().unwrap());
+        let sp = format!("{}{above}", env.spec(&fresh_prefix("model"), &env.etcd, ""));
+        let machines: Vec<Stack> = (0..3).map(|_| Stack::open(&sp, cache()).unwrap()).collect();
+        let files: Vec<ubc_stack::File> = machines.iter().map(|m| m.top().open_with("m", rw()).unwrap()).collect();
+        let mut model: Vec<u8> = Vec::new();
+        let mut r = StdRng::seed_from_u64(7 + k as u64);
+        for step in 0..150 {
+            let which = r.random_range(0..files.len());
+            let f = &files[which];
+            let op = r.random_range(0..10);
+            match op {
+                0..=3 => {
+                    let at = r.random_range(0..300_000u64);
+                    let n = r.random_range(1..20_000usize);
+                    let bytes = data(step, n);
+                    f.write_at(&bytes, at).unwrap();
+                    let end = at as usize + n;
+                    if model.len() < end {
+                        model.resize(end, 0);
+                    }
+                    model[at as usize..end].copy_from_slice(&bytes);
+                }
+                4 => {
+                    let len = r.random_range(0..300_000usize);
+                    f.set_len(len as u64).unwrap();
+                    model.resize(len, 0);
+                }
+                5 => f.sync().unwrap(),
+                _ => {
+                    assert_eq!(f.len().unwrap() as usize, model.len(), "{above}: step {step}: length");
+                    let at = r.random_range(0..=model.len());
+                    let n = r.random_range(0..30_000usize).min(model.len() - at);
+                    let mut got = vec![0u8; n];
+                    f.read_exact_at(&mut got, at as u64).unwrap();
+                    same(&got, &model[at..at + n], &format!("{above}: step {step}: read at {at}"));
+                }
+            }
+        }
+        for (i, f) in files.iter().enumerate() {
+            same(&read_all(f), &model, &format!("{above}: machine {i} at the end"));
+        }
+        // And a fresh machine, after the others closed.
+        drop(files);
+        drop(machines);
+        let fresh = Stack::open(&sp, cache()).unwrap();
+        same(&read_all(&fresh.top().open("m").unwrap()), &model, &format!("{above}: a machine that came later"));
+    }
+}
+
+#[test]
+fn writers_on_two_machines_interleave_without_losing_a_record() {
+    let Some(env) = env("writers_on_two_machines_interleave") else { return };
+    let sp = env.spec(&fresh_prefix("interleave"), &env.etcd, "");
+    let machines: Vec<Arc<Stack>> = (0..2).map(|_| Arc::new(Stack::open(&sp, cache()).unwrap())).collect();
+    machines[0].top().open_with("log", rw()).unwrap();
+    const REC: usize = 512;
+    const PER: usize = 40;
+    // Each of 2 machines × 2 threads writes its own records (slot = thread × PER + i),
+    // reading back a random earlier record of any writer now and then.
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            let m = machines[t % 2].clone();
+            std::thread::spawn(move || {
+                let f = m.top().open_with("log", OpenOptions::new().write(true)).unwrap();
+                let mut r = StdRng::seed_from_u64(t as u64);
+                for i in 0..PER {
+                    let slot = t * PER + i;
+                    let rec = vec![(slot % 251) as u8 + 1; REC];
+                    f.write_at(&rec, (slot * REC) as u64).unwrap();
+                    if r.random_range(0..4) == 0 {
+                        let mut got = vec![0u8; REC];
+                        f.read_exact_at(&mut got, (slot * REC) as u64).unwrap();
+                        assert_eq!(got, rec, "thread {t}: my own record {slot}");
+                    }
+                }
+                f.sync().unwrap();
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    for (k, m) in machines.iter().enumerate() {
+        let got = read_all(&m.top().open("log").unwrap());
+        assert_eq!(got.len(), 4 * PER * REC, "machine {k}: length");
+        for slot in 0..4 * PER {
+            assert!(
+                got[slot * REC..(slot + 1) * REC].iter().all(|&b| b == (slot % 251) as u8 + 1),
+                "machine {k}: record {slot} lost or torn"
+            );
+        }
+    }
+}
+
+/// A TCP proxy to etcd that can be cut: while `cut`, nothing passes either way (a network
+/// partition: silence, not a refused connection).
+struct Partition {
+    url: String,
+    cut: Arc<AtomicBool>,
+}
+
+impl Partition {
+    fn start(upstream: &str) -> Partition {
+        let up = upstream.trim_start_matches("http://").to_string();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let cut = Arc::new(AtomicBool::new(false));
+        let c = cut.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming().flatten() {
+                let Ok(server) = std::net::TcpStream::connect(&up) else { continue };
+                for (mut from, mut to) in [(client.try_clone().unwrap(), server.try_clone().unwrap()), (server, client)]
+                {
+                    let c = c.clone();
+                    std::thread::spawn(move || {
+                        let mut buf = vec![0u8; 64 << 10];
+                        while let Ok(n) = from.read(&mut buf) {
+                            if n == 0 {
+                                break;
+                            }
+                            while c.load(Relaxed) {
+                                std::thread::sleep(Duration::from_millis(10));
+                            }
+                            if to.write_all(&buf[..n]).is_err() {
+                                break;
+                            }
+                        }
+                        let _ = to.shutdown(std::net::Shutdown::Write);
+                    });
+                }
+            }
+        });
+        Partition { url, cut }
+    }
+}
+
+#[test]
+fn a_partitioned_machine_stops_serving_and_cannot_overwrite_what_others_stored() {
+    let Some(env) = env("a_partitioned_machine") else { return };
+    let prefix = fresh_prefix("partition");
+    let net = Partition::start(&env.etcd);
+    // C reaches etcd through the proxy, with a 2 s lease; A directly.
+    let c = Stack::open(&env.spec(&prefix, &net.url, "&lease=2"), cache()).unwrap();
+    let a = Stack::open(&env.spec(&prefix, &env.etcd, ""), cache()).unwrap();
+    let fc = c.top().open_with("f", rw()).unwrap();
+    fc.write_at(&[b'c'; 10_000], 0).unwrap();
+    fc.sync().unwrap();
+    fc.write_at(&[b'C'; 100], 0).unwrap(); // not stored: C still holds the write token
+    net.cut.store(true, Relaxed);
+    let cut_at = Instant::now();
+    // A's write waits for C's token: C cannot be asked, so until C's lease expires.
+    let fa = a.top().open_with("f", OpenOptions::new().write(true)).unwrap();
+    fa.write_at(&[b'a'; 100], 5_000).unwrap();
+    let waited = cut_at.elapsed();
+    fa.sync().unwrap();
+    assert!(
+        waited >= Duration::from_millis(1_000),
+        "A got the token {waited:?} after the cut: C's lease was not waited for"
+    );
+    assert!(waited < Duration::from_secs(15), "A waited {waited:?}: longer than the lease bounds");
+    // C has stopped using what it held (three quarters of its lease after its last renewal):
+    // its unstored write is refused at sync, with the network still cut.
+    let err = fc.sync().expect_err("C's changes were lost with its lease: sync must say so");
+    assert_eq!(err.errno(), libc::ESTALE, "{err}");
+    net.cut.store(false, Relaxed);
+    // Healed: C reads what A stored, and A's bytes and C's synced bytes are there — C's
+    // unstored write never overwrote them.
+    let mut want = vec![b'c'; 10_000];
+    want[5_000..5_100].fill(b'a');
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let got = read_all(&c.top().open("f").unwrap());
+        if got == want || Instant::now() > deadline {
+            same(&got, &want, "C after the partition healed");
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    same(&read_all(&fa), &want, "A");
+}
+
+/// One machine in a process of its own (see `machines_in_separate_processes…`): opens
+/// `UBC_DIST_CHILD` (a stack spec) with its own cache and serves commands from stdin, one
+/// per line, answering each on stdout after `@@ `: `w OFFSET SEED LEN` (write `data(SEED,
+/// LEN)`), `r OFFSET LEN` (the bytes, hex), `len`, `truncate LEN`, `sync`.
+#[test]
+fn child_machine() {
+    let Ok(spec) = std::env::var("UBC_DIST_CHILD") else { return };
+    let s = Stack::open(&spec, cache()).unwrap();
+    let f = s.top().open_with("shared", rw()).unwrap();
+    let stdin = std::io::stdin();
+    let mut line = String::new();
+    let mut out = std::io::stdout();
+    while {
+        line.clear();
+        stdin.read_line(&mut line).unwrap() > 0
+    } {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        let n = |i: usize| w[i].parse::<u64>().unwrap();
+        let answer = match w.first().copied() {
+            Some("w") => {
+                f.write_at(&data(n(2), n(3) as usize), n(1)).unwrap();
+                "done".to_string()
+            }
+            Some("r") => {
+                let mut b = vec![0u8; n(2) as usize];
+                f.read_exact_at(&mut b, n(1)).unwrap();
+                b.iter().map(|x| format!("{x:02x}")).collect()
+            }
+            Some("len") => f.len().unwrap().to_string(),
+            Some("truncate") => {
+                f.set_len(n(1)).unwrap();
+                "done".to_string()
+            }
+            Some("sync") => {
+                f.sync().unwrap();
+                "done".to_string()
+            }
+            _ => break,
+        };
+        writeln!(out, "@@ {answer}").unwrap();
+        out.flush().unwrap();
+    }
+}
+
+struct Child {
+    proc: std::process::Child,
+    input: std::process::ChildStdin,
+    output: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl Child {
+    fn start(spec: &str) -> Child {
+        let mut proc = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "child_machine", "--nocapture", "--test-threads=1"])
+            .env("UBC_DIST_CHILD", spec)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let input = proc.stdin.take().unwrap();
+        let output = std::io::BufReader::new(proc.stdout.take().unwrap());
+        Child { proc, input, output }
+    }
+
+    /// Send one command; its answer, once the child has done it.
+    fn ask(&mut self, cmd: &str) -> String {
+        use std::io::BufRead;
+        writeln!(self.input, "{cmd}").unwrap();
+        self.input.flush().unwrap();
+        let mut line = String::new();
+        loop {
+            line.clear();
+            assert!(self.output.read_line(&mut line).unwrap() > 0, "the child machine died at `{cmd}`");
+            // (The first answer follows the test harness's "test child_machine ... ".)
+            if let Some(i) = line.find("@@ ") {
+                return line[i + 3..].trim_end().to_string();
+            }
+        }
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = writeln!(self.input, "q");
+        let _ = self.proc.wait();
+    }
+}
+
+#[test]
+fn machines_in_separate_processes_see_every_write_that_returned() {
+    let Some(env) = env("machines_in_separate_processes") else { return };
+    let sp = format!("{} | zstd", env.spec(&fresh_prefix("procs"), &env.etcd, ""));
+    let mut kids: Vec<Child> = (0..3).map(|_| Child::start(&sp)).collect();
+    let mut model: Vec<u8> = Vec::new();
+    let mut r = StdRng::seed_from_u64(21);
+    for step in 0..120u64 {
+        let k = r.random_range(0..kids.len());
+        let op = r.random_range(0..8);
+        match op {
+            0..=2 => {
+                let at = r.random_range(0..200_000u64);
+                let n = r.random_range(1..5_000u64);
+                assert_eq!(kids[k].ask(&format!("w {at} {step} {n}")), "done");
+                let end = (at + n) as usize;
+                if model.len() < end {
+                    model.resize(end, 0);
+                }
+                model[at as usize..end].copy_from_slice(&data(step, n as usize));
+            }
+            3 => {
+                let len = r.random_range(0..200_000u64);
+                assert_eq!(kids[k].ask(&format!("truncate {len}")), "done");
+                model.resize(len as usize, 0);
+            }
+            4 => assert_eq!(kids[k].ask("sync"), "done"),
+            _ => {
+                let len: usize = kids[k].ask("len").parse().unwrap();
+                assert_eq!(len, model.len(), "step {step}: machine {k}'s length");
+                let at = r.random_range(0..=len);
+                let n = r.random_range(0..4_000usize).min(len - at);
+                let got = kids[k].ask(&format!("r {at} {n}"));
+                let want: String = model[at..at + n].iter().map(|x| format!("{x:02x}")).collect();
+                assert!(got == want, "step {step}: machine {k} read stale bytes at {at}..{}", at + n);
+            }
+        }
+    }
+}
