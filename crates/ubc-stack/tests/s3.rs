@@ -152,6 +152,27 @@ fn a_random_4k_write_uploads_one_chunk_not_the_file() {
 }
 
 #[test]
+fn large_chunks_are_uploaded_in_parts() {
+    let Some((e, b)) = server("large_chunks_are_uploaded_in_parts") else { return };
+    let p = fresh_prefix("multipart");
+    let sp = format!("s3:{b}/{p}?endpoint={e}&chunk=16M");
+    let o = S3Options::parse(sp.trim_start_matches("s3:")).unwrap();
+    let layer = Arc::new(S3::open(&o).unwrap());
+    let l2 = layer.clone();
+    let s = Stack::builder(cache(4 << 20)).push(move |_| Ok(l2 as Arc<dyn ubc_stack::Layer>)).unwrap().build().unwrap();
+    // Two whole chunks of 16 MiB and one of 9 MiB: three uploads in parts; a small file: one PUT.
+    let model = data(9, (41 << 20) + 123);
+    write_file(&s, "big", &model);
+    write_file(&s, "small", b"tiny");
+    let st = layer.stats();
+    assert_eq!(st.multipart, 3, "{st:?}");
+    drop((s, layer));
+    let s = Stack::open(&sp, cache(4 << 20)).unwrap();
+    same(&read_file(&s, "big"), &model, "after a restart");
+    same(&read_file(&s, "small"), b"tiny", "the small file");
+}
+
+#[test]
 fn what_was_synced_survives_a_crash_and_the_rest_may_not() {
     let Some((e, b)) = server("what_was_synced_survives_a_crash") else { return };
     let p = fresh_prefix("crash");

@@ -183,6 +183,33 @@ impl SetAttr {
         self
     }
 
+    /// Apply the changes besides the size to a node's fields (mode masked to `0o7777`);
+    /// the caller sets the ctime.
+    pub(crate) fn apply(
+        &self,
+        mode: &mut u32,
+        uid: &mut u32,
+        gid: &mut u32,
+        mtime: &mut SystemTime,
+        atime: &mut SystemTime,
+    ) {
+        if let Some(m) = self.mode {
+            *mode = m & 0o7777;
+        }
+        if let Some(u) = self.uid {
+            *uid = u;
+        }
+        if let Some(g) = self.gid {
+            *gid = g;
+        }
+        if let Some(t) = self.mtime {
+            *mtime = t;
+        }
+        if let Some(t) = self.atime {
+            *atime = t;
+        }
+    }
+
     /// Whether anything besides the size is to change.
     pub fn changes_metadata(&self) -> bool {
         self.mode.is_some() || self.uid.is_some() || self.gid.is_some() || self.mtime.is_some() || self.atime.is_some()

@@ -116,21 +116,7 @@ impl<P: ubc::Pager> Tree<P> {
     pub(crate) fn setattr(&self, path: &str, set: &SetAttr) -> Result<()> {
         let mut n = self.nodes.lock();
         let x = n.get_mut(path).ok_or_else(|| Error::NotFound(path.into()))?;
-        if let Some(m) = set.mode {
-            x.mode = m & 0o7777;
-        }
-        if let Some(u) = set.uid {
-            x.uid = u;
-        }
-        if let Some(g) = set.gid {
-            x.gid = g;
-        }
-        if let Some(t) = set.mtime {
-            x.mtime = t;
-        }
-        if let Some(t) = set.atime {
-            x.atime = t;
-        }
+        set.apply(&mut x.mode, &mut x.uid, &mut x.gid, &mut x.mtime, &mut x.atime);
         if let (Some(s), Some(d)) = (set.size, &x.data) {
             d.set_len(s).map_err(|e| Error::io(path, e))?;
         }

@@ -242,7 +242,7 @@ impl S3File {
         let results = self.shared.rt.block_on(async move {
             let futs = jobs.into_iter().map(|(p, b)| {
                 let store = store.clone();
-                async move { store.put(&p, b.into()).await }
+                async move { put_object(&*store, &p, b).await }
             });
             futures::future::join_all(futs).await
         });
@@ -251,6 +251,9 @@ impl S3File {
             match r {
                 Ok(_) => {
                     self.shared.counted_put(b.len());
+                    if b.len() >= MULTIPART_MIN {
+                        self.shared.multipart.fetch_add(1, Relaxed);
+                    }
                     st.staged.remove(&idx);
                     // Updated before the old version is listed as garbage, under this lock: a
                     // commit that takes the garbage then reads the new version.
@@ -381,6 +384,31 @@ impl Drop for S3File {
             self.shared.gone.lock().push(self.ino);
         }
     }
+}
+
+/// Objects of at least this many bytes are uploaded in parts, in parallel (a multipart
+/// upload): a 16 MiB chunk as two parts of 8 MiB on two connections, where one PUT streams on
+/// one. Smaller ones are one PUT (S3's parts are at least 5 MiB, but for the last).
+pub(crate) const MULTIPART_MIN: usize = 8 << 20;
+
+/// The size of each part of a multipart upload.
+const PART: usize = 5 << 20;
+
+/// PUT `bytes` at `path`: one request, or a multipart upload from `MULTIPART_MIN` bytes on
+/// (aborted on failure, so that no parts stay behind).
+async fn put_object(
+    store: &dyn object_store::ObjectStore,
+    path: &object_store::path::Path,
+    bytes: bytes::Bytes,
+) -> object_store::Result<()> {
+    if bytes.len() < MULTIPART_MIN {
+        return store.put(path, bytes.into()).await.map(drop);
+    }
+    let upload = store.put_multipart(path).await?;
+    let mut w = object_store::WriteMultipart::new_with_chunk_size(upload, PART);
+    w.write(&bytes);
+    // `finish` aborts the upload itself when a part (or the completion) fails.
+    w.finish().await.map(drop)
 }
 
 /// The identity of file `ino` of the store `shared` is (its cache object's key).

@@ -400,6 +400,15 @@ impl EtcdMeta {
         Snap { m: self, kv: self.kv(), path: path.to_string(), rev: 0, seen: BTreeMap::new() }
     }
 
+    /// The rewrite of `path`'s parent directory's record (times now), read in `s` (so
+    /// compared at the commit): every change of a directory's entries carries it.
+    async fn touch_parent(&self, s: &mut Snap<'_>, path: &str) -> Result<TxnOp> {
+        let pp = parent(path);
+        let p = s.name(pp).await?.ok_or_else(|| Error::NotFound(pp.into()))?;
+        let prec = s.record(p.ino).await?.ok_or_else(|| Error::NotFound(pp.into()))?;
+        Ok(TxnOp::put(self.rec_key(p.ino), touched(prec).encode(), None))
+    }
+
     fn name_key(&self, path: &str) -> String {
         format!("{}n/{path}", self.prefix)
     }
@@ -499,21 +508,7 @@ impl EtcdMeta {
     pub(crate) fn setattr(&self, path: &str, set: &SetAttr) -> Result<()> {
         let (ino, _) = self.lookup(path)?;
         self.update(ino, path, |x| {
-            if let Some(m) = set.mode {
-                x.mode = m & 0o7777;
-            }
-            if let Some(u) = set.uid {
-                x.uid = u;
-            }
-            if let Some(g) = set.gid {
-                x.gid = g;
-            }
-            if let Some(t) = set.mtime {
-                x.mtime = t;
-            }
-            if let Some(t) = set.atime {
-                x.atime = t;
-            }
+            set.apply(&mut x.mode, &mut x.uid, &mut x.gid, &mut x.mtime, &mut x.atime);
             x.ctime = SystemTime::now();
         })
     }
@@ -596,13 +591,10 @@ impl EtcdMeta {
                     None => return Err(Error::NotFound(path.into())),
                 };
                 let rec = s.record(n.ino).await?;
-                let pp = parent(path);
-                let p = s.name(pp).await?.ok_or_else(|| Error::NotFound(pp.into()))?;
-                let prec = s.record(p.ino).await?.ok_or_else(|| Error::NotFound(pp.into()))?;
                 let ops = vec![
                     TxnOp::delete(self.name_key(path), None),
                     TxnOp::delete(self.rec_key(n.ino), None),
-                    TxnOp::put(self.rec_key(p.ino), touched(prec).encode(), None),
+                    self.touch_parent(&mut s, path).await?,
                 ];
                 if s.commit(ops).await? {
                     // A name without a record (damage) is removed too; its node is made up.
@@ -646,13 +638,10 @@ impl EtcdMeta {
                 if s.has_children(path).await? {
                     return Err(Error::NotEmpty(path.into()));
                 }
-                let pp = parent(path);
-                let p = s.name(pp).await?.ok_or_else(|| Error::NotFound(pp.into()))?;
-                let prec = s.record(p.ino).await?.ok_or_else(|| Error::NotFound(pp.into()))?;
                 let ops = vec![
                     TxnOp::delete(self.name_key(path), None),
                     TxnOp::delete(self.rec_key(n.ino), None),
-                    TxnOp::put(self.rec_key(p.ino), touched(prec).encode(), None),
+                    self.touch_parent(&mut s, path).await?,
                 ];
                 if s.commit(ops).await? {
                     return Ok(());

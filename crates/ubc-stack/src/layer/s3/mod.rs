@@ -28,9 +28,11 @@
 //! every 5 seconds while something changed (the background committer) and when the layer is
 //! dropped. The tree costs O(names) per commit: fine to ~10⁵ names.
 //!
-//! What is not done yet (issue 21): several machines writing one prefix (the open sweep and
-//! the single tree assume one writer; etcd tokens will coordinate them), multipart uploads
-//! (chunks are ≤ 16 MiB single PUTs), and the fault tests with a server killed mid-upload.
+//! Several machines (processes) may use one prefix at once when the spec names an etcd
+//! (`etcd=`): names and records then live there and tokens guard each machine's cache
+//! (`shared.rs`, `crate::dist`); without it, one process per prefix (the open sweep and the
+//! single tree assume one writer). Chunks of 8 MiB and more are uploaded in parts, in
+//! parallel (`file.rs`, `MULTIPART_MIN`).
 
 mod file;
 pub(crate) mod format;
@@ -160,6 +162,8 @@ pub struct S3Stats {
     pub put_bytes: u64,
     pub deletes: u64,
     pub commits: u64,
+    /// Objects uploaded in parts (chunks of at least 8 MiB), among `puts`.
+    pub multipart: u64,
 }
 
 /// What the layer and its files share.
@@ -183,6 +187,7 @@ pub(crate) struct Shared {
     put_bytes: AtomicU64,
     deletes: AtomicU64,
     commits: AtomicU64,
+    multipart: AtomicU64,
 }
 
 impl Shared {
@@ -503,6 +508,7 @@ impl S3 {
             put_bytes: AtomicU64::new(0),
             deletes: AtomicU64::new(0),
             commits: AtomicU64::new(0),
+            multipart: AtomicU64::new(0),
         });
         let dev = {
             use std::hash::{BuildHasher, BuildHasherDefault};
@@ -618,6 +624,7 @@ impl S3 {
             put_bytes: s.put_bytes.load(Relaxed),
             deletes: s.deletes.load(Relaxed),
             commits: s.commits.load(Relaxed),
+            multipart: s.multipart.load(Relaxed),
         }
     }
 
