@@ -64,8 +64,11 @@ pub(crate) trait TokenHolder: Send + Sync {
     /// The token was granted after a time without one: re-read what is stored (the record).
     fn reload(&self) -> io::Result<()>;
     /// Store what was changed under the write token (called after the caches above wrote
-    /// back into the holder).
+    /// back into the holder; the holder's own cache object, if no group has it open, is
+    /// the holder's to write back).
     fn store(&self) -> io::Result<()>;
+    /// Drop the holder's own cached pages (after the groups dropped theirs).
+    fn drop_cached(&self) -> io::Result<()>;
     /// The token was lost (the lease expired): forget changes not stored.
     fn discard(&self);
 }
@@ -175,16 +178,24 @@ impl Machine {
         Ok(Machine { inner })
     }
 
-    /// The token of file `ino`, protecting `holder`'s data (one per file and machine).
+    /// The token of file `ino`, protecting `holder`'s data (one per file and machine). A
+    /// token may outlive its holder (a group of the file still being closed holds it): the
+    /// file's new holder takes it over — else a reload or a store would reach nobody, and
+    /// the new holder's changes would never be stored before the token went elsewhere.
     pub(crate) fn token(&self, ino: u64, holder: Weak<dyn TokenHolder>) -> Arc<Token> {
         let mut t = self.inner.tokens.lock();
         if let Some(x) = t.get(&ino).and_then(Weak::upgrade) {
+            let mut h = x.holder.lock();
+            if h.strong_count() == 0 {
+                *h = holder;
+            }
+            drop(h);
             return x;
         }
         let x = Arc::new(Token {
             machine: Arc::downgrade(&self.inner),
             ino,
-            holder,
+            holder: Mutex::new(holder),
             st: Mutex::new(TokState::default()),
             cv: Condvar::new(),
             caches: Mutex::new(Vec::new()),
@@ -572,10 +583,30 @@ struct TokState {
 pub(crate) struct Token {
     machine: Weak<MachineInner>,
     ino: u64,
-    holder: Weak<dyn TokenHolder>,
+    /// The file's data on this machine (taken over by a new one: `Machine::token`).
+    holder: Mutex<Weak<dyn TokenHolder>>,
     st: Mutex<TokState>,
     cv: Condvar,
     caches: Mutex<Vec<Weak<dyn RemoteCache>>>,
+}
+
+/// A token's holder and caches, upgraded for one action (see `Token::pin_arc`).
+struct Parties {
+    holder: Option<Arc<dyn TokenHolder>>,
+    caches: Vec<Arc<dyn RemoteCache>>,
+}
+
+impl Parties {
+    /// Reload the holder's record, then every cache (bottom layer first within each).
+    fn refresh(&self) -> io::Result<()> {
+        if let Some(h) = &self.holder {
+            h.reload()?;
+        }
+        for c in &self.caches {
+            c.reload()?;
+        }
+        Ok(())
+    }
 }
 
 /// A pin on a token: the operation it covers may use what the token allows.
@@ -596,6 +627,10 @@ impl Token {
         let mut c = self.caches.lock();
         c.retain(|w| w.strong_count() > 0);
         c.iter().filter_map(Weak::upgrade).collect()
+    }
+
+    fn holder(&self) -> Option<Arc<dyn TokenHolder>> {
+        self.holder.lock().upgrade()
     }
 
     /// Whether this machine holds the token in a mode that allows `mode`.
@@ -624,8 +659,13 @@ impl Token {
             st.acquiring = true;
             let (was, epoch) = (st.held, st.epoch);
             drop(st);
-            let m = self.machine.upgrade().ok_or_else(|| io::Error::other("the layer is gone"))?;
-            let mut r = m.acquire(self.ino, mode);
+            // Kept until the flags are cleared: dropping the last reference to a holder or a
+            // cache here would close the file, whose `leave` waits for these flags.
+            let parties = self.parties();
+            let mut r = match self.machine.upgrade() {
+                Some(m) => m.acquire(self.ino, mode),
+                None => Err(io::Error::other("the layer is gone")),
+            };
             st = self.st.lock();
             // Kept a read token throughout: nothing changed elsewhere, nothing to reload.
             let unchanged = was.is_some() && st.epoch == epoch && st.held.is_some();
@@ -635,7 +675,7 @@ impl Token {
             if r.is_ok() && !unchanged {
                 // Another machine may have changed the file: reload before anyone uses it.
                 drop(st);
-                r = self.refresh();
+                r = parties.refresh();
                 st = self.st.lock();
                 if r.is_err() {
                     st.held = None;
@@ -644,18 +684,16 @@ impl Token {
             }
             st.acquiring = false;
             self.cv.notify_all();
+            drop(st);
+            drop(parties);
             r?;
+            st = self.st.lock();
         }
     }
 
-    fn refresh(&self) -> io::Result<()> {
-        if let Some(h) = self.holder.upgrade() {
-            h.reload()?;
-        }
-        for c in self.caches() {
-            c.reload()?;
-        }
-        Ok(())
+    /// The file's holder and caches on this machine, held for one action.
+    fn parties(&self) -> Parties {
+        Parties { holder: self.holder(), caches: self.caches() }
     }
 
     /// Give way to a request for `want`: wait for the pins, push what is dirty through
@@ -678,8 +716,9 @@ impl Token {
             self.cv.wait(&mut st);
         }
         drop(st);
+        let parties = self.parties();
         let keep = (want == Mode::Read).then_some(Mode::Read);
-        let r = self.release(held, keep);
+        let r = self.release(&parties, held, keep);
         let mut st = self.st.lock();
         if r.is_ok() {
             // An acquisition of this machine's that finished meanwhile (a read token being
@@ -693,22 +732,26 @@ impl Token {
         }
         st.revoking = false;
         self.cv.notify_all();
+        drop(st);
+        drop(parties);
         r
     }
 
-    fn release(&self, held: Mode, keep: Option<Mode>) -> io::Result<()> {
-        let caches = self.caches();
+    fn release(&self, parties: &Parties, held: Mode, keep: Option<Mode>) -> io::Result<()> {
         if held == Mode::Write {
-            for c in &caches {
+            for c in &parties.caches {
                 c.write_back()?;
             }
-            if let Some(h) = self.holder.upgrade() {
+            if let Some(h) = &parties.holder {
                 h.store()?;
             }
         }
         if keep.is_none() {
-            for c in &caches {
+            for c in &parties.caches {
                 c.drop_cached()?;
+            }
+            if let Some(h) = &parties.holder {
+                h.drop_cached()?;
             }
             // Before the key goes: from the moment another machine may take the token, an
             // acquisition of this machine's must reload.
@@ -731,34 +774,55 @@ impl Token {
             self.cv.wait(&mut st);
         }
         drop(st);
-        let caches = self.caches();
-        for c in &caches {
+        let parties = self.parties();
+        for c in &parties.caches {
             // Dirty pages are written back into the holder first (its staging), then
             // dropped with the rest of what it did not store.
             let _ = c.write_back();
         }
-        let dirty = held == Mode::Write;
-        if let Some(h) = self.holder.upgrade() {
-            h.discard();
-        }
-        for c in &caches {
+        for c in &parties.caches {
             let _ = c.drop_cached();
+        }
+        if let Some(h) = &parties.holder {
+            // Its own cached object's pages too (written into its staging by the flush),
+            // then everything staged.
+            let _ = h.drop_cached();
+            h.discard();
         }
         let mut st = self.st.lock();
         st.held = None;
         st.epoch += 1;
-        st.lost_changes |= dirty;
+        st.lost_changes |= held == Mode::Write;
         st.revoking = false;
         self.cv.notify_all();
+        drop(st);
+        drop(parties);
     }
 
-    /// Give the token up (the file is closed everywhere on this machine): store changes,
-    /// delete the key. Best effort: a failure leaves the key to the lease.
+    /// Give the token up (the file is closed everywhere on this machine: its holder is
+    /// being dropped, after storing its changes) — unless a new holder of the file took the
+    /// token over meanwhile. Best effort: a failure leaves the key to the lease.
     pub(crate) fn leave(&self) {
-        let held = self.st.lock().held.take();
-        if let (Some(h), Some(m)) = (held, self.machine.upgrade()) {
-            let _ = m.set_key(self.ino, h, None);
+        let mut st = self.st.lock();
+        while st.revoking || st.acquiring {
+            self.cv.wait(&mut st);
         }
+        // (Counted, not upgraded: a reference dropped here could be that holder's last.)
+        if self.holder.lock().strong_count() > 0 {
+            return;
+        }
+        let Some(held) = st.held.take() else { return };
+        // Pins wait until the key is gone: a new holder's acquisition must not put its key
+        // before this deletes (it would delete that one).
+        st.revoking = true;
+        drop(st);
+        if let Some(m) = self.machine.upgrade() {
+            let _ = m.set_key(self.ino, held, None);
+        }
+        let mut st = self.st.lock();
+        st.epoch += 1;
+        st.revoking = false;
+        self.cv.notify_all();
     }
 }
 

@@ -72,6 +72,15 @@ struct Dist {
     fs: Weak<super::shared::SharedFs>,
     token: Arc<crate::dist::Token>,
     changed: AtomicBool,
+    /// Serializes the file's commits: one that finds nothing changed must not return while
+    /// another (the committer's) is still storing what changed — a token given up then
+    /// would let another machine read the record before that commit rewrote it.
+    commits: Mutex<()>,
+    /// The requests this file may make of its cache object (Mach's pager request port,
+    /// from `Pager::init`; the object made last). The token acts on the object through
+    /// them too, not only through the stack's groups: a file closed everywhere stays cached,
+    /// dirty pages included, with no group left to write it back.
+    cache: Mutex<Option<ubc::pager::PagerRequest>>,
 }
 
 impl S3File {
@@ -107,7 +116,13 @@ impl S3File {
             let holder: Weak<dyn crate::dist::TokenHolder> = me.clone();
             let token = fs.upgrade().expect("called by the file system").machine.token(ino, holder);
             let mut f = S3File::new(shared, Weak::new(), ino, size, chunks);
-            f.dist = Some(Dist { fs, token, changed: AtomicBool::new(false) });
+            f.dist = Some(Dist {
+                fs,
+                token,
+                changed: AtomicBool::new(false),
+                commits: Mutex::new(()),
+                cache: Mutex::new(None),
+            });
             f
         })
     }
@@ -144,6 +159,27 @@ impl S3File {
         (st.size, st.chunks.clone())
     }
 
+    /// Upload the staged chunks and return the size and chunks then, under one hold of the
+    /// state: a write staged meanwhile is not half in the record (its size without its bytes).
+    #[cfg(feature = "etcd")]
+    pub(crate) fn flush_for_record(&self) -> io::Result<(u64, BTreeMap<u64, Chunk>)> {
+        let mut st = self.state.lock();
+        self.upload(&mut st)?;
+        Ok((st.size, st.chunks.clone()))
+    }
+
+    /// Hold off the shared file's other commits (see `Dist::commits`).
+    #[cfg(feature = "etcd")]
+    pub(crate) fn one_commit(&self) -> Option<parking_lot::MutexGuard<'_, ()>> {
+        self.dist.as_ref().map(|d| d.commits.lock())
+    }
+
+    /// The request port of the file's cache object, if it is cached.
+    #[cfg(feature = "etcd")]
+    fn cache_port(&self) -> Option<ubc::pager::PagerRequest> {
+        self.dist.as_ref()?.cache.lock().clone().filter(|r| r.is_cached())
+    }
+
     /// Whether a shared file changed since its last commit (and forget it).
     #[cfg(feature = "etcd")]
     pub(crate) fn take_changed(&self) -> bool {
@@ -175,11 +211,12 @@ impl S3File {
         }
         let path = self.shared.chunk_path(self.ino, idx, c.version);
         let store = self.shared.store.clone();
-        let shared = self.shared.clone();
+        // The counters, not the layer: see `Shared::gets`.
+        let gets = self.shared.gets.clone();
         let task = self.shared.rt.spawn(async move {
             let r = store.get_range(&path, 0..c.len as u64).await;
             if let Ok(b) = &r {
-                shared.counted_get(b.len());
+                gets.count(b.len());
             }
             r
         });
@@ -370,7 +407,8 @@ impl Drop for S3File {
         #[cfg(feature = "etcd")]
         if let Some(d) = &self.dist {
             // Closed everywhere on this machine: store what changed, give the token up.
-            if let Some(fs) = d.fs.upgrade() {
+            let fs = d.fs.upgrade();
+            if let Some(fs) = &fs {
                 if self.unlinked.load(Relaxed) {
                     fs.delete_objects(&self.shared, self.ino);
                 } else if let Err(e) = fs.commit(&self.shared, self) {
@@ -378,6 +416,9 @@ impl Drop for S3File {
                 }
             }
             d.token.leave();
+            if let Some(fs) = fs {
+                fs.forget(self.ino, self as *const S3File);
+            }
             return;
         }
         if self.unlinked.load(Relaxed) {
@@ -504,6 +545,15 @@ impl ubc::Pager for S3File {
         Some(identity(&self.shared, self.ino))
     }
 
+    fn init(&self, request: ubc::pager::PagerRequest) {
+        #[cfg(feature = "etcd")]
+        if let Some(d) = &self.dist {
+            *d.cache.lock() = Some(request);
+        }
+        #[cfg(not(feature = "etcd"))]
+        let _ = request;
+    }
+
     fn describe(&self) -> String {
         format!("s3 {} inode {}", self.shared.id, self.ino)
     }
@@ -517,15 +567,31 @@ impl ubc::Pager for S3File {
 impl crate::dist::TokenHolder for S3File {
     fn reload(&self) -> io::Result<()> {
         match self.dist.as_ref().and_then(|d| d.fs.upgrade()) {
-            Some(fs) => fs.reload(self),
-            None => Ok(()),
+            Some(fs) => fs.reload(self)?,
+            None => return Ok(()),
         }
+        // The cached object's pages and length too (the stack's groups reload theirs after).
+        if let Some(port) = self.cache_port() {
+            port.flush_reload(0..u64::MAX).map_err(io::Error::other)?;
+        }
+        Ok(())
     }
 
     fn store(&self) -> io::Result<()> {
+        // What the cached object holds dirty (written back by no group: a closed file).
+        if let Some(port) = self.cache_port() {
+            port.clean(0..u64::MAX).map_err(io::Error::other)?;
+        }
         match self.dist.as_ref().and_then(|d| d.fs.upgrade()) {
             Some(fs) => fs.commit(&self.shared, self),
             None => Err(io::Error::other("the s3 layer is gone")),
+        }
+    }
+
+    fn drop_cached(&self) -> io::Result<()> {
+        match self.cache_port() {
+            Some(port) => port.flush(0..u64::MAX).map_err(io::Error::other),
+            None => Ok(()),
         }
     }
 

@@ -166,6 +166,20 @@ pub struct S3Stats {
     pub multipart: u64,
 }
 
+/// GET requests and bytes.
+#[derive(Default)]
+pub(crate) struct GetCounts {
+    n: AtomicU64,
+    bytes: AtomicU64,
+}
+
+impl GetCounts {
+    pub(crate) fn count(&self, bytes: usize) {
+        self.n.fetch_add(1, Relaxed);
+        self.bytes.fetch_add(bytes as u64, Relaxed);
+    }
+}
+
 /// What the layer and its files share.
 pub(crate) struct Shared {
     pub(crate) store: Arc<dyn ObjectStore>,
@@ -181,8 +195,10 @@ pub(crate) struct Shared {
     pub(crate) garbage: Mutex<Vec<ObjPath>>,
     /// Inodes unlinked and closed: every object of theirs goes after the next commit.
     pub(crate) gone: Mutex<Vec<u64>>,
-    gets: AtomicU64,
-    get_bytes: AtomicU64,
+    /// GETs and their bytes: shared with the fetch tasks on the runtime, which must not
+    /// hold the layer (a task holding the last reference would drop the runtime inside
+    /// itself, which tokio refuses with a panic).
+    pub(crate) gets: Arc<GetCounts>,
     puts: AtomicU64,
     put_bytes: AtomicU64,
     deletes: AtomicU64,
@@ -223,11 +239,6 @@ impl Shared {
 
     pub(crate) fn new_version(&self) -> u64 {
         self.next_version.fetch_add(1, Relaxed)
-    }
-
-    pub(crate) fn counted_get(&self, bytes: usize) {
-        self.gets.fetch_add(1, Relaxed);
-        self.get_bytes.fetch_add(bytes as u64, Relaxed);
     }
 
     pub(crate) fn counted_put(&self, bytes: usize) {
@@ -502,8 +513,7 @@ impl S3 {
             next_version: AtomicU64::new(epoch() << 32),
             garbage: Mutex::new(Vec::new()),
             gone: Mutex::new(Vec::new()),
-            gets: AtomicU64::new(0),
-            get_bytes: AtomicU64::new(0),
+            gets: Arc::new(GetCounts::default()),
             puts: AtomicU64::new(0),
             put_bytes: AtomicU64::new(0),
             deletes: AtomicU64::new(0),
@@ -618,8 +628,8 @@ impl S3 {
     pub fn stats(&self) -> S3Stats {
         let s = &self.inner.shared;
         S3Stats {
-            gets: s.gets.load(Relaxed),
-            get_bytes: s.get_bytes.load(Relaxed),
+            gets: s.gets.n.load(Relaxed),
+            get_bytes: s.gets.bytes.load(Relaxed),
             puts: s.puts.load(Relaxed),
             put_bytes: s.put_bytes.load(Relaxed),
             deletes: s.deletes.load(Relaxed),

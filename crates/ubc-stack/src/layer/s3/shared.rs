@@ -32,8 +32,14 @@ pub(crate) struct SharedFs {
     pub(crate) machine: Machine,
     /// `K`: the etcd key prefix of this file system.
     pub(crate) prefix: String,
-    /// Files of this machine by inode (one `S3File`, hence one token, per file).
+    /// Files of this machine by inode (one `S3File`, hence one token, per file). An entry
+    /// that no longer upgrades is a file being dropped (storing its changes, giving its
+    /// token up): it leaves the map when that is done (`forget`), and a new `S3File` of the
+    /// inode is made only then — one made earlier would have read the record before those
+    /// changes were stored, and could write over them.
     files: Mutex<HashMap<u64, Weak<S3File>>>,
+    /// Signalled when a dropped file has left `files`.
+    forgotten: parking_lot::Condvar,
 }
 
 /// An etcd error as an I/O error.
@@ -43,7 +49,7 @@ pub(crate) fn etcd_io(e: etcd_client::Error) -> io::Error {
 
 impl SharedFs {
     pub(crate) fn new(meta: EtcdMeta, machine: Machine, prefix: String) -> SharedFs {
-        SharedFs { meta, machine, prefix, files: Mutex::new(HashMap::new()) }
+        SharedFs { meta, machine, prefix, files: Mutex::new(HashMap::new()), forgotten: parking_lot::Condvar::new() }
     }
 
     fn record_key(&self, ino: u64) -> String {
@@ -54,8 +60,12 @@ impl SharedFs {
     /// the first pin reloads it) if there is none.
     pub(crate) fn file(self: &Arc<Self>, shared: &Arc<Shared>, ino: u64) -> io::Result<Arc<S3File>> {
         let mut files = self.files.lock();
-        if let Some(f) = files.get(&ino).and_then(Weak::upgrade) {
-            return Ok(f);
+        while let Some(w) = files.get(&ino) {
+            match w.upgrade() {
+                Some(f) => return Ok(f),
+                // Being dropped: wait until it has stored its changes and left.
+                None => self.forgotten.wait(&mut files),
+            }
         }
         let (size, chunks) = match self.meta.record(ino).map_err(io::Error::other)? {
             Some((n, _)) => (n.size, n.chunks),
@@ -63,8 +73,17 @@ impl SharedFs {
         };
         let f = S3File::shared_file(shared.clone(), Arc::downgrade(self), ino, size, chunks);
         files.insert(ino, Arc::downgrade(&f));
-        files.retain(|_, w| w.strong_count() > 0);
         Ok(f)
+    }
+
+    /// The dropped file `f` (at `ptr`) is done: it leaves the map.
+    pub(crate) fn forget(&self, ino: u64, ptr: *const S3File) {
+        let mut files = self.files.lock();
+        if files.get(&ino).is_some_and(|w| std::ptr::eq(w.as_ptr(), ptr)) {
+            files.remove(&ino);
+        }
+        drop(files);
+        self.forgotten.notify_all();
     }
 
     /// This machine's file `ino`, if it has one.
@@ -91,6 +110,7 @@ impl SharedFs {
     /// Commit `f`: upload its staged chunks, then rewrite its record — only while this
     /// machine holds its write token (the fence) — then delete the versions it replaced.
     pub(crate) fn commit(&self, shared: &Shared, f: &S3File) -> io::Result<()> {
+        let _one = f.one_commit();
         if f.take_lost_changes() {
             return Err(io::Error::from_raw_os_error(libc::ESTALE));
         }
@@ -105,8 +125,7 @@ impl SharedFs {
     }
 
     fn commit_changed(&self, shared: &Shared, f: &S3File) -> io::Result<()> {
-        f.flush()?;
-        let (size, chunks) = f.stored_state();
+        let (size, chunks) = f.flush_for_record()?;
         let key = self.record_key(f.ino);
         let fence = self.machine.write_fence(f.ino);
         let mut c = self.meta.client();
