@@ -9,6 +9,10 @@
 //! * `dist_readers`: 4 machines read one 16 MiB file (64 MiB at full scale) front to back,
 //!   3 times each: bytes fetched from the store per byte read, vs. the plain client (every
 //!   read a GET of the object: 1.0).
+//!
+//! Each row twice: against the server as it is, and through the s3 rows' `SlowProxy` (20 ms
+//! per request, 50 MB/s per connection; rows `*_20ms`). etcd is reached directly in both (a
+//! metadata service near its clients, as deployments place it).
 
 use super::Ctx;
 use crate::report::{Better, Record};
@@ -28,7 +32,24 @@ pub fn run(ctx: &Ctx) -> Vec<Record> {
         );
         return vec![];
     };
-    let prefix = format!("bench-dist-{}", std::process::id());
+    let mut records = rows(ctx, &endpoint, &bucket, &etcd, "", "s3s-fs and etcd on this host");
+    let upstream: std::net::SocketAddr =
+        endpoint.trim_start_matches("http://").parse().expect("UBC_BENCH_S3_ENDPOINT is http://IP:PORT");
+    let proxy = super::s3::SlowProxy::start(upstream, std::time::Duration::from_millis(20), 50_000_000);
+    records.extend(rows(
+        ctx,
+        &format!("http://{}", proxy.addr),
+        &bucket,
+        &etcd,
+        "_20ms",
+        "s3s-fs through a proxy adding 20 ms per request (50 MB/s per connection), etcd on this host",
+    ));
+    records
+}
+
+/// The two rows, named with `suffix`, against the s3 server at `endpoint`.
+fn rows(ctx: &Ctx, endpoint: &str, bucket: &str, etcd: &str, suffix: &str, how: &str) -> Vec<Record> {
+    let prefix = format!("bench-dist-{}{suffix}", std::process::id());
     let opts = S3Options::parse(&format!("{bucket}/{prefix}?endpoint={endpoint}&etcd={etcd}")).expect("s3 options");
     // A machine: its own layer (hence its own etcd lease and tokens) and its own cache.
     let machine = || {
@@ -39,16 +60,16 @@ pub fn run(ctx: &Ctx) -> Vec<Record> {
         (layer, s)
     };
     let store = object_store::aws::AmazonS3Builder::from_env()
-        .with_bucket_name(&bucket)
+        .with_bucket_name(bucket)
         .with_region("us-east-1")
-        .with_endpoint(&endpoint)
+        .with_endpoint(endpoint)
         .with_allow_http(true)
         .build()
         .expect("client");
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
 
     // dist_coherence
-    let iters = ctx.scale(400, 100) as usize;
+    let iters = ctx.scale(400, 100) as usize / if suffix.is_empty() { 1 } else { 2 };
     let (_la, a) = machine();
     let (_lb, b) = machine();
     let fa = a.top().open_with("c", OpenOptions::new().write(true).create(true)).expect("create");
@@ -113,25 +134,25 @@ pub fn run(ctx: &Ctx) -> Vec<Record> {
     let read = (4 * passes * len) as f64;
     vec![
         Record::from_samples(
-            "dist_coherence",
+            &format!("dist_coherence{suffix}"),
             "ms (p50)",
             Better::Lower,
             &[u50],
             &[p50],
             "a PUT of a 4 KiB object, then another client's GET of it",
             &format!(
-                "{iters} rounds: machine A writes 4 KiB into a 1 MiB file and syncs, machine B reads them (its read token takes A's write token, which stores the chunk and the record first); p99 {u99:.1} ms vs {p99:.1} ms; s3s-fs and etcd on this host"
+                "{iters} rounds: machine A writes 4 KiB into a 1 MiB file and syncs, machine B reads them (its read token takes A's write token, which stores the chunk and the record first); p99 {u99:.1} ms vs {p99:.1} ms; {how}"
             ),
         ),
         Record::from_samples(
-            "dist_readers",
+            &format!("dist_readers{suffix}"),
             "bytes fetched / byte read",
             Better::Lower,
             &[fetched as f64 / read],
             &[1.0],
             "every read a GET of the object (1.0)",
             &format!(
-                "4 machines each read a {} MiB file front to back {passes} times, in parallel ({:.0} MB/s in all); each fetches the file once and shares the read token",
+                "4 machines each read a {} MiB file front to back {passes} times, in parallel ({:.0} MB/s in all); each fetches the file once and shares the read token; {how}",
                 len >> 20,
                 read / secs / 1e6
             ),

@@ -25,12 +25,12 @@ use ubc_stack::{OpenOptions, Stack};
 /// `latency` before it is forwarded (a client's bytes after a quiet moment start a request),
 /// and each connection's responses flow at most `bytes_per_sec` — one S3 connection's
 /// typical ceiling, the reason S3 clients read with several requests at once.
-struct SlowProxy {
-    addr: std::net::SocketAddr,
+pub(crate) struct SlowProxy {
+    pub(crate) addr: std::net::SocketAddr,
 }
 
 impl SlowProxy {
-    fn start(upstream: std::net::SocketAddr, latency: std::time::Duration, bytes_per_sec: u64) -> SlowProxy {
+    pub(crate) fn start(upstream: std::net::SocketAddr, latency: std::time::Duration, bytes_per_sec: u64) -> SlowProxy {
         use std::io::{Read, Write};
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("proxy listen");
         let addr = listener.local_addr().expect("proxy address");
