@@ -1809,3 +1809,67 @@ fn a_mount_on_huge_pages_keeps_every_byte() {
     assert!(std::fs::read(clear2.join("h2")).unwrap() == want);
     d2.unmount();
 }
+
+/// Two `ubc mount` processes — two machines, each its own cache — of one `s3:…?etcd=…`
+/// stack (issue 21): what one mount's programs write, the other's read at once, names
+/// included, through a compression layer. Needs the S3 server and etcd that
+/// `./scripts/test` starts (`UBC_TEST_S3_ENDPOINT`, `UBC_TEST_ETCD`) and the `etcd` feature.
+#[cfg(feature = "etcd")]
+#[test]
+fn two_machines_mount_one_shared_stack() {
+    if !fuse_available() {
+        return;
+    }
+    let (Ok(s3), Ok(bucket), Ok(etcd)) =
+        (std::env::var("UBC_TEST_S3_ENDPOINT"), std::env::var("UBC_TEST_S3_BUCKET"), std::env::var("UBC_TEST_ETCD"))
+    else {
+        assert!(std::env::var("UBC_TEST_ETCD_REQUIRED").as_deref() != Ok("1"), "UBC_TEST_ETCD_REQUIRED=1 but no etcd");
+        eprintln!("SKIP two_machines_mount_one_shared_stack: no S3 server or etcd");
+        return;
+    };
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+    let spec = format!("s3:{bucket}/mounts-{}-{t}?endpoint={s3}&chunk=64K&etcd={etcd} | zstd", std::process::id());
+    let tmp = tempfile::tempdir().unwrap();
+    let (m1, m2) = (tmp.path().join("m1"), tmp.path().join("m2"));
+    std::fs::create_dir_all(&m1).unwrap();
+    std::fs::create_dir_all(&m2).unwrap();
+    // The default for a shared stack is `--cache direct`; another mode is refused.
+    let refused = ubc()
+        .args(["mount", "--stack", &spec, "--cache", "kernel", "--at"])
+        .arg(format!("1:{}", m1.display()))
+        .output()
+        .unwrap();
+    assert!(
+        !refused.status.success() && String::from_utf8_lossy(&refused.stderr).contains("shared with other machines")
+    );
+    let _a = Daemon::start(&spec, &[(1, &m1)], &["--budget", "16"], &tmp.path().join("a.err"));
+    let _b = Daemon::start(&spec, &[(1, &m2)], &["--budget", "16"], &tmp.path().join("b.err"));
+    std::fs::write(m1.join("a"), b"hello\n").unwrap();
+    assert_eq!(std::fs::read(m2.join("a")).unwrap(), b"hello\n", "a write on one mount, read on the other");
+    {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new().append(true).open(m2.join("a")).unwrap();
+        f.write_all(b"world\n").unwrap();
+    }
+    assert_eq!(std::fs::read(m1.join("a")).unwrap(), b"hello\nworld\n", "an append seen back");
+    std::fs::create_dir(m1.join("d")).unwrap();
+    let big = sample(3 << 20);
+    std::fs::write(m1.join("d/big"), &big).unwrap();
+    std::fs::rename(m1.join("d/big"), m1.join("d/moved")).unwrap();
+    assert!(!m2.join("d/big").exists(), "the old name is gone on the other mount");
+    assert_eq!(std::fs::metadata(m2.join("d/moved")).unwrap().len(), big.len() as u64);
+    assert!(std::fs::read(m2.join("d/moved")).unwrap() == big, "3 MiB written on one mount, read on the other");
+    // Random overwrites on the second mount, read back on the first.
+    let f = std::fs::OpenOptions::new().write(true).open(m2.join("d/moved")).unwrap();
+    let mut want = big.clone();
+    for k in 0..20u64 {
+        let off = (k * 151_357) % (big.len() as u64 - 4096);
+        let rec = vec![k as u8 + 1; 4096];
+        f.write_all_at(&rec, off).unwrap();
+        want[off as usize..off as usize + 4096].copy_from_slice(&rec);
+    }
+    drop(f);
+    assert!(std::fs::read(m1.join("d/moved")).unwrap() == want, "overwrites on one mount, read on the other");
+    std::fs::remove_file(m2.join("a")).unwrap();
+    assert!(!m1.join("a").exists(), "a removal seen on the other mount");
+}
