@@ -59,14 +59,7 @@ fn rows(ctx: &Ctx, endpoint: &str, bucket: &str, etcd: &str, suffix: &str, how: 
         let s = Stack::builder(cache).push(move |_| Ok(l2 as Arc<dyn ubc_stack::Layer>)).unwrap().build().unwrap();
         (layer, s)
     };
-    let store = object_store::aws::AmazonS3Builder::from_env()
-        .with_bucket_name(bucket)
-        .with_region("us-east-1")
-        .with_endpoint(endpoint)
-        .with_allow_http(true)
-        .build()
-        .expect("client");
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
+    let (store, rt) = super::s3::plain_client(endpoint, bucket);
 
     // dist_coherence
     let iters = ctx.scale(400, 100) as usize / if suffix.is_empty() { 1 } else { 2 };

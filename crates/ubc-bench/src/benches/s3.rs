@@ -73,6 +73,19 @@ impl SlowProxy {
     }
 }
 
+/// The baseline: the plain `object_store` client of the server at `endpoint`, and a runtime
+/// to drive it.
+pub(crate) fn plain_client(endpoint: &str, bucket: &str) -> (object_store::aws::AmazonS3, tokio::runtime::Runtime) {
+    let store = object_store::aws::AmazonS3Builder::from_env()
+        .with_bucket_name(bucket)
+        .with_region("us-east-1")
+        .with_endpoint(endpoint)
+        .with_allow_http(true)
+        .build()
+        .expect("client");
+    (store, tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime"))
+}
+
 pub fn run(ctx: &Ctx) -> Vec<Record> {
     let (Ok(endpoint), Ok(bucket)) = (std::env::var("UBC_BENCH_S3_ENDPOINT"), std::env::var("UBC_BENCH_S3_BUCKET"))
     else {
@@ -117,14 +130,7 @@ fn rows(ctx: &Ctx, endpoint: &str, bucket: &str, suffix: &str, how: &str) -> Vec
         f.sync().expect("sync");
     }
     // The plain client's object: the same bytes as one object.
-    let store = object_store::aws::AmazonS3Builder::from_env()
-        .with_bucket_name(bucket)
-        .with_region("us-east-1")
-        .with_endpoint(endpoint)
-        .with_allow_http(true)
-        .build()
-        .expect("client");
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
+    let (store, rt) = plain_client(endpoint, bucket);
     let plain = object_store::path::Path::from(format!("{prefix}/plain"));
     rt.block_on(store.put(&plain, bytes::Bytes::from(data.clone()).into())).expect("put plain");
     let (mut cold, mut warm, mut base) = (vec![], vec![], vec![]);
