@@ -290,12 +290,13 @@ pub(crate) fn io_err(e: object_store::Error) -> io::Error {
 }
 
 pub(crate) struct Inner {
-    pub(crate) shared: Arc<Shared>,
-    pub(crate) tree: Tree<S3File>,
     /// Shared with other machines (`etcd=`): names, records and tokens in etcd; `tree` is
-    /// then unused.
+    /// then unused. First, so that it is dropped before `shared`: leaving (the lease's
+    /// revocation) runs on the runtime `shared` may be the last to hold.
     #[cfg(feature = "etcd")]
     dist: Option<Arc<shared::SharedFs>>,
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) tree: Tree<S3File>,
     /// Serializes commits; holds the sequence number of the last tree committed (0: none).
     commit_lock: Mutex<u64>,
     /// Set when the layer is dropped: the committer stops.
