@@ -365,7 +365,16 @@ impl MachineInner {
                     c.put(k, mode_byte(mode), Some(PutOptions::new().with_lease(lease))).await?;
                 }
                 let mut ws = c.watch(tp, Some(WatchOptions::new().with_prefix().with_start_revision(rev + 1))).await?;
-                let _ = tokio::time::timeout(WATCH_SLICE, ws.message()).await;
+                // Until a holder changes (the first answer only says the watch was made:
+                // looking again at it would poll etcd while the holder works).
+                let _ = tokio::time::timeout(WATCH_SLICE, async {
+                    while let Ok(Some(resp)) = ws.message().await {
+                        if !resp.events().is_empty() || resp.canceled() {
+                            break;
+                        }
+                    }
+                })
+                .await;
                 Ok::<_, etcd_client::Error>(())
             });
         };
@@ -392,6 +401,14 @@ impl MachineInner {
         };
         let txn = Txn::new().when([Compare::value(key.as_str(), CompareOp::Equal, mode_byte(from))]).and_then([op]);
         self.rt.block_on(async move { c.txn(txn).await }).map_err(etcd_err)?;
+        Ok(())
+    }
+
+    /// Delete this machine's key of `ino`, whatever it says.
+    fn delete_key(&self, ino: u64) -> io::Result<()> {
+        let mut c = self.client.clone();
+        let k = self.tkey(ino, self.id);
+        self.rt.block_on(async move { c.delete(k, None).await }).map_err(etcd_err)?;
         Ok(())
     }
 
@@ -553,9 +570,7 @@ fn serve_request(m: &MachineInner, ino: u64, want: Mode, key: &str) {
         }
         None => {
             // Nothing of the file is held here any more; a key left behind goes.
-            let mut c = m.client.clone();
-            let k = m.tkey(ino, m.id);
-            let _ = m.rt.block_on(async move { c.delete(k, None).await });
+            let _ = m.delete_key(ino);
         }
     }
     let mut c = m.client.clone();
@@ -707,7 +722,13 @@ impl Token {
             self.cv.wait(&mut st);
         }
         let held = match st.held {
-            None => return Ok(()),
+            None if st.acquiring => return Ok(()),
+            None => {
+                // Holding nothing here, yet asked: a key of this machine's left behind (a
+                // failed reload, a failed delete) — it goes, or the requester waits for it.
+                drop(st);
+                return self.machine.upgrade().map_or(Ok(()), |m| m.delete_key(self.ino));
+            }
             Some(Mode::Read) if want == Mode::Read => return Ok(()),
             Some(h) => h,
         };
