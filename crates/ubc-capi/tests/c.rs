@@ -170,3 +170,52 @@ fn fadvise() {
     let out = run(&exe, &[&data]);
     assert!(out.contains("advise ok"), "{out}");
 }
+
+/// The S3 server `./scripts/test` starts (`UBC_TEST_S3_ENDPOINT`, `UBC_TEST_S3_BUCKET`), as
+/// a spec prefix `s3:BUCKET/PREFIX?endpoint=URL`, or `None` (the test skips, unless
+/// `UBC_TEST_S3_REQUIRED=1`).
+fn s3_spec(test: &str) -> Option<String> {
+    match (std::env::var("UBC_TEST_S3_ENDPOINT"), std::env::var("UBC_TEST_S3_BUCKET")) {
+        (Ok(e), Ok(b)) => {
+            let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+            Some(format!("s3:{b}/capi-{test}-{}-{t}?endpoint={e}&chunk=64K", std::process::id()))
+        }
+        _ => {
+            assert!(
+                std::env::var("UBC_TEST_S3_REQUIRED").as_deref() != Ok("1"),
+                "{test}: UBC_TEST_S3_REQUIRED=1 but no S3 server"
+            );
+            eprintln!("SKIP {test}: no S3 server (run ./scripts/test, which starts one)");
+            None
+        }
+    }
+}
+
+#[test]
+fn s3_through_the_c_api() {
+    let Some(spec) = s3_spec("plain") else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = compile(&crate_dir().join("tests/c/s3.c"), tmp.path(), "s3", "-O1");
+    let o = Command::new(&exe).args([spec.as_str(), "plain"]).output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && out.contains("s3 plain ok"), "{out}\n{}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// Two caches of one process, each with its own stack over one `s3:…?etcd=…` file system
+/// (two machines), through the C API.
+#[cfg(feature = "etcd")]
+#[test]
+fn s3_shared_between_machines_through_the_c_api() {
+    let Some(spec) = s3_spec("shared") else { return };
+    let Ok(etcd) = std::env::var("UBC_TEST_ETCD") else {
+        assert!(std::env::var("UBC_TEST_ETCD_REQUIRED").as_deref() != Ok("1"), "UBC_TEST_ETCD_REQUIRED=1 but no etcd");
+        eprintln!("SKIP s3_shared_between_machines_through_the_c_api: no etcd (UBC_TEST_ETCD)");
+        return;
+    };
+    let spec = format!("{spec}&etcd={etcd}");
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = compile(&crate_dir().join("tests/c/s3.c"), tmp.path(), "s3", "-O1");
+    let o = Command::new(&exe).args([spec.as_str(), "shared"]).output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && out.contains("s3 shared ok"), "{out}\n{}", String::from_utf8_lossy(&o.stderr));
+}

@@ -476,3 +476,69 @@ def test_mapping_madvise(plain):
             assert (data / "f").read_bytes()[5000:5008] == b"MADVISED"
             with pytest.raises(ValueError):
                 m.madvise(99)
+
+
+def _s3_spec(name):
+    """A fresh prefix on the S3 server ./scripts/test starts; skipped without one (a failure
+    under UBC_TEST_S3_REQUIRED=1)."""
+    endpoint = os.environ.get("UBC_TEST_S3_ENDPOINT")
+    bucket = os.environ.get("UBC_TEST_S3_BUCKET")
+    if not endpoint or not bucket:
+        if os.environ.get("UBC_TEST_S3_REQUIRED") == "1":
+            pytest.fail("UBC_TEST_S3_REQUIRED=1 but no S3 server (UBC_TEST_S3_ENDPOINT)")
+        pytest.skip("no S3 server (run ./scripts/test, which starts one)")
+    return f"s3:{bucket}/py-{name}-{os.getpid()}-{time.time_ns()}?endpoint={endpoint}&chunk=64K"
+
+
+def test_s3_round_trip_through_zstd_and_a_restart(tmp_path):
+    spec = _s3_spec("plain") + " | zstd"
+    data = payload(1 << 20)
+    s = ubc.Stack(spec, ubc.Cache(1 << 20))  # a budget far below the file
+    s.mkdir("d")
+    with s.open("d/f.bin", "w+b", buffering=0) as f:
+        f.write(data)
+        f.seek(4096)
+        f.write(b"overwritten")
+        f.sync()
+    data = data[:4096] + b"overwritten" + data[4096 + 11 :]
+    del s
+    again = ubc.Stack(spec, ubc.Cache(1 << 20))
+    assert again.listdir("d") == ["f.bin"]
+    assert again.stat("d/f.bin").size == len(data)
+    with again.open("d/f.bin") as f:
+        assert f.read() == data
+    with pytest.raises(FileNotFoundError):
+        again.open("d/missing")
+
+
+def test_s3_shared_between_two_caches_through_etcd():
+    """Two caches with a stack each over one s3+etcd file system — two machines: a write
+    returned on one is read on the other without a sync, both ways."""
+    spec = _s3_spec("shared")
+    etcd = os.environ.get("UBC_TEST_ETCD")
+    if not etcd:
+        if os.environ.get("UBC_TEST_ETCD_REQUIRED") == "1":
+            pytest.fail("UBC_TEST_ETCD_REQUIRED=1 but no etcd (UBC_TEST_ETCD)")
+        pytest.skip("no etcd (run ./scripts/test, which starts one)")
+    spec += f"&etcd={etcd} | zstd"
+    try:
+        one = ubc.Stack(spec, ubc.Cache(1 << 20))
+    except Exception as e:
+        if "etcd" in str(e) and "feature" in str(e):
+            if os.environ.get("UBC_TEST_ETCD_REQUIRED") == "1":
+                pytest.fail(f"the package was built without the etcd feature: {e}")
+            pytest.skip(f"built without the etcd feature: {e}")
+        raise
+    two = ubc.Stack(spec, ubc.Cache(1 << 20))
+    data = payload(200_000)
+    with one.open("f.bin", "w+b", buffering=0) as a, two.open("f.bin", "r+b", buffering=0) as b:
+        a.write(data)
+        assert b.read() == data
+        b.seek(len(data))
+        b.write(b"from-two")
+        a.seek(0)
+        assert a.read() == data + b"from-two"
+        a.truncate(1000)
+        assert two.stat("f.bin").size == 1000
+        b.seek(0)
+        assert b.read() == data[:1000]

@@ -49,7 +49,9 @@
 //! locks), and it takes a new lease before it serves anything again.
 
 use crate::coherence::{Mode, Remote, RemoteCache, RemotePin};
-use etcd_client::{Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions};
+use etcd_client::{
+    Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse, TxnResponse, WatchOptions,
+};
 use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::io;
@@ -69,8 +71,11 @@ pub(crate) trait TokenHolder: Send + Sync {
     fn store(&self) -> io::Result<()>;
     /// Drop the holder's own cached pages (after the groups dropped theirs).
     fn drop_cached(&self) -> io::Result<()>;
-    /// The token was lost (the lease expired): forget changes not stored.
-    fn discard(&self);
+    /// The token is being lost (the lease expired, or the fence found it gone): while `on`,
+    /// what the caches write back into the holder is dropped, not stored or staged (it may
+    /// not be storable: another machine may have replaced the chunks it would merge with);
+    /// switching on and off each forget every change not stored.
+    fn discarding(&self, on: bool);
 }
 
 /// How long an acquisition waits for other machines before it fails (`TimedOut`).
@@ -115,6 +120,9 @@ pub struct DistStats {
     pub revoked: u64,
     /// Times the lease was lost.
     pub leases_lost: u64,
+    /// Commits refused by the fence: this machine's write token was gone from etcd before
+    /// it noticed (each such token is then lost here too).
+    pub fenced: u64,
 }
 
 /// One machine's membership: its lease, its tokens, the watch on requests to it.
@@ -138,6 +146,7 @@ struct MachineInner {
     requested: AtomicU64,
     revoked: AtomicU64,
     leases_lost: AtomicU64,
+    fenced: AtomicU64,
 }
 
 impl Machine {
@@ -168,6 +177,7 @@ impl Machine {
             requested: AtomicU64::new(0),
             revoked: AtomicU64::new(0),
             leases_lost: AtomicU64::new(0),
+            fenced: AtomicU64::new(0),
         });
         let lease = inner.grant()?;
         inner.lease.store(lease, SeqCst);
@@ -211,9 +221,35 @@ impl Machine {
         Compare::value(self.inner.tkey(ino, self.inner.id), CompareOp::Equal, mode_byte(Mode::Write))
     }
 
-    /// Whether this machine holds `ino`'s write token (as it knows).
-    pub(crate) fn holds_write(&self, ino: u64) -> bool {
-        self.inner.tokens.lock().get(&ino).and_then(Weak::upgrade).is_some_and(|t| t.holds(Mode::Write))
+    /// The operation to run when a fenced transaction fails: it reads this machine's key of
+    /// `ino`, for [`Machine::fenced_off`].
+    pub(crate) fn fence_probe(&self, ino: u64) -> TxnOp {
+        TxnOp::get(self.inner.tkey(ino, self.inner.id), None)
+    }
+
+    /// Whether a transaction fenced by [`Machine::write_fence`] that did not succeed failed
+    /// on the fence (`resp` ran [`Machine::fence_probe`] as its else branch): this machine's
+    /// key of `ino` does not say `w`. Either it holds only the read token (stores through a
+    /// mapping made after it gave the write token up: refused, see docs/guarantees.md), or
+    /// the token is gone from etcd though this machine has not noticed (an operator
+    /// deleted the key; the lease was revoked, or expired while a renewal was on its way) —
+    /// then the token is lost here too, as at the end of a lease: once the caller's pins
+    /// are gone, on a thread of its own, since the caller holds one.
+    pub(crate) fn fenced_off(&self, ino: u64, resp: &TxnResponse) -> bool {
+        let stored: Option<Vec<u8>> = resp.op_responses().iter().find_map(|r| match r {
+            TxnOpResponse::Get(g) => g.kvs().first().map(|kv| kv.value().to_vec()),
+            _ => None,
+        });
+        if stored.as_deref() == Some(mode_byte(Mode::Write)) {
+            return false;
+        }
+        let token = self.inner.tokens.lock().get(&ino).and_then(Weak::upgrade);
+        let held = token.and_then(|t| t.st.lock().held);
+        if stored.is_none() || stored.as_deref() != held.map(mode_byte) {
+            // The commit's caller is told (`ESTALE`): the loss notes nothing more.
+            self.inner.fenced_off(ino, false);
+        }
+        true
     }
 
     pub(crate) fn stats(&self) -> DistStats {
@@ -223,6 +259,7 @@ impl Machine {
             requested: m.requested.load(Relaxed),
             revoked: m.revoked.load(Relaxed),
             leases_lost: m.leases_lost.load(Relaxed),
+            fenced: m.fenced.load(Relaxed),
         }
     }
 }
@@ -412,12 +449,22 @@ impl MachineInner {
         Ok(())
     }
 
+    /// This machine's token of `ino` is gone from etcd though it did not know: it is lost
+    /// here too, as at the end of a lease — on a thread of its own, since the caller may
+    /// hold a pin on it (the loss waits for pins). `note`: see [`Token::lose`].
+    fn fenced_off(&self, ino: u64, note: bool) {
+        self.fenced.fetch_add(1, Relaxed);
+        if let Some(t) = self.tokens.lock().get(&ino).and_then(Weak::upgrade) {
+            let _ = std::thread::Builder::new().name("ubc-dist-fenced".into()).spawn(move || t.lose(note));
+        }
+    }
+
     /// Every token of this machine is lost (the lease expired).
     fn lose_all(&self) {
         self.leases_lost.fetch_add(1, Relaxed);
         let tokens: Vec<Arc<Token>> = self.tokens.lock().values().filter_map(Weak::upgrade).collect();
         for t in tokens {
-            t.lose();
+            t.lose(true);
         }
     }
 }
@@ -438,6 +485,7 @@ fn keep_alive(w: Weak<MachineInner>) {
         let period = m.ttl / 5;
         let lease = m.lease.load(SeqCst);
         let sent = Instant::now();
+        let mut gone = false;
         let ok = lease != 0 && {
             let mut c = m.client.clone();
             let mut s = stream.take();
@@ -452,16 +500,19 @@ fn keep_alive(w: Weak<MachineInner>) {
                 })
                 .await;
                 match r {
-                    Ok(Ok(Some(resp))) if resp.ttl() > 0 => (true, s),
-                    _ => (false, None),
+                    Ok(Ok(Some(resp))) if resp.ttl() > 0 => (Some(true), s),
+                    // etcd answered that the lease is gone (revoked, or expired already).
+                    Ok(Ok(Some(_))) => (Some(false), None),
+                    _ => (None, None),
                 }
             });
             stream = s;
-            ok
+            gone = ok == Some(false);
+            ok == Some(true)
         };
         if ok {
             renewed = sent;
-        } else if lease == 0 || renewed.elapsed() >= m.ttl * 3 / 4 {
+        } else if lease == 0 || gone || renewed.elapsed() >= m.ttl * 3 / 4 {
             // What was held may be another machine's soon (or already, if etcd said so).
             if lease != 0 {
                 m.lease.store(0, SeqCst);
@@ -648,9 +699,21 @@ impl Token {
         self.holder.lock().upgrade()
     }
 
-    /// Whether this machine holds the token in a mode that allows `mode`.
-    pub(crate) fn holds(&self, mode: Mode) -> bool {
-        covers(self.st.lock().held, mode)
+    /// A chunk this machine's record of the file names is gone from the store: another
+    /// machine's commit replaced it, which it could do only holding the write token — so
+    /// this machine's token must be gone from etcd (an operator deleted the key, or the
+    /// lease ran out before this machine noticed). Check its key in etcd, and if it does
+    /// not say what this machine holds, lose the token (the fence, as at a commit).
+    /// `note`: see [`Token::lose`].
+    pub(crate) fn check_fence(&self, note: bool) {
+        let Some(held) = self.st.lock().held else { return };
+        let Some(m) = self.machine.upgrade() else { return };
+        let mut c = m.client.clone();
+        let key = m.tkey(self.ino, m.id);
+        let Ok(r) = m.rt.block_on(async move { c.get(key, None).await }) else { return };
+        if !r.kvs().iter().any(|kv| kv.value() == mode_byte(held)) {
+            m.fenced_off(self.ino, note);
+        }
     }
 
     /// Take the note of changes lost with the lease (once).
@@ -782,38 +845,44 @@ impl Token {
         m.set_key(self.ino, held, keep)
     }
 
-    /// The lease expired: the token is another machine's to take. Cached pages go, changes
-    /// not stored go too (noted for the next `sync`).
-    fn lose(&self) {
+    /// The lease expired (or the fence found the token gone): the token is another
+    /// machine's to take. Cached pages go, changes not stored go too — noted for the next
+    /// `sync` if `note` (not when whoever found the loss was told already: a commit or a
+    /// write-back that failed with `ESTALE`, which its `sync` reports).
+    fn lose(&self, note: bool) {
         let mut st = self.st.lock();
-        let Some(held) = st.held else { return };
         while st.revoking {
             self.cv.wait(&mut st);
         }
+        // (Looked at after the wait: a loss that ran meanwhile may have taken it.)
+        let Some(held) = st.held else { return };
         st.revoking = true;
         while st.pins > 0 {
             self.cv.wait(&mut st);
         }
         drop(st);
         let parties = self.parties();
+        if let Some(h) = &parties.holder {
+            h.discarding(true);
+        }
         for c in &parties.caches {
-            // Dirty pages are written back into the holder first (its staging), then
-            // dropped with the rest of what it did not store.
+            // Dirty pages are written back into the holder, which drops them, so that the
+            // caches can drop every page (a dirty page would stay, and be written back
+            // under the next token over what another machine stored).
             let _ = c.write_back();
         }
         for c in &parties.caches {
             let _ = c.drop_cached();
         }
         if let Some(h) = &parties.holder {
-            // Its own cached object's pages too (written into its staging by the flush),
-            // then everything staged.
+            // Its own cached object's pages too (a closed file's, with no group).
             let _ = h.drop_cached();
-            h.discard();
+            h.discarding(false);
         }
         let mut st = self.st.lock();
         st.held = None;
         st.epoch += 1;
-        st.lost_changes |= held == Mode::Write;
+        st.lost_changes |= note && held == Mode::Write;
         st.revoking = false;
         self.cv.notify_all();
         drop(st);

@@ -40,7 +40,7 @@
 //! data, and at the last close every domain's pages are dropped and the group closed at
 //! once (no pool), so no descriptor of the deleted file outlives its last close.
 
-use crate::coherence::{ALL, CoherenceStats, Counters, Flush, Group, Mode};
+use crate::coherence::{ALL, CoherenceStats, Counters, Flush, Group, Mode, Remote};
 pub use crate::coherence::{Coherence, LockConflict, LockKind, LockWait};
 use crate::error::{Error, Result};
 use crate::layer::{Attr, Below, DirEntry, Kind, Layer, Opened, Rename, SetAttr, norm};
@@ -783,27 +783,39 @@ impl Inner {
         Ok(node)
     }
 
+    /// The open of a file whose bytes `level` stores (`pager`); `remote` is its token
+    /// between machines when other machines share the store.
+    fn open_store(
+        self: &Arc<Self>,
+        level: usize,
+        path: &str,
+        access: ubc::Access,
+        pager: Arc<dyn ubc::Pager>,
+        remote: Option<Arc<dyn Remote>>,
+    ) -> Result<Node> {
+        if matches!(access, ubc::Access::ReadWrite) && !pager.is_writable() {
+            return Err(Error::ReadOnly(path.into()));
+        }
+        let file = self.cache.open(pager, access)?;
+        let key = match file.identity() {
+            Some(i) => GroupKey::Data(i),
+            None => GroupKey::Path(level, path.to_string()),
+        };
+        let group = self.take(key, Some((level, path)));
+        if let Some(r) = remote {
+            group.group.set_remote(r);
+        }
+        let dom = group.add_domain(0, || Ok((file.reopen(ubc::Access::ReadOnly)?, None)))?;
+        self.watch_domain(&group.key, &dom.file, 0);
+        Ok(Node { file, group, domain: 0 })
+    }
+
     fn open_node_at(self: &Arc<Self>, level: usize, path: &str, writable: bool) -> Result<Node> {
         let access = if writable { ubc::Access::ReadWrite } else { ubc::Access::ReadOnly };
         let below = BelowImpl { inner: self, level };
         match self.layers[level].open(path, access, &below)? {
-            Opened::Store(pager) => {
-                if writable && !pager.is_writable() {
-                    return Err(Error::ReadOnly(path.into()));
-                }
-                let file = self.cache.open(pager, access)?;
-                let key = match file.identity() {
-                    Some(i) => GroupKey::Data(i),
-                    None => GroupKey::Path(level, path.to_string()),
-                };
-                let group = self.take(key, Some((level, path)));
-                if let Some(r) = self.layers[level].remote(path) {
-                    group.group.set_remote(r);
-                }
-                let dom = group.add_domain(0, || Ok((file.reopen(ubc::Access::ReadOnly)?, None)))?;
-                self.watch_domain(&group.key, &dom.file, 0);
-                Ok(Node { file, group, domain: 0 })
-            }
+            Opened::Store(pager) => self.open_store(level, path, access, pager, None),
+            Opened::Shared { pager, remote } => self.open_store(level, path, access, pager, Some(remote)),
             Opened::Lower => {
                 if level == 0 {
                     return Err(Error::Invalid(format!("bottom layer {} has no lower layer", self.layers[0].spec())));

@@ -14,61 +14,15 @@
 use rand::{RngExt, SeedableRng, rngs::StdRng};
 use std::io::{Read, Write};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 use ubc_stack::{OpenOptions, Stack};
 
-struct Env {
-    s3: String,
-    bucket: String,
-    etcd: String,
-}
-
-/// The servers, or `None` (skipped).
-fn env(test: &str) -> Option<Env> {
-    match (std::env::var("UBC_TEST_S3_ENDPOINT"), std::env::var("UBC_TEST_S3_BUCKET"), std::env::var("UBC_TEST_ETCD")) {
-        (Ok(s3), Ok(bucket), Ok(etcd)) => Some(Env { s3, bucket, etcd }),
-        _ => {
-            assert!(
-                std::env::var("UBC_TEST_ETCD_REQUIRED").as_deref() != Ok("1"),
-                "{test}: UBC_TEST_ETCD_REQUIRED=1 but no S3 server or etcd (UBC_TEST_S3_ENDPOINT, UBC_TEST_ETCD)"
-            );
-            eprintln!("SKIP {test}: no S3 server or etcd (run ./scripts/test, which starts both)");
-            None
-        }
-    }
-}
-
-/// A prefix no other test (or earlier run) uses.
-fn fresh_prefix(test: &str) -> String {
-    static N: AtomicU64 = AtomicU64::new(0);
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
-    format!("{test}-{}-{t}-{}", std::process::id(), N.fetch_add(1, Relaxed))
-}
-
-impl Env {
-    /// The spec of one shared file system; `etcd` may be a proxy's URL.
-    fn spec(&self, prefix: &str, etcd: &str, extra: &str) -> String {
-        format!("s3:{}/{prefix}?endpoint={}&chunk=64K&etcd={etcd}{extra}", self.bucket, self.s3)
-    }
-}
+mod common;
+use common::servers::{SharedEnv, fresh_prefix, nonzero_data as data, same};
 
 fn cache() -> ubc::Cache {
     ubc::Cache::builder().budget(1 << 20).build().unwrap()
-}
-
-fn data(seed: u64, len: usize) -> Vec<u8> {
-    let mut r = StdRng::seed_from_u64(seed);
-    (0..len).map(|_| r.random::<u8>() | 1).collect()
-}
-
-/// Equal, or a failure naming the first differing byte.
-#[track_caller]
-fn same(got: &[u8], want: &[u8], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
-        panic!("{what}: first difference at byte {i}: got {:#04x}, want {:#04x}", got[i], want[i]);
-    }
 }
 
 fn read_all(f: &ubc_stack::File) -> Vec<u8> {
@@ -83,7 +37,7 @@ fn rw() -> OpenOptions {
 
 #[test]
 fn a_write_on_one_machine_is_read_on_another_without_a_sync() {
-    let Some(env) = env("a_write_on_one_machine_is_read_on_another") else { return };
+    let Some(env) = SharedEnv::get("a_write_on_one_machine_is_read_on_another") else { return };
     let dir = tempfile::tempdir().unwrap();
     let key = dir.path().join("key");
     std::fs::write(&key, "22".repeat(32)).unwrap();
@@ -133,7 +87,7 @@ fn a_write_on_one_machine_is_read_on_another_without_a_sync() {
 
 #[test]
 fn two_machines_follow_one_model_under_random_operations() {
-    let Some(env) = env("two_machines_follow_one_model") else { return };
+    let Some(env) = SharedEnv::get("two_machines_follow_one_model") else { return };
     let dir = tempfile::tempdir().unwrap();
     let key = dir.path().join("key");
     std::fs::write(&key, "33".repeat(32)).unwrap();
@@ -189,7 +143,7 @@ fn two_machines_follow_one_model_under_random_operations() {
 
 #[test]
 fn writers_on_two_machines_interleave_without_losing_a_record() {
-    let Some(env) = env("writers_on_two_machines_interleave") else { return };
+    let Some(env) = SharedEnv::get("writers_on_two_machines_interleave") else { return };
     let sp = env.spec(&fresh_prefix("interleave"), &env.etcd, "");
     let machines: Vec<Arc<Stack>> = (0..2).map(|_| Arc::new(Stack::open(&sp, cache()).unwrap())).collect();
     // Machine 1 keeps no closed file cached: its file is dropped at each last close and made
@@ -284,7 +238,7 @@ impl Partition {
 
 #[test]
 fn a_partitioned_machine_stops_serving_and_cannot_overwrite_what_others_stored() {
-    let Some(env) = env("a_partitioned_machine") else { return };
+    let Some(env) = SharedEnv::get("a_partitioned_machine") else { return };
     let prefix = fresh_prefix("partition");
     let net = Partition::start(&env.etcd);
     // C reaches etcd through the proxy, with a 2 s lease; A directly.
@@ -418,7 +372,7 @@ impl Drop for Child {
 
 #[test]
 fn machines_in_separate_processes_see_every_write_that_returned() {
-    let Some(env) = env("machines_in_separate_processes") else { return };
+    let Some(env) = SharedEnv::get("machines_in_separate_processes") else { return };
     let sp = format!("{} | zstd", env.spec(&fresh_prefix("procs"), &env.etcd, ""));
     let mut kids: Vec<Child> = (0..3).map(|_| Child::start(&sp)).collect();
     let mut model: Vec<u8> = Vec::new();
@@ -454,4 +408,115 @@ fn machines_in_separate_processes_see_every_write_that_returned() {
             }
         }
     }
+}
+
+/// An s3 layer on `spec` (`s3:` stripped) that this test keeps a handle on (its
+/// statistics), in a stack of its own.
+fn own_machine(spec: &str) -> (Arc<ubc_stack::layer::s3::S3>, Stack) {
+    use ubc_stack::layer::s3::{S3, S3Options};
+    let o = S3Options::parse(spec.trim_start_matches("s3:")).unwrap();
+    let layer = Arc::new(S3::open(&o).unwrap());
+    let l2 = layer.clone();
+    let s = Stack::builder(cache()).push(move |_| Ok(l2 as Arc<dyn ubc_stack::Layer>)).unwrap().build().unwrap();
+    (layer, s)
+}
+
+/// etcd, reached directly by the test (as an operator's `etcdctl` would).
+fn etcd_admin(url: &str) -> (tokio::runtime::Runtime, etcd_client::Client) {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let c = rt.block_on(etcd_client::Client::connect([url.trim_start_matches("http://")], None)).unwrap();
+    (rt, c)
+}
+
+/// The token keys (`/ubc/<bucket>/<prefix>/ubc-s3/t/<ino>/<machine>`, docs/formats.md) of
+/// one file system, with their leases.
+fn token_keys(rt: &tokio::runtime::Runtime, c: &etcd_client::Client, bucket: &str, prefix: &str) -> Vec<(String, i64)> {
+    let mut c = c.clone();
+    let under = format!("/ubc/{bucket}/{prefix}");
+    let r = rt.block_on(c.get(under.as_str(), Some(etcd_client::GetOptions::new().with_prefix()))).unwrap();
+    r.kvs()
+        .iter()
+        .map(|kv| (kv.key_str().unwrap().to_string(), kv.lease()))
+        .filter(|(k, _)| k[under.len()..].starts_with("/ubc-s3/t/"))
+        .collect()
+}
+
+/// The fence on its own: a machine whose write token vanished from etcd without its
+/// knowing (an operator deleted the key; the machine's lease is alive, so nothing tells it)
+/// cannot rewrite the file's record over what the next holder stored — its commit is
+/// refused with `ESTALE` (a whole chunk written: nothing to fetch, the record's fence says
+/// no), and so is a write-back that needs a chunk the next holder replaced (a partial chunk
+/// written: the old version is gone) — and the token is lost here too, so the machine reads
+/// the other's bytes next. And a machine whose lease etcd says is gone (revoked) stops
+/// serving at its next renewal, not three quarters of a lease later.
+#[test]
+fn a_commit_without_the_write_token_in_etcd_is_fenced_off() {
+    let Some(env) = SharedEnv::get("a_commit_without_the_write_token") else { return };
+    let (rt, admin) = etcd_admin(&env.etcd);
+    const CHUNK: usize = 65_536; // the chunk size of `SharedEnv::spec`
+    for (case, (at, len)) in [("a whole chunk", (0, CHUNK)), ("part of a chunk", (100, 1_000))] {
+        let prefix = fresh_prefix("fence");
+        // A long lease for A: its first renewal is 12 s away, so only the fence can stop it.
+        let (la, a) = own_machine(&env.spec(&prefix, &env.etcd, "&lease=60"));
+        let (_, b) = own_machine(&env.spec(&prefix, &env.etcd, ""));
+        let fa = a.top().open_with("f", rw()).unwrap();
+        fa.write_at(&[b'a'; 50_000], 0).unwrap();
+        fa.sync().unwrap();
+        fa.write_at(&vec![b'A'; len], at).unwrap(); // A holds the write token, not stored
+        let keys = token_keys(&rt, &admin, &env.bucket, &prefix);
+        assert_eq!(keys.len(), 1, "{case}: A's write token is the only key: {keys:?}");
+        rt.block_on(admin.clone().delete(keys[0].0.as_str(), None)).unwrap();
+        // B takes the token at once (nobody holds it in etcd) and stores.
+        let fb = b.top().open_with("f", OpenOptions::new().write(true)).unwrap();
+        fb.write_at(&[b'b'; 1_000], 10_000).unwrap();
+        fb.sync().unwrap();
+        drop(fb);
+        let err = fa.sync().expect_err("A's commit without its token in etcd must be refused");
+        assert_eq!(err.errno(), libc::ESTALE, "{case}: {err}");
+        let st = la.dist_stats().unwrap();
+        assert_eq!((st.fenced, st.leases_lost), (1, 0), "{case}: refused by the fence, not by a lease loss: {st:?}");
+        // What is stored is A's synced bytes with B's write: A's unstored write never
+        // landed, and A (its token lost) reads that too.
+        let mut want = vec![b'a'; 50_000];
+        want[10_000..11_000].fill(b'b');
+        let (_, c) = own_machine(&env.spec(&prefix, &env.etcd, ""));
+        same(&read_all(&c.top().open("f").unwrap()), &want, &format!("{case}: a third machine"));
+        // The loss runs on a thread of its own once the failed sync's pin is gone: A's
+        // unstored bytes must never come back, and B's must show within moments.
+        let deadline = Instant::now() + Duration::from_secs(2);
+        loop {
+            let got = read_all(&fa);
+            if got == want || Instant::now() > deadline {
+                same(&got, &want, &format!("{case}: A after its token was lost"));
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // And they never reach the store later (a dirty page kept and written back under
+        // the next token would): written and synced again under a new token, the file is
+        // B's bytes plus only this.
+        fa.write_at(b"again", 20_000).unwrap();
+        fa.sync().unwrap();
+        want[20_000..20_005].copy_from_slice(b"again");
+        let (_, e) = own_machine(&env.spec(&prefix, &env.etcd, ""));
+        same(&read_all(&e.top().open("f").unwrap()), &want, &format!("{case}: after A wrote again"));
+    }
+
+    // A lease revoked in etcd: the machine hears it at its next renewal (a fifth of the
+    // lease: 2 s here) and drops what it held, well before 3/4 of the lease (7.5 s).
+    let prefix = fresh_prefix("revoked");
+    let (ld, d) = own_machine(&env.spec(&prefix, &env.etcd, "&lease=10"));
+    let fd = d.top().open_with("g", rw()).unwrap();
+    fd.write_at(b"unstored", 0).unwrap();
+    let keys = token_keys(&rt, &admin, &env.bucket, &prefix);
+    assert_eq!(keys.len(), 1, "D's write token is the only key: {keys:?}");
+    rt.block_on(admin.clone().lease_revoke(keys[0].1)).unwrap();
+    let revoked_at = Instant::now();
+    while ld.dist_stats().unwrap().leases_lost == 0 {
+        assert!(revoked_at.elapsed() < Duration::from_secs(5), "D did not notice its revoked lease in 5 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    eprintln!("D noticed its revoked lease after {:?} (lease 10 s)", revoked_at.elapsed());
+    let err = fd.sync().expect_err("D's unstored write went with its lease");
+    assert_eq!(err.errno(), libc::ESTALE, "{err}");
 }

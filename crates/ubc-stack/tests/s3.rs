@@ -15,44 +15,11 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use ubc_stack::layer::s3::{S3, S3Options};
 use ubc_stack::{OpenOptions, Stack};
 
-/// The server, or `None` (skipped).
-fn server(test: &str) -> Option<(String, String)> {
-    match (std::env::var("UBC_TEST_S3_ENDPOINT"), std::env::var("UBC_TEST_S3_BUCKET")) {
-        (Ok(e), Ok(b)) => Some((e, b)),
-        _ => {
-            assert!(
-                std::env::var("UBC_TEST_S3_REQUIRED").as_deref() != Ok("1"),
-                "{test}: UBC_TEST_S3_REQUIRED=1 but no S3 server (UBC_TEST_S3_ENDPOINT)"
-            );
-            eprintln!("SKIP {test}: no S3 server (run ./scripts/test, which starts one)");
-            None
-        }
-    }
-}
-
-/// A prefix no other test (or earlier run) uses.
-fn fresh_prefix(test: &str) -> String {
-    static N: AtomicU64 = AtomicU64::new(0);
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
-    format!("{test}-{}-{t}-{}", std::process::id(), N.fetch_add(1, Relaxed))
-}
+mod common;
+use common::servers::{fresh_prefix, nonzero_data as data, s3_server as server, same};
 
 fn spec(endpoint: &str, bucket: &str, prefix: &str) -> String {
     format!("s3:{bucket}/{prefix}?endpoint={endpoint}&chunk=64K")
-}
-
-fn data(seed: u64, len: usize) -> Vec<u8> {
-    let mut r = StdRng::seed_from_u64(seed);
-    (0..len).map(|_| r.random::<u8>() | 1).collect()
-}
-
-/// Equal, or a failure naming the first differing byte (not megabytes of both).
-#[track_caller]
-fn same(got: &[u8], want: &[u8], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
-        panic!("{what}: first difference at byte {i}: got {:#04x}, want {:#04x}", got[i], want[i]);
-    }
 }
 
 fn cache(budget: u64) -> ubc::Cache {

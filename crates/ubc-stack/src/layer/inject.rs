@@ -104,6 +104,10 @@ impl Layer for Inject {
             Kind::Over(_) => Ok(Opened::Wrap),
             Kind::Dir(d) => match d.open(path, access, below)? {
                 Opened::Store(p) => Ok(Opened::Store(Arc::new(InjectingPager::with_injector(p, self.faults.clone())))),
+                Opened::Shared { pager, remote } => Ok(Opened::Shared {
+                    pager: Arc::new(InjectingPager::with_injector(pager, self.faults.clone())),
+                    remote,
+                }),
                 other => Ok(other),
             },
         }

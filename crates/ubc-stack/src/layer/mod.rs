@@ -237,6 +237,12 @@ impl DirEntry {
 pub enum Opened {
     /// This layer stores the bytes (a new file token).
     Store(Arc<dyn ubc::Pager>),
+    /// This layer stores the bytes and other machines share them (issue 21: `s3` with
+    /// `etcd=`): the stack pins `remote`, the file's token between machines, around every
+    /// operation on the file and attaches the file's caches to it. Given with the pager by
+    /// the one lookup of the open, so that both name the same file (a rename elsewhere
+    /// between two lookups could not split them) and an open costs one round trip.
+    Shared { pager: Arc<dyn ubc::Pager>, remote: Arc<dyn crate::coherence::Remote> },
     /// The file is the lower layer's file (simply named).
     Lower,
     /// The file is the lower layer's file under another naming of its bytes: the stack
@@ -346,14 +352,6 @@ pub trait Layer: Send + Sync {
 
     /// Open the data of regular file `path`. => the file exists (the stack checked).
     fn open(&self, path: &str, access: ubc::Access, below: &dyn Below) -> Result<Opened>;
-
-    /// The token between machines of the store file `path` opened last (issue 21): for a
-    /// store other machines share (`s3` with `etcd=`); `None` for every other layer. The
-    /// stack pins it around every operation on the file and attaches the file's caches.
-    fn remote(&self, path: &str) -> Option<Arc<dyn crate::coherence::Remote>> {
-        let _ = path;
-        None
-    }
 
     /// Whether other machines use this store at once (`s3` with `etcd=`): their changes
     /// reach this machine's cache through the files' tokens, but no other cache of this

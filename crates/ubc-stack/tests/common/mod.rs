@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod data;
+pub mod servers;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering::*};

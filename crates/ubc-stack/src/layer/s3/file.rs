@@ -81,6 +81,8 @@ struct Dist {
     /// them too, not only through the stack's groups: a file closed everywhere stays cached,
     /// dirty pages included, with no group left to write it back.
     cache: Mutex<Option<ubc::pager::PagerRequest>>,
+    /// The token is being lost: pages written back are dropped (`TokenHolder::discarding`).
+    discarding: AtomicBool,
 }
 
 impl S3File {
@@ -122,6 +124,7 @@ impl S3File {
                 changed: AtomicBool::new(false),
                 commits: Mutex::new(()),
                 cache: Mutex::new(None),
+                discarding: AtomicBool::new(false),
             });
             f
         })
@@ -332,6 +335,26 @@ impl S3File {
         }
     }
 
+    /// `e`, a failed fetch of a chunk this file's state names. Not found, on a shared file
+    /// system: another machine replaced the chunk, so this machine's token must have been
+    /// taken from it unnoticed — checked in etcd (and lost if so: `Token::check_fence`),
+    /// and said as `ESTALE`, not as a missing object. Alone, a chunk the state names is
+    /// deleted only after a commit replaced it here, which a fetch retries for.
+    /// `writing_back`: the fetch was a write-back's (whose error its file's next `sync`
+    /// reports), not a read's or a truncation's (whose error tells nothing of changes lost
+    /// with the token: the loss notes them for the next `sync`).
+    fn chunk_gone(&self, e: io::Error, writing_back: bool) -> io::Error {
+        #[cfg(feature = "etcd")]
+        if let Some(d) = &self.dist
+            && e.kind() == io::ErrorKind::NotFound
+        {
+            d.token.check_fence(!writing_back);
+            return io::Error::from_raw_os_error(libc::ESTALE);
+        }
+        let _ = writing_back;
+        e
+    }
+
     /// One attempt of `get_pages`: `Err(NotFound)` if a chunk's version was replaced (and
     /// deleted) between reading the state and the fetch.
     fn read_once(&self, offset: u64, buf: &mut [u8]) -> io::Result<ubc::Fill> {
@@ -465,12 +488,17 @@ impl ubc::Pager for S3File {
                 // A flush replaced a chunk and a commit deleted the old version between the
                 // look at the state and the fetch: look again.
                 Err(e) if e.kind() == io::ErrorKind::NotFound && tries < 3 => tries += 1,
+                Err(e) => return Err(self.chunk_gone(e, false)),
                 r => return r,
             }
         }
     }
 
     fn put_pages(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        #[cfg(feature = "etcd")]
+        if self.dist.as_ref().is_some_and(|d| d.discarding.load(Relaxed)) {
+            return Ok(());
+        }
         let chunk = self.chunk();
         let end = offset.checked_add(data.len() as u64).ok_or_else(|| io::Error::from_raw_os_error(libc::EFBIG))?;
         let mut st = self.state.lock();
@@ -484,7 +512,7 @@ impl ubc::Pager for S3File {
                 // Every byte of the chunk is new: no need to read the old version.
                 st.staged.insert(idx, vec![0u8; chunk as usize]);
             }
-            let buf = self.stage(&mut st, idx)?;
+            let buf = self.stage(&mut st, idx).map_err(|e| self.chunk_gone(e, true))?;
             buf[(pos - cstart) as usize..(to - cstart) as usize]
                 .copy_from_slice(&data[(pos - offset) as usize..(to - offset) as usize]);
             pos = to;
@@ -517,7 +545,7 @@ impl ubc::Pager for S3File {
                 let idx = len / chunk;
                 let stored_past = st.chunks.get(&idx).is_some_and(|c| c.len as u64 > tail);
                 if st.staged.contains_key(&idx) || stored_past {
-                    let buf = self.stage(&mut st, idx)?;
+                    let buf = self.stage(&mut st, idx).map_err(|e| self.chunk_gone(e, false))?;
                     buf[tail as usize..].fill(0);
                 }
             }
@@ -595,11 +623,12 @@ impl crate::dist::TokenHolder for S3File {
         }
     }
 
-    fn discard(&self) {
+    fn discarding(&self, on: bool) {
         let mut st = self.state.lock();
         st.staged.clear();
         if let Some(d) = &self.dist {
             d.changed.store(false, Relaxed);
+            d.discarding.store(on, Relaxed);
         }
     }
 }

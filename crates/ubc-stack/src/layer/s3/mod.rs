@@ -789,11 +789,6 @@ impl Layer for S3 {
         shared_or!(self, fs => fs.open(&self.inner.shared, path));
         Ok(Opened::Store(self.inner.tree.data(path)?))
     }
-    fn remote(&self, path: &str) -> Option<Arc<dyn crate::coherence::Remote>> {
-        shared_or!(self, fs => fs.remote(&self.inner.shared, path));
-        let _ = path;
-        None
-    }
     fn is_shared(&self) -> bool {
         self.inner.is_shared()
     }

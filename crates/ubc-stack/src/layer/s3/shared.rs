@@ -141,15 +141,17 @@ impl SharedFs {
             (node.mtime, node.ctime) = (now, now);
             let txn = Txn::new()
                 .when([Compare::mod_revision(key.as_str(), CompareOp::Equal, rev), fence.clone()])
-                .and_then([TxnOp::put(key.as_str(), node.encode(), None)]);
-            let ok = shared.rt.block_on(c.txn(txn)).map_err(etcd_io)?.succeeded();
-            if ok {
+                .and_then([TxnOp::put(key.as_str(), node.encode(), None)])
+                .or_else([self.machine.fence_probe(f.ino)]);
+            let resp = shared.rt.block_on(c.txn(txn)).map_err(etcd_io)?;
+            if resp.succeeded() {
                 shared.commits.fetch_add(1, Relaxed);
                 shared.delete_all(shared.take_garbage_of(f.ino));
                 return Ok(());
             }
-            if !self.machine.holds_write(f.ino) {
-                // Fenced off: the lease ran out (another machine may have stored since).
+            if self.machine.fenced_off(f.ino, &resp) {
+                // The write token is gone from etcd (another machine may have stored since):
+                // the record is not this machine's to write.
                 return Err(io::Error::from_raw_os_error(libc::ESTALE));
             }
             // The record changed (an attribute set by another machine): merge again.
@@ -202,13 +204,9 @@ impl SharedFs {
         if kind != Kind::File {
             return Err(Error::IsDir(path.into()));
         }
-        Ok(Opened::Store(self.file_at(shared, path, ino)?))
-    }
-
-    pub(crate) fn remote(self: &Arc<Self>, shared: &Arc<Shared>, path: &str) -> Option<Arc<dyn Remote>> {
-        let (ino, _) = self.meta.lookup(path).ok()?;
-        let t = self.file(shared, ino).ok()?.token()?;
-        Some(t)
+        let file = self.file_at(shared, path, ino)?;
+        let remote: Arc<dyn Remote> = file.token().expect("a shared file has a token");
+        Ok(Opened::Shared { pager: file, remote })
     }
 
     pub(crate) fn remove(&self, shared: &Shared, path: &str) -> Result<()> {
