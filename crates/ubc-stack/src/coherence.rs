@@ -127,6 +127,10 @@ pub trait RemoteCache: Send + Sync {
     /// The stored file may have changed: drop every layer's pages and reload each layer's
     /// state and length, bottom first.
     fn reload(&self) -> std::io::Result<()>;
+    /// Whether a layer of the file is mapped shared and writable: its stores are not seen
+    /// one by one, so giving up the write token must take its pages out of the mapping (the
+    /// next access faults, and the fault asks for the token again), not keep them.
+    fn has_writable_mappings(&self) -> bool;
 }
 
 /// Token modes.
@@ -659,6 +663,10 @@ impl RemoteCache for Group {
             t.forget(&ALL);
         }
         Ok(())
+    }
+
+    fn has_writable_mappings(&self) -> bool {
+        self.domains.read().iter().any(|e| e.tokens.read().sticky.iter().any(|s| s.write))
     }
 
     fn reload(&self) -> std::io::Result<()> {

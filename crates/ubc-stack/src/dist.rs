@@ -830,6 +830,14 @@ impl Token {
                 h.store()?;
             }
         }
+        // A shared writable mapping keeps no page through a downgrade: a store through it
+        // must fault, and the fault take the write token back (`Pager::fault_guard`).
+        let mapped = held == Mode::Write && parties.caches.iter().any(|c| c.has_writable_mappings());
+        if keep.is_some() && mapped {
+            for c in &parties.caches {
+                c.drop_cached()?;
+            }
+        }
         if keep.is_none() {
             for c in &parties.caches {
                 c.drop_cached()?;

@@ -1516,7 +1516,8 @@ impl File {
         let write = access == ubc::Access::ReadWrite && sharing == ubc::Sharing::Shared;
         let mode = if write { Mode::Write } else { Mode::Read };
         // Between machines a mapping is coherent as of its faults: the token is pinned while
-        // it is made, and a revocation later drops its pages (they re-fault).
+        // it is made, each fault takes it again (`Pager::fault_guard` of the stored file),
+        // and giving it up drops the mapped pages (they re-fault).
         let _r = self.group.pin_remote(mode)?;
         // Registered first, so that conflicting operations in other domains see it from
         // the moment pages can be faulted.

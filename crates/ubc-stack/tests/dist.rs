@@ -520,3 +520,126 @@ fn a_commit_without_the_write_token_in_etcd_is_fenced_off() {
     let err = fd.sync().expect_err("D's unstored write went with its lease");
     assert_eq!(err.errno(), libc::ESTALE, "{err}");
 }
+
+/// The bucket, reached directly by the test (as another S3 client would).
+fn bucket_client(env: &SharedEnv) -> (tokio::runtime::Runtime, Arc<dyn object_store::ObjectStore>) {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let s = object_store::aws::AmazonS3Builder::from_env()
+        .with_bucket_name(&env.bucket)
+        .with_region("us-east-1")
+        .with_endpoint(&env.s3)
+        .with_allow_http(true)
+        .with_virtual_hosted_style_request(false)
+        .build()
+        .unwrap();
+    (rt, Arc::new(s))
+}
+
+/// The chunk objects of one file system (`<prefix>/ubc-s3/c/…`, docs/formats.md).
+fn chunk_objects(rt: &tokio::runtime::Runtime, s: &Arc<dyn object_store::ObjectStore>, prefix: &str) -> Vec<String> {
+    use futures::StreamExt;
+    let p = object_store::path::Path::from(format!("{prefix}/ubc-s3/c"));
+    let mut v: Vec<String> = rt.block_on(s.list(Some(&p)).map(|m| m.unwrap().location.to_string()).collect::<Vec<_>>());
+    v.sort();
+    v
+}
+
+/// A machine that crashed between an upload and its commit leaves chunk objects no record
+/// names; the sweep of a shared file system deletes them — but never those of a file some
+/// machine holds a token of (the write token's holder may not have committed its uploads
+/// yet), nor any chunk a record names.
+#[test]
+fn a_sweep_deletes_what_crashed_machines_left_and_nothing_a_live_one_may_need() {
+    let Some(env) = SharedEnv::get("a_sweep_deletes_what_crashed_machines_left") else { return };
+    let prefix = fresh_prefix("sweep");
+    let (rt, bucket) = bucket_client(&env);
+    let (la, a) = own_machine(&env.spec(&prefix, &env.etcd, ""));
+    let f = a.top().open_with("f", rw()).unwrap();
+    let want = data(7, 200_000);
+    f.write_at(&want, 0).unwrap();
+    f.sync().unwrap(); // A keeps the write token of f
+    let ino = a.top().getattr("f").unwrap().ino;
+    let stored = chunk_objects(&rt, &bucket, &prefix);
+    assert_eq!(stored.len(), 4, "200,000 bytes in 64 KiB chunks: {stored:?}");
+    // Leftovers: an uncommitted version of f (A might have uploaded it: A holds the write
+    // token), and versions of a file whose machine crashed (no record, no token).
+    let of_f = format!("{prefix}/ubc-s3/c/{ino:016x}/{:016x}.{:016x}", 9, 0xdead);
+    let crashed = format!("{prefix}/ubc-s3/c/{:016x}/{:016x}.{:016x}", 0x7777, 0, 1);
+    for p in [&of_f, &crashed] {
+        use object_store::ObjectStoreExt;
+        rt.block_on(bucket.put(&object_store::path::Path::from(p.as_str()), b"left".to_vec().into())).unwrap();
+    }
+    // B's layer sweeps once in the background when it opens; the test's sweep runs too.
+    // (Counts are not compared: which of the two deletes an object is a race.)
+    let (lb, _b) = own_machine(&env.spec(&prefix, &env.etcd, ""));
+    lb.sweep().unwrap();
+    let mut expect = stored.clone();
+    expect.push(of_f.clone());
+    expect.sort();
+    assert_eq!(chunk_objects(&rt, &bucket, &prefix), expect, "only the crashed machine's object goes");
+    // A gives the file up (closed, layer dropped): the uncommitted version is a leftover now.
+    drop((f, a, la));
+    lb.sweep().unwrap();
+    assert_eq!(chunk_objects(&rt, &bucket, &prefix), stored, "A's leftover goes; every chunk a record names stays");
+    let (_, c) = own_machine(&env.spec(&prefix, &env.etcd, ""));
+    same(&read_all(&c.top().open("f").unwrap()), &want, "the file after the sweeps");
+}
+
+/// Mappings between machines: a fault is served under the file's token (the read token,
+/// or the write token for a shared writable mapping), so a mapping shows what another
+/// machine wrote once the token came back — and a store through a shared writable mapping
+/// reaches the other machine, before and after it gave the token up (a downgrade takes the
+/// mapping's pages away, so the next store faults and takes the write token back).
+#[test]
+fn mappings_follow_the_token_between_machines() {
+    let Some(env) = SharedEnv::get("mappings_follow_the_token") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("key");
+    std::fs::write(&key, "44".repeat(32)).unwrap();
+    for above in ["", " | aead:keyfile=KEY | zstd"] {
+        let above = above.replace("KEY", key.to_str().unwrap());
+        let sp = format!("{}{above}", env.spec(&fresh_prefix("maps"), &env.etcd, ""));
+        let a = Stack::open(&sp, cache()).unwrap();
+        let b = Stack::open(&sp, cache()).unwrap();
+        let n = 200_000usize;
+        let fa = a.top().open_with("f", rw()).unwrap();
+        fa.write_at(&vec![b'a'; n], 0).unwrap();
+        fa.sync().unwrap();
+        // A read-only mapping on A; B writes (taking A's token: A's pages dropped).
+        let ma = fa.map(0..n as u64, ubc::Access::ReadOnly, ubc::Sharing::Shared).unwrap();
+        assert_eq!(ma[100], b'a');
+        let fb = b.top().open_with("f", OpenOptions::new().write(true)).unwrap();
+        fb.write_at(&[b'b'; 1_000], 0).unwrap();
+        fb.write_at(&[b'B'; 1_000], 150_000).unwrap();
+        // No sync: A's fault takes the read token, which makes B store first.
+        assert_eq!((ma[100], ma[150_500], ma[199_999]), (b'b', b'B', b'a'), "{above}: A's mapping after B's writes");
+        drop(ma);
+        // A shared writable mapping on A: its stores reach B, and after B read them (A kept
+        // only the read token) the next store takes the write token back.
+        let mut mw = fa.map(0..n as u64, ubc::Access::ReadWrite, ubc::Sharing::Shared).unwrap();
+        mw[10] = b'1';
+        let mut got = [0u8; 1];
+        fb.read_exact_at(&mut got, 10).unwrap();
+        assert_eq!(got[0], b'1', "{above}: B reads A's store through the mapping");
+        mw[20] = b'2';
+        mw[160_000] = b'3';
+        let mut got = [0u8; 3];
+        fb.read_exact_at(&mut got[..1], 20).unwrap();
+        fb.read_exact_at(&mut got[1..2], 160_000).unwrap();
+        fb.read_exact_at(&mut got[2..], 10).unwrap();
+        assert_eq!(&got, b"231", "{above}: B reads A's stores made after A gave the write token up");
+        // And B's write shows in A's writable mapping.
+        fb.write_at(b"4", 30).unwrap();
+        assert_eq!(mw[30], b'4', "{above}: A's writable mapping after B's write");
+        drop(mw);
+        // Every store landed in the store: a third machine reads them.
+        let c = Stack::open(&sp, cache()).unwrap();
+        let fc = c.top().open("f").unwrap();
+        let all = read_all(&fc);
+        assert_eq!(
+            (all[10], all[20], all[30], all[160_000], all[150_500]),
+            (b'1', b'2', b'4', b'3', b'B'),
+            "{above}: C"
+        );
+    }
+}

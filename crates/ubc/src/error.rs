@@ -89,6 +89,8 @@ pub enum PagerOp {
     Seek,
     /// Asking the pager for leave to change a range it locked (`Pager::unlock_request`).
     Unlock,
+    /// Asking the pager for what a mapping's fault needs first (`Pager::fault_guard`).
+    Fault,
 }
 
 impl PagerOp {
@@ -111,6 +113,7 @@ impl std::fmt::Display for PagerOp {
             PagerOp::Allocate => "reserving space",
             PagerOp::Seek => "seeking data or holes",
             PagerOp::Unlock => "asking the pager to unlock a range",
+            PagerOp::Fault => "preparing a mapping's fault",
         })
     }
 }

@@ -308,6 +308,14 @@ impl File {
         self.live()?.write_through()
     }
 
+    /// [`crate::Pager::fault_guard`] of this file's pager: for a layer's pager whose own
+    /// mapping faulted — its pages are made of this file's bytes, so what this file's pager
+    /// needs held for a fault it needs held for that one too. => the calling thread holds
+    /// nothing of this file (a fault guard's precondition).
+    pub fn fault_guard(&self, range: std::ops::Range<u64>, store: bool) -> Result<Option<crate::pager::FaultGuard>> {
+        self.live()?.guard_fault(range, store)
+    }
+
     /// Write back the dirty pages in byte `range` — stores through mappings included — and
     /// wait for them (Mach's `pager_clean_request`; `msync(MS_SYNC)` without the pager's
     /// sync). On error the pages stay dirty.

@@ -60,7 +60,7 @@ pub use mapping::Mapping;
 pub use memfd::Sharing;
 pub use object::{Length, Watcher, WritebackHook};
 pub use pager::file::Access;
-pub use pager::{Fill, Identity, IoMode, Pager, PagerRequest, Seek};
+pub use pager::{FaultGuard, Fill, Identity, IoMode, Pager, PagerRequest, Seek};
 pub use stats::{CacheStats, Stats};
 
 /// The README's examples are compiled and run as doctests.

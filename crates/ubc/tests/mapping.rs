@@ -5,6 +5,7 @@
 //! Tests that expect a signal re-run this test binary as a child with `UBC_CHILD` set to the
 //! test's name; the child does the fatal access and the parent checks how it died.
 
+#[macro_use]
 mod common;
 use common::*;
 use std::os::unix::process::ExitStatusExt;
@@ -691,4 +692,89 @@ fn random_faults_read_one_page_each() {
     let read = pager.bytes_requested() / PS as u64;
     println!("{read} pages read for {} touched; {:?}", touched.len(), cache.stats().totals);
     assert!(read * 100 <= touched.len() as u64 * 105, "{read} pages read for {} touched", touched.len());
+}
+
+/// A pager that counts the guards it hands out for faults and how many are held, and can
+/// refuse them (`Pager::fault_guard`).
+struct Guarded {
+    inner: MemPager,
+    given: std::sync::atomic::AtomicUsize,
+    stores: std::sync::atomic::AtomicUsize,
+    held: Arc<std::sync::atomic::AtomicUsize>,
+    held_at_fill: std::sync::atomic::AtomicUsize,
+    refuse: std::sync::atomic::AtomicBool,
+}
+
+struct Held(Arc<std::sync::atomic::AtomicUsize>);
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl ubc::Pager for Guarded {
+    forward_to!(inner: put_pages, len, set_len, sync);
+    fn get_pages(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<ubc::Fill> {
+        // A fill of a fault runs under its guard.
+        self.held_at_fill
+            .fetch_max(self.held.load(std::sync::atomic::Ordering::SeqCst), std::sync::atomic::Ordering::SeqCst);
+        ubc::Pager::get_pages(&self.inner, offset, buf)
+    }
+    fn fault_guard(&self, _range: std::ops::Range<u64>, store: bool) -> std::io::Result<Option<ubc::FaultGuard>> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if self.refuse.load(SeqCst) {
+            return Err(std::io::Error::from_raw_os_error(libc::ESTALE));
+        }
+        self.given.fetch_add(1, SeqCst);
+        if store {
+            self.stores.fetch_add(1, SeqCst);
+        }
+        self.held.fetch_add(1, SeqCst);
+        Ok(Some(ubc::FaultGuard::new(Held(self.held.clone()))))
+    }
+    fn describe(&self) -> String {
+        "guarded".into()
+    }
+}
+
+/// Every fault of a mapping asks the pager for a guard first — a store guard for a shared
+/// writable mapping — holds it while the pages are filled and mapped, and drops it after;
+/// a refused guard fails the access (SIGBUS), as a failed fill does.
+#[test]
+fn each_fault_is_served_under_the_pagers_guard() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+    const NAME: &str = "each_fault_is_served_under_the_pagers_guard";
+    let cache = Cache::builder().budget(16 << 20).build().unwrap();
+    let g = Arc::new(Guarded {
+        inner: MemPager::new(),
+        given: AtomicUsize::new(0),
+        stores: AtomicUsize::new(0),
+        held: Arc::new(AtomicUsize::new(0)),
+        held_at_fill: AtomicUsize::new(0),
+        refuse: AtomicBool::new(false),
+    });
+    let data = pattern(3, 0, 64 * PS);
+    ubc::Pager::put_pages(&g.inner, 0, &data).unwrap();
+    let f = cache.open(g.clone(), Access::ReadWrite).unwrap();
+    if in_child(NAME) {
+        g.refuse.store(true, SeqCst);
+        let m = f.map(0..64 * PS as u64, Access::ReadOnly, Sharing::Shared).unwrap();
+        std::hint::black_box(m[0]); // SIGBUS here
+        return;
+    }
+    let m = f.map(0..64 * PS as u64, Access::ReadOnly, Sharing::Shared).unwrap();
+    assert_same(&m, &data, "the mapping shows the file");
+    let reads = g.given.load(SeqCst);
+    assert!(reads >= 1, "no guard was asked for");
+    assert_eq!(g.stores.load(SeqCst), 0, "a read-only mapping asks for read guards");
+    assert_eq!(g.held.load(SeqCst), 0, "every guard is dropped once its fault is resolved");
+    assert_eq!(g.held_at_fill.load(SeqCst), 1, "the fills ran under the guard");
+    drop(m);
+    f.invalidate(0..u64::MAX, ubc::Length::Keep).unwrap();
+    let mut w = f.map(0..64 * PS as u64, Access::ReadWrite, Sharing::Shared).unwrap();
+    w[5 * PS] = 7;
+    assert!(g.stores.load(SeqCst) >= 1, "a shared writable mapping's fault asks for a store guard");
+    assert_eq!(g.held.load(SeqCst), 0);
+    drop(w);
+    assert_eq!(child_signal(NAME), Some(libc::SIGBUS), "a refused guard fails the access");
 }

@@ -934,6 +934,12 @@ fn read_exact_no_readahead(lower: &ubc::File, buf: &mut [u8], offset: u64) -> ub
 }
 
 impl Pager for CompressPager {
+    /// A fault of this layer's mapping needs what a fault of the lower file does (its
+    /// bytes are made of the lower file's; which ones is this layer's business, so the
+    /// whole lower file is asked about).
+    fn fault_guard(&self, _range: std::ops::Range<u64>, store: bool) -> io::Result<Option<ubc::FaultGuard>> {
+        Ok(self.lower.fault_guard(0..u64::MAX, store)?)
+    }
     fn get_pages(&self, offset: u64, buf: &mut [u8]) -> io::Result<Fill> {
         if buf.is_empty() {
             return Ok(Fill::Hole);

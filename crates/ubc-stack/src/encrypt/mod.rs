@@ -713,6 +713,12 @@ impl EncryptPager {
 }
 
 impl Pager for EncryptPager {
+    /// A fault of this layer's mapping needs what a fault of the lower file does (its
+    /// bytes are made of the lower file's; which ones is this layer's business, so the
+    /// whole lower file is asked about).
+    fn fault_guard(&self, _range: std::ops::Range<u64>, store: bool) -> io::Result<Option<ubc::FaultGuard>> {
+        Ok(self.lower.fault_guard(0..u64::MAX, store)?)
+    }
     /// Precondition: `offset` is a multiple of 4096 (the cache's pages are). Any `buf`
     /// length works. Every block of the range inside the length is authenticated; one
     /// failing block fails the call with its [`AuthError`].

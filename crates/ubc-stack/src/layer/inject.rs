@@ -168,6 +168,9 @@ impl Pager for LowerFile {
     fn write_through(&self) -> io::Result<()> {
         Ok(self.0.write_through()?)
     }
+    fn fault_guard(&self, range: std::ops::Range<u64>, store: bool) -> io::Result<Option<ubc::FaultGuard>> {
+        Ok(self.0.fault_guard(range, store)?)
+    }
     fn identity(&self) -> Option<Identity> {
         self.0.identity().map(|id| Identity::Named { kind: "fault", name: format!("{id:?}") })
     }

@@ -111,6 +111,10 @@ pub(crate) trait Mapped: Send + Sync {
     /// A fault of a shared writable mapping on pages `a..b`: ask the pager to unlock those
     /// it locked (`Pager::unlock_request`). => nothing of the object held.
     fn allow_stores(&self, a: u64, b: u64) -> Result<()>;
+    /// A fault on page `page` is about to be served: what the pager needs held meanwhile
+    /// (`Pager::fault_guard`; `store`: a shared writable mapping's). => nothing of the
+    /// object held.
+    fn fault_guard(&self, page: u64, store: bool) -> Result<Option<crate::pager::FaultGuard>>;
 }
 
 /// One user mapping of an object: its address range and how it was registered.
@@ -536,6 +540,17 @@ impl MapService {
         addr &= !(sys - 1);
         let ps = obj.page_shift();
         let page = (m.offset + (addr - m.addr) as u64) >> ps;
+        // First, holding nothing: what the pager needs held while the fault is served (a
+        // file shared between machines: its token). The length is read after it (taking a
+        // token may reload it). Held to the end of the fault.
+        let _guard = match obj.fault_guard(page, m.tracked) {
+            Ok(g) => g,
+            Err(e) => {
+                self.tell_fill_error(page, &e);
+                self.poison(k, &m, addr, sys);
+                return;
+            }
+        };
         let end = obj.len().div_ceil(1 << ps).min(m.pages(ps).end);
         if page >= end {
             self.poison(k, &m, addr, sys);

@@ -198,8 +198,26 @@ impl crate::map::Mapped for Object {
         let ps = self.ps();
         self.unlock_for_change(a << ps, b << ps)
     }
+    fn fault_guard(&self, page: u64, store: bool) -> Result<Option<crate::pager::FaultGuard>> {
+        let ps = self.ps();
+        self.guard_fault(page << ps..(page + 1) << ps, store)
+    }
 
     fn unpin_fault(&self, chunk: &Chunk, page: u64, n: u64) {
         Object::unpin_fault(self, chunk, page, n)
+    }
+}
+
+impl Object {
+    /// `Pager::fault_guard` for bytes `range`. Not in a pager scope (`call_pager`): the
+    /// thread holds nothing of this object, and the pager may make requests of it here
+    /// (taking a token reloads the cache). => nothing of this object held.
+    pub(crate) fn guard_fault(
+        &self,
+        range: std::ops::Range<u64>,
+        store: bool,
+    ) -> Result<Option<crate::pager::FaultGuard>> {
+        let at = range.start;
+        self.pager().fault_guard(range, store).map_err(|e| self.io_err(PagerOp::Fault, at, e))
     }
 }

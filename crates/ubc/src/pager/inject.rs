@@ -265,6 +265,9 @@ impl Pager for InjectingPager {
     fn unlock_request(&self, range: std::ops::Range<u64>) -> io::Result<()> {
         self.inner.unlock_request(range)
     }
+    fn fault_guard(&self, range: std::ops::Range<u64>, store: bool) -> io::Result<Option<crate::pager::FaultGuard>> {
+        self.inner.fault_guard(range, store)
+    }
     fn identity(&self) -> Option<Identity> {
         self.inner.identity()
     }

@@ -125,6 +125,22 @@ pub trait Pager: Send + Sync + 'static {
         let _ = request;
     }
 
+    /// A mapping of this file faulted on bytes `range` (whole cache pages) and the cache is
+    /// about to serve it — fill, then map — holding nothing of the file yet: a fault is the
+    /// one access no call of the file's own brackets, so a pager whose bytes other parties
+    /// change under a token (a file shared between machines) takes that token here. The
+    /// guard returned is held until the fault is resolved (its pages filled and mapped),
+    /// then dropped. `store`: the mapping is shared and writable, so stores through it
+    /// will not be seen one by one — the pager should give leave to write, not only to
+    /// read. A layer's pager over another file passes the question down
+    /// ([`crate::File::fault_guard`]). An error fails the access (`SIGBUS`), as a failed
+    /// fill does. Called on the cache's fault-serving thread (every fault of the cache's
+    /// mappings waits meanwhile). Default: no guard.
+    fn fault_guard(&self, range: std::ops::Range<u64>, store: bool) -> io::Result<Option<FaultGuard>> {
+        let _ = (range, store);
+        Ok(None)
+    }
+
     /// Mach's `pager_data_unlock`: the cache is about to change bytes `range` of the file,
     /// which this pager write-locked ([`PagerRequest::lock`]) — a write, a writable window,
     /// a truncation or extension, or a fault of a shared writable mapping (whose stores the
@@ -344,6 +360,17 @@ pub fn seek_blocks(
 #[derive(Clone)]
 pub struct PagerRequest {
     target: std::sync::Arc<dyn RequestTarget>,
+}
+
+/// What a pager gives the cache to hold while one fault of a mapping is served
+/// ([`Pager::fault_guard`]): dropped once the fault is resolved.
+pub struct FaultGuard(#[allow(dead_code)] Box<dyn Send>);
+
+impl FaultGuard {
+    /// A guard holding `held` (a token's pin, a lock guard) until the fault is resolved.
+    pub fn new<T: Send + 'static>(held: T) -> FaultGuard {
+        FaultGuard(Box::new(held))
+    }
 }
 
 /// What a [`PagerRequest`] reaches: the object (`object/holders.rs` implements it on a

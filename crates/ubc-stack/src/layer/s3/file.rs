@@ -494,6 +494,22 @@ impl ubc::Pager for S3File {
         }
     }
 
+    /// A mapping's fault, shared between machines: served under the file's token — the
+    /// write token for a shared writable mapping (stores through it will not be seen one by
+    /// one), else the read token — held until the fault is resolved. Without it a fault
+    /// after the token went elsewhere read the chunks of a record another machine had
+    /// replaced (`ESTALE`, so `SIGBUS`), or stale bytes.
+    fn fault_guard(&self, _range: std::ops::Range<u64>, store: bool) -> io::Result<Option<ubc::FaultGuard>> {
+        #[cfg(feature = "etcd")]
+        if let Some(d) = &self.dist {
+            let mode = if store { crate::coherence::Mode::Write } else { crate::coherence::Mode::Read };
+            let pin = crate::coherence::Remote::pin(d.token.clone(), mode)?;
+            return Ok(Some(ubc::FaultGuard::new(pin)));
+        }
+        let _ = store;
+        Ok(None)
+    }
+
     fn put_pages(&self, offset: u64, data: &[u8]) -> io::Result<()> {
         #[cfg(feature = "etcd")]
         if self.dist.as_ref().is_some_and(|d| d.discarding.load(Relaxed)) {

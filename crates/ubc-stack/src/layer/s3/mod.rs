@@ -398,7 +398,7 @@ impl Inner {
     /// is opened, before anything of this layer's own is uploaded. Younger ones may be a
     /// live writer's uploads not committed yet — another process over the same prefix, or
     /// an instance of this layer not dropped yet — and stay for a later sweep.
-    fn sweep(&self) -> io::Result<()> {
+    fn sweep(&self) -> io::Result<u64> {
         let named: std::collections::HashSet<ObjPath> = {
             let nodes = self.tree.nodes.lock();
             nodes
@@ -411,11 +411,16 @@ impl Inner {
                 .collect()
         };
         let old = chrono_now_minus(SWEEP_AGE);
-        let stale = self.shared.list("c/")?.into_iter();
-        self.shared.delete_all(
-            stale.filter(|m| !named.contains(&m.location) && m.last_modified < old).map(|m| m.location).collect(),
-        );
-        Ok(())
+        let stale: Vec<ObjPath> = self
+            .shared
+            .list("c/")?
+            .into_iter()
+            .filter(|m| !named.contains(&m.location) && m.last_modified < old)
+            .map(|m| m.location)
+            .collect();
+        let n = stale.len() as u64;
+        self.shared.delete_all(stale);
+        Ok(n)
     }
 }
 
@@ -646,6 +651,18 @@ impl S3 {
         self.inner.dist.as_ref().map(|fs| fs.machine.stats())
     }
 
+    /// Delete the chunk objects a crash left behind now, and say how many: in the tree mode
+    /// those the last tree does not name, older than 15 minutes (the open does this too); on
+    /// a file system shared through etcd those no record names, of files no machine holds
+    /// a token of (the layer's committer does this once after the open).
+    pub fn sweep(&self) -> Result<u64> {
+        #[cfg(feature = "etcd")]
+        if let Some(fs) = &self.inner.dist {
+            return fs.sweep(&self.inner.shared).map_err(|e| Error::io(&self.spec, e));
+        }
+        self.inner.sweep().map_err(|e| Error::io(&self.spec, e))
+    }
+
     /// Commit now (what `sync_dir` and a file's `sync` do).
     pub fn commit(&self) -> Result<()> {
         self.inner.commit().map_err(|e| Error::io(&self.spec, e))
@@ -668,6 +685,14 @@ impl S3 {
 /// The background committer: commits every `COMMIT_EVERY` while something changed, until
 /// the layer is dropped.
 fn committer(weak: Weak<Inner>) {
+    // Shared: the leftovers of crashed machines, swept once in the background (a listing of
+    // every chunk object; the tree mode sweeps at open instead, before it uploads anything).
+    #[cfg(feature = "etcd")]
+    if let Some(inner) = weak.upgrade()
+        && let Some(fs) = &inner.dist
+    {
+        let _ = fs.sweep(&inner.shared);
+    }
     loop {
         std::thread::sleep(COMMIT_EVERY);
         let Some(inner) = weak.upgrade() else { return };

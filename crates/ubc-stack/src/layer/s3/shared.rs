@@ -18,9 +18,11 @@ use super::meta_etcd::EtcdMeta;
 use crate::coherence::{Mode, Remote};
 use crate::dist::Machine;
 use crate::error::{Error, Result};
-use etcd_client::{Compare, CompareOp, Txn, TxnOp};
+use etcd_client::{Compare, CompareOp, GetOptions, Txn, TxnOp, TxnOpResponse};
+use object_store::path::Path as ObjPath;
 use parking_lot::Mutex;
 use std::collections::HashMap;
+use std::collections::HashSet;
 use std::io;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Weak};
@@ -168,6 +170,62 @@ impl SharedFs {
             }
         }
         first.map_or(Ok(()), Err)
+    }
+
+    /// Delete the chunk objects nothing can reach: named by no record, of a file no machine
+    /// holds a token of. They are left by a machine that crashed or lost its lease between
+    /// an upload and its commit, or between a commit and its deletion of the versions it
+    /// replaced (issue 21: the tree mode's sweep goes by age; here the tokens tell). A
+    /// machine holding a file's write token may have uploaded versions it has not committed
+    /// yet, and one holding any token may have the file open after its last name went, so
+    /// such files are left alone. The objects are listed *before* etcd is read, in one
+    /// revision: an object listed was uploaded under a write token held then, which either
+    /// is held still at the read, or was given up after a commit that named the object or
+    /// replaced it (garbage). Returns the objects deleted.
+    pub(crate) fn sweep(&self, shared: &Shared) -> io::Result<u64> {
+        let objects = shared.list("c/")?;
+        if objects.is_empty() {
+            return Ok(0);
+        }
+        let (records, tokens) = (format!("{}i/", self.prefix), format!("{}t/", self.prefix));
+        let txn = Txn::new().and_then([
+            TxnOp::get(records.as_str(), Some(GetOptions::new().with_prefix())),
+            TxnOp::get(tokens.as_str(), Some(GetOptions::new().with_prefix().with_keys_only())),
+        ]);
+        let mut kv = self.meta.client().kv_client().max_decoding_message_size(256 << 20);
+        let resp = shared.rt.block_on(kv.txn(txn)).map_err(etcd_io)?;
+        let mut named = HashSet::new();
+        let mut held = HashSet::new();
+        for (i, r) in resp.op_responses().into_iter().enumerate() {
+            let TxnOpResponse::Get(g) = r else { continue };
+            for kv in g.kvs() {
+                if i == 0 {
+                    let n = StoredNode::decode(kv.value()).map_err(io::Error::other)?;
+                    named.extend(n.chunks.iter().map(|(&idx, c)| shared.chunk_path(n.ino, idx, c.version)));
+                } else if let Some(ino) = kv
+                    .key_str()
+                    .ok()
+                    .and_then(|k| k.strip_prefix(tokens.as_str()))
+                    .and_then(|k| k.split('/').next())
+                    .and_then(|h| u64::from_str_radix(h, 16).ok())
+                {
+                    held.insert(ino);
+                }
+            }
+        }
+        let chunks = format!("{}c/", shared.root);
+        let ino_of = |p: &ObjPath| {
+            let rest = p.as_ref().strip_prefix(chunks.as_str())?;
+            u64::from_str_radix(rest.split('/').next()?, 16).ok()
+        };
+        let unreachable: Vec<ObjPath> = objects
+            .into_iter()
+            .map(|m| m.location)
+            .filter(|p| !named.contains(p) && ino_of(p).is_some_and(|ino| !held.contains(&ino)))
+            .collect();
+        let n = unreachable.len() as u64;
+        shared.delete_all(unreachable);
+        Ok(n)
     }
 
     /// Delete every object of file `ino` (its last name is gone and nothing here has it
