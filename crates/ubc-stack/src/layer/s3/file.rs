@@ -503,7 +503,7 @@ impl ubc::Pager for S3File {
         #[cfg(feature = "etcd")]
         if let Some(d) = &self.dist {
             let mode = if store { crate::coherence::Mode::Write } else { crate::coherence::Mode::Read };
-            let pin = crate::coherence::Remote::pin(d.token.clone(), mode)?;
+            let pin = d.token.pin_fault(mode)?;
             return Ok(Some(ubc::FaultGuard::new(pin)));
         }
         let _ = store;
