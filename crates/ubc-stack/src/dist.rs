@@ -421,10 +421,14 @@ impl MachineInner {
             self.requested.fetch_add(keys.len() as u64, Relaxed);
             let tp = tprefix.clone();
             let _ = self.rt.block_on(async move {
+                // The watch first: made before the requests' puts move etcd's revision past
+                // `rev`, it is in step with etcd and hears a change at once; made after, it
+                // starts in the past, and etcd catches such watches up only every 100 ms
+                // (its watchable store's resync), which each turn paid.
+                let mut ws = c.watch(tp, Some(WatchOptions::new().with_prefix().with_start_revision(rev + 1))).await?;
                 for k in keys {
                     c.put(k, mode_byte(mode), Some(PutOptions::new().with_lease(lease))).await?;
                 }
-                let mut ws = c.watch(tp, Some(WatchOptions::new().with_prefix().with_start_revision(rev + 1))).await?;
                 // Until a holder changes (the first answer only says the watch was made:
                 // looking again at it would poll etcd while the holder works).
                 let _ = tokio::time::timeout(WATCH_SLICE, async {
@@ -462,7 +466,14 @@ impl MachineInner {
         let theirs = format!("{tprefix}{:016x}", y.to);
         let tp = tprefix.to_string();
         self.rt.block_on(async move {
-            let Ok(mut ws) = c.watch(tp, Some(WatchOptions::new().with_prefix().with_start_revision(y.rev + 1))).await
+            // Put since the yield already (the usual case)? Then no watch: one made from a
+            // past revision is served by etcd's 100 ms resync, not at once.
+            let Ok(now) = c.get(theirs.as_str(), None).await else { return };
+            if now.kvs().first().is_some_and(|kv| kv.mod_revision() > y.rev) {
+                return;
+            }
+            let from = now.header().map_or(y.rev, |h| h.revision());
+            let Ok(mut ws) = c.watch(tp, Some(WatchOptions::new().with_prefix().with_start_revision(from + 1))).await
             else {
                 return;
             };
