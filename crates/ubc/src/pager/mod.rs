@@ -134,8 +134,8 @@ pub trait Pager: Send + Sync + 'static {
     /// will not be seen one by one — the pager should give leave to write, not only to
     /// read. A layer's pager over another file passes the question down
     /// ([`crate::File::fault_guard`]). An error fails the access (`SIGBUS`), as a failed
-    /// fill does. Called on the cache's fault-serving thread (every fault of the cache's
-    /// mappings waits meanwhile). Default: no guard.
+    /// fill does. Called on one of the cache's fault threads (`CacheBuilder::fault_threads`),
+    /// which serves no other fault meanwhile. Default: no guard.
     fn fault_guard(&self, range: std::ops::Range<u64>, store: bool) -> io::Result<Option<FaultGuard>> {
         let _ = (range, store);
         Ok(None)
