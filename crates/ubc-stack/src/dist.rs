@@ -262,12 +262,8 @@ impl Machine {
         if stored.as_deref() == Some(mode_byte(Mode::Write)) {
             return false;
         }
-        let token = self.inner.tokens.lock().get(&ino).and_then(Weak::upgrade);
-        let held = token.and_then(|t| t.st.lock().held);
-        if stored.is_none() || stored.as_deref() != held.map(mode_byte) {
-            // The commit's caller is told (`ESTALE`): the loss notes nothing more.
-            self.inner.fenced_off(ino, false);
-        }
+        // The commit's caller is told (`ESTALE`): the loss notes nothing more.
+        self.inner.check_key(ino, stored.as_deref(), false);
         true
     }
 
@@ -347,7 +343,7 @@ impl MachineInner {
         let mykey = self.tkey(ino, me);
         let mut asked: Vec<String> = Vec::new();
         if let Some(y) = defer {
-            self.await_turn(&tprefix, y);
+            self.await_turn(ino, y);
         }
         let r = loop {
             let lease = self.lease(deadline)?;
@@ -454,17 +450,17 @@ impl MachineInner {
     }
 
     /// Wait for the machine this one yielded to (`y`) to take its turn: until its key of
-    /// the file (under `tprefix`) has been put since `y.rev`, or until `YIELD_GRACE` after
+    /// file `ino` has been put since `y.rev`, or until `YIELD_GRACE` after
     /// the yield (the requester gave up or died; or etcd failed: the acquisition then goes
     /// ahead as without a yield).
-    fn await_turn(&self, tprefix: &str, y: Yielded) {
+    fn await_turn(&self, ino: u64, y: Yielded) {
         let left = YIELD_GRACE.saturating_sub(y.at.elapsed());
         if left.is_zero() {
             return;
         }
         let mut c = self.client.clone();
-        let theirs = format!("{tprefix}{:016x}", y.to);
-        let tp = tprefix.to_string();
+        let theirs = self.tkey(ino, y.to);
+        let tp = self.tprefix(ino);
         self.rt.block_on(async move {
             // Put since the yield already (the usual case)? Then no watch: one made from a
             // past revision is served by etcd's 100 ms resync, not at once.
@@ -513,6 +509,16 @@ impl MachineInner {
         let k = self.tkey(ino, self.id);
         self.rt.block_on(async move { c.delete(k, None).await }).map_err(etcd_err)?;
         Ok(())
+    }
+
+    /// The fence: `stored` is what etcd holds under this machine's key of `ino`. If it is
+    /// not the mode this machine holds, the token is gone from etcd though this machine
+    /// did not know, and is lost here too (`fenced_off`). `note`: see [`Token::lose`].
+    fn check_key(&self, ino: u64, stored: Option<&[u8]>, note: bool) {
+        let held = self.tokens.lock().get(&ino).and_then(Weak::upgrade).and_then(|t| t.st.lock().held);
+        if stored.is_none() || stored != held.map(mode_byte) {
+            self.fenced_off(ino, note);
+        }
     }
 
     /// This machine's token of `ino` is gone from etcd though it did not know: it is lost
@@ -775,14 +781,14 @@ impl Token {
     /// not say what this machine holds, lose the token (the fence, as at a commit).
     /// `note`: see [`Token::lose`].
     pub(crate) fn check_fence(&self, note: bool) {
-        let Some(held) = self.st.lock().held else { return };
+        if self.st.lock().held.is_none() {
+            return;
+        }
         let Some(m) = self.machine.upgrade() else { return };
         let mut c = m.client.clone();
         let key = m.tkey(self.ino, m.id);
         let Ok(r) = m.rt.block_on(async move { c.get(key, None).await }) else { return };
-        if !r.kvs().iter().any(|kv| kv.value() == mode_byte(held)) {
-            m.fenced_off(self.ino, note);
-        }
+        m.check_key(self.ino, r.kvs().first().map(|kv| kv.value()), note);
     }
 
     /// Take the note of changes lost with the lease (once).
@@ -800,11 +806,10 @@ impl Token {
         let mut st = self.st.lock();
         if st.pins > 0 && !st.acquiring && covers(st.held, mode) {
             st.pins += 1;
+        } else {
             drop(st);
-            return Ok(RemotePin::new(Box::new(Pinned(self.clone()))));
+            self.pin_arc(mode)?;
         }
-        drop(st);
-        self.pin_arc(mode)?;
         Ok(RemotePin::new(Box::new(Pinned(self.clone()))))
     }
 
@@ -926,18 +931,15 @@ impl Token {
                 h.store()?;
             }
         }
-        // A shared writable mapping keeps no page through a downgrade: a store through it
-        // must fault, and the fault take the write token back (`Pager::fault_guard`).
+        // A shared writable mapping keeps no page through a downgrade either: a store through
+        // it must fault, and the fault take the write token back (`Pager::fault_guard`).
         let mapped = held == Mode::Write && parties.caches.iter().any(|c| c.has_writable_mappings());
-        if keep.is_some() && mapped {
+        if keep.is_none() || mapped {
             for c in &parties.caches {
                 c.drop_cached()?;
             }
         }
         if keep.is_none() {
-            for c in &parties.caches {
-                c.drop_cached()?;
-            }
             if let Some(h) = &parties.holder {
                 h.drop_cached()?;
             }

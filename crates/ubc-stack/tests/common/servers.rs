@@ -6,19 +6,20 @@
 use rand::{RngExt, SeedableRng, rngs::StdRng};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
+/// A test's servers are missing: `None` (the test skips), or a failure when the test
+/// script's `required` variable says they must be there.
+fn missing<T>(test: &str, required: &str, what: &str) -> Option<T> {
+    assert!(std::env::var(required).as_deref() != Ok("1"), "{test}: {required}=1 but no {what}");
+    eprintln!("SKIP {test}: no {what} (run ./scripts/test, which starts it)");
+    None
+}
+
 /// The S3 server and bucket (`UBC_TEST_S3_ENDPOINT`, `UBC_TEST_S3_BUCKET`), or `None`
 /// (skipped; a failure under `UBC_TEST_S3_REQUIRED=1`).
 pub fn s3_server(test: &str) -> Option<(String, String)> {
     match (std::env::var("UBC_TEST_S3_ENDPOINT"), std::env::var("UBC_TEST_S3_BUCKET")) {
         (Ok(e), Ok(b)) => Some((e, b)),
-        _ => {
-            assert!(
-                std::env::var("UBC_TEST_S3_REQUIRED").as_deref() != Ok("1"),
-                "{test}: UBC_TEST_S3_REQUIRED=1 but no S3 server (UBC_TEST_S3_ENDPOINT)"
-            );
-            eprintln!("SKIP {test}: no S3 server (run ./scripts/test, which starts one)");
-            None
-        }
+        _ => missing(test, "UBC_TEST_S3_REQUIRED", "S3 server (UBC_TEST_S3_ENDPOINT)"),
     }
 }
 
@@ -38,14 +39,7 @@ impl SharedEnv {
             std::env::var("UBC_TEST_ETCD"),
         ) {
             (Ok(s3), Ok(bucket), Ok(etcd)) => Some(SharedEnv { s3, bucket, etcd }),
-            _ => {
-                assert!(
-                    std::env::var("UBC_TEST_ETCD_REQUIRED").as_deref() != Ok("1"),
-                    "{test}: UBC_TEST_ETCD_REQUIRED=1 but no S3 server or etcd (UBC_TEST_S3_ENDPOINT, UBC_TEST_ETCD)"
-                );
-                eprintln!("SKIP {test}: no S3 server or etcd (run ./scripts/test, which starts both)");
-                None
-            }
+            _ => missing(test, "UBC_TEST_ETCD_REQUIRED", "S3 server or etcd (UBC_TEST_S3_ENDPOINT, UBC_TEST_ETCD)"),
         }
     }
 
