@@ -619,6 +619,41 @@ fn direct_mode_round_trips() {
     d.unmount();
 }
 
+/// `--cache direct` keeps no page in the kernel but those of mapped files
+/// (`FUSE_DIRECT_IO_ALLOW_MMAP`): a write through another mount of the stack drops them, so
+/// a load from the mapping after the write returned sees it, in the other layer too
+/// (before, only the writing mount's own pages were dropped, by the kernel: the mapping on
+/// the other mount kept the old bytes for good).
+#[test]
+fn direct_mode_mappings_follow_writes_through_another_mount() {
+    if !fuse_available() {
+        return;
+    }
+    let (t, spec, mnt) = stack_dir(" | null");
+    let mnt2 = t.path().join("mnt2");
+    let mut d = Daemon::start(&spec, &[(0, &mnt), (1, &mnt2)], &["--cache", "direct"], &t.path().join("err"));
+    let mut want = sample(1 << 16);
+    std::fs::write(mnt.join("m"), &want).unwrap();
+    for (writer, mapped) in [(&mnt, &mnt2), (&mnt2, &mnt)] {
+        let f = std::fs::File::open(mapped.join("m")).unwrap();
+        let map = Mapped::new(&f, want.len());
+        let w = std::fs::OpenOptions::new().write(true).open(writer.join("m")).unwrap();
+        for k in 0..5usize {
+            let at = k * 9_973;
+            assert!(map.bytes(at..at + 64) == want[at..at + 64], "mapped before write {k}");
+            let rec = vec![0xB0 + k as u8; 64];
+            w.write_all_at(&rec, at as u64).unwrap();
+            want[at..at + 64].copy_from_slice(&rec);
+            assert!(
+                map.bytes(at..at + 64) == rec,
+                "a mapping on {}, after write {k} on the other mount",
+                mapped.display()
+            );
+        }
+    }
+    d.unmount();
+}
+
 /// CPU time (user + system, in clock ticks) the process `pid` has used so far.
 fn cpu_ticks(pid: i32) -> u64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
@@ -1870,6 +1905,22 @@ fn two_machines_mount_one_shared_stack() {
     }
     drop(f);
     assert!(std::fs::read(m1.join("d/moved")).unwrap() == want, "overwrites on one mount, read on the other");
+    // A mapping on one machine's mount follows writes made on the other: the token given up
+    // drops the pages of that mount's kernel too, before the other machine may write (they
+    // stayed before: the mapping showed the old bytes for good).
+    let mf = std::fs::File::open(m2.join("d/moved")).unwrap();
+    let map = Mapped::new(&mf, 1 << 20);
+    let w = std::fs::OpenOptions::new().write(true).open(m1.join("d/moved")).unwrap();
+    for k in 0..6usize {
+        let at = (k * 200_003) % ((1 << 20) - 64);
+        assert!(map.bytes(at..at + 64) == want[at..at + 64], "mapped before write {k}");
+        let rec = vec![0xA0 + k as u8; 64];
+        w.write_all_at(&rec, at as u64).unwrap();
+        want[at..at + 64].copy_from_slice(&rec);
+        // The write returned: a read of the mapping that starts now sees it.
+        assert!(map.bytes(at..at + 64) == rec, "a mapping on the other machine's mount, after write {k}");
+    }
+    drop((map, mf, w));
     std::fs::remove_file(m2.join("a")).unwrap();
     assert!(!m1.join("a").exists(), "a removal seen on the other mount");
 }

@@ -499,7 +499,16 @@ pub(crate) struct Group<F = ubc::File> {
     pub(crate) lower_writes: Arc<LowerWrites>,
     /// The file's token between machines, for a store other machines share (issue 21).
     remote: std::sync::OnceLock<Arc<dyn Remote>>,
+    /// Told when the token made this group drop its pages ([`RemoteCache::drop_cached`]):
+    /// another machine may change the file now, so caches outside the stack (a mount's
+    /// kernel) must drop theirs too.
+    remote_dropped: std::sync::OnceLock<RemoteDropped>,
 }
+
+/// What [`Group::set_remote`] is given to call after the token dropped the group's pages:
+/// on the token's thread, holding no lock of the stack or the cache, before the token goes
+/// to the other machine.
+pub(crate) type RemoteDropped = Box<dyn Fn() + Send + Sync>;
 
 /// One owner's lock on bytes `range` of `domain`, as POSIX record locks keep them: an
 /// owner's later lock or unlock over part of it replaces or splits it.
@@ -636,8 +645,10 @@ impl Group {
 }
 
 impl Group {
-    /// Make `remote` this file's token between machines and attach the group to it.
-    pub(crate) fn set_remote(self: &Arc<Self>, remote: Arc<dyn Remote>) {
+    /// Make `remote` this file's token between machines and attach the group to it;
+    /// `dropped` is called each time the token drops the group's pages.
+    pub(crate) fn set_remote(self: &Arc<Self>, remote: Arc<dyn Remote>, dropped: RemoteDropped) {
+        let _ = self.remote_dropped.set(dropped);
         if self.remote.set(remote.clone()).is_ok() {
             let me: Arc<dyn RemoteCache> = self.clone();
             remote.attach(Arc::downgrade(&me));
@@ -655,12 +666,17 @@ impl RemoteCache for Group {
     }
 
     fn drop_cached(&self) -> std::io::Result<()> {
-        let _g = self.lock.lock();
-        let doms = self.domains.read().clone();
-        for e in doms.iter().rev() {
-            let mut t = e.tokens.write();
-            e.file.invalidate(ALL, ubc::Length::Keep)?;
-            t.forget(&ALL);
+        {
+            let _g = self.lock.lock();
+            let doms = self.domains.read().clone();
+            for e in doms.iter().rev() {
+                let mut t = e.tokens.write();
+                e.file.invalidate(ALL, ubc::Length::Keep)?;
+                t.forget(&ALL);
+            }
+        }
+        if let Some(f) = self.remote_dropped.get() {
+            f();
         }
         Ok(())
     }
@@ -700,6 +716,7 @@ impl<F: Actions> Group<F> {
             appending: Mutex::new(()),
             lower_writes: Arc::new(LowerWrites::default()),
             remote: std::sync::OnceLock::new(),
+            remote_dropped: std::sync::OnceLock::new(),
         }
     }
 

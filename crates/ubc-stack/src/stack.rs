@@ -186,6 +186,17 @@ pub struct Change {
     /// data (or a general layer's metadata) written back into it from the domain above:
     /// what the layers above show did not change.
     pub direct: bool,
+    /// The file's (device, inode number) as the layers' attributes give them ([`Attr::dev`],
+    /// [`Attr::ino`]), where known: a host file's are its identity's; a named store's, its
+    /// layer's ([`crate::Layer`]'s `attr_key`).
+    pub key: Option<(u64, u64)>,
+    /// Another machine may change the file from now on (its store is shared, `s3` with
+    /// `etcd=`, and this machine gave its token up or lost it): every cached byte of it,
+    /// in every domain, must be dropped before the token goes — this machine's cache has
+    /// dropped its own. Told with `range` all of domain 0, `direct`, on a thread holding no
+    /// lock of the stack or the cache, which waits for the watcher: unlike other changes, a
+    /// watcher may wait here (bounded) until caches of its own have dropped the file.
+    pub remote: bool,
 }
 
 thread_local! {
@@ -802,8 +813,8 @@ impl Inner {
             None => GroupKey::Path(level, path.to_string()),
         };
         let group = self.take(key, Some((level, path)));
-        if let Some(r) = remote {
-            group.group.set_remote(r);
+        if let (Some(r), GroupKey::Data(id)) = (remote, &group.key) {
+            group.group.set_remote(r, self.remote_dropped(id.clone()));
         }
         let dom = group.add_domain(0, || Ok((file.reopen(ubc::Access::ReadOnly)?, None)))?;
         self.watch_domain(&group.key, &dom.file, 0);
@@ -864,15 +875,38 @@ impl Inner {
     fn watch_domain(self: &Arc<Self>, key: &GroupKey, file: &ubc::File, domain: usize) {
         let GroupKey::Data(id) = key else { return };
         let id = id.clone();
+        let key = self.attr_key(&id);
         let inner = Arc::downgrade(self);
         file.watch(Arc::new(move |range, mapped| {
             if let Some(i) = inner.upgrade()
                 && let Some(w) = i.watcher.get()
             {
                 let direct = mapped || DIRECT.with(|c| c.get()) == Some(domain);
-                w(&Change { file: id.clone(), domain, range, direct });
+                w(&Change { file: id.clone(), domain, range, direct, key, remote: false });
             }
         }));
+    }
+
+    /// [`Change::key`] of the file `id`.
+    fn attr_key(&self, id: &ubc::Identity) -> Option<(u64, u64)> {
+        match id {
+            ubc::Identity::HostFile { dev, ino } => Some((*dev, *ino)),
+            other => self.layers[0].attr_key(other),
+        }
+    }
+
+    /// What the token of the file `id` calls when it drops the file's pages (see
+    /// [`Change::remote`]).
+    fn remote_dropped(self: &Arc<Self>, id: ubc::Identity) -> crate::coherence::RemoteDropped {
+        let key = self.attr_key(&id);
+        let inner = Arc::downgrade(self);
+        Box::new(move || {
+            if let Some(i) = inner.upgrade()
+                && let Some(w) = i.watcher.get()
+            {
+                w(&Change { file: id.clone(), domain: 0, range: ALL, direct: true, key, remote: true });
+            }
+        })
     }
 
     /// Forget `path` and every name under it (a directory's) in every layer's name cache.

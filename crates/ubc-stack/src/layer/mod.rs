@@ -369,6 +369,14 @@ pub trait Layer: Send + Sync {
         None
     }
 
+    /// The (device, inode number) this layer's attributes give the file whose pager's
+    /// identity is `id`, if this layer's files have such identities (the inverse of
+    /// [`Layer::file_identity`]): what tells a mount's kernel which of its nodes changed.
+    fn attr_key(&self, id: &ubc::Identity) -> Option<(u64, u64)> {
+        let _ = id;
+        None
+    }
+
     /// The host directory whose files *are* this layer's files, byte for byte (`dir`);
     /// `None` for every other layer. A file's attributes then name its host file.
     fn host_root(&self) -> Option<&std::path::Path> {

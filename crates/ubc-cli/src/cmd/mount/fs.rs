@@ -1036,9 +1036,9 @@ impl Filesystem for LayerFs {
             // pages: a store through a mapping): not news to it.
             // A direct write drops the pages it overwrites from the kernel's cache by itself
             // on kernels with FUSE_DIRECT_IO_ALLOW_MMAP (6.6+; `direct_write_drops_pages`).
-            let own = h.cached
-                || write_flags.contains(WriteFlags::FUSE_WRITE_CACHE)
-                || (h.append && self.direct_write_drops_pages);
+            // (Every write not into the kernel's cache is direct: appends, and every write
+            // of a `--cache direct` mount.)
+            let own = h.cached || write_flags.contains(WriteFlags::FUSE_WRITE_CACHE) || self.direct_write_drops_pages;
             let _origin = own.then(|| Origin::enter(self.id));
             // O_APPEND: at the end as the stack knows it (the kernel's idea of the size may be
             // stale: other mounts), read and written in one step against other appenders.

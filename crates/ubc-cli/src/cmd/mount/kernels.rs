@@ -16,6 +16,12 @@
 //!   every layer above shows too, in bytes no translation can name in general (a
 //!   compressed chunk moves): mounts above drop the whole file. Write-back into `d` from
 //!   above changes nothing above.
+//! * **another machine's turn** ([`ubc_stack::Change::remote`]): this machine gave up (or
+//!   lost) the token of a file whose store other machines share, and its cache dropped the
+//!   file; every mount drops it too — before the token goes (the watcher waits for the
+//!   notices then, bounded as [`Kernels::wait_told`] is), so that a mapped load after the
+//!   other machine's write faults and asks for the token again. The only pages a shared
+//!   stack's mount keeps in its kernel (`--cache direct`) are those of mapped files.
 //! * **names and attributes** from the mounts' own request handlers: a name removed,
 //!   renamed or made (`FUSE_NOTIFY_INVAL_ENTRY` in every other mount that knows the parent
 //!   directory, and `FUSE_NOTIFY_INVAL_INODE` of the directory: its attributes and its
@@ -151,6 +157,13 @@ impl Kernels {
                 && k.mounts().iter().any(|m| m.span(c, origin).is_some())
             {
                 k.queue.send(News::Data(c.clone(), origin));
+                // Another machine may write the file once this returns: the kernels must
+                // have dropped its pages (a mapping's) by then, or a mapped read after that
+                // write would see the old bytes. Bounded (`wait_told`): the notice waits for
+                // pages a request of the mount may be reading, which waits for the token.
+                if c.remote {
+                    k.wait_told();
+                }
             }
         });
         (k, watcher)
@@ -289,10 +302,7 @@ impl Kernels {
         let mounts = self.mounts();
         match n {
             News::Data(c, origin) => {
-                let key = match &c.file {
-                    ubc::Identity::HostFile { dev, ino } => (*dev, *ino),
-                    _ => return,
-                };
+                let Some(key) = c.key else { return };
                 for m in mounts.iter() {
                     let Some(range) = m.span(&c, origin) else { continue };
                     let Some(ino) = m.inodes.read().unwrap().of_key(key) else { continue };

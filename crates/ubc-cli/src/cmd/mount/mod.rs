@@ -25,7 +25,9 @@
 //! reach the daemon. Appends (`O_APPEND`) are direct I/O: they go to the end as the stack
 //! knows it. `--cache direct` keeps nothing in the kernel (`FOPEN_DIRECT_IO`, TTL 0): one
 //! copy of the data, a round trip per call; shared `mmap` of such files needs
-//! `FUSE_DIRECT_IO_ALLOW_MMAP` (Linux >= 6.6, requested at init; older kernels: ENODEV).
+//! `FUSE_DIRECT_IO_ALLOW_MMAP` (Linux >= 6.6, requested at init; older kernels: ENODEV),
+//! with which the kernel keeps the pages of a mapped file — told, like the other modes'
+//! caches, of changes through anything else (other mounts, layers, machines).
 //! Stacks over memory stores are always direct (their files have no identity to match
 //! changes by).
 //!
@@ -328,10 +330,10 @@ pub fn run(a: Args) -> Result<()> {
     } else {
         Caching { data: false, writeback: false, passthrough: false, ttl: Duration::ZERO }
     };
+    // Told in every mode: a `--cache direct` mount's kernel keeps the pages of mapped files
+    // (`FUSE_DIRECT_IO_ALLOW_MMAP`), which other mounts' and other machines' changes must drop.
     let (kernels, watcher) = Kernels::start();
-    if caching.data {
-        stack.watch(watcher);
-    }
+    stack.watch(watcher);
     let threads = a
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(MIN_THREADS, |n| n.get().max(MIN_THREADS)))

@@ -480,6 +480,16 @@ pub(crate) fn identity(shared: &Shared, ino: u64) -> ubc::Identity {
     ubc::Identity::Named { kind: "s3", name: format!("{}#{ino}", shared.id) }
 }
 
+/// The file of the store `shared` that [`identity`] gave `id`, if it did.
+pub(crate) fn ino_of(shared: &Shared, id: &ubc::Identity) -> Option<u64> {
+    let ubc::Identity::Named { kind: "s3", name } = id else { return None };
+    let (store, ino) = name.rsplit_once('#')?;
+    if store != shared.id {
+        return None;
+    }
+    ino.parse().ok()
+}
+
 impl ubc::Pager for S3File {
     fn get_pages(&self, offset: u64, buf: &mut [u8]) -> io::Result<ubc::Fill> {
         let mut tries = 0;

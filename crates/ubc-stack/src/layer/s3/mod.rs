@@ -822,6 +822,9 @@ impl Layer for S3 {
         let _ = a;
         None
     }
+    fn attr_key(&self, id: &ubc::Identity) -> Option<(u64, u64)> {
+        file::ino_of(&self.inner.shared, id).map(|ino| (self.inner.tree.dev, ino))
+    }
     fn sync_all(&self) -> Result<()> {
         self.commit()
     }
