@@ -1921,6 +1921,50 @@ fn two_machines_mount_one_shared_stack() {
         assert!(map.bytes(at..at + 64) == rec, "a mapping on the other machine's mount, after write {k}");
     }
     drop((map, mf, w));
+    // Locks hold between the machines' mounts: a `flock` held through one refuses
+    // `flock(1)` through the other until it is released; an fcntl lock through one is what
+    // `F_GETLK` through the other reports.
+    {
+        use std::os::fd::AsRawFd;
+        let lf = std::fs::File::open(m1.join("d/moved")).unwrap();
+        // SAFETY: flock on an open descriptor.
+        assert_eq!(unsafe { libc::flock(lf.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) }, 0);
+        let other =
+            |args: &[&str]| Command::new("flock").args(args).arg(m2.join("d/moved")).arg("true").status().unwrap();
+        assert!(!other(&["-n", "-s"]).success(), "flock -n through the other machine's mount, while held");
+        drop(lf);
+        assert!(other(&["-n"]).success(), "flock -n through the other machine's mount, once released");
+        let wf = std::fs::OpenOptions::new().write(true).open(m1.join("d/moved")).unwrap();
+        let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+        fl.l_type = libc::F_WRLCK as i16;
+        fl.l_whence = libc::SEEK_SET as i16;
+        fl.l_start = 100;
+        fl.l_len = 10;
+        // SAFETY: fcntl with a flock struct we own, on an open descriptor.
+        assert_eq!(unsafe { libc::fcntl(wf.as_raw_fd(), libc::F_SETLK, &fl) }, 0);
+        let rf = std::fs::File::open(m2.join("d/moved")).unwrap();
+        let mut q: libc::flock = unsafe { std::mem::zeroed() };
+        q.l_type = libc::F_RDLCK as i16;
+        q.l_whence = libc::SEEK_SET as i16;
+        q.l_start = 105;
+        q.l_len = 1;
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::fcntl(rf.as_raw_fd(), libc::F_GETLK, &mut q) }, 0);
+        assert_eq!(q.l_type, libc::F_WRLCK as i16, "F_GETLK through the other machine's mount");
+        assert_eq!(q.l_pid as u32, std::process::id(), "the holder's process");
+        // (F_GETLK wrote the holder's lock into `q`: ask for the read lock again.)
+        q.l_type = libc::F_RDLCK as i16;
+        q.l_start = 105;
+        q.l_len = 1;
+        let setlk = || {
+            // SAFETY: as above.
+            let r = unsafe { libc::fcntl(rf.as_raw_fd(), libc::F_SETLK, &q) };
+            if r == 0 { Ok(()) } else { Err(std::io::Error::last_os_error().raw_os_error()) }
+        };
+        assert_eq!(setlk(), Err(Some(libc::EAGAIN)), "F_SETLK through the other machine's mount, while held");
+        drop(wf);
+        assert_eq!(setlk(), Ok(()), "F_SETLK once the holder closed its descriptor");
+    }
     std::fs::remove_file(m2.join("a")).unwrap();
     assert!(!m1.join("a").exists(), "a removal seen on the other mount");
 }

@@ -104,7 +104,38 @@ pub trait Remote: Send + Sync {
     /// Attach a cache of the file's pages (a stack's group), for the token to write back,
     /// drop and reload when it is given up or got back.
     fn attach(&self, cache: std::sync::Weak<dyn RemoteCache>);
+    /// Advisory locks between machines: record locks, or `flock` locks if `flock` (the two
+    /// kinds never conflict). If another machine holds a lock of that kind conflicting with
+    /// one of `want`, returns it and records nothing; else, if `held` is given, makes it
+    /// this machine's set of such locks on the file (as one step against other machines'
+    /// changes) and returns `None`. `want` empty: only records `held` (a release).
+    fn locks(
+        &self,
+        flock: bool,
+        held: Option<&[RemoteLock]>,
+        want: &[RemoteLock],
+    ) -> std::io::Result<Option<RemoteLock>>;
 }
+
+/// A lock as other machines see it: bytes of the stored file (domain 0; a `flock` lock
+/// covers them all), its kind and the process holding it (0 if not known).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemoteLock {
+    pub range: Range<u64>,
+    pub exclusive: bool,
+    pub pid: u32,
+}
+
+impl RemoteLock {
+    /// Whether `self` and `other` (held by different machines) exclude each other.
+    pub fn conflicts(&self, other: &RemoteLock) -> bool {
+        (self.exclusive || other.exclusive) && overlaps(&self.range, &other.range)
+    }
+}
+
+/// How long a lock that waits (`LockWait::Block`) for another machine's waits before it
+/// asks again.
+const REMOTE_LOCK_POLL: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// A pinned [`Remote`] token; dropping it ends the pin.
 pub struct RemotePin(#[allow(dead_code)] Box<dyn Send>);
@@ -1280,11 +1311,55 @@ impl<F: Actions> Group<F> {
         Self::translate(&doms, d, 0, r).0
     }
 
+    /// This machine's record locks `l` as other machines see them.
+    fn remote_record_locks(l: &[RangeLock]) -> Vec<RemoteLock> {
+        l.iter()
+            .flat_map(|x| x.lower.iter().map(|r| RemoteLock { range: r.clone(), exclusive: x.exclusive, pid: x.pid }))
+            .collect()
+    }
+
+    /// This machine's `flock` locks `l` as other machines see them.
+    fn remote_flocks(l: &[(u64, bool)]) -> Vec<RemoteLock> {
+        l.iter().map(|&(_, exclusive)| RemoteLock { range: 0..u64::MAX, exclusive, pid: 0 }).collect()
+    }
+
+    /// Between machines (a shared store): whether no other machine holds a lock conflicting
+    /// with `want` — and if so, `held` (this machine's locks of that kind with the new one)
+    /// recorded for them. Without a store shared with other machines: true. An error
+    /// reaching the other machines (etcd) counts as a conflict, noted on stderr.
+    /// => called holding the kind's lock table (its changes are recorded in order).
+    fn remote_grant(&self, flock: bool, held: &[RemoteLock], want: &[RemoteLock]) -> bool {
+        let Some(r) = self.remote.get() else { return true };
+        match r.locks(flock, Some(held), want) {
+            Ok(None) => true,
+            Ok(Some(_)) => false,
+            Err(e) => {
+                eprintln!("ubc: a lock between machines could not be taken: {e}");
+                false
+            }
+        }
+    }
+
+    /// Record this machine's locks of a kind after a release, if they changed (`before`):
+    /// best effort — an error leaves the old set to other machines until the next change or
+    /// the lease's end (noted on stderr). => called holding the kind's lock table.
+    fn remote_release(&self, flock: bool, before: &[RemoteLock], after: &[RemoteLock]) {
+        let Some(r) = self.remote.get() else { return };
+        if before == after {
+            return;
+        }
+        if let Err(e) = r.locks(flock, Some(after), &[]) {
+            eprintln!("ubc: a lock released here stays held for other machines until the next change: {e}");
+        }
+    }
+
     /// Take an advisory lock (fcntl `F_SETLK(W)`-style) on bytes `r` of domain `d` for
     /// `owner` (process `pid`, for `F_GETLK`). Locks of different owners conflict if they
     /// overlap in the stored bytes and one is exclusive; an owner's own locks never conflict,
     /// and its new lock replaces what it held over `r` (an upgrade or a downgrade). With
-    /// [`LockWait::Block`], blocks until granted; else returns `false` on conflict.
+    /// [`LockWait::Block`], blocks until granted; else returns `false` on conflict. For a
+    /// store shared with other machines, their locks count too (asked after this machine's
+    /// own table has no conflict; a wait for them asks again every `REMOTE_LOCK_POLL`).
     pub(crate) fn lock(&self, owner: u64, pid: u32, d: usize, r: Range<u64>, kind: LockKind, wait: LockWait) -> bool {
         let (exclusive, wait) = (kind == LockKind::Exclusive, wait == LockWait::Block);
         let lower = self.lock_range(d, r.clone());
@@ -1292,8 +1367,24 @@ impl<F: Actions> Group<F> {
         loop {
             let conflict = l.iter().any(|x| x.blocks(owner, exclusive, d, &r, &lower));
             if !conflict {
+                let new = RangeLock { owner, pid, domain: d, range: r.clone(), lower: lower.clone(), exclusive };
+                if self.remote.get().is_some() {
+                    let mut next = l.clone();
+                    carve(&mut next, owner, d, &r);
+                    next.push(new.clone());
+                    let want = Self::remote_record_locks(std::slice::from_ref(&new));
+                    if !self.remote_grant(false, &Self::remote_record_locks(&next), &want) {
+                        if !wait {
+                            return false;
+                        }
+                        drop(l);
+                        std::thread::sleep(REMOTE_LOCK_POLL);
+                        l = self.locks.lock();
+                        continue;
+                    }
+                }
                 carve(&mut l, owner, d, &r);
-                l.push(RangeLock { owner, pid, domain: d, range: r, lower, exclusive });
+                l.push(new);
                 // A downgrade may let shared waiters in.
                 self.locks_cv.notify_all();
                 return true;
@@ -1306,46 +1397,84 @@ impl<F: Actions> Group<F> {
     }
 
     /// The first lock of another owner that a `kind` lock by `owner` on bytes `r` of domain
-    /// `d` would conflict with (`F_GETLK`), if any.
+    /// `d` would conflict with (`F_GETLK`), if any — another machine's too (its process id,
+    /// the bytes asked for).
     pub(crate) fn test_lock(&self, owner: u64, d: usize, r: Range<u64>, kind: LockKind) -> Option<LockConflict> {
         let exclusive = kind == LockKind::Exclusive;
         let lower = self.lock_range(d, r.clone());
         let l = self.locks.lock();
-        l.iter().find(|x| x.blocks(owner, exclusive, d, &r, &lower)).map(|x| LockConflict {
-            range: if x.domain == d { x.range.clone() } else { r },
+        let local = l.iter().find(|x| x.blocks(owner, exclusive, d, &r, &lower)).map(|x| LockConflict {
+            range: if x.domain == d { x.range.clone() } else { r.clone() },
             kind: if x.exclusive { LockKind::Exclusive } else { LockKind::Shared },
             pid: x.pid,
+        });
+        drop(l);
+        local.or_else(|| {
+            let remote = self.remote.get()?;
+            let want: Vec<RemoteLock> =
+                lower.iter().map(|x| RemoteLock { range: x.clone(), exclusive, pid: 0 }).collect();
+            let theirs = remote.locks(false, None, &want).ok()??;
+            Some(LockConflict {
+                range: if d == 0 { theirs.range } else { r },
+                kind: if theirs.exclusive { LockKind::Exclusive } else { LockKind::Shared },
+                pid: theirs.pid,
+            })
         })
     }
 
     /// Release `owner`'s hold on bytes `r` of domain `d`, splitting locks it cuts.
     pub(crate) fn unlock(&self, owner: u64, d: usize, r: Range<u64>) {
         let mut l = self.locks.lock();
+        let before = self.remote.get().map(|_| Self::remote_record_locks(&l));
         carve(&mut l, owner, d, &r);
+        if let Some(before) = before {
+            self.remote_release(false, &before, &Self::remote_record_locks(&l));
+        }
         self.locks_cv.notify_all();
     }
 
     /// Release every lock of `owner` (its file handle closed).
     pub(crate) fn unlock_all(&self, owner: u64) {
         let mut l = self.locks.lock();
+        let before = self.remote.get().map(|_| Self::remote_record_locks(&l));
         l.retain(|x| x.owner != owner);
+        if let Some(before) = before {
+            self.remote_release(false, &before, &Self::remote_record_locks(&l));
+        }
         self.locks_cv.notify_all();
     }
 
     /// Take or convert `owner`'s `flock(2)` lock on the whole file: shared locks of any
     /// number of owners, or one exclusive. A conversion replaces the owner's lock (as on
     /// Linux, where it is not atomic: another waiter may get in between). With
-    /// [`LockWait::Block`], blocks until granted; else returns `false` on conflict.
+    /// [`LockWait::Block`], blocks until granted; else returns `false` on conflict. Other
+    /// machines' `flock` locks count too, as for [`Group::lock`].
     pub(crate) fn flock(&self, owner: u64, kind: LockKind, wait: LockWait) -> bool {
         let exclusive = kind == LockKind::Exclusive;
         let mut l = self.flocks.lock();
         // Converting releases the old lock first (flock(2): "may be ... not atomic").
         if l.iter().any(|&(o, _)| o == owner) {
+            let before = Self::remote_flocks(&l);
             l.retain(|&(o, _)| o != owner);
+            self.remote_release(true, &before, &Self::remote_flocks(&l));
             self.flocks_cv.notify_all();
         }
         loop {
             if !l.iter().any(|&(_, x)| x || exclusive) {
+                if self.remote.get().is_some() {
+                    let mut next = l.clone();
+                    next.push((owner, exclusive));
+                    let want = Self::remote_flocks(&[(owner, exclusive)]);
+                    if !self.remote_grant(true, &Self::remote_flocks(&next), &want) {
+                        if wait == LockWait::Try {
+                            return false;
+                        }
+                        drop(l);
+                        std::thread::sleep(REMOTE_LOCK_POLL);
+                        l = self.flocks.lock();
+                        continue;
+                    }
+                }
                 l.push((owner, exclusive));
                 return true;
             }
@@ -1360,7 +1489,11 @@ impl<F: Actions> Group<F> {
     /// description closed).
     pub(crate) fn funlock(&self, owner: u64) {
         let mut l = self.flocks.lock();
+        let before = self.remote.get().map(|_| Self::remote_flocks(&l));
         l.retain(|&(o, _)| o != owner);
+        if let Some(before) = before {
+            self.remote_release(true, &before, &Self::remote_flocks(&l));
+        }
         self.flocks_cv.notify_all();
     }
 }

@@ -48,7 +48,7 @@
 //! dropped too and the next `sync` of such a file fails (`ESTALE`, as NFS reports lost
 //! locks), and it takes a new lease before it serves anything again.
 
-use crate::coherence::{Mode, Remote, RemoteCache, RemotePin};
+use crate::coherence::{Mode, Remote, RemoteCache, RemoteLock, RemotePin};
 use etcd_client::{
     Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse, TxnResponse, WatchOptions,
 };
@@ -447,6 +447,69 @@ impl MachineInner {
             });
         }
         r
+    }
+
+    fn lprefix(&self, ino: u64, flock: bool) -> String {
+        format!("{}l/{ino:016x}/{}/", self.prefix, if flock { "f" } else { "r" })
+    }
+
+    /// [`Remote::locks`] for file `ino`: read every machine's locks of the kind at revision
+    /// `R`; if none of another machine's conflicts with `want`, put this machine's (`held`,
+    /// under its lease: a machine that dies or is cut off loses its locks with its lease)
+    /// in a transaction that succeeds only if no lock of the file changed after `R` — two
+    /// machines cannot both take conflicting locks. A release (`want` empty) is put as it is.
+    fn locks(
+        &self,
+        ino: u64,
+        flock: bool,
+        held: Option<&[RemoteLock]>,
+        want: &[RemoteLock],
+    ) -> io::Result<Option<RemoteLock>> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let prefix = self.lprefix(ino, flock);
+        let mine = format!("{prefix}{:016x}", self.id);
+        let value = held.map(encode_locks);
+        loop {
+            let lease = self.lease(deadline)?;
+            let mut c = self.client.clone();
+            let (p, k, v) = (prefix.clone(), mine.clone(), value.clone());
+            let step = self.rt.block_on(async move {
+                let op = |v: Option<String>| match v {
+                    Some(v) if !v.is_empty() => TxnOp::put(k.as_str(), v, Some(PutOptions::new().with_lease(lease))),
+                    _ => TxnOp::delete(k.as_str(), None),
+                };
+                if want.is_empty() {
+                    if v.is_some() {
+                        c.txn(Txn::new().and_then([op(v)])).await?;
+                    }
+                    return Ok::<_, etcd_client::Error>(Some(None));
+                }
+                let got = c.get(p.as_str(), Some(GetOptions::new().with_prefix())).await?;
+                let rev = got.header().map_or(0, |h| h.revision());
+                for kv in got.kvs() {
+                    if kv.key() == k.as_bytes() {
+                        continue;
+                    }
+                    if let Some(x) = decode_locks(kv.value()).into_iter().find(|x| want.iter().any(|w| w.conflicts(x)))
+                    {
+                        return Ok(Some(Some(x)));
+                    }
+                }
+                if v.is_none() {
+                    return Ok(Some(None));
+                }
+                let txn = Txn::new()
+                    .when([Compare::mod_revision(p.as_str(), CompareOp::Less, rev + 1).with_prefix()])
+                    .and_then([op(v)]);
+                Ok(if c.txn(txn).await?.succeeded() { Some(None) } else { None })
+            });
+            match step {
+                Ok(Some(x)) => return Ok(x),
+                Ok(None) => continue, // another machine's locks changed meanwhile: look again
+                Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(100)),
+                Err(e) => return Err(etcd_err(e)),
+            }
+        }
     }
 
     /// Wait for the machine this one yielded to (`y`) to take its turn: until its key of
@@ -1049,4 +1112,37 @@ impl Remote for Token {
     fn attach(&self, cache: Weak<dyn RemoteCache>) {
         self.caches.lock().push(cache);
     }
+
+    fn locks(&self, flock: bool, held: Option<&[RemoteLock]>, want: &[RemoteLock]) -> io::Result<Option<RemoteLock>> {
+        let m = self.machine.upgrade().ok_or_else(|| io::Error::other("the layer is gone"))?;
+        m.locks(self.ino, flock, held, want)
+    }
+}
+
+/// `K l/<ino>/<kind>/<machine>`'s value: one line per lock, `x|s START END PID` (exclusive or
+/// shared; END exclusive, decimal).
+fn encode_locks(l: &[RemoteLock]) -> String {
+    l.iter()
+        .map(|x| format!("{} {} {} {}\n", if x.exclusive { 'x' } else { 's' }, x.range.start, x.range.end, x.pid))
+        .collect()
+}
+
+/// The locks of a value [`encode_locks`] made; a line it cannot read counts as an exclusive
+/// lock of every byte (never fewer conflicts than meant).
+fn decode_locks(v: &[u8]) -> Vec<RemoteLock> {
+    let all = RemoteLock { range: 0..u64::MAX, exclusive: true, pid: 0 };
+    String::from_utf8_lossy(v)
+        .lines()
+        .filter(|l| !l.is_empty())
+        .map(|line| {
+            let f: Vec<&str> = line.split(' ').collect();
+            let n = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok());
+            match (f.first().copied(), n(1), n(2), n(3)) {
+                (Some(k @ ("x" | "s")), Some(a), Some(b), Some(pid)) if a < b => {
+                    RemoteLock { range: a..b, exclusive: k == "x", pid: pid as u32 }
+                }
+                _ => all.clone(),
+            }
+        })
+        .collect()
 }

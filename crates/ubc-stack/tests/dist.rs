@@ -697,3 +697,78 @@ fn loops_on_two_machines_take_turns_even_writing_from_a_mapping_of_the_file() {
     // through faults, so a few turns are all a loaded machine gives in 4 s.)
     assert!(writes > 2 && reads > 2, "both machines made progress: {writes} writes, {reads} reads and writes");
 }
+
+/// Advisory locks hold between machines (what SQLite, `flock(1)` and friends rely on):
+/// record locks conflict across machines as within one — overlapping, one exclusive — and
+/// `F_GETLK` names the other machine's process; a waiting lock is granted once the other
+/// machine releases (an unlock, a closed handle); `flock` locks exclude each other across
+/// machines and never conflict with record locks; a machine that leaves (its lease
+/// revoked) leaves no lock behind. Plain and through `zstd` (locks compare in the stored
+/// bytes there). Before, each machine's table was its own: both took the same lock.
+#[test]
+fn locks_hold_between_machines() {
+    use ubc_stack::{LockKind::*, LockOwner, LockWait::*};
+    let Some(env) = SharedEnv::get("locks_hold_between_machines") else { return };
+    for above in ["", " | zstd"] {
+        let sp = format!("{}{above}", env.spec(&fresh_prefix("locks"), &env.etcd, ""));
+        let a = Stack::open(&sp, cache()).unwrap();
+        let b = Stack::open(&sp, cache()).unwrap();
+        let fa = a.top().open_with("db", rw()).unwrap();
+        fa.write_at(&data(1, 10_000), 0).unwrap();
+        let fb = b.top().open_with("db", OpenOptions::new().write(true)).unwrap();
+        let (pa, pb) = (LockOwner(11), LockOwner(22));
+        assert!(fa.lock_as(pa, 4242, 0..100, Exclusive, Try), "{above}: A's lock");
+        assert!(!fb.lock_as(pb, 7, 50..60, Shared, Try), "{above}: B's overlapping lock refused");
+        assert!(!fb.lock_as(pb, 7, 0..1, Exclusive, Try), "{above}: B's exclusive lock refused");
+        if above.is_empty() {
+            // In the stored bytes, plain: a lock past A's is free (through zstd both cover
+            // the same compressed chunk, so the conflict stands there).
+            assert!(fb.lock_as(pb, 7, 200..300, Exclusive, Try), "{above}: B's lock elsewhere");
+            fb.unlock_as(pb, 200..300);
+        }
+        let c = fb.test_lock(pb, 10..20, Shared).expect("F_GETLK sees A's lock");
+        assert_eq!((c.kind, c.pid), (Exclusive, 4242), "{above}: F_GETLK names A's process");
+        // A downgrade to shared lets B's shared lock in, not its exclusive one.
+        assert!(fa.lock_as(pa, 4242, 0..100, Shared, Try));
+        assert!(fb.lock_as(pb, 7, 50..60, Shared, Try), "{above}: shared with shared");
+        assert!(!fa.lock_as(pa, 4242, 0..100, Exclusive, Try), "{above}: A's upgrade meets B's shared lock");
+        fb.unlock_as(pb, 0..u64::MAX);
+        // B waits for A's exclusive lock; A's unlock lets it in.
+        assert!(fa.lock_as(pa, 4242, 0..100, Exclusive, Try));
+        let waited = std::thread::scope(|s| {
+            let w = s.spawn(|| {
+                let t = Instant::now();
+                assert!(fb.lock_as(pb, 7, 0..10, Exclusive, Block));
+                t.elapsed()
+            });
+            std::thread::sleep(Duration::from_millis(300));
+            assert!(!w.is_finished(), "{above}: B's waiting lock granted while A holds it");
+            fa.unlock_as(pa, 0..u64::MAX);
+            w.join().unwrap()
+        });
+        assert!(waited >= Duration::from_millis(300), "{above}");
+        assert!(!fa.lock_as(pa, 1, 5..6, Shared, Try), "{above}: B holds it now");
+        // Closing B's handle's owner releases its locks for A.
+        fb.unlock_owner(pb);
+        assert!(fa.lock_as(pa, 1, 5..6, Exclusive, Try), "{above}: released by B's close");
+        fa.unlock_owner(pa);
+        // flock: exclusive across machines, apart from record locks.
+        assert!(fa.flock_as(pa, Exclusive, Try));
+        assert!(!fb.flock_as(pb, Shared, Try), "{above}: B's flock refused");
+        assert!(fb.lock_as(pb, 7, 0..10, Exclusive, Try), "{above}: record locks ignore flocks");
+        fb.unlock_owner(pb);
+        fa.funlock_as(pa);
+        assert!(fb.flock_as(pb, Shared, Try), "{above}: after A's LOCK_UN");
+        assert!(fa.flock_as(pa, Shared, Try), "{above}: shared flocks on both machines");
+        assert!(!fa.flock_as(LockOwner(33), Exclusive, Try), "{above}: B's shared flock holds against A");
+        // A machine that leaves takes its locks with it.
+        assert!(fb.lock_as(pb, 7, 0..10, Exclusive, Try));
+        drop(fb);
+        drop(b);
+        let t = Instant::now();
+        while !fa.lock_as(pa, 1, 0..10, Exclusive, Try) {
+            assert!(t.elapsed() < Duration::from_secs(5), "{above}: B's lock outlived B");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
