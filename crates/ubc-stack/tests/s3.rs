@@ -118,6 +118,39 @@ fn a_random_4k_write_uploads_one_chunk_not_the_file() {
     same(&read_file(&s, "big"), &model, "after a restart");
 }
 
+/// A database's pattern — a small write into the same chunk, a sync, again — costs one
+/// PUT of the chunk (and the tree) per sync, and no GET: the next write stages the chunk
+/// from the bytes just uploaded, not by fetching back what was just PUT (each such GET was
+/// a round trip to the store inside the next `fsync`: 41 ms against 2.9 ms a sync through a
+/// mount, on this test's server).
+#[test]
+fn a_write_after_a_sync_needs_no_get() {
+    let Some((e, b)) = server("a_write_after_a_sync_needs_no_get") else { return };
+    let (o, layer, s) = own_layer(&e, &b, "resync");
+    let mut model = data(1, 200_000);
+    write_file(&s, "db", &model);
+    let f = s.top().open_with("db", OpenOptions::new().write(true)).unwrap();
+    f.write_at(b"first", 10).unwrap();
+    model[10..15].copy_from_slice(b"first");
+    f.sync().unwrap();
+    let before = layer.stats();
+    for i in 0..10u64 {
+        let d = data(100 + i, 4096);
+        let off = 70_000 + i * 512;
+        f.write_at(&d, off).unwrap();
+        model[off as usize..off as usize + 4096].copy_from_slice(&d);
+        f.sync().unwrap();
+    }
+    let after = layer.stats();
+    assert_eq!(after.gets, before.gets, "a write after a sync fetched the chunk it had just uploaded");
+    assert!(after.puts - before.puts <= 20, "one chunk and one tree per sync: {}", after.puts - before.puts);
+    drop(f);
+    drop(s);
+    drop(layer);
+    let s = Stack::open(&spec(&e, &b, &o.prefix), cache(1 << 20)).unwrap();
+    same(&read_file(&s, "db"), &model, "after a restart");
+}
+
 #[test]
 fn large_chunks_are_uploaded_in_parts() {
     let Some((e, b)) = server("large_chunks_are_uploaded_in_parts") else { return };

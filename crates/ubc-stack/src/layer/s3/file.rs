@@ -232,15 +232,21 @@ impl S3File {
         }
         .boxed()
         .shared();
-        ahead.chunks.insert(key, f.clone());
-        ahead.order.push_back(key);
-        // Bounded: the oldest are forgotten (a fetch still running finishes on its own).
+        self.remember(ahead, key, f.clone());
+        f
+    }
+
+    /// Keep `f` for chunk version `key`: bounded, the oldest are forgotten (a fetch still
+    /// running finishes on its own).
+    fn remember(&self, ahead: &mut Ahead, key: (u64, u64), f: Fetch) {
+        if ahead.chunks.insert(key, f).is_none() {
+            ahead.order.push_back(key);
+        }
         while ahead.order.len() as u64 > ahead_chunks(self.chunk()) + 4 {
             if let Some(old) = ahead.order.pop_front() {
                 ahead.chunks.remove(&old);
             }
         }
-        f
     }
 
     /// Stage chunk `idx` with its current bytes (fetched, or taken from a fetch ahead). =>
@@ -295,6 +301,14 @@ impl S3File {
                         self.shared.multipart.fetch_add(1, Relaxed);
                     }
                     st.staged.remove(&idx);
+                    // The bytes just stored are that version's: the next write into the chunk
+                    // (a database's next transaction) stages from them, not from a GET of
+                    // what was just PUT (a round trip to the store per commit).
+                    {
+                        use futures::FutureExt;
+                        let f: Fetch = futures::future::ready(Ok(b.clone())).boxed().shared();
+                        self.remember(&mut self.ahead.lock(), (idx, version), f);
+                    }
                     // Updated before the old version is listed as garbage, under this lock: a
                     // commit that takes the garbage then reads the new version.
                     if let Some(old) = st.chunks.insert(idx, Chunk { version, len }) {

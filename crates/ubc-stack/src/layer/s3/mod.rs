@@ -201,7 +201,10 @@ pub(crate) struct Shared {
     pub(crate) gets: Arc<GetCounts>,
     puts: AtomicU64,
     put_bytes: AtomicU64,
-    deletes: AtomicU64,
+    /// Counted by the deletion tasks (which must not hold the layer, as for `gets`).
+    deletes: Arc<AtomicU64>,
+    /// Deletions under way on the runtime ([`Shared::delete_later`]), for [`Shared::settle`].
+    deleting: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     commits: AtomicU64,
     multipart: AtomicU64,
 }
@@ -264,6 +267,55 @@ impl Shared {
                 .await
         });
         self.deletes.fetch_add(n, Relaxed);
+    }
+
+    /// Delete `paths`, and every object of the files `inos`, in the background: nothing
+    /// names them any more (a commit replaced or dropped them), so nothing need wait — not
+    /// a file's `sync`, not the close of a removed file (a listing and a round trip per
+    /// object were in both: a SQLite transaction, which syncs twice and removes its
+    /// journal, took ~250 ms). [`Shared::settle`] waits for what was started; a failure
+    /// leaves garbage for the sweep.
+    pub(crate) fn delete_later(&self, paths: Vec<ObjPath>, inos: Vec<u64>) {
+        if paths.is_empty() && inos.is_empty() {
+            return;
+        }
+        let (store, deletes, root) = (self.store.clone(), self.deletes.clone(), self.root.clone());
+        let task = self.rt.spawn(async move {
+            let mut all = paths;
+            for ino in inos {
+                let prefix = ObjPath::from(format!("{root}c/{ino:016x}/"));
+                let mut s = store.list(Some(&prefix));
+                while let Some(Ok(m)) = s.next().await {
+                    all.push(m.location);
+                }
+            }
+            let n = all.len() as u64;
+            futures::stream::iter(all)
+                .for_each_concurrent(16, |p| {
+                    let store = store.clone();
+                    async move {
+                        let _ = store.delete(&p).await;
+                    }
+                })
+                .await;
+            deletes.fetch_add(n, Relaxed);
+        });
+        let mut d = self.deleting.lock();
+        d.retain(|t| !t.is_finished());
+        d.push(task);
+    }
+
+    /// Wait for the deletions [`Shared::delete_later`] started so far (a whole sync, the
+    /// layer's drop). => not called on a thread of the runtime.
+    pub(crate) fn settle(&self) {
+        let tasks = std::mem::take(&mut *self.deleting.lock());
+        if !tasks.is_empty() {
+            self.rt.block_on(async move {
+                for t in tasks {
+                    let _ = t.await;
+                }
+            });
+        }
     }
 
     /// Every object under `sub` of the layer's root.
@@ -373,15 +425,11 @@ impl Inner {
         *seq += 1;
         // The tree before this one is kept (a reader that listed before this commit reads
         // it); older ones go.
+        let mut stale = garbage;
         if *seq >= 3 {
-            self.shared.delete_all(vec![self.shared.tree_path(*seq - 2)]);
+            stale.push(self.shared.tree_path(*seq - 2));
         }
-        self.shared.delete_all(garbage);
-        for ino in gone {
-            if let Ok(objs) = self.shared.list(&format!("c/{ino:016x}/")) {
-                self.shared.delete_all(objs.into_iter().map(|m| m.location).collect());
-            }
-        }
+        self.shared.delete_later(stale, gone);
         Ok(())
     }
 
@@ -522,7 +570,8 @@ impl S3 {
             gets: Arc::new(GetCounts::default()),
             puts: AtomicU64::new(0),
             put_bytes: AtomicU64::new(0),
-            deletes: AtomicU64::new(0),
+            deletes: Arc::new(AtomicU64::new(0)),
+            deleting: Mutex::new(Vec::new()),
             commits: AtomicU64::new(0),
             multipart: AtomicU64::new(0),
         });
@@ -665,7 +714,9 @@ impl S3 {
 
     /// Commit now (what `sync_dir` and a file's `sync` do).
     pub fn commit(&self) -> Result<()> {
-        self.inner.commit().map_err(|e| Error::io(&self.spec, e))
+        let r = self.inner.commit().map_err(|e| Error::io(&self.spec, e));
+        self.inner.shared.settle();
+        r
     }
 
     fn add(&self, path: &str, kind: Kind, mode: u32) -> Result<()> {
@@ -711,6 +762,7 @@ impl Drop for S3 {
         if self.inner.tree.changed.load(Relaxed) || self.inner.is_shared() {
             let _ = self.inner.commit();
         }
+        self.inner.shared.settle();
     }
 }
 
@@ -775,7 +827,8 @@ impl Layer for S3 {
     fn sync_dir(&self, _path: &str) -> Result<()> {
         // Shared: every change of a name is in etcd (durable) when it returns.
         shared_or!(self, _fs => Ok(()));
-        self.commit()
+        // The names are durable with the tree: no wait for the deletions it lets go.
+        self.inner.commit().map_err(|e| Error::io(&self.spec, e))
     }
     fn symlink(&self, target: &str, path: &str) -> Result<()> {
         shared_or!(self, fs => fs.meta.add(path, Kind::Symlink, 0o777, 0, Some(target.to_string())).map(drop));

@@ -148,7 +148,7 @@ impl SharedFs {
             let resp = shared.rt.block_on(c.txn(txn)).map_err(etcd_io)?;
             if resp.succeeded() {
                 shared.commits.fetch_add(1, Relaxed);
-                shared.delete_all(shared.take_garbage_of(f.ino));
+                shared.delete_later(shared.take_garbage_of(f.ino), Vec::new());
                 return Ok(());
             }
             if self.machine.fenced_off(f.ino, &resp) {
@@ -231,9 +231,7 @@ impl SharedFs {
     /// Delete every object of file `ino` (its last name is gone and nothing here has it
     /// open).
     pub(crate) fn delete_objects(&self, shared: &Shared, ino: u64) {
-        if let Ok(objs) = shared.list(&format!("c/{ino:016x}/")) {
-            shared.delete_all(objs.into_iter().map(|m| m.location).collect());
-        }
+        shared.delete_later(Vec::new(), vec![ino]);
     }
 }
 
