@@ -772,3 +772,35 @@ fn locks_hold_between_machines() {
         }
     }
 }
+
+/// A file another machine removed, which this machine only read, is nothing for this
+/// machine's `sync_all` to store: it succeeds (through layers above too). Before, through
+/// `zstd`, this machine's sync made the other machine's published commit durable — writing
+/// a superblock into the shared file without the write token — and, the file being gone,
+/// failed: a mount's shutdown then exited 74 ("not synced") over a file it never wrote.
+#[test]
+fn a_file_removed_elsewhere_that_this_machine_only_read_does_not_fail_its_sync() {
+    let Some(env) = SharedEnv::get("a_file_removed_elsewhere_does_not_fail_sync") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("key");
+    std::fs::write(&key, "33".repeat(32)).unwrap();
+    for above in ["", " | zstd", " | aead:keyfile=KEY | zstd"] {
+        let above = above.replace("KEY", key.to_str().unwrap());
+        let sp = format!("{}{above}", env.spec(&fresh_prefix("rmsync"), &env.etcd, ""));
+        let a = Stack::open(&sp, cache()).unwrap();
+        let b = Stack::open(&sp, cache()).unwrap();
+        let fa = a.top().open_with("f", rw()).unwrap();
+        fa.write_at(&data(5, 100_000), 0).unwrap();
+        // What a mount's close does: through zstd, a published commit (not a durable one).
+        fa.write_back().unwrap();
+        drop(fa);
+        // Opened for writing, as a mount opens a file it may write; only read.
+        let fb = b.top().open_with("f", OpenOptions::new().write(true)).unwrap();
+        same(&read_all(&fb), &data(5, 100_000), &format!("{above}: B reads"));
+        drop(fb);
+        a.top().remove("f").unwrap();
+        a.sync_all().unwrap();
+        b.sync_all().unwrap_or_else(|e| panic!("{above}: B's sync after A removed a file B only read: {e}"));
+        assert!(b.top().getattr("f").is_err(), "{above}: gone on B");
+    }
+}

@@ -163,6 +163,8 @@ struct State {
     index_ext: Option<(u64, u64)>,
     /// Changed since the last commit.
     dirty: bool,
+    /// The last commit is a published one this pager made (not one read from the store).
+    published_here: bool,
     stored_bytes: u64,
     data_bytes: u64,
     raw_chunks: u64,
@@ -262,6 +264,9 @@ pub struct CompressPager {
     /// The stack's writes into the lower file (none, unless a stack made this pager): an
     /// extent read while one of them is half written fails to decode, and is read again.
     writes: std::sync::Arc<LowerWrites>,
+    /// A durable `sync` makes a published commit read from the store durable too, not only
+    /// one this pager made (see [`CompressPager::on_shared_store`]).
+    promote_loaded: bool,
 }
 
 /// Index entries read and checked per piece at open (1 MiB).
@@ -352,7 +357,19 @@ impl CompressPager {
             state: Mutex::new(state),
             sync_lock: Mutex::new(()),
             writes: Default::default(),
+            promote_loaded: true,
         })
+    }
+
+    /// The store below is shared with other machines (`s3` with `etcd=`): a published commit
+    /// found in the file is another machine's (or stored already, which is as durable as the
+    /// object store makes anything), and not this machine's to make durable — its `sync`
+    /// would rewrite the superblock of a file it only read, writing into the shared file
+    /// without its write token (a machine that read a file another then removed failed its
+    /// `sync_all` so). Its own published commits it still makes durable.
+    pub fn on_shared_store(mut self, shared: bool) -> CompressPager {
+        self.promote_loaded = !shared;
+        self
     }
 
     /// Read the extents of chunks that fail to decode while a write through the stack
@@ -419,6 +436,7 @@ impl CompressPager {
             generation: 0,
             index_ext: None,
             dirty: false,
+            published_here: false,
             stored_bytes: 0,
             data_bytes: 0,
             raw_chunks: 0,
@@ -718,7 +736,8 @@ impl CompressPager {
             // created and closed unwritten stores nothing (and its ctime stays put, as on
             // any file system where a close changes nothing). A published commit is made
             // durable by a new durable commit (its superblock says which it is).
-            if !st.dirty && st.uncertain.is_empty() && !(durable && st.durable.is_some()) {
+            let promote = durable && st.durable.is_some() && (self.promote_loaded || st.published_here);
+            if !st.dirty && st.uncertain.is_empty() && !promote {
                 return Ok(false);
             }
             // The free tail the last commit left: cut before this commit's writes, so that
@@ -779,6 +798,7 @@ impl CompressPager {
         let previous = std::mem::replace(&mut st.committed, inflight);
         st.uncertain.clear();
         st.generation = sb.generation;
+        st.published_here = !durable;
         if durable {
             st.durable = None;
             st.durable_slot = Some(slot);

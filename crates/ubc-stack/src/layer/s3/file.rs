@@ -572,6 +572,11 @@ impl ubc::Pager for S3File {
     fn set_len(&self, len: u64) -> io::Result<()> {
         let chunk = self.chunk();
         let mut st = self.state.lock();
+        if len == st.size {
+            // Nothing changes (a layer above setting the length it has): nothing to commit —
+            // for a file only read here, which another machine may even have removed since.
+            return Ok(());
+        }
         if len < st.size {
             let keep = len.div_ceil(chunk);
             let cut: Vec<u64> = st.chunks.range(keep..).map(|(&i, _)| i).collect();
