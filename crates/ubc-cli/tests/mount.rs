@@ -1967,4 +1967,17 @@ fn two_machines_mount_one_shared_stack() {
     }
     std::fs::remove_file(m2.join("a")).unwrap();
     assert!(!m1.join("a").exists(), "a removal seen on the other mount");
+    // The random-operation exerciser with its file split across the two machines: writes,
+    // stores through shared mappings, truncations, punches, copies, `fsync`s through one
+    // mount, each checked through the other against the model.
+    let out = Command::new(env!("CARGO_BIN_EXE_ubc-fsx"))
+        .arg("--file")
+        .arg(m1.join("fsx"))
+        .arg("--other")
+        .arg(m2.join("fsx"))
+        .args(["--ops", "300", "--seed", "5", "--max-size", "200000"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "ubc-fsx across two machines: {}", String::from_utf8_lossy(&out.stderr));
+    eprintln!("{}", String::from_utf8_lossy(&out.stdout).trim());
 }
