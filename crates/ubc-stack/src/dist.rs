@@ -50,7 +50,8 @@
 
 use crate::coherence::{Mode, Remote, RemoteCache, RemoteLock, RemotePin};
 use etcd_client::{
-    Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse, TxnResponse, WatchOptions,
+    Client, Compare, CompareOp, EventType, GetOptions, KeyValue, PutOptions, Txn, TxnOp, TxnOpResponse, TxnResponse,
+    WatchOptions,
 };
 use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
@@ -102,6 +103,38 @@ struct Yielded {
     mode: Mode,
     rev: i64,
     at: Instant,
+}
+
+/// What [`claim`] found.
+enum Claim<X> {
+    /// No other machine's key conflicted, and the change was made (if one was asked).
+    Won,
+    /// A key under the prefix changed between the read and the transaction: look again.
+    Raced,
+    /// Other machines' keys conflict (what `conflict` made of them), read at that revision.
+    Refused(Vec<X>, i64),
+}
+
+/// The step tokens and locks are both taken by: read every key under `prefix` at revision
+/// `R`; if `conflict` finds nothing in other machines' keys (every key but `mine`), apply
+/// `op` to `mine` in a transaction that succeeds only if no key under `prefix` changed
+/// after `R` (a range compare) — two machines cannot both win.
+async fn claim<X>(
+    c: &mut Client,
+    prefix: &str,
+    mine: &str,
+    op: Option<TxnOp>,
+    conflict: impl Fn(&KeyValue) -> Option<X>,
+) -> Result<Claim<X>, etcd_client::Error> {
+    let got = c.get(prefix, Some(GetOptions::new().with_prefix())).await?;
+    let rev = got.header().map_or(0, |h| h.revision());
+    let found: Vec<X> = got.kvs().iter().filter(|kv| kv.key() != mine.as_bytes()).filter_map(conflict).collect();
+    if !found.is_empty() {
+        return Ok(Claim::Refused(found, rev));
+    }
+    let Some(op) = op else { return Ok(Claim::Won) };
+    let txn = Txn::new().when([Compare::mod_revision(prefix, CompareOp::Less, rev + 1).with_prefix()]).and_then([op]);
+    Ok(if c.txn(txn).await?.succeeded() { Claim::Won } else { Claim::Raced })
 }
 
 fn etcd_err(e: etcd_client::Error) -> io::Error {
@@ -350,41 +383,22 @@ impl MachineInner {
             let mut c = self.client.clone();
             let (tp, mk) = (tprefix.clone(), mykey.clone());
             let step = self.rt.block_on(async move {
-                let got = c.get(tp.clone(), Some(GetOptions::new().with_prefix())).await?;
-                let rev = got.header().map_or(0, |h| h.revision());
-                let mut conflicting = Vec::new();
-                for kv in got.kvs() {
-                    let Some(holder) = kv
+                let op = TxnOp::put(mk.as_str(), mode_byte(mode), Some(PutOptions::new().with_lease(lease)));
+                claim(&mut c, &tp, &mk, Some(op), |kv| {
+                    let holder = kv
                         .key_str()
                         .ok()
                         .and_then(|k| k.rsplit('/').next())
-                        .and_then(|h| u64::from_str_radix(h, 16).ok())
-                    else {
-                        continue;
-                    };
-                    if holder == me {
-                        continue;
-                    }
+                        .and_then(|h| u64::from_str_radix(h, 16).ok())?;
                     let m = mode_of(kv.value());
-                    if mode == Mode::Write || m == Some(Mode::Write) || m.is_none() {
-                        conflicting.push(holder);
-                    }
-                }
-                if conflicting.is_empty() {
-                    let txn = Txn::new()
-                        .when([Compare::mod_revision(tp.as_str(), CompareOp::Less, rev + 1).with_prefix()])
-                        .and_then([TxnOp::put(
-                            mk.as_str(),
-                            mode_byte(mode),
-                            Some(PutOptions::new().with_lease(lease)),
-                        )]);
-                    let ok = c.txn(txn).await?.succeeded();
-                    return Ok::<_, etcd_client::Error>((ok, Vec::new(), rev));
-                }
-                Ok((false, conflicting, rev))
+                    (mode == Mode::Write || m == Some(Mode::Write) || m.is_none()).then_some(holder)
+                })
+                .await
             });
             let (won, conflicting, rev) = match step {
-                Ok(x) => x,
+                Ok(Claim::Won) => (true, Vec::new(), 0),
+                Ok(Claim::Raced) => (false, Vec::new(), 0),
+                Ok(Claim::Refused(holders, rev)) => (false, holders, rev),
                 Err(e) if Instant::now() < deadline => {
                     // etcd unreachable for a moment: try again (bounded by the deadline).
                     let _ = e;
@@ -474,38 +488,25 @@ impl MachineInner {
             let mut c = self.client.clone();
             let (p, k, v) = (prefix.clone(), mine.clone(), value.clone());
             let step = self.rt.block_on(async move {
-                let op = |v: Option<String>| match v {
-                    Some(v) if !v.is_empty() => TxnOp::put(k.as_str(), v, Some(PutOptions::new().with_lease(lease))),
-                    _ => TxnOp::delete(k.as_str(), None),
-                };
+                let op = v.map(|v| match v.is_empty() {
+                    true => TxnOp::delete(k.as_str(), None),
+                    false => TxnOp::put(k.as_str(), v, Some(PutOptions::new().with_lease(lease))),
+                });
                 if want.is_empty() {
-                    if v.is_some() {
-                        c.txn(Txn::new().and_then([op(v)])).await?;
+                    if let Some(op) = op {
+                        c.txn(Txn::new().and_then([op])).await?;
                     }
-                    return Ok::<_, etcd_client::Error>(Some(None));
+                    return Ok(Claim::Won);
                 }
-                let got = c.get(p.as_str(), Some(GetOptions::new().with_prefix())).await?;
-                let rev = got.header().map_or(0, |h| h.revision());
-                for kv in got.kvs() {
-                    if kv.key() == k.as_bytes() {
-                        continue;
-                    }
-                    if let Some(x) = decode_locks(kv.value()).into_iter().find(|x| want.iter().any(|w| w.conflicts(x)))
-                    {
-                        return Ok(Some(Some(x)));
-                    }
-                }
-                if v.is_none() {
-                    return Ok(Some(None));
-                }
-                let txn = Txn::new()
-                    .when([Compare::mod_revision(p.as_str(), CompareOp::Less, rev + 1).with_prefix()])
-                    .and_then([op(v)]);
-                Ok(if c.txn(txn).await?.succeeded() { Some(None) } else { None })
+                claim(&mut c, &p, &k, op, |kv| {
+                    decode_locks(kv.value()).into_iter().find(|x| want.iter().any(|w| w.conflicts(x)))
+                })
+                .await
             });
             match step {
-                Ok(Some(x)) => return Ok(x),
-                Ok(None) => continue, // another machine's locks changed meanwhile: look again
+                Ok(Claim::Won) => return Ok(None),
+                Ok(Claim::Refused(mut theirs, _)) => return Ok(Some(theirs.swap_remove(0))),
+                Ok(Claim::Raced) => continue, // another machine's locks changed meanwhile: look again
                 Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(100)),
                 Err(e) => return Err(etcd_err(e)),
             }

@@ -1019,8 +1019,9 @@ impl LayerRef {
         self.layer().spec()
     }
 
-    /// Whether other machines use this layer's store at once (`s3:…?etcd=…`): what they
-    /// change reaches the stack's caches, but no cache in front of the stack (a kernel's).
+    /// Whether other machines use this layer's store at once (`s3:…?etcd=…` at the bottom,
+    /// under any layers): what they change reaches the stack's caches, but no cache in
+    /// front of the stack (a kernel's).
     pub fn is_shared(&self) -> bool {
         self.layer().is_shared()
     }

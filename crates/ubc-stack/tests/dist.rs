@@ -31,6 +31,21 @@ fn read_all(f: &ubc_stack::File) -> Vec<u8> {
     v
 }
 
+/// For each layer tail of `tails` (`KEY`: an aead key the test makes in `dir`), the tail as
+/// the spec names it and the shared store's spec under it, over a fresh prefix `name`.
+fn shared_specs(env: &SharedEnv, dir: &std::path::Path, name: &str, tails: &[&str]) -> Vec<(String, String)> {
+    let key = dir.join("key");
+    std::fs::write(&key, "22".repeat(32)).unwrap();
+    tails
+        .iter()
+        .map(|t| {
+            let above = t.replace("KEY", key.to_str().unwrap());
+            let spec = format!("{}{above}", env.spec(&fresh_prefix(name), &env.etcd, ""));
+            (above, spec)
+        })
+        .collect()
+}
+
 fn rw() -> OpenOptions {
     OpenOptions::new().write(true).create(true)
 }
@@ -39,11 +54,7 @@ fn rw() -> OpenOptions {
 fn a_write_on_one_machine_is_read_on_another_without_a_sync() {
     let Some(env) = SharedEnv::get("a_write_on_one_machine_is_read_on_another") else { return };
     let dir = tempfile::tempdir().unwrap();
-    let key = dir.path().join("key");
-    std::fs::write(&key, "22".repeat(32)).unwrap();
-    for above in ["", " | zstd", " | aead:keyfile=KEY | zstd"] {
-        let above = above.replace("KEY", key.to_str().unwrap());
-        let sp = format!("{}{above}", env.spec(&fresh_prefix("rw"), &env.etcd, ""));
+    for (above, sp) in shared_specs(&env, dir.path(), "rw", &["", " | zstd", " | aead:keyfile=KEY | zstd"]) {
         let a = Stack::open(&sp, cache()).unwrap();
         let b = Stack::open(&sp, cache()).unwrap();
         let fa = a.top().open_with("f", rw()).unwrap();
@@ -89,11 +100,9 @@ fn a_write_on_one_machine_is_read_on_another_without_a_sync() {
 fn two_machines_follow_one_model_under_random_operations() {
     let Some(env) = SharedEnv::get("two_machines_follow_one_model") else { return };
     let dir = tempfile::tempdir().unwrap();
-    let key = dir.path().join("key");
-    std::fs::write(&key, "33".repeat(32)).unwrap();
-    for (k, above) in ["", " | aead:keyfile=KEY | zstd"].iter().enumerate() {
-        let above = above.replace("KEY", key.to_str().unwrap());
-        let sp = format!("{}{above}", env.spec(&fresh_prefix("model"), &env.etcd, ""));
+    for (k, (above, sp)) in
+        shared_specs(&env, dir.path(), "model", &["", " | aead:keyfile=KEY | zstd"]).into_iter().enumerate()
+    {
         let machines: Vec<Stack> = (0..3).map(|_| Stack::open(&sp, cache()).unwrap()).collect();
         let files: Vec<ubc_stack::File> = machines.iter().map(|m| m.top().open_with("m", rw()).unwrap()).collect();
         let mut model: Vec<u8> = Vec::new();
@@ -594,11 +603,7 @@ fn a_sweep_deletes_what_crashed_machines_left_and_nothing_a_live_one_may_need() 
 fn mappings_follow_the_token_between_machines() {
     let Some(env) = SharedEnv::get("mappings_follow_the_token") else { return };
     let dir = tempfile::tempdir().unwrap();
-    let key = dir.path().join("key");
-    std::fs::write(&key, "44".repeat(32)).unwrap();
-    for above in ["", " | aead:keyfile=KEY | zstd"] {
-        let above = above.replace("KEY", key.to_str().unwrap());
-        let sp = format!("{}{above}", env.spec(&fresh_prefix("maps"), &env.etcd, ""));
+    for (above, sp) in shared_specs(&env, dir.path(), "maps", &["", " | aead:keyfile=KEY | zstd"]) {
         let a = Stack::open(&sp, cache()).unwrap();
         let b = Stack::open(&sp, cache()).unwrap();
         let n = 200_000usize;
@@ -782,11 +787,7 @@ fn locks_hold_between_machines() {
 fn a_file_removed_elsewhere_that_this_machine_only_read_does_not_fail_its_sync() {
     let Some(env) = SharedEnv::get("a_file_removed_elsewhere_does_not_fail_sync") else { return };
     let dir = tempfile::tempdir().unwrap();
-    let key = dir.path().join("key");
-    std::fs::write(&key, "33".repeat(32)).unwrap();
-    for above in ["", " | zstd", " | aead:keyfile=KEY | zstd"] {
-        let above = above.replace("KEY", key.to_str().unwrap());
-        let sp = format!("{}{above}", env.spec(&fresh_prefix("rmsync"), &env.etcd, ""));
+    for (above, sp) in shared_specs(&env, dir.path(), "rmsync", &["", " | zstd", " | aead:keyfile=KEY | zstd"]) {
         let a = Stack::open(&sp, cache()).unwrap();
         let b = Stack::open(&sp, cache()).unwrap();
         let fa = a.top().open_with("f", rw()).unwrap();

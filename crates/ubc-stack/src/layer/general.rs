@@ -93,19 +93,10 @@ impl Layer for Zstd {
             CompressPager::open(lower, CompressOptions { chunk_size: self.chunk_size, level: self.level })
                 .map_err(|e| Error::io(path, e))?
                 .reading_settled(writes.clone())
-                .on_shared_store(bottom_is_shared(&self.lower)),
+                .on_shared_store(self.lower.is_shared()),
         );
         Ok((p.clone(), Arc::new(ZstdXlate(p))))
     }
-}
-
-/// Whether the bottom layer under `l` is shared with other machines ([`Layer::is_shared`]).
-fn bottom_is_shared(l: &Arc<dyn Layer>) -> bool {
-    let mut l = l;
-    while let Some(below) = l.lower() {
-        l = below;
-    }
-    l.is_shared()
 }
 
 /// `aead`: XChaCha20-Poly1305 per 4 KiB block; extended attributes sealed one by one

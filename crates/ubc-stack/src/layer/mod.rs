@@ -355,9 +355,10 @@ pub trait Layer: Send + Sync {
 
     /// Whether other machines use this store at once (`s3` with `etcd=`): their changes
     /// reach this machine's cache through the files' tokens, but no other cache of this
-    /// machine (a kernel's, in front of a mount) hears of them.
+    /// machine (a kernel's, in front of a mount) hears of them. A layer above answers for
+    /// the store below it (the default).
     fn is_shared(&self) -> bool {
-        false
+        self.lower().is_some_and(|l| l.is_shared())
     }
 
     /// The identity of the cached file `a` describes (the one its pager gives, see

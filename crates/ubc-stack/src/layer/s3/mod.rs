@@ -254,19 +254,7 @@ impl Shared {
         if paths.is_empty() {
             return;
         }
-        let store = self.store.clone();
-        let n = paths.len() as u64;
-        self.rt.block_on(async move {
-            futures::stream::iter(paths)
-                .for_each_concurrent(16, |p| {
-                    let store = store.clone();
-                    async move {
-                        let _ = store.delete(&p).await;
-                    }
-                })
-                .await
-        });
-        self.deletes.fetch_add(n, Relaxed);
+        self.rt.block_on(delete_each(self.store.clone(), paths, self.deletes.clone()));
     }
 
     /// Delete `paths`, and every object of the files `inos`, in the background: nothing
@@ -289,16 +277,7 @@ impl Shared {
                     all.push(m.location);
                 }
             }
-            let n = all.len() as u64;
-            futures::stream::iter(all)
-                .for_each_concurrent(16, |p| {
-                    let store = store.clone();
-                    async move {
-                        let _ = store.delete(&p).await;
-                    }
-                })
-                .await;
-            deletes.fetch_add(n, Relaxed);
+            delete_each(store, all, deletes).await;
         });
         let mut d = self.deleting.lock();
         d.retain(|t| !t.is_finished());
@@ -331,6 +310,21 @@ impl Shared {
             Ok(out)
         })
     }
+}
+
+/// Delete `paths` from `store`, 16 at a time, counting them in `deletes`; a failure leaves
+/// garbage (for the sweep), not an error.
+async fn delete_each(store: Arc<dyn ObjectStore>, paths: Vec<ObjPath>, deletes: Arc<AtomicU64>) {
+    let n = paths.len() as u64;
+    futures::stream::iter(paths)
+        .for_each_concurrent(16, |p| {
+            let store = store.clone();
+            async move {
+                let _ = store.delete(&p).await;
+            }
+        })
+        .await;
+    deletes.fetch_add(n, Relaxed);
 }
 
 /// An object store error as an I/O error (not found stays `NotFound`).
