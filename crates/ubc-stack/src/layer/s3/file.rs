@@ -1,10 +1,14 @@
 //! One file of the `s3` layer: its pager. The file's bytes are chunks of `chunk_size`,
-//! each an immutable object `c/<ino>/<index>.<version>`; a chunk written since the last
-//! upload is *staged* in memory (written back as a whole new version at the next commit, or
-//! when the file's staged bytes pass `STAGE_MAX`). The cache fills whole chunks
-//! (`fill_granule`): one ranged GET per chunk, the chunks of one fill fetched in parallel.
+//! each an immutable base object `c/<ino>/<index>.<version>` with small *patch* objects laid
+//! over it (same naming; `format::Patch`). Bytes written since the last upload are *staged*
+//! in memory — the whole chunk, or only the written extents — and uploaded at the next
+//! commit (or when the file's staged bytes pass `STAGE_MAX`): a whole chunk as a new base,
+//! a few extents as a patch, and a chunk whose patches grew past `MAX_PATCHES` or
+//! `chunk / PATCH_SHARE` as a new base again (compaction). The cache fills whole chunks
+//! (`fill_granule`): a ranged GET of the base and one GET per patch, the chunks of one fill
+//! fetched in parallel.
 
-use super::format::Chunk;
+use super::format::{Chunk, Extent, Patch};
 use super::{Inner, Shared};
 use object_store::ObjectStoreExt;
 use parking_lot::Mutex;
@@ -41,14 +45,77 @@ struct Ahead {
 /// committed later): bounds the memory a writer holds outside the cache.
 const STAGE_MAX: usize = 16 << 20;
 
+/// Patches a chunk may have before its next change stores it whole again: a read of the
+/// chunk costs one GET per object.
+const MAX_PATCHES: usize = 16;
+
+/// A chunk's patches may hold up to `chunk / PATCH_SHARE` bytes before its next change stores
+/// it whole again: a read fetches at most a quarter more than the chunk.
+const PATCH_SHARE: u64 = 4;
+
+/// A chunk changed since its upload.
+enum Staged {
+    /// Every byte of it (`chunk_size` bytes, zeros past the size): uploaded as a new base.
+    Whole(Vec<u8>),
+    /// Only the bytes written, by offset in the chunk (extents that neither overlap nor
+    /// touch); the rest is the stored chunk's. Uploaded as a patch, or laid over the stored
+    /// chunk and uploaded whole (compaction).
+    Sparse(BTreeMap<u32, Vec<u8>>),
+}
+
+impl Staged {
+    /// Bytes it holds.
+    fn bytes(&self) -> usize {
+        match self {
+            Staged::Whole(b) => b.len(),
+            Staged::Sparse(m) => m.values().map(Vec::len).sum(),
+        }
+    }
+}
+
+/// Write `data` at `off` into the extents `m`, merging every extent it overlaps or touches
+/// into one.
+fn write_extent(m: &mut BTreeMap<u32, Vec<u8>>, off: u32, data: &[u8]) {
+    let end = off + data.len() as u32;
+    // Extents starting at or before `end` whose end reaches `off`.
+    let hit: Vec<u32> =
+        m.range(..=end).rev().take_while(|(s, v)| **s + v.len() as u32 >= off).map(|(s, _)| *s).collect();
+    let start = hit.iter().copied().fold(off, u32::min);
+    let stop = hit.iter().map(|s| s + m[s].len() as u32).fold(end, u32::max);
+    let mut buf = vec![0u8; (stop - start) as usize];
+    for s in hit {
+        let v = m.remove(&s).expect("listed");
+        buf[(s - start) as usize..(s - start) as usize + v.len()].copy_from_slice(&v);
+    }
+    buf[(off - start) as usize..(end - start) as usize].copy_from_slice(data);
+    m.insert(start, buf);
+}
+
+/// Lay extents over `buf` (a chunk's bytes), clipped to its length.
+fn lay_over(buf: &mut [u8], m: &BTreeMap<u32, Vec<u8>>) {
+    for (&s, v) in m {
+        let s = s as usize;
+        if s < buf.len() {
+            let n = v.len().min(buf.len() - s);
+            buf[s..s + n].copy_from_slice(&v[..n]);
+        }
+    }
+}
+
 /// What is known of a file's bytes.
 #[derive(Default)]
 pub(crate) struct FileState {
     pub(crate) size: u64,
     /// Uploaded chunks by index (absent: a hole).
     pub(crate) chunks: BTreeMap<u64, Chunk>,
-    /// Chunks changed since their upload, whole (`chunk_size` bytes, zeros past the size).
-    staged: BTreeMap<u64, Vec<u8>>,
+    /// Chunks changed since their upload.
+    staged: BTreeMap<u64, Staged>,
+}
+
+impl FileState {
+    fn staged_bytes(&self) -> usize {
+        self.staged.values().map(Staged::bytes).sum()
+    }
 }
 
 pub(crate) struct S3File {
@@ -152,6 +219,9 @@ impl S3File {
         let mut st = self.state.lock();
         debug_assert!(st.staged.is_empty(), "a reload with staged chunks");
         st.staged.clear();
+        // Objects listed for deletion by uploads no record of this machine's named: the
+        // record read now may name them (see `discarding`).
+        drop(self.shared.take_garbage_of(self.ino));
         (st.size, st.chunks) = (size, chunks);
     }
 
@@ -202,9 +272,9 @@ impl S3File {
     /// The fetch of stored chunk `idx` (version `c`), started now on the runtime unless one
     /// is under way or done. => `ahead` is this file's, locked. (Lock order: a file's state,
     /// then its `ahead`; never the other way.)
-    fn fetch_whole(&self, ahead: &mut Ahead, idx: u64, c: Chunk) -> Fetch {
+    fn fetch_whole(&self, ahead: &mut Ahead, idx: u64, c: &Chunk) -> Fetch {
         use futures::FutureExt;
-        let key = (idx, c.version);
+        let key = (idx, c.newest());
         // A version's bytes never change: a fetch done or under way serves every later ask —
         // unless it failed (a network error is not the chunk's last word: fetch again).
         if let Some(f) = ahead.chunks.get(&key)
@@ -212,21 +282,59 @@ impl S3File {
         {
             return f.clone();
         }
-        let path = self.shared.chunk_path(self.ino, idx, c.version);
+        let base = (c.version != 0).then(|| (self.shared.chunk_path(self.ino, idx, c.version), c.base_len));
+        let patches: Vec<(object_store::path::Path, Patch)> =
+            c.patches.iter().map(|p| (self.shared.chunk_path(self.ino, idx, p.version), p.clone())).collect();
+        let (len, ino) = (c.len as usize, self.ino);
         let store = self.shared.store.clone();
         // The counters, not the layer: see `Shared::gets`.
         let gets = self.shared.gets.clone();
         let task = self.shared.rt.spawn(async move {
-            let r = store.get_range(&path, 0..c.len as u64).await;
-            if let Ok(b) = &r {
-                gets.count(b.len());
+            let get = |path: object_store::path::Path, n: u64| {
+                let (store, gets) = (store.clone(), gets.clone());
+                async move {
+                    let r = store.get_range(&path, 0..n).await;
+                    if let Ok(b) = &r {
+                        gets.count(b.len());
+                    }
+                    r.map_err(super::io_err)
+                }
+            };
+            let base = async {
+                match base {
+                    Some((path, n)) => get(path, n as u64).await,
+                    None => Ok(bytes::Bytes::new()),
+                }
+            };
+            let pgets = futures::future::join_all(patches.iter().map(|(path, p)| get(path.clone(), p.bytes())));
+            let (base, pbytes) = futures::join!(base, pgets);
+            let base = base?;
+            if patches.is_empty() {
+                return Ok(base);
             }
-            r
+            // Lay the patches over the base, in order.
+            let mut out = vec![0u8; len];
+            let n = base.len().min(len);
+            out[..n].copy_from_slice(&base[..n]);
+            for ((_, p), b) in patches.iter().zip(pbytes) {
+                let b = b?;
+                if b.len() as u64 != p.bytes() {
+                    let m = format!("a patch of inode {ino}'s chunk {idx} is {} bytes, not {}", b.len(), p.bytes());
+                    return Err(io::Error::new(io::ErrorKind::InvalidData, m));
+                }
+                let mut at = 0;
+                for e in &p.extents {
+                    let (s, l) = (e.offset as usize, e.len as usize);
+                    out[s..s + l].copy_from_slice(&b[at..at + l]);
+                    at += l;
+                }
+            }
+            Ok(bytes::Bytes::from(out))
         });
         let f: Fetch = async move {
             match task.await {
                 Ok(Ok(b)) => Ok(b),
-                Ok(Err(e)) => Err(Arc::new(super::io_err(e))),
+                Ok(Err(e)) => Err(Arc::new(e)),
                 Err(e) => Err(Arc::new(io::Error::other(e))),
             }
         }
@@ -249,42 +357,120 @@ impl S3File {
         }
     }
 
-    /// Stage chunk `idx` with its current bytes (fetched, or taken from a fetch ahead). =>
-    /// `st` is this file's state, locked.
-    fn stage<'a>(&self, st: &'a mut FileState, idx: u64) -> io::Result<&'a mut Vec<u8>> {
-        if !st.staged.contains_key(&idx) {
-            let mut buf = vec![0u8; self.chunk() as usize];
-            if let Some(&c) = st.chunks.get(&idx) {
-                let fetch = self.fetch_whole(&mut self.ahead.lock(), idx, c);
-                let b = self.shared.rt.block_on(fetch).map_err(|e| io::Error::new(e.kind(), e.to_string()))?;
-                buf[..b.len()].copy_from_slice(&b);
-            }
-            st.staged.insert(idx, buf);
-        }
-        Ok(st.staged.get_mut(&idx).expect("staged above"))
+    /// The stored bytes of chunk `idx` (`c`): fetched, or taken from a fetch ahead.
+    fn stored_bytes(&self, idx: u64, c: &Chunk) -> io::Result<bytes::Bytes> {
+        let fetch = self.fetch_whole(&mut self.ahead.lock(), idx, c);
+        self.shared.rt.block_on(fetch).map_err(|e| io::Error::new(e.kind(), e.to_string()))
     }
 
-    /// Upload every staged chunk as a new version (in parallel); the versions they replace
-    /// become garbage. => `st` is this file's state, locked. On error the chunks stay staged.
+    /// Stage chunk `idx` whole with its current bytes: the stored chunk's (fetched), with
+    /// what is staged of it laid over them. => `st` is this file's state, locked.
+    fn stage_whole<'a>(&self, st: &'a mut FileState, idx: u64) -> io::Result<&'a mut Vec<u8>> {
+        if !matches!(st.staged.get(&idx), Some(Staged::Whole(_))) {
+            let mut buf = vec![0u8; self.chunk() as usize];
+            if let Some(c) = st.chunks.get(&idx) {
+                let b = self.stored_bytes(idx, c)?;
+                buf[..b.len()].copy_from_slice(&b);
+            }
+            if let Some(Staged::Sparse(m)) = st.staged.get(&idx) {
+                lay_over(&mut buf, m);
+            }
+            st.staged.insert(idx, Staged::Whole(buf));
+        }
+        match st.staged.get_mut(&idx) {
+            Some(Staged::Whole(buf)) => Ok(buf),
+            _ => unreachable!("staged whole above"),
+        }
+    }
+
+    /// What one staged chunk becomes in the store: the object to PUT and the chunk entry
+    /// naming it, or `None` when nothing of it is inside the file. A sparse chunk becomes a
+    /// patch, unless its extents cover the stored bytes (a new base, nothing to fetch) or its
+    /// patches would pass `MAX_PATCHES` or `chunk / PATCH_SHARE` (a new base laid over the
+    /// stored one: compaction, which fetches the stored chunk). => `st` is this file's
+    /// state, locked.
+    fn prepare(&self, st: &FileState, idx: u64) -> io::Result<Option<(Chunk, bytes::Bytes)>> {
+        let chunk = self.chunk();
+        let start = idx * chunk;
+        if start >= st.size {
+            return Ok(None);
+        }
+        let limit = (st.size - start).min(chunk) as usize;
+        let stored = st.chunks.get(&idx);
+        let whole = |buf: &[u8], len: usize| {
+            let version = self.shared.new_version();
+            Some((Chunk::whole(version, len as u32), bytes::Bytes::copy_from_slice(&buf[..len])))
+        };
+        let m = match st.staged.get(&idx) {
+            None => return Ok(None),
+            Some(Staged::Whole(buf)) => return Ok(whole(buf, limit)),
+            Some(Staged::Sparse(m)) => m,
+        };
+        // The extents inside the file (a truncation may have cut them since).
+        let extents: Vec<(u32, &[u8])> = m
+            .iter()
+            .filter(|&(&s, _)| (s as usize) < limit)
+            .map(|(&s, v)| (s, &v[..v.len().min(limit - s as usize)]))
+            .collect();
+        let Some(&(last, lv)) = extents.last() else { return Ok(None) };
+        let end = last as usize + lv.len();
+        let stored_len = stored.map_or(0, |c| c.len as usize);
+        let new_bytes: u64 = extents.iter().map(|(_, v)| v.len() as u64).sum();
+        if extents.len() == 1 && extents[0].0 == 0 && end >= stored_len {
+            // Every stored byte is written over: the extent is the chunk.
+            return Ok(whole(extents[0].1, end));
+        }
+        let compact = stored
+            .is_some_and(|c| c.patches.len() >= MAX_PATCHES || c.patch_bytes() + new_bytes > chunk / PATCH_SHARE)
+            || new_bytes > chunk / PATCH_SHARE
+            || extents.len() > u16::MAX as usize;
+        if compact {
+            let mut buf = vec![0u8; chunk as usize];
+            if let Some(c) = stored {
+                let b = self.stored_bytes(idx, c)?;
+                buf[..b.len()].copy_from_slice(&b);
+            }
+            lay_over(&mut buf, m);
+            return Ok(whole(&buf, stored_len.max(end).min(limit)));
+        }
+        let mut body = Vec::with_capacity(new_bytes as usize);
+        let mut patch = Patch { version: self.shared.new_version(), extents: Vec::with_capacity(extents.len()) };
+        for (s, v) in &extents {
+            body.extend_from_slice(v);
+            patch.extents.push(Extent { offset: *s, len: v.len() as u32 });
+        }
+        let mut c = stored.cloned().unwrap_or(Chunk { version: 0, base_len: 0, len: 0, patches: Vec::new() });
+        c.len = c.len.max(end as u32);
+        c.patches.push(patch);
+        Ok(Some((c, bytes::Bytes::from(body))))
+    }
+
+    /// Upload every staged chunk (in parallel): as a new base version, whose replaced objects
+    /// become garbage, or as a patch of its stored chunk. => `st` is this file's state,
+    /// locked. On error the chunks stay staged.
     fn upload(&self, st: &mut FileState) -> io::Result<()> {
         if st.staged.is_empty() {
             return Ok(());
         }
-        let chunk = self.chunk();
-        let size = st.size;
+        let mut first_err = None;
         let mut puts = Vec::new();
-        for (&idx, buf) in &st.staged {
-            let start = idx * chunk;
-            if start >= size {
-                continue;
+        let staged: Vec<u64> = st.staged.keys().copied().collect();
+        for idx in staged {
+            match self.prepare(st, idx) {
+                Ok(Some((c, body))) => {
+                    let path = self.shared.chunk_path(self.ino, idx, c.newest());
+                    puts.push((idx, c, path, body));
+                }
+                Ok(None) => {
+                    st.staged.remove(&idx);
+                }
+                Err(e) => {
+                    first_err.get_or_insert(self.chunk_gone(e, true));
+                }
             }
-            let len = (size - start).min(chunk) as usize;
-            let version = self.shared.new_version();
-            let path = self.shared.chunk_path(self.ino, idx, version);
-            puts.push((idx, version, len as u32, path, bytes::Bytes::copy_from_slice(&buf[..len])));
         }
         let store = self.shared.store.clone();
-        let jobs: Vec<_> = puts.iter().map(|(_, _, _, p, b)| (p.clone(), b.clone())).collect();
+        let jobs: Vec<_> = puts.iter().map(|(_, _, p, b)| (p.clone(), b.clone())).collect();
         let results = self.shared.rt.block_on(async move {
             let futs = jobs.into_iter().map(|(p, b)| {
                 let store = store.clone();
@@ -292,27 +478,54 @@ impl S3File {
             });
             futures::future::join_all(futs).await
         });
-        let mut first_err = None;
-        for ((idx, version, len, path, b), r) in puts.into_iter().zip(results) {
+        for ((idx, c, path, b), r) in puts.into_iter().zip(results) {
             match r {
                 Ok(_) => {
                     self.shared.counted_put(b.len());
                     if b.len() >= MULTIPART_MIN {
                         self.shared.multipart.fetch_add(1, Relaxed);
                     }
-                    st.staged.remove(&idx);
-                    // The bytes just stored are that version's: the next write into the chunk
-                    // (a database's next transaction) stages from them, not from a GET of
-                    // what was just PUT (a round trip to the store per commit).
+                    let sparse = st.staged.remove(&idx);
+                    let old = st.chunks.get(&idx).cloned();
+                    // The bytes just stored are the chunk's now: the next write into it (a
+                    // database's next transaction) or a read stages from them, not from a GET
+                    // of what was just PUT (a round trip to the store per commit).
                     {
                         use futures::FutureExt;
-                        let f: Fetch = futures::future::ready(Ok(b.clone())).boxed().shared();
-                        self.remember(&mut self.ahead.lock(), (idx, version), f);
+                        let mut ahead = self.ahead.lock();
+                        let now = if c.patches.is_empty() {
+                            Some(b.clone())
+                        } else {
+                            // A patch: the chunk's bytes are known if the old ones were.
+                            old.as_ref().and_then(|o| ahead.chunks.get(&(idx, o.newest()))).and_then(|f| {
+                                match (f.peek(), &sparse) {
+                                    (Some(Ok(ob)), Some(Staged::Sparse(m))) => {
+                                        let mut buf = vec![0u8; c.len as usize];
+                                        let n = ob.len().min(buf.len());
+                                        buf[..n].copy_from_slice(&ob[..n]);
+                                        lay_over(&mut buf, m);
+                                        Some(bytes::Bytes::from(buf))
+                                    }
+                                    _ => None,
+                                }
+                            })
+                        };
+                        if let Some(now) = now {
+                            let f: Fetch = futures::future::ready(Ok(now)).boxed().shared();
+                            // Polled once, so that `peek` sees its bytes (the next patch's
+                            // upload lays itself over them).
+                            let _ = f.clone().now_or_never();
+                            self.remember(&mut ahead, (idx, c.newest()), f);
+                        }
                     }
-                    // Updated before the old version is listed as garbage, under this lock: a
-                    // commit that takes the garbage then reads the new version.
-                    if let Some(old) = st.chunks.insert(idx, Chunk { version, len }) {
-                        self.shared.garbage.lock().push(self.shared.chunk_path(self.ino, idx, old.version));
+                    // A new base replaces every object of the old chunk. Listed under this
+                    // lock, after the state names the new one: a commit that takes the
+                    // garbage then reads the new chunk.
+                    let replaced = c.patches.is_empty();
+                    st.chunks.insert(idx, c);
+                    if replaced && let Some(old) = old {
+                        let mut g = self.shared.garbage.lock();
+                        g.extend(old.objects().map(|v| self.shared.chunk_path(self.ino, idx, v)));
                     }
                 }
                 Err(e) => {
@@ -323,6 +536,8 @@ impl S3File {
             }
         }
         // Staged chunks wholly past the size hold nothing.
+        let chunk = self.chunk();
+        let size = st.size;
         st.staged.retain(|&idx, _| idx * chunk < size);
         // The tree names chunk versions: it must be committed again. (A shared file's own
         // record is rewritten by the commit that uploads, or was marked by the write.)
@@ -376,6 +591,8 @@ impl S3File {
         buf.fill(0);
         let end = offset + buf.len() as u64;
         let mut remote = Vec::new();
+        // Staged extents of chunks also fetched (laid over them after), copied out.
+        let mut over: Vec<(u64, Vec<u8>)> = Vec::new();
         // Stored chunks past the asked ones, for a sequential reader: read under the same
         // hold of the state (the `ahead` lock is taken after it, never inside it).
         let mut next = Vec::new();
@@ -389,24 +606,43 @@ impl S3File {
             for idx in offset / chunk..stop.div_ceil(chunk) {
                 let cstart = idx * chunk;
                 let (a, b) = (offset.max(cstart), stop.min(cstart + chunk));
-                if let Some(s) = st.staged.get(&idx) {
+                if let Some(Staged::Whole(s)) = st.staged.get(&idx) {
                     buf[(a - offset) as usize..(b - offset) as usize]
                         .copy_from_slice(&s[(a - cstart) as usize..(b - cstart) as usize]);
                     any = true;
-                } else if let Some(&c) = st.chunks.get(&idx) {
+                    continue;
+                }
+                if let Some(Staged::Sparse(m)) = st.staged.get(&idx) {
+                    for (&s, v) in m {
+                        let (es, ee) = (cstart + s as u64, cstart + s as u64 + v.len() as u64);
+                        let (x, y) = (es.max(a), ee.min(b));
+                        if x < y {
+                            over.push((x, v[(x - es) as usize..(y - es) as usize].to_vec()));
+                            any = true;
+                        }
+                    }
+                }
+                if let Some(c) = st.chunks.get(&idx) {
                     let b = b.min(cstart + c.len as u64);
                     if a < b {
-                        remote.push((idx, c, a - cstart..b - cstart));
+                        remote.push((idx, c.clone(), a - cstart..b - cstart));
                     }
                 }
             }
             if let Some(&(last, _, _)) = remote.last() {
                 next.extend((last + 1..=last + ahead_chunks(chunk)).filter_map(|idx| {
-                    st.chunks.get(&idx).filter(|_| !st.staged.contains_key(&idx)).map(|&c| (idx, c))
+                    st.chunks.get(&idx).filter(|_| !st.staged.contains_key(&idx)).map(|c| (idx, c.clone()))
                 }));
             }
         }
+        let lay = |buf: &mut [u8]| {
+            for (at, v) in &over {
+                let at = (at - offset) as usize;
+                buf[at..at + v.len()].copy_from_slice(v);
+            }
+        };
         if remote.is_empty() {
+            lay(buf);
             return Ok(if any { ubc::Fill::Data } else { ubc::Fill::Hole });
         }
         // Whole chunks, fetched in parallel (each once for all the fills of its parts), and
@@ -417,11 +653,11 @@ impl S3File {
             let last = remote[remote.len() - 1].0;
             let sequential = ahead.last.is_some_and(|l| first == l || first == l + 1);
             ahead.last = Some(last);
-            let wanted: Vec<Fetch> = remote.iter().map(|&(idx, c, _)| self.fetch_whole(&mut ahead, idx, c)).collect();
+            let wanted: Vec<Fetch> = remote.iter().map(|(idx, c, _)| self.fetch_whole(&mut ahead, *idx, c)).collect();
             if sequential {
                 for (idx, c) in next {
                     // Started on the runtime: it runs whether or not anyone waits.
-                    drop(self.fetch_whole(&mut ahead, idx, c));
+                    drop(self.fetch_whole(&mut ahead, idx, &c));
                 }
             }
             wanted
@@ -435,6 +671,7 @@ impl S3File {
             let at = (idx * chunk + r.start - offset) as usize;
             buf[at..at + part.len()].copy_from_slice(part);
         }
+        lay(buf);
         Ok(ubc::Fill::Data)
     }
 }
@@ -547,19 +784,29 @@ impl ubc::Pager for S3File {
             let idx = pos / chunk;
             let cstart = idx * chunk;
             let to = end.min(cstart + chunk);
-            let whole = pos == cstart && to == cstart + chunk;
-            if whole && !st.staged.contains_key(&idx) {
-                // Every byte of the chunk is new: no need to read the old version.
-                st.staged.insert(idx, vec![0u8; chunk as usize]);
+            let part = &data[(pos - offset) as usize..(to - offset) as usize];
+            let at = (pos - cstart) as u32;
+            if !st.staged.contains_key(&idx) {
+                // Written from the chunk's start over every stored byte: the chunk is new
+                // whole, nothing of the old to read. Otherwise only the bytes written are
+                // kept (no read of the old chunk: a patch, or laid over it later).
+                let stored = st.chunks.get(&idx).map_or(0, |c| c.len as u64);
+                let fresh = if at == 0 && to - cstart >= stored {
+                    Staged::Whole(vec![0u8; chunk as usize])
+                } else {
+                    Staged::Sparse(BTreeMap::new())
+                };
+                st.staged.insert(idx, fresh);
             }
-            let buf = self.stage(&mut st, idx).map_err(|e| self.chunk_gone(e, true))?;
-            buf[(pos - cstart) as usize..(to - cstart) as usize]
-                .copy_from_slice(&data[(pos - offset) as usize..(to - offset) as usize]);
+            match st.staged.get_mut(&idx).expect("staged above") {
+                Staged::Whole(buf) => buf[at as usize..at as usize + part.len()].copy_from_slice(part),
+                Staged::Sparse(m) => write_extent(m, at, part),
+            }
             pos = to;
         }
         st.size = st.size.max(end);
         self.mark_changed();
-        if st.staged.len() * chunk as usize > STAGE_MAX {
+        if st.staged_bytes() > STAGE_MAX {
             self.upload(&mut st)?;
         }
         Ok(())
@@ -582,7 +829,8 @@ impl ubc::Pager for S3File {
             let cut: Vec<u64> = st.chunks.range(keep..).map(|(&i, _)| i).collect();
             for idx in cut {
                 let c = st.chunks.remove(&idx).expect("listed");
-                self.shared.garbage.lock().push(self.shared.chunk_path(self.ino, idx, c.version));
+                let mut g = self.shared.garbage.lock();
+                g.extend(c.objects().map(|v| self.shared.chunk_path(self.ino, idx, v)));
             }
             st.staged.retain(|&i, _| i < keep);
             let tail = len % chunk;
@@ -590,7 +838,7 @@ impl ubc::Pager for S3File {
                 let idx = len / chunk;
                 let stored_past = st.chunks.get(&idx).is_some_and(|c| c.len as u64 > tail);
                 if st.staged.contains_key(&idx) || stored_past {
-                    let buf = self.stage(&mut st, idx).map_err(|e| self.chunk_gone(e, false))?;
+                    let buf = self.stage_whole(&mut st, idx).map_err(|e| self.chunk_gone(e, false))?;
                     buf[tail as usize..].fill(0);
                 }
             }
@@ -671,6 +919,10 @@ impl crate::dist::TokenHolder for S3File {
     fn discarding(&self, on: bool) {
         let mut st = self.state.lock();
         st.staged.clear();
+        // What this machine's uncommitted uploads replaced is not garbage: the record
+        // another machine stores next may still name it (a patch over this machine's base),
+        // so it is not deleted here; the uploads themselves are left for the sweep.
+        drop(self.shared.take_garbage_of(self.ino));
         if let Some(d) = &self.dist {
             d.changed.store(false, Relaxed);
             d.discarding.store(on, Relaxed);

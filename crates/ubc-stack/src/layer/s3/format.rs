@@ -2,13 +2,15 @@
 //! layer"). All integers little-endian.
 //!
 //! ```text
-//! header   magic "UBCS3T01" (8) | next_ino u64 | next_version u64 | chunk_size u32 | nodes u32
+//! header   magic "UBCS3T02" (8) | next_ino u64 | next_version u64 | chunk_size u32 | nodes u32
 //! node     path_len u16 | path (UTF-8, no leading '/'; "" is the root)
 //!          kind u8 | ino u64 | mode u32 | uid u32 | gid u32 | rdev u64
 //!          mtime i64 | atime i64 | ctime i64          (ns since the Unix epoch)
 //!          target_len u16 | target                   (symbolic links; 0 otherwise)
 //!          size u64 | chunks u32                      (regular files; both 0 otherwise)
-//!          chunks × (index u64 | version u64 | len u32)
+//!          chunks × chunk entry
+//! chunk    index u64 | version u64 | base_len u32 | len u32 | patches u16
+//!          patches × (version u64 | extents u16 | extents × (offset u32 | len u32))
 //! trailer  crc32 u32 of everything before it
 //! ```
 //!
@@ -16,25 +18,86 @@
 //! per-inode record): the node above without its path.
 //!
 //! ```text
-//! record   magic "UBCS3N01" (8) | node without path_len and path | crc32 u32
+//! record   magic "UBCS3N02" (8) | node without path_len and path | crc32 u32
 //! ```
+//!
+//! The first format (`UBCS3T01`, `UBCS3N01`: a chunk entry was `index u64 | version u64 |
+//! len u32`, a base object and no patches) is still read; only the second is written.
 
 use super::super::Kind;
 use std::collections::BTreeMap;
 use std::io;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-pub(crate) const MAGIC: &[u8; 8] = b"UBCS3T01";
+pub(crate) const MAGIC: &[u8; 8] = b"UBCS3T02";
+/// The first format's tree (read, never written): chunk entries without patches.
+const MAGIC_V1: &[u8; 8] = b"UBCS3T01";
 /// Magic of one node stored alone ([`StoredNode::encode`]).
 #[cfg_attr(not(feature = "etcd"), allow(dead_code))] // records are etcd's (the tree has its own header)
-pub(crate) const NODE_MAGIC: &[u8; 8] = b"UBCS3N01";
+pub(crate) const NODE_MAGIC: &[u8; 8] = b"UBCS3N02";
+#[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+const NODE_MAGIC_V1: &[u8; 8] = b"UBCS3N01";
 
 /// One stored chunk of a file: its version (part of its object's name) and how many bytes
 /// the object holds (the rest of the chunk, up to the file's size, reads as zeros).
+/// `len` bytes at `offset` of a chunk, stored in a patch object.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Chunk {
-    pub(crate) version: u64,
+pub(crate) struct Extent {
+    pub(crate) offset: u32,
     pub(crate) len: u32,
+}
+
+/// Bytes written into a chunk after its base was stored, uploaded as one small object (its
+/// extents' bytes one after another) instead of a new version of the whole chunk — JuiceFS's
+/// slices: a random 4 KiB write uploads 4 KiB, not its chunk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Patch {
+    pub(crate) version: u64,
+    pub(crate) extents: Vec<Extent>,
+}
+
+impl Patch {
+    /// Bytes of the patch object.
+    pub(crate) fn bytes(&self) -> u64 {
+        self.extents.iter().map(|e| e.len as u64).sum()
+    }
+}
+
+/// A stored chunk: a base object (or none) and the patches laid over it, in order. Its bytes:
+/// zeros of `len`, the base's `base_len` bytes at its start, then each patch's extents.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Chunk {
+    /// The base object's version; 0: no base object (zeros under the patches).
+    pub(crate) version: u64,
+    /// Bytes of the base object (0 without one).
+    pub(crate) base_len: u32,
+    /// Bytes the chunk defines from its start (≥ `base_len` and every extent's end); past
+    /// them, zeros up to the file's size.
+    pub(crate) len: u32,
+    pub(crate) patches: Vec<Patch>,
+}
+
+impl Chunk {
+    /// A chunk stored as one object of `len` bytes.
+    pub(crate) fn whole(version: u64, len: u32) -> Chunk {
+        Chunk { version, base_len: len, len, patches: Vec::new() }
+    }
+
+    /// The versions of the chunk's objects: its base (if any), then its patches.
+    pub(crate) fn objects(&self) -> impl Iterator<Item = u64> + '_ {
+        (self.version != 0).then_some(self.version).into_iter().chain(self.patches.iter().map(|p| p.version))
+    }
+
+    /// The version naming these bytes (the newest object's): a chunk's bytes change only
+    /// with a new object.
+    pub(crate) fn newest(&self) -> u64 {
+        self.patches.last().map_or(self.version, |p| p.version)
+    }
+
+    /// Bytes of its patch objects.
+    pub(crate) fn patch_bytes(&self) -> u64 {
+        self.patches.iter().map(Patch::bytes).sum()
+    }
 }
 
 /// A node as stored.
@@ -123,9 +186,10 @@ impl StoredTree {
 
     pub(crate) fn decode(b: &[u8]) -> io::Result<StoredTree> {
         let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, format!("s3 tree object: {what}"));
-        if b.len() < 36 || &b[..8] != MAGIC {
+        if b.len() < 36 || (&b[..8] != MAGIC && &b[..8] != MAGIC_V1) {
             return Err(bad("not a ubc s3 tree (bad magic)"));
         }
+        let v1 = &b[..8] == MAGIC_V1;
         let (body, crc) = b.split_at(b.len() - 4);
         if crc32fast::hash(body) != u32::from_le_bytes(crc.try_into().expect("4 bytes")) {
             return Err(bad("checksum mismatch"));
@@ -139,7 +203,7 @@ impl StoredTree {
         for _ in 0..count {
             let plen = r.u16()? as usize;
             let path = String::from_utf8(r.bytes(plen)?.to_vec()).map_err(|_| bad("a path is not UTF-8"))?;
-            nodes.insert(path, StoredNode::read_body(&mut r)?);
+            nodes.insert(path, StoredNode::read_body(&mut r, v1)?);
         }
         if r.at != body.len() {
             return Err(bad("trailing bytes"));
@@ -171,12 +235,23 @@ impl StoredNode {
         for (i, c) in &self.chunks {
             b.extend_from_slice(&i.to_le_bytes());
             b.extend_from_slice(&c.version.to_le_bytes());
+            b.extend_from_slice(&c.base_len.to_le_bytes());
             b.extend_from_slice(&c.len.to_le_bytes());
+            b.extend_from_slice(&(c.patches.len() as u16).to_le_bytes());
+            for p in &c.patches {
+                b.extend_from_slice(&p.version.to_le_bytes());
+                b.extend_from_slice(&(p.extents.len() as u16).to_le_bytes());
+                for e in &p.extents {
+                    b.extend_from_slice(&e.offset.to_le_bytes());
+                    b.extend_from_slice(&e.len.to_le_bytes());
+                }
+            }
         }
     }
 
     /// Read what [`StoredNode::put_body`] wrote.
-    fn read_body(r: &mut Reader<'_>) -> io::Result<StoredNode> {
+    /// `v1`: the first format's chunk entries (a base object, no patches).
+    fn read_body(r: &mut Reader<'_>, v1: bool) -> io::Result<StoredNode> {
         let kind = kind_of(r.u8()?).ok_or_else(|| r.bad("unknown kind"))?;
         let (ino, mode, uid, gid, rdev) = (r.u64()?, r.u32()?, r.u32()?, r.u32()?, r.u64()?);
         let (mtime, atime, ctime) = (time(r.i64()?), time(r.i64()?), time(r.i64()?));
@@ -187,7 +262,8 @@ impl StoredNode {
         let mut chunks = BTreeMap::new();
         for _ in 0..nchunks {
             let i = r.u64()?;
-            chunks.insert(i, Chunk { version: r.u64()?, len: r.u32()? });
+            let c = if v1 { Chunk::whole(r.u64()?, r.u32()?) } else { read_chunk(r)? };
+            chunks.insert(i, c);
         }
         let target = (kind == Kind::Symlink).then_some(target);
         Ok(StoredNode { kind, ino, mode, uid, gid, rdev, mtime, atime, ctime, target, size, chunks })
@@ -211,20 +287,46 @@ impl StoredNode {
         let what = "s3 node record";
         let bad = |m: &str| io::Error::new(io::ErrorKind::InvalidData, format!("{what}: {m}"));
         // magic, the smallest node (no target, no chunks), crc
-        if b.len() < 8 + 67 + 4 || &b[..8] != NODE_MAGIC {
+        if b.len() < 8 + 67 + 4 || (&b[..8] != NODE_MAGIC && &b[..8] != NODE_MAGIC_V1) {
             return Err(bad("not a ubc s3 node record (bad magic or too short)"));
         }
+        let v1 = &b[..8] == NODE_MAGIC_V1;
         let (body, crc) = b.split_at(b.len() - 4);
         if crc32fast::hash(body) != u32::from_le_bytes(crc.try_into().expect("4 bytes")) {
             return Err(bad("checksum mismatch"));
         }
         let mut r = Reader { b: body, at: 8, what };
-        let n = StoredNode::read_body(&mut r)?;
+        let n = StoredNode::read_body(&mut r, v1)?;
         if r.at != body.len() {
             return Err(bad("trailing bytes"));
         }
         Ok(n)
     }
+}
+
+/// A chunk entry after its index. Refused: a base length without a base, a length short of
+/// the base or of an extent's end, an empty extent.
+fn read_chunk(r: &mut Reader<'_>) -> io::Result<Chunk> {
+    let (version, base_len, len) = (r.u64()?, r.u32()?, r.u32()?);
+    if (version == 0 && base_len != 0) || base_len > len {
+        return Err(r.bad("a chunk's base is longer than the chunk, or has no object"));
+    }
+    let n = r.u16()?;
+    let mut patches = Vec::with_capacity(n as usize);
+    for _ in 0..n {
+        let pv = r.u64()?;
+        let ne = r.u16()?;
+        let mut extents = Vec::with_capacity(ne as usize);
+        for _ in 0..ne {
+            let (offset, elen) = (r.u32()?, r.u32()?);
+            if elen == 0 || offset.checked_add(elen).is_none_or(|e| e > len) {
+                return Err(r.bad("a patch's extent is empty or past its chunk"));
+            }
+            extents.push(Extent { offset, len: elen });
+        }
+        patches.push(Patch { version: pv, extents });
+    }
+    Ok(Chunk { version, base_len, len, patches })
 }
 
 struct Reader<'a> {
@@ -287,8 +389,17 @@ mod tests {
         nodes.insert(String::new(), node(Kind::Dir, 1));
         let mut f = node(Kind::File, 7);
         f.size = 3 << 20;
-        f.chunks.insert(0, Chunk { version: 9, len: 1 << 20 });
-        f.chunks.insert(2, Chunk { version: 12, len: 77 });
+        f.chunks.insert(0, Chunk::whole(9, 1 << 20));
+        f.chunks.insert(2, Chunk::whole(12, 77));
+        f.chunks.insert(
+            3,
+            Chunk {
+                version: 0,
+                base_len: 0,
+                len: 9000,
+                patches: vec![Patch { version: 13, extents: vec![Extent { offset: 4096, len: 4904 }] }],
+            },
+        );
         nodes.insert("d/f".into(), f);
         let mut l = node(Kind::Symlink, 8);
         l.target = Some("../x".into());
@@ -323,8 +434,22 @@ mod tests {
             size: 3 << 20,
             chunks: BTreeMap::new(),
         };
-        f.chunks.insert(0, Chunk { version: 9, len: 1 << 20 });
-        f.chunks.insert(2, Chunk { version: 12, len: 77 });
+        f.chunks.insert(0, Chunk::whole(9, 1 << 20));
+        f.chunks.insert(
+            2,
+            Chunk {
+                version: 12,
+                base_len: 77,
+                len: 8192,
+                patches: vec![
+                    Patch {
+                        version: 14,
+                        extents: vec![Extent { offset: 0, len: 10 }, Extent { offset: 4096, len: 4096 }],
+                    },
+                    Patch { version: 15, extents: vec![Extent { offset: 5, len: 1 }] },
+                ],
+            },
+        );
         let mut l = f.clone();
         (l.kind, l.ino, l.target, l.size, l.chunks) = (Kind::Symlink, 8, Some("../x".into()), 0, BTreeMap::new());
         let mut d = f.clone();
@@ -350,5 +475,91 @@ mod tests {
         // A tree is not a record.
         let t = StoredTree { next_ino: 2, next_version: 1, chunk_size: 1 << 20, nodes: BTreeMap::new() };
         assert!(StoredNode::decode(&t.encode()).is_err());
+    }
+
+    /// A record of the first format (chunk entries `index | version | len`), as a bucket or
+    /// an etcd written before patches holds them, reads as chunks with a base and no patch.
+    #[test]
+    fn records_and_trees_of_the_first_format_are_read() {
+        let t0 = UNIX_EPOCH + Duration::from_nanos(1_700_000_000_123_456_789);
+        let mut body = vec![1u8]; // a file
+        body.extend_from_slice(&7u64.to_le_bytes());
+        for v in [0o644u32, 1000, 100] {
+            body.extend_from_slice(&v.to_le_bytes());
+        }
+        body.extend_from_slice(&0u64.to_le_bytes()); // rdev
+        for _ in 0..3 {
+            body.extend_from_slice(&ns(t0).to_le_bytes());
+        }
+        body.extend_from_slice(&0u16.to_le_bytes()); // no target
+        body.extend_from_slice(&(70_000u64).to_le_bytes());
+        body.extend_from_slice(&1u32.to_le_bytes());
+        body.extend_from_slice(&1u64.to_le_bytes()); // index 1
+        body.extend_from_slice(&0x55u64.to_le_bytes()); // version
+        body.extend_from_slice(&4464u32.to_le_bytes()); // len
+        let mut rec = NODE_MAGIC_V1.to_vec();
+        rec.extend_from_slice(&body);
+        let crc = crc32fast::hash(&rec);
+        rec.extend_from_slice(&crc.to_le_bytes());
+        let n = StoredNode::decode(&rec).unwrap();
+        assert_eq!((n.ino, n.size), (7, 70_000));
+        assert_eq!(n.chunks.get(&1), Some(&Chunk::whole(0x55, 4464)));
+        // The same node in a tree of the first format.
+        let mut tree = MAGIC_V1.to_vec();
+        for v in [3u64, 0x56] {
+            tree.extend_from_slice(&v.to_le_bytes());
+        }
+        tree.extend_from_slice(&(64u32 << 10).to_le_bytes());
+        tree.extend_from_slice(&2u32.to_le_bytes());
+        let root = StoredNode { kind: Kind::Dir, ino: 1, size: 0, chunks: BTreeMap::new(), ..n.clone() };
+        tree.extend_from_slice(&0u16.to_le_bytes());
+        let mut rb = Vec::new();
+        root.put_body(&mut rb); // a directory's body is the same in both formats
+        tree.extend_from_slice(&rb);
+        tree.extend_from_slice(&1u16.to_le_bytes());
+        tree.push(b'f');
+        tree.extend_from_slice(&body);
+        let crc = crc32fast::hash(&tree);
+        tree.extend_from_slice(&crc.to_le_bytes());
+        let t = StoredTree::decode(&tree).unwrap();
+        assert_eq!(t.nodes.get("f"), Some(&n));
+        // Written again, it is the second format.
+        assert_eq!(&n.encode()[..8], NODE_MAGIC);
+    }
+
+    /// A chunk entry whose lengths contradict each other is refused, not read as zeros.
+    #[test]
+    fn a_chunk_entry_that_contradicts_itself_is_refused() {
+        let t0 = UNIX_EPOCH;
+        let node = |c: Chunk| {
+            let mut chunks = BTreeMap::new();
+            chunks.insert(0, c);
+            StoredNode {
+                kind: Kind::File,
+                ino: 2,
+                mode: 0o600,
+                uid: 0,
+                gid: 0,
+                rdev: 0,
+                mtime: t0,
+                atime: t0,
+                ctime: t0,
+                target: None,
+                size: 1 << 20,
+                chunks,
+            }
+        };
+        let patch = |offset, len| vec![Patch { version: 3, extents: vec![Extent { offset, len }] }];
+        for (what, c) in [
+            ("a base length without a base", Chunk { version: 0, base_len: 5, len: 5, patches: vec![] }),
+            ("a base past the chunk's length", Chunk { version: 2, base_len: 9, len: 5, patches: vec![] }),
+            ("an extent past the chunk's length", Chunk { version: 2, base_len: 5, len: 5, patches: patch(4, 2) }),
+            ("an empty extent", Chunk { version: 2, base_len: 5, len: 5, patches: patch(1, 0) }),
+            ("an extent whose end overflows", Chunk { version: 2, base_len: 5, len: 5, patches: patch(u32::MAX, 2) }),
+        ] {
+            assert!(StoredNode::decode(&node(c).encode()).is_err(), "{what} accepted");
+        }
+        let good = Chunk { version: 2, base_len: 5, len: 6, patches: patch(4, 2) };
+        assert!(StoredNode::decode(&node(good).encode()).is_ok());
     }
 }

@@ -10,12 +10,15 @@
 //!   rewrites the whole object (or is refused), a rename copies every byte;
 //! * *chunks and a metadata engine* (JuiceFS, S3QL): a file is a list of immutable chunk
 //!   objects named by inode, versioned; names, sizes and chunk lists live in a database. A
-//!   random write uploads one chunk; a rename changes metadata only.
+//!   random write uploads one chunk (S3QL's blocks) or only the bytes written (JuiceFS's
+//!   slices, compacted later); a rename changes metadata only.
 //!
 //! ubc takes the second, with the metadata kept in the bucket itself (a separate database is
 //! issue 21's coherence part, through etcd): chunk objects `PREFIX/ubc-s3/c/<ino>/<index>.
 //! <version>` (16 hex digits each), immutable — a changed chunk is uploaded as a new
-//! version — and a *tree* object per commit, `PREFIX/ubc-s3/tree/<seq>`, holding every name
+//! version, or only the bytes written as a *patch* laid over it (JuiceFS's slices: a random
+//! 4 KiB write uploads 4 KiB; a chunk whose patches grow past 16 or a quarter of the chunk
+//! is stored whole again) — and a *tree* object per commit, `PREFIX/ubc-s3/tree/<seq>`, holding every name
 //! with its attributes, size and chunk list. A commit uploads the staged chunks, then PUTs
 //! the next tree (a PUT is atomic, and an opening reads the highest number: it finds the old
 //! tree or the new one, never a mix — and a PUT delayed in the network, arriving after a
@@ -69,7 +72,8 @@ pub struct S3Options {
     pub endpoint: Option<String>,
     pub region: Option<String>,
     /// Bytes per chunk object: a power of two from 64 KiB to 16 MiB (default 1 MiB). A
-    /// random write uploads one whole chunk at the next commit.
+    /// random write uploads the bytes written at the next commit (a patch of the chunk); a
+    /// read fetches whole chunks.
     pub chunk_size: u64,
     /// How long a request is retried (with exponential backoff) before it fails (default
     /// 120 s).
@@ -448,7 +452,11 @@ impl Inner {
                 .filter_map(|n| n.data.as_ref())
                 .flat_map(|f| {
                     let st = f.state.lock();
-                    st.chunks.iter().map(|(&i, c)| self.shared.chunk_path(f.ino, i, c.version)).collect::<Vec<_>>()
+                    st.chunks
+                        .iter()
+                        .flat_map(|(&i, c)| c.objects().map(move |v| (i, v)))
+                        .map(|(i, v)| self.shared.chunk_path(f.ino, i, v))
+                        .collect::<Vec<_>>()
                 })
                 .collect()
         };

@@ -153,7 +153,11 @@ impl SharedFs {
             }
             if self.machine.fenced_off(f.ino, &resp) {
                 // The write token is gone from etcd (another machine may have stored since):
-                // the record is not this machine's to write.
+                // the record is not this machine's to write. Nor are the objects this
+                // machine's uploads replaced its to delete: the record another machine
+                // stored may name them still (its patch laid over this machine's base).
+                // What this machine uploaded is left for the sweep.
+                drop(shared.take_garbage_of(f.ino));
                 return Err(io::Error::from_raw_os_error(libc::ESTALE));
             }
             // The record changed (an attribute set by another machine): merge again.
@@ -201,7 +205,11 @@ impl SharedFs {
             for kv in g.kvs() {
                 if i == 0 {
                     let n = StoredNode::decode(kv.value()).map_err(io::Error::other)?;
-                    named.extend(n.chunks.iter().map(|(&idx, c)| shared.chunk_path(n.ino, idx, c.version)));
+                    named.extend(
+                        n.chunks
+                            .iter()
+                            .flat_map(|(&idx, c)| c.objects().map(move |v| shared.chunk_path(n.ino, idx, v))),
+                    );
                 } else if let Some(ino) = kv
                     .key_str()
                     .ok()
