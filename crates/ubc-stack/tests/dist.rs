@@ -805,3 +805,30 @@ fn a_file_removed_elsewhere_that_this_machine_only_read_does_not_fail_its_sync()
         assert!(b.top().getattr("f").is_err(), "{above}: gone on B");
     }
 }
+
+/// A small write on one machine costs a machine that had read the file a GET of the bytes
+/// written (the patch), not of their chunk: the chunk as it was is still here, keyed by its
+/// newest object, and only the patches since are fetched and laid over it.
+#[test]
+fn another_machine_s_small_write_is_fetched_as_its_bytes_not_its_chunk() {
+    let Some(env) = SharedEnv::get("another_machine_s_small_write_is_fetched") else { return };
+    let prefix = fresh_prefix("patchget");
+    let (_, a) = own_machine(&env.spec(&prefix, &env.etcd, ""));
+    let (lb, b) = own_machine(&env.spec(&prefix, &env.etcd, ""));
+    let fa = a.top().open_with("f", rw()).unwrap();
+    let mut model = data(3, 256 << 10);
+    fa.write_at(&model, 0).unwrap();
+    fa.sync().unwrap();
+    let fb = b.top().open("f").unwrap();
+    same(&read_all(&fb), &model, "B's first read");
+    for i in 0..6u64 {
+        let off = (i * 37 + 5) % 60 * 4096;
+        let d = data(100 + i, 4096);
+        fa.write_at(&d, off).unwrap();
+        model[off as usize..off as usize + 4096].copy_from_slice(&d);
+        let before = lb.stats();
+        same(&read_all(&fb), &model, &format!("B after A's write {i}"));
+        let got = lb.stats().get_bytes - before.get_bytes;
+        assert!(got <= 4096, "write {i}: B fetched {got} bytes for A's 4 KiB");
+    }
+}

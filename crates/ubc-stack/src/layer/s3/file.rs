@@ -41,6 +41,16 @@ struct Ahead {
     last: Option<u64>,
 }
 
+/// What a chunk's patches are laid over when it is fetched.
+enum Base {
+    /// The base object, `.1` bytes: fetched.
+    Get(object_store::path::Path, u32),
+    /// The chunk's bytes as of an earlier patch (or its base), already here.
+    Known(bytes::Bytes),
+    /// No base: zeros.
+    Zeros,
+}
+
 /// Staged bytes of one file past which its staged chunks are uploaded at once (the tree is
 /// committed later): bounds the memory a writer holds outside the cache.
 const STAGE_MAX: usize = 16 << 20;
@@ -282,9 +292,23 @@ impl S3File {
         {
             return f.clone();
         }
-        let base = (c.version != 0).then(|| (self.shared.chunk_path(self.ino, idx, c.version), c.base_len));
+        // The chunk as it was a few patches ago, if its bytes are here (fetched, or kept
+        // after an upload): only the patches since are fetched — another machine's small
+        // write costs this one a GET of those bytes, not of the chunk.
+        let known = (0..c.patches.len()).rev().find_map(|k| {
+            let v = if k == 0 { c.version } else { c.patches[k - 1].version };
+            match ahead.chunks.get(&(idx, v)).and_then(|f| f.peek()) {
+                Some(Ok(b)) if v != 0 => Some((k, b.clone())),
+                _ => None,
+            }
+        });
+        let (base, skip) = match known {
+            Some((k, b)) => (Base::Known(b), k),
+            None if c.version != 0 => (Base::Get(self.shared.chunk_path(self.ino, idx, c.version), c.base_len), 0),
+            None => (Base::Zeros, 0),
+        };
         let patches: Vec<(object_store::path::Path, Patch)> =
-            c.patches.iter().map(|p| (self.shared.chunk_path(self.ino, idx, p.version), p.clone())).collect();
+            c.patches[skip..].iter().map(|p| (self.shared.chunk_path(self.ino, idx, p.version), p.clone())).collect();
         let (len, ino) = (c.len as usize, self.ino);
         let store = self.shared.store.clone();
         // The counters, not the layer: see `Shared::gets`.
@@ -302,8 +326,9 @@ impl S3File {
             };
             let base = async {
                 match base {
-                    Some((path, n)) => get(path, n as u64).await,
-                    None => Ok(bytes::Bytes::new()),
+                    Base::Get(path, n) => get(path, n as u64).await,
+                    Base::Known(b) => Ok(b),
+                    Base::Zeros => Ok(bytes::Bytes::new()),
                 }
             };
             let pgets = futures::future::join_all(patches.iter().map(|(path, p)| get(path.clone(), p.bytes())));
