@@ -175,6 +175,10 @@ pub struct DistStats {
     /// Commits refused by the fence: this machine's write token was gone from etcd before
     /// it noticed (each such token is then lost here too).
     pub fenced: u64,
+    /// Acquisitions that waited the whole grace (`YIELD_GRACE`, 500 ms) for a machine this
+    /// one had yielded to: it neither took the token nor finished its request in time (it
+    /// gave up, died or was slow). Each is half a second of a writer's time.
+    pub turns_waited_out: u64,
 }
 
 /// One machine's membership: its lease, its tokens, the watch on requests to it.
@@ -199,6 +203,7 @@ struct MachineInner {
     revoked: AtomicU64,
     leases_lost: AtomicU64,
     fenced: AtomicU64,
+    turns_waited_out: AtomicU64,
 }
 
 impl Machine {
@@ -230,6 +235,7 @@ impl Machine {
             revoked: AtomicU64::new(0),
             leases_lost: AtomicU64::new(0),
             fenced: AtomicU64::new(0),
+            turns_waited_out: AtomicU64::new(0),
         });
         let lease = inner.grant()?;
         inner.lease.store(lease, SeqCst);
@@ -308,6 +314,7 @@ impl Machine {
             revoked: m.revoked.load(Relaxed),
             leases_lost: m.leases_lost.load(Relaxed),
             fenced: m.fenced.load(Relaxed),
+            turns_waited_out: m.turns_waited_out.load(Relaxed),
         }
     }
 }
@@ -524,6 +531,7 @@ impl MachineInner {
         }
         let mut c = self.client.clone();
         let theirs = self.tkey(ino, y.to);
+        let request = self.qkey(self.id, ino, y.to);
         let tp = self.tprefix(ino);
         self.rt.block_on(async move {
             // Put since the yield already (the usual case)? Then no watch: one made from a
@@ -532,12 +540,24 @@ impl MachineInner {
             if now.kvs().first().is_some_and(|kv| kv.mod_revision() > y.rev) {
                 return;
             }
+            // No key of theirs, and their request gone: they took their turn and left
+            // already (a token taken for an open and given up at its close), or gave up —
+            // a requester deletes its requests only when its acquisition is over. Waiting
+            // for a key that will not come cost the whole grace (a first write after
+            // another machine's open: 500 ms).
+            if now.kvs().is_empty() {
+                match c.get(request.as_str(), None).await {
+                    Ok(q) if q.kvs().is_empty() => return,
+                    Ok(_) => {}
+                    Err(_) => return,
+                }
+            }
             let from = now.header().map_or(y.rev, |h| h.revision());
             let Ok(mut ws) = c.watch(tp, Some(WatchOptions::new().with_prefix().with_start_revision(from + 1))).await
             else {
                 return;
             };
-            let _ = tokio::time::timeout(left, async {
+            let waited = tokio::time::timeout(left, async {
                 while let Ok(Some(resp)) = ws.message().await {
                     let put = resp.events().iter().any(|ev| {
                         ev.event_type() == EventType::Put && ev.kv().is_some_and(|kv| kv.key() == theirs.as_bytes())
@@ -548,6 +568,9 @@ impl MachineInner {
                 }
             })
             .await;
+            if waited.is_err() {
+                self.turns_waited_out.fetch_add(1, Relaxed);
+            }
         });
     }
 

@@ -832,3 +832,33 @@ fn another_machine_s_small_write_is_fetched_as_its_bytes_not_its_chunk() {
         assert!(got <= 4096, "write {i}: B fetched {got} bytes for A's 4 KiB");
     }
 }
+
+/// A machine that opened a file (taking its read token from the writer, which yields) and
+/// closed it again does not hold the writer's next write up: the writer finds that machine's
+/// turn over — no key of its own, no request left — instead of waiting the whole grace
+/// (500 ms) for a key that will not come (`dist_coherence`'s first round, and every first
+/// write after another machine's look at a file).
+#[test]
+fn a_turn_taken_and_left_does_not_hold_the_next_writer_up() {
+    let Some(env) = SharedEnv::get("a_turn_taken_and_left") else { return };
+    let prefix = fresh_prefix("turns");
+    let (la, a) = own_machine(&env.spec(&prefix, &env.etcd, ""));
+    let (_, b) = own_machine(&env.spec(&prefix, &env.etcd, ""));
+    let fa = a.top().open_with("f", rw()).unwrap();
+    let mut model = data(1, 10_000);
+    fa.write_at(&model, 0).unwrap();
+    fa.sync().unwrap();
+    for i in 0..3u64 {
+        // B opens the file (A yields to B, which gives the token up again once the open
+        // has what it needs); then A writes, and B reads what A wrote.
+        let fb = b.top().open("f").unwrap();
+        let d = data(10 + i, 100);
+        fa.write_at(&d, 0).unwrap();
+        fa.sync().unwrap();
+        model[..100].copy_from_slice(&d);
+        same(&read_all(&fb), &model, &format!("B's read {i}"));
+    }
+    let st = la.dist_stats().unwrap();
+    assert!(st.revoked >= 1, "A never yielded to B: {st:?}");
+    assert_eq!(st.turns_waited_out, 0, "A waited out B's turn: {st:?}");
+}

@@ -29,7 +29,12 @@
 //! pinned to it: a snapshot), and commits in one transaction that compares every key it
 //! read point-wise: `mod_revision == seen`, or `create_revision == 0` for a key seen absent.
 //! A failed compare means another machine changed something read: the attempt is retried
-//! from a fresh snapshot (at most 100 times, then an `Io` error "contended").
+//! from a fresh snapshot, after a random pause growing to 32 ms (`backoff`), until it
+//! commits — or, after `GIVE_UP` (30 s) of conflicts, fails with an `Io` error
+//! "contended". A conflict means another attempt committed, so the namespace always makes
+//! progress; the deadline only bounds how long one caller can lose (a count of attempts
+//! did not: eight threads racing on one directory of a loaded 2-core machine lost 100 in a
+//! row).
 //!
 //! Ranges (a directory's entries) cannot be compared that way, so **a directory's record
 //! serializes its entries**: every change of a directory's entries (add, remove, a rename
@@ -72,10 +77,16 @@ use std::io;
 use std::time::{Duration, SystemTime};
 use tokio::runtime::Handle;
 
-/// Attempts of a namespace operation before it fails as contended.
-const TRIES: u32 = 100;
-/// Attempts of a record update (many writers of one file contend on one key).
-const RECORD_TRIES: u32 = 1000;
+/// How long a namespace operation or a record update may keep losing to others before it
+/// fails as contended.
+const GIVE_UP: Duration = Duration::from_secs(30);
+
+/// The numbers of an operation's attempts: from 0, until `GIVE_UP` has passed since the
+/// first (at least three attempts).
+pub(crate) fn attempts() -> impl Iterator<Item = u32> {
+    let start = std::time::Instant::now();
+    (0..).take_while(move |&i| i < 3 || start.elapsed() < GIVE_UP)
+}
 /// Most names a rename may move (etcd of ours runs with `--max-txn-ops 10000`).
 const MAX_MOVE: usize = 9000;
 /// Most bytes of keys and values in one transaction (etcd's default request limit: 1.5 MiB).
@@ -143,17 +154,19 @@ fn touched(mut n: StoredNode) -> StoredNode {
     n
 }
 
-fn contended(path: &str, tries: u32) -> Error {
+fn contended(path: &str) -> Error {
     let p = if path.is_empty() { "/" } else { path };
     Error::Io {
         path: p.into(),
-        source: io::Error::other(format!("etcd namespace contended: gave up after {tries} conflicting attempts")),
+        source: io::Error::other(format!(
+            "etcd namespace contended: gave up after {GIVE_UP:?} of conflicting attempts"
+        )),
     }
 }
 
 /// Wait before attempt `i` (none before the first): a random pause growing to 32 ms, so
 /// that contenders spread out. A blocking sleep: callers are plain threads in `block_on`.
-fn backoff(i: u32) {
+pub(crate) fn backoff(i: u32) {
     if i == 0 {
         return;
     }
@@ -434,7 +447,7 @@ impl EtcdMeta {
     async fn alloc_ino(&self, path: &str) -> Result<u64> {
         let key = self.next_key();
         let mut kv = self.kv();
-        for i in 0..RECORD_TRIES {
+        for i in attempts() {
             backoff(i);
             let r = kv.get(key.clone(), None).await.map_err(|e| Self::etcd_err(path, e))?;
             let (cur, cmp) = match r.kvs().first() {
@@ -451,7 +464,7 @@ impl EtcdMeta {
                 return Ok(cur);
             }
         }
-        Err(contended(path, RECORD_TRIES))
+        Err(contended(path))
     }
 
     /// The inode and kind `path` names.
@@ -532,7 +545,7 @@ impl EtcdMeta {
         let target = (kind == Kind::Symlink).then(|| target.unwrap_or_default());
         self.rt.block_on(async {
             let mut ino = None;
-            for i in 0..TRIES {
+            for i in attempts() {
                 backoff(i);
                 let mut s = self.snap(path);
                 if s.name(path).await?.is_some() {
@@ -574,7 +587,7 @@ impl EtcdMeta {
                     return Ok(ino);
                 }
             }
-            Err(contended(path, TRIES))
+            Err(contended(path))
         })
     }
 
@@ -582,7 +595,7 @@ impl EtcdMeta {
     /// record; returns the record (the caller frees the file's data objects).
     pub(crate) fn remove(&self, path: &str) -> Result<StoredNode> {
         self.rt.block_on(async {
-            for i in 0..TRIES {
+            for i in attempts() {
                 backoff(i);
                 let mut s = self.snap(path);
                 let n = match s.name(path).await? {
@@ -617,14 +630,14 @@ impl EtcdMeta {
                     }));
                 }
             }
-            Err(contended(path, TRIES))
+            Err(contended(path))
         })
     }
 
     /// Remove the empty directory `path`.
     pub(crate) fn rmdir(&self, path: &str) -> Result<()> {
         self.rt.block_on(async {
-            for i in 0..TRIES {
+            for i in attempts() {
                 backoff(i);
                 let mut s = self.snap(path);
                 let n = match s.name(path).await? {
@@ -647,7 +660,7 @@ impl EtcdMeta {
                     return Ok(());
                 }
             }
-            Err(contended(path, TRIES))
+            Err(contended(path))
         })
     }
 
@@ -656,13 +669,13 @@ impl EtcdMeta {
     /// data). One transaction (module documentation for its limits).
     pub(crate) fn rename(&self, from: &str, to: &str, how: Rename) -> Result<Option<StoredNode>> {
         self.rt.block_on(async {
-            for i in 0..TRIES {
+            for i in attempts() {
                 backoff(i);
                 if let Some(done) = self.rename_attempt(from, to, how).await? {
                     return Ok(done);
                 }
             }
-            Err(contended(from, TRIES))
+            Err(contended(from))
         })
     }
 
@@ -821,7 +834,7 @@ impl EtcdMeta {
 
     fn update(&self, ino: u64, path: &str, mut f: impl FnMut(&mut StoredNode)) -> Result<()> {
         self.rt.block_on(async {
-            for i in 0..RECORD_TRIES {
+            for i in attempts() {
                 backoff(i);
                 let mut s = self.snap(path);
                 let mut x = s.record(ino).await?.ok_or_else(|| Error::NotFound(path.into()))?;
@@ -830,7 +843,7 @@ impl EtcdMeta {
                     return Ok(());
                 }
             }
-            Err(contended(path, RECORD_TRIES))
+            Err(contended(path))
         })
     }
 }

@@ -131,7 +131,8 @@ impl SharedFs {
         let key = self.record_key(f.ino);
         let fence = self.machine.write_fence(f.ino);
         let mut c = self.meta.client();
-        for _ in 0..100 {
+        for i in super::meta_etcd::attempts() {
+            super::meta_etcd::backoff(i);
             let (mut node, rev): (StoredNode, i64) = self
                 .meta
                 .record(f.ino)
@@ -162,7 +163,7 @@ impl SharedFs {
             }
             // The record changed (an attribute set by another machine): merge again.
         }
-        Err(io::Error::other(format!("inode {}: record contended", f.ino)))
+        Err(io::Error::other(format!("inode {}: record contended (30 s of conflicting attempts)", f.ino)))
     }
 
     /// Commit every changed file of this machine (`Stack::sync_all`, the committer, drop).
