@@ -862,3 +862,32 @@ fn a_turn_taken_and_left_does_not_hold_the_next_writer_up() {
     assert!(st.revoked >= 1, "A never yielded to B: {st:?}");
     assert_eq!(st.turns_waited_out, 0, "A waited out B's turn: {st:?}");
 }
+
+/// Through `zstd`, a machine whose close published a commit (a mount's close) and whose
+/// token then went to another machine that wrote the file has nothing left to store: its
+/// `sync_all` (a mount's shutdown) succeeds and leaves the other machine's bytes as they are
+/// — it neither writes its own commit over them nor fails on the fence (a user's two
+/// mounts under `ubc-fsx`: the second daemon exited 74 at unmount).
+#[test]
+fn a_machine_whose_published_commit_another_overwrote_syncs_without_error() {
+    let Some(env) = SharedEnv::get("a_machine_whose_published_commit") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    for (above, sp) in shared_specs(&env, dir.path(), "pubsync", &[" | zstd", " | aead:keyfile=KEY | zstd"]) {
+        let a = Stack::open(&sp, cache()).unwrap();
+        let b = Stack::open(&sp, cache()).unwrap();
+        let fb = b.top().open_with("f", rw()).unwrap();
+        fb.write_at(&data(1, 100_000), 0).unwrap();
+        fb.write_back().unwrap(); // a mount's close: a published commit
+        drop(fb);
+        let fa = a.top().open_with("f", rw()).unwrap();
+        let mut want = data(1, 100_000);
+        let two = data(2, 30_000);
+        fa.write_at(&two, 50_000).unwrap();
+        want[50_000..80_000].copy_from_slice(&two);
+        fa.sync().unwrap();
+        b.sync_all().unwrap_or_else(|e| panic!("{above}: B's sync after A overwrote B's published commit: {e}"));
+        a.sync_all().unwrap();
+        let c = Stack::open(&sp, cache()).unwrap();
+        same(&read_all(&c.top().open("f").unwrap()), &want, &format!("{above}: a third machine"));
+    }
+}

@@ -529,6 +529,14 @@ impl CompressPager {
         Ok(Self::read_superblocks(lower)?.0.first().map_or(0, |sb| sb.logical_len))
     }
 
+    /// This machine's write token of a shared store is leaving, and the commit this pager
+    /// published was stored under it: it is the store's now, and a durable `sync` here
+    /// (without the token) must not promote it — that would write a superblock into a file
+    /// another machine is about to write (see [`CompressPager::on_shared_store`]).
+    pub fn forget_published(&self) {
+        self.state.lock().published_here = false;
+    }
+
     /// Forget all in-memory state and re-read it from `lower` (the lower file was changed
     /// underneath, e.g. an old version restored). Uncommitted changes are dropped.
     /// Precondition: no `get_pages`/`put_pages`/`set_len` in flight.

@@ -68,6 +68,9 @@ impl Translate for ZstdXlate {
         }
         self.0.publish().map(|()| true)
     }
+    fn stored_under_token(&self) {
+        self.0.forget_published();
+    }
 }
 
 impl Layer for Zstd {
