@@ -866,8 +866,8 @@ fn a_turn_taken_and_left_does_not_hold_the_next_writer_up() {
 /// Through `zstd`, a machine whose close published a commit (a mount's close) and whose
 /// token then went to another machine that wrote the file has nothing left to store: its
 /// `sync_all` (a mount's shutdown) succeeds and leaves the other machine's bytes as they are
-/// — it neither writes its own commit over them nor fails on the fence (a user's two
-/// mounts under `ubc-fsx`: the second daemon exited 74 at unmount).
+/// — it neither writes its own commit over them, nor compacts the file, nor fails on the
+/// fence (a user's two mounts under `ubc-fsx`: both daemons exited 74 at unmount).
 #[test]
 fn a_machine_whose_published_commit_another_overwrote_syncs_without_error() {
     let Some(env) = SharedEnv::get("a_machine_whose_published_commit") else { return };
@@ -876,11 +876,20 @@ fn a_machine_whose_published_commit_another_overwrote_syncs_without_error() {
         let a = Stack::open(&sp, cache()).unwrap();
         let b = Stack::open(&sp, cache()).unwrap();
         let fb = b.top().open_with("f", rw()).unwrap();
+        // Rewritten whole, incompressible, three times — synced, then closed twice (the
+        // mount's close: a published commit): the stored file holds the free space a
+        // compaction would reclaim, which B's own sync would have taken.
+        let mut r = StdRng::seed_from_u64(4);
+        for i in 0..3 {
+            let noise: Vec<u8> = (0..600_000).map(|_| r.random()).collect();
+            fb.write_at(&noise, 0).unwrap();
+            if i == 0 { fb.sync().unwrap() } else { fb.write_back().unwrap() }
+        }
         fb.write_at(&data(1, 100_000), 0).unwrap();
-        fb.write_back().unwrap(); // a mount's close: a published commit
+        fb.write_back().unwrap();
+        let mut want = read_all(&fb);
         drop(fb);
         let fa = a.top().open_with("f", rw()).unwrap();
-        let mut want = data(1, 100_000);
         let two = data(2, 30_000);
         fa.write_at(&two, 50_000).unwrap();
         want[50_000..80_000].copy_from_slice(&two);
@@ -889,5 +898,13 @@ fn a_machine_whose_published_commit_another_overwrote_syncs_without_error() {
         a.sync_all().unwrap();
         let c = Stack::open(&sp, cache()).unwrap();
         same(&read_all(&c.top().open("f").unwrap()), &want, &format!("{above}: a third machine"));
+        // A truncation through zstd changes no page, only the layer's index and length:
+        // giving the token up stores it too, and the next holder sees the new length.
+        let fb = b.top().open_with("f", rw()).unwrap();
+        fb.set_len(10_000).unwrap();
+        assert_eq!(fa.len().unwrap(), 10_000, "{above}: A after B's truncation");
+        same(&read_all(&fa), &want[..10_000], &format!("{above}: A reads B's truncation"));
+        drop(fb);
+        b.sync_all().unwrap_or_else(|e| panic!("{above}: B's sync after its truncation went to A: {e}"));
     }
 }

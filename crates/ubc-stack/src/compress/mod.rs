@@ -265,7 +265,8 @@ pub struct CompressPager {
     /// extent read while one of them is half written fails to decode, and is read again.
     writes: std::sync::Arc<LowerWrites>,
     /// A durable `sync` makes a published commit read from the store durable too, not only
-    /// one this pager made (see [`CompressPager::on_shared_store`]).
+    /// one this pager made, and compacts the file even when it committed nothing (see
+    /// [`CompressPager::on_shared_store`]): false on a store shared with other machines.
     promote_loaded: bool,
 }
 
@@ -1094,7 +1095,11 @@ impl Pager for CompressPager {
         let mut synced = false;
         if self.writable {
             synced = self.commit(true)?;
-            if self.compact() {
+            // On a store shared with other machines, a sync that committed nothing of this
+            // machine's (one without the write token: a mount's shutdown syncing every file
+            // it cached) must not compact either — moving extents rewrites the shared file
+            // (fenced: the shutdown exited 74 after two machines used one zstd file).
+            if (synced || self.promote_loaded) && self.compact() {
                 synced = self.commit(true)?;
             }
             // What the last commit freed at the end (a shrink, a compaction): given back
