@@ -20,8 +20,8 @@
 //!   size, chunk list, symlink target). The root's record (inode 1) is made by
 //!   [`EtcdMeta::open`] if absent (created only if its `create_revision` is 0, so two
 //!   machines opening at once do not clash).
-//! * `{prefix}next_ino` — u64 LE, the next inode number to give (absent: 2), taken by a
-//!   compare-and-swap transaction.
+//! * `{prefix}next_ino` — u64 LE, the next inode number no machine has taken (absent: 2),
+//!   taken by a compare-and-swap transaction in batches of `INO_BATCH` (64).
 //!
 //! # How operations are made race-free
 //!
@@ -104,7 +104,15 @@ pub(crate) struct EtcdMeta {
     rt: Handle,
     prefix: String,
     dev: u64,
+    /// Inode numbers this machine took from `next_ino` and has not given yet.
+    inos: parking_lot::Mutex<std::ops::Range<u64>>,
 }
+
+/// Inode numbers a machine takes from `next_ino` at once: a create then rarely pays a
+/// transaction of its own for its number — each is an fsync of etcd's log (JuiceFS takes
+/// inode numbers in batches for the same reason). Numbers of a batch not given when the
+/// machine leaves are never given.
+const INO_BATCH: u64 = 64;
 
 /// A name's value: its inode and kind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -372,7 +380,7 @@ impl EtcdMeta {
             .with_keep_alive(Duration::from_secs(10), Duration::from_secs(10));
         let client =
             rt.block_on(Client::connect(eps, Some(opts))).map_err(|e| Error::io(&what, io::Error::other(e)))?;
-        let m = EtcdMeta { client, rt, prefix, dev };
+        let m = EtcdMeta { client, rt, prefix, dev, inos: parking_lot::Mutex::new(0..0) };
         let now = SystemTime::now();
         let (uid, gid) = owner();
         let root = StoredNode {
@@ -443,8 +451,24 @@ impl EtcdMeta {
         Error::io(path, io::Error::other(e))
     }
 
-    /// Take the next inode number (compare-and-swap on `next_ino`).
+    /// Take an inode number: the next of this machine's batch, or the first of a new batch
+    /// of `INO_BATCH` taken from `next_ino` by a compare-and-swap.
     async fn alloc_ino(&self, path: &str) -> Result<u64> {
+        if let Some(ino) = self.inos.lock().next() {
+            return Ok(ino);
+        }
+        let first = self.take_batch(path).await?;
+        let mut inos = self.inos.lock();
+        if inos.is_empty() {
+            *inos = first + 1..first + INO_BATCH;
+        }
+        // (Else another create of this machine took a batch meanwhile: the rest of this
+        // one is never given — numbers are plentiful.)
+        Ok(first)
+    }
+
+    /// Take `INO_BATCH` inode numbers from `next_ino` (compare-and-swap); returns the first.
+    async fn take_batch(&self, path: &str) -> Result<u64> {
         let key = self.next_key();
         let mut kv = self.kv();
         for i in attempts() {
@@ -459,7 +483,7 @@ impl EtcdMeta {
                 }
                 None => (2, Compare::create_revision(key.clone(), CompareOp::Equal, 0)),
             };
-            let txn = Txn::new().when([cmp]).and_then([TxnOp::put(key.clone(), (cur + 1).to_le_bytes(), None)]);
+            let txn = Txn::new().when([cmp]).and_then([TxnOp::put(key.clone(), (cur + INO_BATCH).to_le_bytes(), None)]);
             if kv.txn(txn).await.map_err(|e| Self::etcd_err(path, e))?.succeeded() {
                 return Ok(cur);
             }
@@ -1217,6 +1241,32 @@ mod tests {
                 }
             }
         });
+    }
+
+    /// A machine takes inode numbers 64 at a time: 100 creates move `next_ino` twice, and
+    /// another machine's numbers come after both batches — never one of them.
+    #[test]
+    fn inode_numbers_are_taken_in_batches_and_never_twice() {
+        let Some(env) = env("inobatch") else { return };
+        let (a, b) = (env.open(), env.open());
+        let next = |m: &EtcdMeta| {
+            let r = env.rt.block_on(m.kv().get(m.next_key(), None)).unwrap();
+            let kv = r.kvs().first().expect("next_ino is there");
+            (u64::from_le_bytes(kv.value().try_into().unwrap()), kv.version())
+        };
+        let mut inos = BTreeSet::new();
+        for i in 0..100 {
+            assert!(inos.insert(a.add(&format!("a{i}"), Kind::File, 0o644, 0, None).unwrap()));
+        }
+        let (n, puts) = next(&a);
+        assert_eq!((n, puts), (2 + 2 * INO_BATCH, 2), "100 creates on one machine: two batches");
+        for i in 0..10 {
+            let ino = b.add(&format!("b{i}"), Kind::File, 0o644, 0, None).unwrap();
+            assert!(ino >= 2 + 2 * INO_BATCH && inos.insert(ino), "b's inode {ino} is one of a's batches");
+        }
+        // a's second batch goes on where it stopped.
+        let ino = a.add("a100", Kind::File, 0o644, 0, None).unwrap();
+        assert_eq!(ino, 2 + 100, "a's next number");
     }
 
     #[test]
