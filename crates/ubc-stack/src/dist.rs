@@ -545,12 +545,8 @@ impl MachineInner {
             // a requester deletes its requests only when its acquisition is over. Waiting
             // for a key that will not come cost the whole grace (a first write after
             // another machine's open: 500 ms).
-            if now.kvs().is_empty() {
-                match c.get(request.as_str(), None).await {
-                    Ok(q) if q.kvs().is_empty() => return,
-                    Ok(_) => {}
-                    Err(_) => return,
-                }
+            if now.kvs().is_empty() && c.get(request.as_str(), None).await.map_or(true, |q| q.kvs().is_empty()) {
+                return;
             }
             let from = now.header().map_or(y.rev, |h| h.revision());
             let Ok(mut ws) = c.watch(tp, Some(WatchOptions::new().with_prefix().with_start_revision(from + 1))).await

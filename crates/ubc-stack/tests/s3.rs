@@ -29,10 +29,26 @@ fn cache(budget: u64) -> ubc::Cache {
 /// A stack over an s3 layer this test keeps a handle on (for its statistics), 64 KiB chunks.
 fn own_layer(endpoint: &str, bucket: &str, test: &str) -> (S3Options, Arc<S3>, Stack) {
     let o = S3Options::parse(&format!("{bucket}/{}?endpoint={endpoint}&chunk=64K", fresh_prefix(test))).unwrap();
-    let layer = Arc::new(S3::open(&o).unwrap());
-    let l2 = layer.clone();
-    let s = Stack::builder(cache(1 << 20)).push(move |_| Ok(l2 as Arc<dyn ubc_stack::Layer>)).unwrap().build().unwrap();
+    let (layer, s) = open_layer(&o, 1 << 20);
     (o, layer, s)
+}
+
+/// The s3 layer `o` opened, and a stack of it alone over a cache of `budget` bytes.
+fn open_layer(o: &S3Options, budget: u64) -> (Arc<S3>, Stack) {
+    let layer = Arc::new(S3::open(o).unwrap());
+    let l2 = layer.clone();
+    let s = Stack::builder(cache(budget)).push(move |_| Ok(l2 as Arc<dyn ubc_stack::Layer>)).unwrap().build().unwrap();
+    (layer, s)
+}
+
+/// Write `d` at `off` through `f` and into `model` (growing it as the file grows).
+fn write_both(f: &ubc_stack::File, model: &mut Vec<u8>, off: u64, d: &[u8]) {
+    f.write_at(d, off).unwrap();
+    let end = off as usize + d.len();
+    if model.len() < end {
+        model.resize(end, 0);
+    }
+    model[off as usize..end].copy_from_slice(d);
 }
 
 fn write_file(s: &Stack, path: &str, bytes: &[u8]) {
@@ -96,9 +112,7 @@ fn a_random_4k_write_uploads_its_bytes_and_fetches_nothing() {
     drop(s);
     drop(layer);
     // Cold: a new layer, nothing fetched ahead.
-    let layer = Arc::new(S3::open(&o).unwrap());
-    let l2 = layer.clone();
-    let s = Stack::builder(cache(1 << 20)).push(move |_| Ok(l2 as Arc<dyn ubc_stack::Layer>)).unwrap().build().unwrap();
+    let (layer, s) = open_layer(&o, 1 << 20);
     let f = s.top().open_with("big", OpenOptions::new().write(true)).unwrap();
     let before = layer.stats();
     let mut r = StdRng::seed_from_u64(2);
@@ -135,13 +149,7 @@ fn small_writes_become_patches_that_are_compacted_and_read_as_a_model_says() {
     let mut r = StdRng::seed_from_u64(11);
     let (mut syncs, mut uploaded) = (0u64, 0u64);
     for round in 0..4u64 {
-        let layer = Arc::new(S3::open(&o).unwrap());
-        let l2 = layer.clone();
-        let s = Stack::builder(cache(128 << 10))
-            .push(move |_| Ok(l2 as Arc<dyn ubc_stack::Layer>))
-            .unwrap()
-            .build()
-            .unwrap();
+        let (layer, s) = open_layer(&o, 128 << 10);
         if round == 0 {
             write_file(&s, "m", &model);
         }
@@ -156,13 +164,7 @@ fn small_writes_become_patches_that_are_compacted_and_read_as_a_model_says() {
                 }
                 _ => {
                     let off = r.random_range(0..model.len() as u64 + 5_000);
-                    let d = data(round * 1000 + i, r.random_range(1..6_000));
-                    f.write_at(&d, off).unwrap();
-                    let end = off as usize + d.len();
-                    if model.len() < end {
-                        model.resize(end, 0);
-                    }
-                    model[off as usize..end].copy_from_slice(&d);
+                    write_both(&f, &mut model, off, &data(round * 1000 + i, r.random_range(1..6_000)));
                 }
             }
             if i % 3 == 2 {
@@ -247,9 +249,7 @@ fn large_chunks_are_uploaded_in_parts() {
     let p = fresh_prefix("multipart");
     let sp = format!("s3:{b}/{p}?endpoint={e}&chunk=16M");
     let o = S3Options::parse(sp.trim_start_matches("s3:")).unwrap();
-    let layer = Arc::new(S3::open(&o).unwrap());
-    let l2 = layer.clone();
-    let s = Stack::builder(cache(4 << 20)).push(move |_| Ok(l2 as Arc<dyn ubc_stack::Layer>)).unwrap().build().unwrap();
+    let (layer, s) = open_layer(&o, 4 << 20);
     // Two whole chunks of 16 MiB and one of 9 MiB: three uploads in parts; a small file: one PUT.
     let model = data(9, (41 << 20) + 123);
     write_file(&s, "big", &model);
@@ -332,13 +332,7 @@ fn truncation_and_holes_follow_a_model_across_restarts() {
             match r.random_range(0..10) {
                 0..6 => {
                     let off = r.random_range(0..600_000u64);
-                    let d = data(round * 1000 + i, r.random_range(1..100_000));
-                    f.write_at(&d, off).unwrap();
-                    let end = off as usize + d.len();
-                    if model.len() < end {
-                        model.resize(end, 0);
-                    }
-                    model[off as usize..end].copy_from_slice(&d);
+                    write_both(&f, &mut model, off, &data(round * 1000 + i, r.random_range(1..100_000)));
                 }
                 6..8 => {
                     let n = r.random_range(0..700_000usize);

@@ -41,16 +41,6 @@ struct Ahead {
     last: Option<u64>,
 }
 
-/// What a chunk's patches are laid over when it is fetched.
-enum Base {
-    /// The base object, `.1` bytes: fetched.
-    Get(object_store::path::Path, u32),
-    /// The chunk's bytes as of an earlier patch (or its base), already here.
-    Known(bytes::Bytes),
-    /// No base: zeros.
-    Zeros,
-}
-
 /// Staged bytes of one file past which its staged chunks are uploaded at once (the tree is
 /// committed later): bounds the memory a writer holds outside the cache.
 const STAGE_MAX: usize = 16 << 20;
@@ -101,15 +91,25 @@ fn write_extent(m: &mut BTreeMap<u32, Vec<u8>>, off: u32, data: &[u8]) {
     m.insert(start, buf);
 }
 
-/// Lay extents over `buf` (a chunk's bytes), clipped to its length.
-fn lay_over(buf: &mut [u8], m: &BTreeMap<u32, Vec<u8>>) {
+/// `len` bytes of a chunk: `base` (zeros past it), with the extents `m` laid over it
+/// (clipped to `len`).
+fn laid(base: &[u8], len: usize, m: &BTreeMap<u32, Vec<u8>>) -> Vec<u8> {
+    let mut buf = vec![0u8; len];
+    let n = base.len().min(len);
+    buf[..n].copy_from_slice(&base[..n]);
     for (&s, v) in m {
         let s = s as usize;
-        if s < buf.len() {
-            let n = v.len().min(buf.len() - s);
+        if s < len {
+            let n = v.len().min(len - s);
             buf[s..s + n].copy_from_slice(&v[..n]);
         }
     }
+    buf
+}
+
+/// A shared fetch's error as the caller's own.
+fn unshared(e: Arc<io::Error>) -> io::Error {
+    io::Error::new(e.kind(), e.to_string())
 }
 
 /// What is known of a file's bytes.
@@ -229,9 +229,6 @@ impl S3File {
         let mut st = self.state.lock();
         debug_assert!(st.staged.is_empty(), "a reload with staged chunks");
         st.staged.clear();
-        // Objects listed for deletion by uploads no record of this machine's named: the
-        // record read now may name them (see `discarding`).
-        drop(self.shared.take_garbage_of(self.ino));
         (st.size, st.chunks) = (size, chunks);
     }
 
@@ -302,11 +299,13 @@ impl S3File {
                 _ => None,
             }
         });
-        let (base, skip) = match known {
-            Some((k, b)) => (Base::Known(b), k),
-            None if c.version != 0 => (Base::Get(self.shared.chunk_path(self.ino, idx, c.version), c.base_len), 0),
-            None => (Base::Zeros, 0),
+        // What the patches are laid over: those bytes, else the base object (fetched), else
+        // zeros (no base).
+        let base = match known {
+            None if c.version != 0 => Some((self.shared.chunk_path(self.ino, idx, c.version), c.base_len)),
+            _ => None,
         };
+        let (skip, known) = known.unwrap_or_default();
         let patches: Vec<(object_store::path::Path, Patch)> =
             c.patches[skip..].iter().map(|p| (self.shared.chunk_path(self.ino, idx, p.version), p.clone())).collect();
         let (len, ino) = (c.len as usize, self.ino);
@@ -326,9 +325,8 @@ impl S3File {
             };
             let base = async {
                 match base {
-                    Base::Get(path, n) => get(path, n as u64).await,
-                    Base::Known(b) => Ok(b),
-                    Base::Zeros => Ok(bytes::Bytes::new()),
+                    Some((path, n)) => get(path, n as u64).await,
+                    None => Ok(known),
                 }
             };
             let pgets = futures::future::join_all(patches.iter().map(|(path, p)| get(path.clone(), p.bytes())));
@@ -385,21 +383,27 @@ impl S3File {
     /// The stored bytes of chunk `idx` (`c`): fetched, or taken from a fetch ahead.
     fn stored_bytes(&self, idx: u64, c: &Chunk) -> io::Result<bytes::Bytes> {
         let fetch = self.fetch_whole(&mut self.ahead.lock(), idx, c);
-        self.shared.rt.block_on(fetch).map_err(|e| io::Error::new(e.kind(), e.to_string()))
+        self.shared.rt.block_on(fetch).map_err(unshared)
+    }
+
+    /// The whole chunk `idx` as it stands: the stored chunk's bytes (fetched) with the
+    /// extents `m` staged over them, `chunk_size` bytes. => `st` is this file's state, locked.
+    fn overlaid(&self, st: &FileState, idx: u64, m: &BTreeMap<u32, Vec<u8>>) -> io::Result<Vec<u8>> {
+        let stored = match st.chunks.get(&idx) {
+            Some(c) => self.stored_bytes(idx, c)?,
+            None => bytes::Bytes::new(),
+        };
+        Ok(laid(&stored, self.chunk() as usize, m))
     }
 
     /// Stage chunk `idx` whole with its current bytes: the stored chunk's (fetched), with
     /// what is staged of it laid over them. => `st` is this file's state, locked.
     fn stage_whole<'a>(&self, st: &'a mut FileState, idx: u64) -> io::Result<&'a mut Vec<u8>> {
         if !matches!(st.staged.get(&idx), Some(Staged::Whole(_))) {
-            let mut buf = vec![0u8; self.chunk() as usize];
-            if let Some(c) = st.chunks.get(&idx) {
-                let b = self.stored_bytes(idx, c)?;
-                buf[..b.len()].copy_from_slice(&b);
-            }
-            if let Some(Staged::Sparse(m)) = st.staged.get(&idx) {
-                lay_over(&mut buf, m);
-            }
+            let buf = match st.staged.get(&idx) {
+                Some(Staged::Sparse(m)) => self.overlaid(st, idx, m)?,
+                _ => self.overlaid(st, idx, &BTreeMap::new())?,
+            };
             st.staged.insert(idx, Staged::Whole(buf));
         }
         match st.staged.get_mut(&idx) {
@@ -450,13 +454,7 @@ impl S3File {
             || new_bytes > chunk / PATCH_SHARE
             || extents.len() > u16::MAX as usize;
         if compact {
-            let mut buf = vec![0u8; chunk as usize];
-            if let Some(c) = stored {
-                let b = self.stored_bytes(idx, c)?;
-                buf[..b.len()].copy_from_slice(&b);
-            }
-            lay_over(&mut buf, m);
-            return Ok(whole(&buf, stored_len.max(end).min(limit)));
+            return Ok(whole(&self.overlaid(st, idx, m)?, stored_len.max(end).min(limit)));
         }
         let mut body = Vec::with_capacity(new_bytes as usize);
         let mut patch = Patch { version: self.shared.new_version(), extents: Vec::with_capacity(extents.len()) };
@@ -525,11 +523,7 @@ impl S3File {
                             old.as_ref().and_then(|o| ahead.chunks.get(&(idx, o.newest()))).and_then(|f| {
                                 match (f.peek(), &sparse) {
                                     (Some(Ok(ob)), Some(Staged::Sparse(m))) => {
-                                        let mut buf = vec![0u8; c.len as usize];
-                                        let n = ob.len().min(buf.len());
-                                        buf[..n].copy_from_slice(&ob[..n]);
-                                        lay_over(&mut buf, m);
-                                        Some(bytes::Bytes::from(buf))
+                                        Some(bytes::Bytes::from(laid(ob, c.len as usize, m)))
                                     }
                                     _ => None,
                                 }
@@ -549,8 +543,7 @@ impl S3File {
                     let replaced = c.patches.is_empty();
                     st.chunks.insert(idx, c);
                     if replaced && let Some(old) = old {
-                        let mut g = self.shared.garbage.lock();
-                        g.extend(old.objects().map(|v| self.shared.chunk_path(self.ino, idx, v)));
+                        self.shared.garbage.lock().extend(self.shared.chunk_objects(self.ino, idx, &old));
                     }
                 }
                 Err(e) => {
@@ -689,7 +682,7 @@ impl S3File {
         };
         let got = self.shared.rt.block_on(futures::future::join_all(fetches));
         for ((idx, _, r), g) in remote.into_iter().zip(got) {
-            let whole = g.map_err(|e| io::Error::new(e.kind(), e.to_string()))?;
+            let whole = g.map_err(unshared)?;
             let part = whole.get(r.start as usize..r.end as usize).ok_or_else(|| {
                 io::Error::new(io::ErrorKind::InvalidData, format!("chunk {idx} of inode {} is short", self.ino))
             })?;
@@ -854,8 +847,7 @@ impl ubc::Pager for S3File {
             let cut: Vec<u64> = st.chunks.range(keep..).map(|(&i, _)| i).collect();
             for idx in cut {
                 let c = st.chunks.remove(&idx).expect("listed");
-                let mut g = self.shared.garbage.lock();
-                g.extend(c.objects().map(|v| self.shared.chunk_path(self.ino, idx, v)));
+                self.shared.garbage.lock().extend(self.shared.chunk_objects(self.ino, idx, &c));
             }
             st.staged.retain(|&i, _| i < keep);
             let tail = len % chunk;

@@ -81,11 +81,11 @@ use tokio::runtime::Handle;
 /// fails as contended.
 const GIVE_UP: Duration = Duration::from_secs(30);
 
-/// The numbers of an operation's attempts: from 0, until `GIVE_UP` has passed since the
-/// first (at least three attempts).
+/// An operation's attempts, until `GIVE_UP` has passed since the first (at least three),
+/// each after its `backoff` pause (none before the first).
 pub(crate) fn attempts() -> impl Iterator<Item = u32> {
     let start = std::time::Instant::now();
-    (0..).take_while(move |&i| i < 3 || start.elapsed() < GIVE_UP)
+    (0..).take_while(move |&i| i < 3 || start.elapsed() < GIVE_UP).inspect(|&i| backoff(i))
 }
 /// Most names a rename may move (etcd of ours runs with `--max-txn-ops 10000`).
 const MAX_MOVE: usize = 9000;
@@ -174,7 +174,7 @@ fn contended(path: &str) -> Error {
 
 /// Wait before attempt `i` (none before the first): a random pause growing to 32 ms, so
 /// that contenders spread out. A blocking sleep: callers are plain threads in `block_on`.
-pub(crate) fn backoff(i: u32) {
+fn backoff(i: u32) {
     if i == 0 {
         return;
     }
@@ -471,8 +471,7 @@ impl EtcdMeta {
     async fn take_batch(&self, path: &str) -> Result<u64> {
         let key = self.next_key();
         let mut kv = self.kv();
-        for i in attempts() {
-            backoff(i);
+        for _ in attempts() {
             let r = kv.get(key.clone(), None).await.map_err(|e| Self::etcd_err(path, e))?;
             let (cur, cmp) = match r.kvs().first() {
                 Some(x) => {
@@ -569,8 +568,7 @@ impl EtcdMeta {
         let target = (kind == Kind::Symlink).then(|| target.unwrap_or_default());
         self.rt.block_on(async {
             let mut ino = None;
-            for i in attempts() {
-                backoff(i);
+            for _ in attempts() {
                 let mut s = self.snap(path);
                 if s.name(path).await?.is_some() {
                     return Err(Error::Exists(path.into()));
@@ -619,8 +617,7 @@ impl EtcdMeta {
     /// record; returns the record (the caller frees the file's data objects).
     pub(crate) fn remove(&self, path: &str) -> Result<StoredNode> {
         self.rt.block_on(async {
-            for i in attempts() {
-                backoff(i);
+            for _ in attempts() {
                 let mut s = self.snap(path);
                 let n = match s.name(path).await? {
                     Some(n) if n.kind == Kind::Dir => return Err(Error::IsDir(path.into())),
@@ -661,8 +658,7 @@ impl EtcdMeta {
     /// Remove the empty directory `path`.
     pub(crate) fn rmdir(&self, path: &str) -> Result<()> {
         self.rt.block_on(async {
-            for i in attempts() {
-                backoff(i);
+            for _ in attempts() {
                 let mut s = self.snap(path);
                 let n = match s.name(path).await? {
                     Some(n) if n.kind != Kind::Dir => return Err(Error::NotDir(path.into())),
@@ -693,8 +689,7 @@ impl EtcdMeta {
     /// data). One transaction (module documentation for its limits).
     pub(crate) fn rename(&self, from: &str, to: &str, how: Rename) -> Result<Option<StoredNode>> {
         self.rt.block_on(async {
-            for i in attempts() {
-                backoff(i);
+            for _ in attempts() {
                 if let Some(done) = self.rename_attempt(from, to, how).await? {
                     return Ok(done);
                 }
@@ -858,8 +853,7 @@ impl EtcdMeta {
 
     fn update(&self, ino: u64, path: &str, mut f: impl FnMut(&mut StoredNode)) -> Result<()> {
         self.rt.block_on(async {
-            for i in attempts() {
-                backoff(i);
+            for _ in attempts() {
                 let mut s = self.snap(path);
                 let mut x = s.record(ino).await?.ok_or_else(|| Error::NotFound(path.into()))?;
                 f(&mut x);

@@ -48,7 +48,7 @@ use super::tree::{Node, Tree};
 use super::{Attr, Below, DirEntry, Kind, Layer, Opened, Rename, SetAttr};
 use crate::error::{Error, Result};
 use file::S3File;
-use format::{StoredNode, StoredTree};
+use format::{Chunk, StoredNode, StoredTree};
 use futures::StreamExt;
 use object_store::path::Path as ObjPath;
 use object_store::{ObjectStore, ObjectStoreExt};
@@ -216,6 +216,11 @@ pub(crate) struct Shared {
 impl Shared {
     pub(crate) fn chunk_path(&self, ino: u64, idx: u64, version: u64) -> ObjPath {
         ObjPath::from(format!("{}c/{ino:016x}/{idx:016x}.{version:016x}", self.root))
+    }
+
+    /// Every object of chunk `idx` of inode `ino` as `c` names them: its base and patches.
+    pub(crate) fn chunk_objects<'a>(&'a self, ino: u64, idx: u64, c: &'a Chunk) -> impl Iterator<Item = ObjPath> + 'a {
+        c.objects().map(move |v| self.chunk_path(ino, idx, v))
     }
 
     /// The tree of commit `seq`.
@@ -452,11 +457,7 @@ impl Inner {
                 .filter_map(|n| n.data.as_ref())
                 .flat_map(|f| {
                     let st = f.state.lock();
-                    st.chunks
-                        .iter()
-                        .flat_map(|(&i, c)| c.objects().map(move |v| (i, v)))
-                        .map(|(i, v)| self.shared.chunk_path(f.ino, i, v))
-                        .collect::<Vec<_>>()
+                    st.chunks.iter().flat_map(|(&i, c)| self.shared.chunk_objects(f.ino, i, c)).collect::<Vec<_>>()
                 })
                 .collect()
         };

@@ -131,8 +131,7 @@ impl SharedFs {
         let key = self.record_key(f.ino);
         let fence = self.machine.write_fence(f.ino);
         let mut c = self.meta.client();
-        for i in super::meta_etcd::attempts() {
-            super::meta_etcd::backoff(i);
+        for _ in super::meta_etcd::attempts() {
             let (mut node, rev): (StoredNode, i64) = self
                 .meta
                 .record(f.ino)
@@ -206,11 +205,7 @@ impl SharedFs {
             for kv in g.kvs() {
                 if i == 0 {
                     let n = StoredNode::decode(kv.value()).map_err(io::Error::other)?;
-                    named.extend(
-                        n.chunks
-                            .iter()
-                            .flat_map(|(&idx, c)| c.objects().map(move |v| shared.chunk_path(n.ino, idx, v))),
-                    );
+                    named.extend(n.chunks.iter().flat_map(|(&idx, c)| shared.chunk_objects(n.ino, idx, c)));
                 } else if let Some(ino) = kv
                     .key_str()
                     .ok()
