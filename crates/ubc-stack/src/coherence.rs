@@ -84,12 +84,6 @@ pub trait Translate: Send + Sync {
         let _ = for_sync;
         Ok(false)
     }
-    /// The file's write token is leaving this machine (issue 21), and everything this layer
-    /// wrote down was stored under it: nothing of it is left for a later `sync` here to make
-    /// durable — and such a sync, without the token, must write nothing (zstd: its
-    /// published commit is not promoted to a durable one, which would write a superblock
-    /// over what the next holder stores).
-    fn stored_under_token(&self) {}
 }
 
 /// A token between machines on a file (issue 21; `dist.rs` implements it over etcd): the
@@ -159,9 +153,6 @@ pub trait RemoteCache: Send + Sync {
     /// Push every layer's dirty data down into the stored file and write it into the
     /// bottom layer's pager.
     fn write_back(&self) -> std::io::Result<()>;
-    /// What [`RemoteCache::write_back`] pushed down was stored under the write token,
-    /// which is leaving: each layer is told ([`Translate::stored_under_token`]).
-    fn stored_under_token(&self);
     /// Drop every layer's cached pages (after [`RemoteCache::write_back`]).
     fn drop_cached(&self) -> std::io::Result<()>;
     /// The stored file may have changed: drop every layer's pages and reload each layer's
@@ -703,14 +694,6 @@ impl RemoteCache for Group {
             d.file.clean(ALL)?;
         }
         Ok(())
-    }
-
-    fn stored_under_token(&self) {
-        for e in self.domains.read().iter() {
-            if let Some(x) = &e.xlate {
-                x.stored_under_token();
-            }
-        }
     }
 
     fn drop_cached(&self) -> std::io::Result<()> {

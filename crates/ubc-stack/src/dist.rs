@@ -1013,9 +1013,6 @@ impl Token {
             if let Some(h) = &parties.holder {
                 h.store()?;
             }
-            for c in &parties.caches {
-                c.stored_under_token();
-            }
         }
         // A shared writable mapping keeps no page through a downgrade either: a store through
         // it must fault, and the fault take the write token back (`Pager::fault_guard`).

@@ -163,8 +163,6 @@ struct State {
     index_ext: Option<(u64, u64)>,
     /// Changed since the last commit.
     dirty: bool,
-    /// The last commit is a published one this pager made (not one read from the store).
-    published_here: bool,
     stored_bytes: u64,
     data_bytes: u64,
     raw_chunks: u64,
@@ -264,10 +262,9 @@ pub struct CompressPager {
     /// The stack's writes into the lower file (none, unless a stack made this pager): an
     /// extent read while one of them is half written fails to decode, and is read again.
     writes: std::sync::Arc<LowerWrites>,
-    /// A durable `sync` makes a published commit read from the store durable too, not only
-    /// one this pager made, and compacts the file even when it committed nothing (see
-    /// [`CompressPager::on_shared_store`]): false on a store shared with other machines.
-    promote_loaded: bool,
+    /// The store below is shared with other machines: a `sync` writes only what this pager
+    /// changed (see [`CompressPager::on_shared_store`]).
+    shared_store: bool,
 }
 
 /// Index entries read and checked per piece at open (1 MiB).
@@ -358,18 +355,21 @@ impl CompressPager {
             state: Mutex::new(state),
             sync_lock: Mutex::new(()),
             writes: Default::default(),
-            promote_loaded: true,
+            shared_store: false,
         })
     }
 
-    /// The store below is shared with other machines (`s3` with `etcd=`): a published commit
-    /// found in the file is another machine's (or stored already, which is as durable as the
-    /// object store makes anything), and not this machine's to make durable — its `sync`
-    /// would rewrite the superblock of a file it only read, writing into the shared file
-    /// without its write token (a machine that read a file another then removed failed its
-    /// `sync_all` so). Its own published commits it still makes durable.
+    /// The store below is shared with other machines (`s3` with `etcd=`): a `sync` writes
+    /// only what this pager changed since its last commit. It neither makes a published
+    /// commit durable — the object store's commit below already is, and the commit may be
+    /// another machine's, or this machine's from before its write token left — nor compacts
+    /// a file it committed nothing to: either rewrote the shared file without the write token
+    /// (a sync by a machine that only read the file, or that gave it to another: a mount's
+    /// shutdown, which syncs every file it cached, failed on the fence and exited 74). The
+    /// extents of the last durable commit then stay reserved until this machine's next
+    /// durable commit of a change.
     pub fn on_shared_store(mut self, shared: bool) -> CompressPager {
-        self.promote_loaded = !shared;
+        self.shared_store = shared;
         self
     }
 
@@ -437,7 +437,6 @@ impl CompressPager {
             generation: 0,
             index_ext: None,
             dirty: false,
-            published_here: false,
             stored_bytes: 0,
             data_bytes: 0,
             raw_chunks: 0,
@@ -528,14 +527,6 @@ impl CompressPager {
     /// then falls back to the durable one, whose length may differ).
     pub fn logical_len(lower: &ubc::File) -> io::Result<u64> {
         Ok(Self::read_superblocks(lower)?.0.first().map_or(0, |sb| sb.logical_len))
-    }
-
-    /// This machine's write token of a shared store is leaving, and the commit this pager
-    /// published was stored under it: it is the store's now, and a durable `sync` here
-    /// (without the token) must not promote it — that would write a superblock into a file
-    /// another machine is about to write (see [`CompressPager::on_shared_store`]).
-    pub fn forget_published(&self) {
-        self.state.lock().published_here = false;
     }
 
     /// Forget all in-memory state and re-read it from `lower` (the lower file was changed
@@ -745,7 +736,7 @@ impl CompressPager {
             // created and closed unwritten stores nothing (and its ctime stays put, as on
             // any file system where a close changes nothing). A published commit is made
             // durable by a new durable commit (its superblock says which it is).
-            let promote = durable && st.durable.is_some() && (self.promote_loaded || st.published_here);
+            let promote = durable && st.durable.is_some() && !self.shared_store;
             if !st.dirty && st.uncertain.is_empty() && !promote {
                 return Ok(false);
             }
@@ -807,7 +798,6 @@ impl CompressPager {
         let previous = std::mem::replace(&mut st.committed, inflight);
         st.uncertain.clear();
         st.generation = sb.generation;
-        st.published_here = !durable;
         if durable {
             st.durable = None;
             st.durable_slot = Some(slot);
@@ -1095,11 +1085,9 @@ impl Pager for CompressPager {
         let mut synced = false;
         if self.writable {
             synced = self.commit(true)?;
-            // On a store shared with other machines, a sync that committed nothing of this
-            // machine's (one without the write token: a mount's shutdown syncing every file
-            // it cached) must not compact either — moving extents rewrites the shared file
-            // (fenced: the shutdown exited 74 after two machines used one zstd file).
-            if (synced || self.promote_loaded) && self.compact() {
+            // On a shared store, only after committing a change of this machine's (see
+            // `on_shared_store`): moving extents rewrites the file.
+            if (synced || !self.shared_store) && self.compact() {
                 synced = self.commit(true)?;
             }
             // What the last commit freed at the end (a shrink, a compaction): given back

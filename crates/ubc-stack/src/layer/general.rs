@@ -68,9 +68,6 @@ impl Translate for ZstdXlate {
         }
         self.0.publish().map(|()| true)
     }
-    fn stored_under_token(&self) {
-        self.0.forget_published();
-    }
 }
 
 impl Layer for Zstd {
