@@ -5,7 +5,8 @@
 //! where that is a failure.
 //!
 //! What is shown: files and names survive a new stack over the same prefix (a restart),
-//! with layers above; a random 4 KiB write uploads one chunk, not the file; what was synced
+//! with layers above; a random 4 KiB write uploads its bytes, not its chunk, and a cold
+//! random read fetches its bytes, while a sequential one streams whole chunks; what was synced
 //! is there after a "crash" (the process's layer dropped without a commit); removed files'
 //! objects are deleted; a damaged tree object is refused, not guessed.
 
@@ -133,6 +134,68 @@ fn a_random_4k_write_uploads_its_bytes_and_fetches_nothing() {
     drop(layer);
     let s = Stack::open(&spec(&e, &b, &o.prefix), cache(1 << 20)).unwrap();
     same(&read_file(&s, "big"), &model, "after a restart");
+}
+
+/// A cold random read fetches the bytes it asked for — that range of the chunk's base and of
+/// the patches laid over it — not the chunk (1 MiB here), and reads what a model says; a
+/// read from the file's start still gets whole chunks, fetched ahead of the reader.
+#[test]
+fn a_cold_random_read_fetches_its_range_not_its_chunk() {
+    let Some((e, b)) = server("a_cold_random_read_fetches_its_range") else { return };
+    let o = S3Options::parse(&format!("{b}/{}?endpoint={e}&chunk=1M", fresh_prefix("randread"))).unwrap();
+    let len = 8usize << 20;
+    let mut model = data(3, len);
+    {
+        let (_l, s) = open_layer(&o, 16 << 20);
+        write_file(&s, "big", &model);
+    }
+    // Patches over the bases: small writes (across chunk edges too) in two syncs, and a
+    // growth past the last base.
+    {
+        let (_l, s) = open_layer(&o, 16 << 20);
+        let f = s.top().open_with("big", OpenOptions::new().write(true)).unwrap();
+        let mut r = StdRng::seed_from_u64(5);
+        for i in 0..60u64 {
+            let off = r.random_range(0..(len - 10_000) as u64);
+            write_both(&f, &mut model, off, &data(100 + i, r.random_range(1..9_000)));
+            if i % 30 == 29 {
+                f.sync().unwrap();
+            }
+        }
+        write_both(&f, &mut model, len as u64 - 100, &data(7, 3000));
+        f.sync().unwrap();
+    }
+    let (layer, s) = open_layer(&o, 16 << 20);
+    let f = s.top().open_with("big", OpenOptions::new()).unwrap();
+    assert_eq!(f.len().unwrap(), model.len() as u64);
+    let before = layer.stats();
+    let mut r = StdRng::seed_from_u64(6);
+    let reads = 64u64;
+    let mut buf = vec![0u8; 4096];
+    for i in 0..reads {
+        // Never at the start and never where the last read ended: random, unaligned too.
+        let off = r.random_range(4096..(model.len() - 4096) as u64);
+        f.read_exact_at(&mut buf, off).unwrap();
+        same(&buf, &model[off as usize..off as usize + 4096], &format!("random read {i} at {off}"));
+    }
+    let got = layer.stats();
+    // Each read fills at most two pages, fetched from the base and from at most three patches.
+    let bound = reads * 8192 * 4;
+    let fetched = got.get_bytes - before.get_bytes;
+    assert!(fetched <= bound, "{reads} random 4 KiB reads fetched {fetched} bytes (whole chunks?)");
+    // From the start: the whole file, each object fetched once (whole chunks, not a GET per fill).
+    let mut all = vec![0u8; model.len()];
+    let mut off = 0;
+    while off < all.len() {
+        let n = f.read_at(&mut all[off..(off + (128 << 10)).min(model.len())], off as u64).unwrap();
+        assert!(n > 0);
+        off += n;
+    }
+    same(&all, &model, "read from the start");
+    let objects = 9 * 4; // 9 chunks, each a base and at most three patches
+    let gets = layer.stats().gets - got.gets;
+    assert!(gets <= objects, "a sequential read of {} chunks made {gets} GETs", model.len().div_ceil(1 << 20));
+    eprintln!("random: {fetched} bytes in {} GETs for {reads} reads; sequential: {gets} GETs", got.gets - before.gets);
 }
 
 /// Small writes, each few synced, become patches of their chunks; a chunk whose patches

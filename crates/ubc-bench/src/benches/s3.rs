@@ -6,6 +6,9 @@
 //!   read-ahead fetches chunks in parallel), vs one streaming GET of an object of the same
 //!   size with `object_store`, GB/s;
 //! * `s3_reread`: the same file read again, warm (in the cache), vs the cold read, GB/s;
+//! * `s3_randread_4k`: 256 cold random 4 KiB reads, one at a time, through a fresh cache,
+//!   vs a ranged GET of the same 4 KiB with `object_store`, reads/s; and
+//!   `s3_randread_4k_bytes`, the bytes ubc fetched per byte read (the plain GET: 1);
 //! * `s3_randwrite_4k`: 1,000 random 4 KiB writes to the file, then one sync: bytes uploaded
 //!   per byte written, vs rewriting the whole object (the file size per sync), lower is
 //!   better.
@@ -164,6 +167,34 @@ fn rows(ctx: &Ctx, endpoint: &str, bucket: &str, suffix: &str, how: &str) -> Vec
         assert_eq!(got, len);
         base.push(len as f64 / secs / 1e9);
     }
+    // Cold random 4 KiB reads, one at a time: ubc through a fresh cache, the plain client
+    // with a ranged GET of the same 4 KiB.
+    let reads = 256;
+    let (mut rand_ubc, mut rand_plain, mut fetched) = (vec![], vec![], vec![]);
+    let mut page = [0u8; 4096];
+    for run in 0..ctx.runs {
+        let offs = random_offsets(reads, len as u64 - 4096, 4096, 7 + run as u64);
+        let (layer, s) = open(64 * MIB);
+        let f = s.top().open_with("f", OpenOptions::new()).expect("open");
+        let before = layer.stats().get_bytes;
+        let (secs, _) = time(|| {
+            for &o in &offs {
+                f.read_exact_at(&mut page, o).expect("read_at");
+            }
+        });
+        rand_ubc.push(reads as f64 / secs);
+        fetched.push((layer.stats().get_bytes - before) as f64 / (reads * 4096) as f64);
+        assert_eq!(&page[..], &data[offs[reads - 1] as usize..][..4096]);
+        let (secs, _) = time(|| {
+            rt.block_on(async {
+                for &o in &offs {
+                    let b = store.get_range(&plain, o..o + 4096).await.expect("ranged get");
+                    assert_eq!(b.len(), 4096);
+                }
+            })
+        });
+        rand_plain.push(reads as f64 / secs);
+    }
     // Random 4 KiB writes, one sync.
     let (layer, s) = open(64 * MIB);
     let f = s.top().open_with("f", OpenOptions::new().write(true)).expect("open");
@@ -196,6 +227,24 @@ fn rows(ctx: &Ctx, endpoint: &str, bucket: &str, suffix: &str, how: &str) -> Vec
             &cold,
             "the cold read through ubc",
             &format!("{what}; the second read of the file through the same cache; target >= 20x"),
+        ),
+        Record::from_samples(
+            &format!("s3_randread_4k{suffix}"),
+            "reads/s",
+            Better::Higher,
+            &rand_ubc,
+            &rand_plain,
+            "a ranged GET of the 4 KiB (object_store), one at a time",
+            &format!("{what}; {reads} cold random 4 KiB read_at, one at a time, through a fresh cache"),
+        ),
+        Record::from_samples(
+            &format!("s3_randread_4k_bytes{suffix}"),
+            "bytes fetched / byte read",
+            Better::Lower,
+            &fetched,
+            &vec![1.0; fetched.len()],
+            "the plain client's ranged GET (exactly the bytes read)",
+            &format!("{what}; the same {reads} cold random 4 KiB reads"),
         ),
         Record::from_samples(
             &format!("s3_randwrite_4k{suffix}"),

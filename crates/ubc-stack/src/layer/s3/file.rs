@@ -4,9 +4,12 @@
 //! in memory — the whole chunk, or only the written extents — and uploaded at the next
 //! commit (or when the file's staged bytes pass `STAGE_MAX`): a whole chunk as a new base,
 //! a few extents as a patch, and a chunk whose patches grew past `MAX_PATCHES` or
-//! `chunk / PATCH_SHARE` as a new base again (compaction). The cache fills whole chunks
-//! (`fill_granule`): a ranged GET of the base and one GET per patch, the chunks of one fill
-//! fetched in parallel.
+//! `chunk / PATCH_SHARE` as a new base again (compaction). A read fetches
+//! the bytes a fill asks for: a random miss GETs that range of the base and of the patches
+//! laid over it (Linux's read of one page with read-ahead off), a sequential reader — a run
+//! of fills each at or just after the last, `SEQUENTIAL_RUN` bytes in all — whole chunks and the next few
+//! ahead of it, in parallel (mountpoint-s3's prefetcher also starts small and streams once
+//! reads are sequential).
 
 use super::format::{Chunk, Extent, Patch};
 use super::{Inner, Shared};
@@ -27,19 +30,30 @@ fn ahead_chunks(chunk: u64) -> u64 {
     (AHEAD_BYTES / chunk).clamp(8, 64)
 }
 
+type BoxFuture<'a, T> = futures::future::BoxFuture<'a, T>;
+
 /// A whole chunk being fetched or fetched (shared by every fill that wants part of it).
 type Fetch = futures::future::Shared<futures::future::BoxFuture<'static, Result<bytes::Bytes, Arc<io::Error>>>>;
 
-/// Whole chunks fetched ahead of a sequential reader, and the chunk a fill asked for last
-/// (the cache fills a chunk larger than its largest fill in several calls: one GET serves
-/// them all). Keyed by (index, version): a replaced chunk's old bytes are never used.
+/// Whole chunks fetched for a sequential reader (one GET serves every fill of a chunk, and
+/// the chunks ahead of the reader are fetched before it asks), and where the last fill
+/// ended. Keyed by (index, version): a replaced chunk's old bytes are never used.
 #[derive(Default)]
 struct Ahead {
     chunks: std::collections::HashMap<(u64, u64), Fetch>,
     order: std::collections::VecDeque<(u64, u64)>,
-    /// The last chunk a fill asked for.
-    last: Option<u64>,
+    /// The last fill that fetched something, and the bytes of the run of fills it ends.
+    last: std::ops::Range<u64>,
+    run_bytes: u64,
 }
+
+/// A run of fills of this many bytes, each starting inside the one before or after a gap no
+/// larger than one of them, is a sequential reader's, and is served whole chunks, fetched ahead of it; a shorter one is
+/// served the bytes it asks for (an unaligned read of two pages fills them one by one: not
+/// a stream). The cache's own read-ahead sends a stream's fills in windows that soon pass
+/// this, from several threads, so a little out of order: a fill behind the last one is
+/// never taken for a new stream (it would fetch again, ahead, what was fetched already).
+const SEQUENTIAL_RUN: u64 = 128 << 10;
 
 /// Staged bytes of one file past which its staged chunks are uploaded at once (the tree is
 /// committed later): bounds the memory a writer holds outside the cache.
@@ -386,6 +400,88 @@ impl S3File {
         self.shared.rt.block_on(fetch).map_err(unshared)
     }
 
+    /// The fetch of bytes `r` of stored chunk `idx` (`c`), started now on the runtime: a
+    /// ranged GET of the base and, of each patch whose extents meet `r`, one ranged GET of
+    /// the part of its object that holds them; laid over each other in order. Not kept:
+    /// the cache keeps what it filled. Returns exactly `r.len()` bytes.
+    /// => `r` lies inside the chunk's `len`.
+    fn fetch_range(
+        &self,
+        idx: u64,
+        c: &Chunk,
+        r: std::ops::Range<u64>,
+    ) -> BoxFuture<'static, io::Result<bytes::Bytes>> {
+        use futures::FutureExt;
+        let (s, e) = (r.start, r.end);
+        let base = (c.version != 0 && s < c.base_len as u64)
+            .then(|| (self.shared.chunk_path(self.ino, idx, c.version), s..e.min(c.base_len as u64)));
+        // Per patch meeting `r`: its object's span holding those extents' bytes, and for
+        // each extent the part laid (offset in the span, offset in `r`, length).
+        let mut patches = Vec::new();
+        for p in &c.patches {
+            let (mut at, mut lays) = (0u64, Vec::new());
+            for x in &p.extents {
+                let (xs, xe) = (x.offset as u64, x.offset as u64 + x.len as u64);
+                let (a, b) = (xs.max(s), xe.min(e));
+                if a < b {
+                    lays.push((at + (a - xs), a - s, b - a));
+                }
+                at += x.len as u64;
+            }
+            let lo = lays.iter().map(|l| l.0).min();
+            let hi = lays.iter().map(|l| l.0 + l.2).max();
+            if let (Some(lo), Some(hi)) = (lo, hi) {
+                patches.push((self.shared.chunk_path(self.ino, idx, p.version), lo..hi, lays));
+            }
+        }
+        let (store, gets, ino) = (self.shared.store.clone(), self.shared.gets.clone(), self.ino);
+        let task = self.shared.rt.spawn(async move {
+            let get = |path: object_store::path::Path, r: std::ops::Range<u64>| {
+                let (store, gets) = (store.clone(), gets.clone());
+                async move {
+                    let want = r.end - r.start;
+                    let b = store.get_range(&path, r).await.map_err(super::io_err)?;
+                    gets.count(b.len());
+                    if b.len() as u64 != want {
+                        let m =
+                            format!("an object of inode {ino}'s chunk {idx} is short: {} bytes, not {want}", b.len());
+                        return Err(io::Error::new(io::ErrorKind::InvalidData, m));
+                    }
+                    Ok(b)
+                }
+            };
+            let base = async {
+                match base {
+                    Some((path, r)) => get(path, r).await.map(Some),
+                    None => Ok(None),
+                }
+            };
+            let pgets =
+                futures::future::join_all(patches.iter().map(|(path, span, _)| get(path.clone(), span.clone())));
+            let (base, pbytes) = futures::join!(base, pgets);
+            let base = base?;
+            if patches.is_empty()
+                && let Some(b) = &base
+                && b.len() as u64 == e - s
+            {
+                return Ok(b.clone());
+            }
+            let mut out = vec![0u8; (e - s) as usize];
+            if let Some(b) = base {
+                out[..b.len()].copy_from_slice(&b);
+            }
+            for ((_, span, lays), b) in patches.iter().zip(pbytes) {
+                let b = b?;
+                for &(from, to, n) in lays {
+                    let from = (from - span.start) as usize;
+                    out[to as usize..(to + n) as usize].copy_from_slice(&b[from..from + n as usize]);
+                }
+            }
+            Ok(bytes::Bytes::from(out))
+        });
+        async move { task.await.unwrap_or_else(|e| Err(io::Error::other(e))) }.boxed()
+    }
+
     /// The whole chunk `idx` as it stands: the stored chunk's bytes (fetched) with the
     /// extents `m` staged over them, `chunk_size` bytes. => `st` is this file's state, locked.
     fn overlaid(&self, st: &FileState, idx: u64, m: &BTreeMap<u32, Vec<u8>>) -> io::Result<Vec<u8>> {
@@ -663,31 +759,55 @@ impl S3File {
             lay(buf);
             return Ok(if any { ubc::Fill::Data } else { ubc::Fill::Hole });
         }
-        // Whole chunks, fetched in parallel (each once for all the fills of its parts), and
-        // for a sequential reader the next `ahead_chunks` stored chunks too.
-        let fetches: Vec<Fetch> = {
+        // A sequential reader — a run of fills, each at or just after the last, of at least
+        // `SEQUENTIAL_RUN` bytes — gets whole chunks (each fetched once for all the fills of
+        // its parts), and the next `ahead_chunks` stored chunks are fetched too, in
+        // parallel; a random miss gets the bytes it asked for, unless its chunk is being
+        // fetched whole anyway.
+        let parts: Vec<BoxFuture<'static, io::Result<bytes::Bytes>>> = {
+            use futures::FutureExt;
             let mut ahead = self.ahead.lock();
-            let first = remote[0].0;
-            let last = remote[remote.len() - 1].0;
-            let sequential = ahead.last.is_some_and(|l| first == l || first == l + 1);
-            ahead.last = Some(last);
-            let wanted: Vec<Fetch> = remote.iter().map(|(idx, c, _)| self.fetch_whole(&mut ahead, *idx, c)).collect();
+            let last = ahead.last.clone();
+            let behind = !last.is_empty() && offset < last.start;
+            let gap = (end - offset).max(last.end - last.start);
+            let continues = !last.is_empty() && !behind && offset <= last.end + gap;
+            let run_bytes = (end - offset) + if continues { ahead.run_bytes } else { 0 };
+            (ahead.last, ahead.run_bytes) = (offset..end, run_bytes);
+            let sequential = !behind && run_bytes >= SEQUENTIAL_RUN;
+            let mut parts = Vec::with_capacity(remote.len());
+            for (idx, c, r) in &remote {
+                let fetching = ahead.chunks.get(&(*idx, c.newest())).is_some_and(|f| !matches!(f.peek(), Some(Err(_))));
+                if !(sequential || fetching) {
+                    parts.push(self.fetch_range(*idx, c, r.clone()));
+                    continue;
+                }
+                let whole = self.fetch_whole(&mut ahead, *idx, c);
+                let (idx, r, ino) = (*idx, r.clone(), self.ino);
+                parts.push(
+                    async move {
+                        let whole = whole.await.map_err(unshared)?;
+                        if (whole.len() as u64) < r.end {
+                            let m = format!("chunk {idx} of inode {ino} is short");
+                            return Err(io::Error::new(io::ErrorKind::InvalidData, m));
+                        }
+                        Ok(whole.slice(r.start as usize..r.end as usize))
+                    }
+                    .boxed(),
+                );
+            }
             if sequential {
                 for (idx, c) in next {
                     // Started on the runtime: it runs whether or not anyone waits.
                     drop(self.fetch_whole(&mut ahead, idx, &c));
                 }
             }
-            wanted
+            parts
         };
-        let got = self.shared.rt.block_on(futures::future::join_all(fetches));
-        for ((idx, _, r), g) in remote.into_iter().zip(got) {
-            let whole = g.map_err(unshared)?;
-            let part = whole.get(r.start as usize..r.end as usize).ok_or_else(|| {
-                io::Error::new(io::ErrorKind::InvalidData, format!("chunk {idx} of inode {} is short", self.ino))
-            })?;
+        let got = self.shared.rt.block_on(futures::future::join_all(parts));
+        for ((idx, _, r), part) in remote.into_iter().zip(got) {
+            let part = part?;
             let at = (idx * chunk + r.start - offset) as usize;
-            buf[at..at + part.len()].copy_from_slice(part);
+            buf[at..at + part.len()].copy_from_slice(&part);
         }
         lay(buf);
         Ok(ubc::Fill::Data)
@@ -894,10 +1014,6 @@ impl ubc::Pager for S3File {
 
     fn describe(&self) -> String {
         format!("s3 {} inode {}", self.shared.id, self.ino)
-    }
-
-    fn fill_granule(&self) -> u64 {
-        self.chunk()
     }
 }
 
