@@ -109,12 +109,22 @@ pub trait Remote: Send + Sync {
     /// one of `want`, returns it and records nothing; else, if `held` is given, makes it
     /// this machine's set of such locks on the file (as one step against other machines'
     /// changes) and returns `None`. `want` empty: only records `held` (a release).
+    /// `may_lag`: a lock asked again after a refusal ([`LockWait::Retry`]) — the last
+    /// refusal may be given again while no change of other machines' locks was heard.
     fn locks(
         &self,
         flock: bool,
         held: Option<&[RemoteLock]>,
         want: &[RemoteLock],
+        may_lag: bool,
     ) -> std::io::Result<Option<RemoteLock>>;
+    /// Wait until other machines' locks of the kind (`flock`) may have changed since the
+    /// last refusal by [`Remote::locks`], at most `timeout`: what a refused lock waits for
+    /// before it asks again.
+    fn await_locks(&self, flock: bool, timeout: std::time::Duration) {
+        let _ = flock;
+        std::thread::sleep(timeout.min(std::time::Duration::from_millis(20)));
+    }
 }
 
 /// A lock as other machines see it: bytes of the stored file (domain 0; a `flock` lock
@@ -133,9 +143,9 @@ impl RemoteLock {
     }
 }
 
-/// How long a lock that waits (`LockWait::Block`) for another machine's waits before it
-/// asks again.
-const REMOTE_LOCK_POLL: std::time::Duration = std::time::Duration::from_millis(20);
+/// How long at most a lock that waits (`LockWait::Block`) for another machine's waits
+/// before it asks again; it asks at once when their locks change ([`Remote::await_locks`]).
+const REMOTE_LOCK_POLL: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// A pinned [`Remote`] token; dropping it ends the pin.
 pub struct RemotePin(#[allow(dead_code)] Box<dyn Send>);
@@ -1328,9 +1338,9 @@ impl<F: Actions> Group<F> {
     /// recorded for them. Without a store shared with other machines: true. An error
     /// reaching the other machines (etcd) counts as a conflict, noted on stderr.
     /// => called holding the kind's lock table (its changes are recorded in order).
-    fn remote_grant(&self, flock: bool, held: &[RemoteLock], want: &[RemoteLock]) -> bool {
+    fn remote_grant(&self, flock: bool, held: &[RemoteLock], want: &[RemoteLock], may_lag: bool) -> bool {
         let Some(r) = self.remote.get() else { return true };
-        match r.locks(flock, Some(held), want) {
+        match r.locks(flock, Some(held), want, may_lag) {
             Ok(None) => true,
             Ok(Some(_)) => false,
             Err(e) => {
@@ -1348,7 +1358,7 @@ impl<F: Actions> Group<F> {
         if before == after {
             return;
         }
-        if let Err(e) = r.locks(flock, Some(after), &[]) {
+        if let Err(e) = r.locks(flock, Some(after), &[], false) {
             eprintln!("ubc: a lock released here stays held for other machines until the next change: {e}");
         }
     }
@@ -1359,9 +1369,10 @@ impl<F: Actions> Group<F> {
     /// and its new lock replaces what it held over `r` (an upgrade or a downgrade). With
     /// [`LockWait::Block`], blocks until granted; else returns `false` on conflict. For a
     /// store shared with other machines, their locks count too (asked after this machine's
-    /// own table has no conflict; a wait for them asks again every `REMOTE_LOCK_POLL`).
+    /// own table has no conflict; a wait for them asks again when theirs change).
     pub(crate) fn lock(&self, owner: u64, pid: u32, d: usize, r: Range<u64>, kind: LockKind, wait: LockWait) -> bool {
-        let (exclusive, wait) = (kind == LockKind::Exclusive, wait == LockWait::Block);
+        let (exclusive, mut may_lag) = (kind == LockKind::Exclusive, wait == LockWait::Retry);
+        let wait = wait == LockWait::Block;
         let lower = self.lock_range(d, r.clone());
         let mut l = self.locks.lock();
         loop {
@@ -1373,12 +1384,15 @@ impl<F: Actions> Group<F> {
                     carve(&mut next, owner, d, &r);
                     next.push(new.clone());
                     let want = Self::remote_record_locks(std::slice::from_ref(&new));
-                    if !self.remote_grant(false, &Self::remote_record_locks(&next), &want) {
+                    if !self.remote_grant(false, &Self::remote_record_locks(&next), &want, may_lag) {
                         if !wait {
                             return false;
                         }
                         drop(l);
-                        std::thread::sleep(REMOTE_LOCK_POLL);
+                        if let Some(r) = self.remote.get() {
+                            r.await_locks(false, REMOTE_LOCK_POLL);
+                        }
+                        may_lag = true; // asked again: as `LockWait::Retry`
                         l = self.locks.lock();
                         continue;
                     }
@@ -1413,7 +1427,7 @@ impl<F: Actions> Group<F> {
             let remote = self.remote.get()?;
             let want: Vec<RemoteLock> =
                 lower.iter().map(|x| RemoteLock { range: x.clone(), exclusive, pid: 0 }).collect();
-            let theirs = remote.locks(false, None, &want).ok()??;
+            let theirs = remote.locks(false, None, &want, false).ok()??;
             Some(LockConflict {
                 range: if d == 0 { theirs.range } else { r },
                 kind: if theirs.exclusive { LockKind::Exclusive } else { LockKind::Shared },
@@ -1450,7 +1464,7 @@ impl<F: Actions> Group<F> {
     /// [`LockWait::Block`], blocks until granted; else returns `false` on conflict. Other
     /// machines' `flock` locks count too, as for [`Group::lock`].
     pub(crate) fn flock(&self, owner: u64, kind: LockKind, wait: LockWait) -> bool {
-        let exclusive = kind == LockKind::Exclusive;
+        let (exclusive, mut may_lag) = (kind == LockKind::Exclusive, wait == LockWait::Retry);
         let mut l = self.flocks.lock();
         // Converting releases the old lock first (flock(2): "may be ... not atomic").
         if l.iter().any(|&(o, _)| o == owner) {
@@ -1465,12 +1479,15 @@ impl<F: Actions> Group<F> {
                     let mut next = l.clone();
                     next.push((owner, exclusive));
                     let want = Self::remote_flocks(&[(owner, exclusive)]);
-                    if !self.remote_grant(true, &Self::remote_flocks(&next), &want) {
-                        if wait == LockWait::Try {
+                    if !self.remote_grant(true, &Self::remote_flocks(&next), &want, may_lag) {
+                        if wait != LockWait::Block {
                             return false;
                         }
                         drop(l);
-                        std::thread::sleep(REMOTE_LOCK_POLL);
+                        if let Some(r) = self.remote.get() {
+                            r.await_locks(true, REMOTE_LOCK_POLL);
+                        }
+                        may_lag = true; // asked again: as `LockWait::Retry`
                         l = self.flocks.lock();
                         continue;
                     }
@@ -1478,7 +1495,7 @@ impl<F: Actions> Group<F> {
                 l.push((owner, exclusive));
                 return true;
             }
-            if wait == LockWait::Try {
+            if wait != LockWait::Block {
                 return false;
             }
             self.flocks_cv.wait(&mut l);
@@ -1642,4 +1659,11 @@ pub enum LockWait {
     Block,
     /// Give up at once (`F_SETLK`).
     Try,
+    /// Give up at once, as `Try`, for a lock being waited for — asked again after it was
+    /// refused (a mount's `F_SETLKW` tries every few milliseconds). Another machine's locks
+    /// may be taken as they stood at the last refusal while this machine has heard of no
+    /// change to them since: free of cost until one lets go, and behind a release there by
+    /// the time the change takes to reach this machine (its watch of the lock keys). Locks
+    /// of this machine are seen at once, as with `Try`.
+    Retry,
 }

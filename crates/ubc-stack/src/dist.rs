@@ -179,6 +179,9 @@ pub struct DistStats {
     /// one had yielded to: it neither took the token nor finished its request in time (it
     /// gave up, died or was slow). Each is half a second of a writer's time.
     pub turns_waited_out: u64,
+    /// Advisory locks asked of etcd (a lock refused before, asked again with no lock key
+    /// changed since, is refused without asking).
+    pub lock_asks: u64,
 }
 
 /// One machine's membership: its lease, its tokens, the watch on requests to it.
@@ -204,7 +207,49 @@ struct MachineInner {
     leases_lost: AtomicU64,
     fenced: AtomicU64,
     turns_waited_out: AtomicU64,
+    /// What the watch of every file's lock keys (`K l/`) has heard, for lock waits.
+    locks_heard: Mutex<LocksHeard>,
+    locks_cv: Condvar,
+    lock_asks: AtomicU64,
 }
+
+/// The lock watch's state ([`watch_locks`]). A refusal read from etcd stays true until a
+/// lock key of some file changes: while the watch is live, a lock *asked again* with
+/// nothing heard since its refusal (`LockWait::Retry`, and a blocking lock's later asks)
+/// is refused again without asking etcd — a waiting lock (the mount tries every few
+/// milliseconds; a library wait wakes on `locks_cv`) costs etcd nothing until a holder
+/// lets go, and is tried again as soon as the watch hears it. A first ask always asks: a
+/// lock tried after another machine's unlock returned must see it.
+#[derive(Default)]
+struct LocksHeard {
+    /// The watch is running and caught up since it was (re)made.
+    live: bool,
+    /// Bumped for every change of a lock key heard, and when the watch is made or lost.
+    changes: u64,
+    /// By (inode, `flock`): the last refusal.
+    refused: HashMap<(u64, bool), Refusal>,
+}
+
+/// A lock refused by another machine's, as read from etcd.
+struct Refusal {
+    want: Vec<RemoteLock>,
+    theirs: RemoteLock,
+    /// `LocksHeard::changes` when it was read.
+    heard: u64,
+    /// When: it is given again for `REFUSAL_KEPT` at most (a watch that stopped hearing
+    /// without an error costs a waiter that long, not its lock).
+    at: Instant,
+}
+
+impl Refusal {
+    /// Whether it still stands for `want`, with `changes` heard so far.
+    fn stands(&self, changes: u64) -> bool {
+        self.heard == changes && self.at.elapsed() < REFUSAL_KEPT
+    }
+}
+
+/// How long a refusal is given again without asking etcd (see `LocksHeard::refused`).
+const REFUSAL_KEPT: Duration = Duration::from_secs(2);
 
 impl Machine {
     /// Join: take a lease of `ttl` (kept alive by a thread of its own) and watch for
@@ -236,6 +281,9 @@ impl Machine {
             leases_lost: AtomicU64::new(0),
             fenced: AtomicU64::new(0),
             turns_waited_out: AtomicU64::new(0),
+            locks_heard: Mutex::new(LocksHeard::default()),
+            locks_cv: Condvar::new(),
+            lock_asks: AtomicU64::new(0),
         });
         let lease = inner.grant()?;
         inner.lease.store(lease, SeqCst);
@@ -243,6 +291,8 @@ impl Machine {
         std::thread::Builder::new().name("ubc-dist-lease".into()).spawn(move || keep_alive(w))?;
         let w = Arc::downgrade(&inner);
         std::thread::Builder::new().name("ubc-dist-requests".into()).spawn(move || watch_requests(w))?;
+        let w = Arc::downgrade(&inner);
+        std::thread::Builder::new().name("ubc-dist-locks".into()).spawn(move || watch_locks(w))?;
         Ok(Machine { inner })
     }
 
@@ -315,6 +365,7 @@ impl Machine {
             leases_lost: m.leases_lost.load(Relaxed),
             fenced: m.fenced.load(Relaxed),
             turns_waited_out: m.turns_waited_out.load(Relaxed),
+            lock_asks: m.lock_asks.load(Relaxed),
         }
     }
 }
@@ -485,7 +536,25 @@ impl MachineInner {
         flock: bool,
         held: Option<&[RemoteLock]>,
         want: &[RemoteLock],
+        may_lag: bool,
     ) -> io::Result<Option<RemoteLock>> {
+        // Asked again after a refusal, and no lock key changed since: refused still (see
+        // `LocksHeard`).
+        let heard = {
+            let h = self.locks_heard.lock();
+            if may_lag
+                && !want.is_empty()
+                && h.live
+                && let Some(r) = h.refused.get(&(ino, flock))
+                && r.stands(h.changes)
+                && r.want.as_slice() == want
+            {
+                return Ok(Some(r.theirs.clone()));
+            }
+            // Read before etcd is: a change after the read below is heard after this.
+            h.live.then_some(h.changes)
+        };
+        self.lock_asks.fetch_add(1, Relaxed);
         let deadline = Instant::now() + Duration::from_secs(10);
         let prefix = self.lprefix(ino, flock);
         let mine = format!("{prefix}{:016x}", self.id);
@@ -511,8 +580,28 @@ impl MachineInner {
                 .await
             });
             match step {
-                Ok(Claim::Won) => return Ok(None),
-                Ok(Claim::Refused(mut theirs, _)) => return Ok(Some(theirs.swap_remove(0))),
+                Ok(Claim::Won) => {
+                    self.locks_heard.lock().refused.remove(&(ino, flock));
+                    return Ok(None);
+                }
+                Ok(Claim::Refused(mut theirs, _)) => {
+                    let theirs = theirs.swap_remove(0);
+                    let mut h = self.locks_heard.lock();
+                    match heard {
+                        Some(at) => {
+                            // Refusals read before the last change are stale: forgotten.
+                            let now = h.changes;
+                            h.refused.retain(|_, r| r.heard == now);
+                            let r =
+                                Refusal { want: want.to_vec(), theirs: theirs.clone(), heard: at, at: Instant::now() };
+                            h.refused.insert((ino, flock), r);
+                        }
+                        None => {
+                            h.refused.remove(&(ino, flock));
+                        }
+                    }
+                    return Ok(Some(theirs));
+                }
                 Ok(Claim::Raced) => continue, // another machine's locks changed meanwhile: look again
                 Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(100)),
                 Err(e) => return Err(etcd_err(e)),
@@ -681,6 +770,82 @@ fn keep_alive(w: Weak<MachineInner>) {
         }
         drop(m);
         std::thread::sleep(period.saturating_sub(sent.elapsed()));
+    }
+}
+
+impl MachineInner {
+    /// Wait while the last refusal of a lock of file `ino` (`flock`: of that kind) still
+    /// stands — until a lock key changes, the watch is made or lost, or `timeout` passes:
+    /// what a refused lock waits for before it asks again. Without a live watch (nothing
+    /// known to stand), waits 20 ms.
+    fn await_locks(&self, ino: u64, flock: bool, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        let mut h = self.locks_heard.lock();
+        while h.live && h.refused.get(&(ino, flock)).is_some_and(|r| r.stands(h.changes)) {
+            if self.locks_cv.wait_until(&mut h, deadline).timed_out() {
+                return;
+            }
+        }
+        if !h.live {
+            drop(h);
+            std::thread::sleep(timeout.min(Duration::from_millis(20)));
+        }
+    }
+}
+
+/// Watch every file's lock keys (`K l/`): each change bumps `LocksHeard::changes` and wakes
+/// the lock waits. Made again after a moment when it ends (etcd restarted, a network error);
+/// meanwhile nothing is taken as unchanged.
+fn watch_locks(w: Weak<MachineInner>) {
+    let heard = |m: &MachineInner, live: bool| {
+        let mut h = m.locks_heard.lock();
+        h.live = live;
+        h.changes += 1;
+        if !live {
+            h.refused.clear();
+        }
+        m.locks_cv.notify_all();
+    };
+    loop {
+        let Some(m) = w.upgrade() else { return };
+        if m.closing.load(SeqCst) {
+            return;
+        }
+        let prefix = format!("{}l/", m.prefix);
+        let mut c = m.client.clone();
+        let closing = &m.closing;
+        let r: Result<(), etcd_client::Error> = m.rt.block_on(async {
+            // Made from the revision etcd is at: every change after it is heard, and every
+            // refusal read after `live` is set was read at or after it.
+            let rev =
+                c.get(prefix.as_str(), Some(GetOptions::new().with_prefix().with_keys_only().with_limit(1))).await?;
+            let rev = rev.header().map_or(0, |h| h.revision());
+            let mut ws =
+                c.watch(prefix.as_str(), Some(WatchOptions::new().with_prefix().with_start_revision(rev + 1))).await?;
+            heard(&m, true);
+            loop {
+                if closing.load(SeqCst) {
+                    return Ok(());
+                }
+                match tokio::time::timeout(Duration::from_secs(1), ws.message()).await {
+                    Err(_) => continue,
+                    Ok(Ok(Some(resp))) => {
+                        if resp.canceled() {
+                            return Ok(());
+                        }
+                        if !resp.events().is_empty() {
+                            heard(&m, true);
+                        }
+                    }
+                    Ok(Ok(None)) => return Ok(()),
+                    Ok(Err(e)) => return Err(e),
+                }
+            }
+        });
+        heard(&m, false);
+        let _ = r;
+        drop(m);
+        std::thread::sleep(Duration::from_millis(200));
     }
 }
 
@@ -1133,9 +1298,22 @@ impl Remote for Token {
         self.caches.lock().push(cache);
     }
 
-    fn locks(&self, flock: bool, held: Option<&[RemoteLock]>, want: &[RemoteLock]) -> io::Result<Option<RemoteLock>> {
+    fn locks(
+        &self,
+        flock: bool,
+        held: Option<&[RemoteLock]>,
+        want: &[RemoteLock],
+        may_lag: bool,
+    ) -> io::Result<Option<RemoteLock>> {
         let m = self.machine.upgrade().ok_or_else(|| io::Error::other("the layer is gone"))?;
-        m.locks(self.ino, flock, held, want)
+        m.locks(self.ino, flock, held, want, may_lag)
+    }
+
+    fn await_locks(&self, flock: bool, timeout: Duration) {
+        match self.machine.upgrade() {
+            Some(m) => m.await_locks(self.ino, flock, timeout),
+            None => std::thread::sleep(timeout.min(Duration::from_millis(20))),
+        }
     }
 }
 

@@ -778,6 +778,68 @@ fn locks_hold_between_machines() {
     }
 }
 
+/// A lock waiting for another machine's asks etcd again only when a lock key changes (the
+/// machine's watch of every file's locks hears it), not at every try: the mount tries a
+/// waiting lock every 5 ms (`LockWait::Retry`), and each try was a read of etcd. A wait
+/// ends when the holder lets go, not at the next poll. A first try (`LockWait::Try`)
+/// always asks (`locks_hold_between_machines`: a try after the other machine's unlock
+/// returned gets the lock).
+#[test]
+fn a_lock_waiting_for_another_machine_asks_etcd_only_when_locks_change() {
+    use ubc_stack::{LockKind::*, LockOwner, LockWait::*};
+    let Some(env) = SharedEnv::get("a_lock_waiting_for_another_machine") else { return };
+    let prefix = fresh_prefix("lockwait");
+    let (_, a) = own_machine(&env.spec(&prefix, &env.etcd, ""));
+    let (lb, b) = own_machine(&env.spec(&prefix, &env.etcd, ""));
+    let fa = a.top().open_with("db", rw()).unwrap();
+    fa.write_at(&data(1, 10_000), 0).unwrap();
+    let fb = b.top().open_with("db", OpenOptions::new().write(true)).unwrap();
+    let (pa, pb) = (LockOwner(1), LockOwner(2));
+    assert!(fa.lock_as(pa, 100, 0..100, Exclusive, Try));
+    // B's watch of the lock keys may still be starting: a first refusal after it is live.
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!fb.lock_as(pb, 200, 0..10, Exclusive, Try));
+    let first = lb.dist_stats().unwrap().lock_asks;
+    assert!(!fb.lock_as(pb, 200, 0..10, Exclusive, Try));
+    assert_eq!(lb.dist_stats().unwrap().lock_asks, first + 1, "a first try did not ask etcd");
+    // The mount's way: try again every 2 ms, here for 300 ms (150 tries).
+    let asks = lb.dist_stats().unwrap().lock_asks;
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_millis(300) {
+        assert!(!fb.lock_as(pb, 200, 0..10, Exclusive, Retry), "granted while A holds it");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let polled = lb.dist_stats().unwrap().lock_asks - asks;
+    assert!(polled <= 2, "150 tries of a refused lock asked etcd {polled} times");
+    // A lock on another file's keys changing makes B look again, and still refused.
+    let fa2 = a.top().open_with("other", rw()).unwrap();
+    assert!(fa2.lock_as(pa, 100, 0..1, Exclusive, Try));
+    let t = Instant::now();
+    while lb.dist_stats().unwrap().lock_asks == asks + polled {
+        assert!(!fb.lock_as(pb, 200, 0..10, Exclusive, Retry));
+        assert!(t.elapsed() < Duration::from_secs(10), "B never looked again after a lock changed");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // A waiting lock (the library's) is granted when A lets go: woken by the watch, not at
+    // its next ask (every second when nothing is heard).
+    let (waited, asks_waiting) = std::thread::scope(|s| {
+        let w = s.spawn(|| {
+            let before = lb.dist_stats().unwrap().lock_asks;
+            assert!(fb.lock_as(pb, 200, 0..10, Exclusive, Block));
+            (Instant::now(), lb.dist_stats().unwrap().lock_asks - before)
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(!w.is_finished(), "B's waiting lock granted while A holds it");
+        let released = Instant::now();
+        fa.unlock_as(pa, 0..u64::MAX);
+        let (granted, asks) = w.join().unwrap();
+        (granted - released, asks)
+    });
+    assert!(asks_waiting <= 4, "a waiting lock asked etcd {asks_waiting} times");
+    assert!(waited < Duration::from_millis(600), "B's lock was granted {waited:?} after A's unlock");
+    assert!(!fa.lock_as(pa, 100, 5..6, Shared, Try), "B holds it now");
+}
+
 /// A file another machine removed, which this machine only read, is nothing for this
 /// machine's `sync_all` to store: it succeeds (through layers above too). Before, through
 /// `zstd`, this machine's sync made the other machine's published commit durable — writing

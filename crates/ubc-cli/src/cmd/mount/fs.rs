@@ -140,24 +140,25 @@ impl LayerFs {
         }
     }
 
-    /// A lock request: granted at once if `take` succeeds; else `busy` (`EAGAIN` for a
-    /// record lock, `EWOULDBLOCK` for flock) without `sleep`, or a wait on a thread of its
-    /// own (`waits`) until granted, released or interrupted.
+    /// A lock request: granted at once if `take(Try)` succeeds; else `busy` (`EAGAIN` for
+    /// a record lock, `EWOULDBLOCK` for flock) without `sleep`, or a wait on a thread of
+    /// its own (`waits`, asking `take(Retry)`) until granted, released or interrupted.
     fn lock_or_wait(
         &self,
         req: &Request,
         fh: FileHandle,
         sleep: bool,
         busy: Errno,
-        mut take: impl FnMut() -> bool + Send + 'static,
+        mut take: impl FnMut(LockWait) -> bool + Send + 'static,
         reply: ReplyEmpty,
     ) {
-        if take() {
+        if take(LockWait::Try) {
             reply.ok()
         } else if !sleep {
             reply.error(busy)
         } else {
-            waits::wait_for(self.handles.clone(), self.interrupts.clone(), fh.0, req.unique().0, take, reply)
+            let retry = move || take(LockWait::Retry);
+            waits::wait_for(self.handles.clone(), self.interrupts.clone(), fh.0, req.unique().0, retry, reply)
         }
     }
 
@@ -1357,7 +1358,7 @@ impl Filesystem for LayerFs {
             return reply.ok();
         }
         let Some(kind) = lock_kind(typ) else { return reply.error(Errno::EINVAL) };
-        let take = move || h.file().is_some_and(|f| f.lock_as(owner, pid, range.clone(), kind, LockWait::Try));
+        let take = move |wait| h.file().is_some_and(|f| f.lock_as(owner, pid, range.clone(), kind, wait));
         self.lock_or_wait(req, fh, sleep, Errno::EAGAIN, take, reply);
     }
 
@@ -1388,7 +1389,7 @@ impl Filesystem for LayerFs {
             return reply.ok();
         }
         let Some(kind) = lock_kind(typ) else { return reply.error(Errno::EINVAL) };
-        let take = move || h.file().is_some_and(|f| f.flock_as(owner, kind, LockWait::Try));
+        let take = move |wait| h.file().is_some_and(|f| f.flock_as(owner, kind, wait));
         self.lock_or_wait(req, fh, sleep, Errno::EWOULDBLOCK, take, reply);
     }
 
