@@ -1012,6 +1012,11 @@ impl Drop for Pinned {
 }
 
 impl Token {
+    /// The file's inode number.
+    pub(crate) fn ino(&self) -> u64 {
+        self.ino
+    }
+
     fn caches(&self) -> Vec<Arc<dyn RemoteCache>> {
         let mut c = self.caches.lock();
         c.retain(|w| w.strong_count() > 0);
@@ -1244,8 +1249,9 @@ impl Token {
     }
 
     /// Give the token up (the file is closed everywhere on this machine: its holder is
-    /// being dropped, after storing its changes) — unless a new holder of the file took the
-    /// token over meanwhile. Best effort: a failure leaves the key to the lease.
+    /// being dropped, after storing its changes, or was dropped and the token kept for a
+    /// while: `SharedFs::kept`) — unless a new holder of the file took the token over
+    /// meanwhile. Best effort: a failure leaves the key to the lease.
     pub(crate) fn leave(&self) {
         let mut st = self.st.lock();
         while st.revoking || st.acquiring {

@@ -1083,6 +1083,16 @@ impl LayerRef {
                     }
                 }
             }
+            // A store's file closed everywhere whose pages the cache still holds dirty (not
+            // yet written back after its last close): their length is the file's. Before,
+            // `stat` after a close showed the store's older size until the flusher ran
+            // (up to ~5 s through an s3 layer with no idle-file pool).
+            None if self.level == 0 => {
+                if let Some(len) = bottom.file_identity(&a).and_then(|id| self.inner().cache.unwritten_len(&id)) {
+                    a.size = len;
+                }
+                None
+            }
             None => None,
         };
         if let Some(m) = modified {

@@ -1018,6 +1018,17 @@ impl Cache {
         by_identity.remove_key(&ObjectKey::data(identity.clone()), by_id);
     }
 
+    /// The length of the cached object of the data with `identity` if it holds dirty pages
+    /// (bytes written that its pager has not been given yet: its length may be past the
+    /// store's). `None` if there is no such object or nothing of it is unwritten — the
+    /// store's length is then the file's. Takes no handle on the object.
+    pub fn unwritten_len(&self, identity: &Identity) -> Option<u64> {
+        let key = ObjectKey::data(identity.clone());
+        let reg = self.core().registry.read();
+        let o = reg.by_id.get(reg.by_identity.get(&key, &reg.by_id)?)?;
+        (o.dirty_pages() > 0).then(|| o.len())
+    }
+
     /// Write back and evict everything that is not in use; returns bytes freed.
     /// (For tests and benchmarks that need a cold cache.)
     pub fn evict_all(&self) -> Result<u64> {

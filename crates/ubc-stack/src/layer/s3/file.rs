@@ -818,16 +818,25 @@ impl Drop for S3File {
     fn drop(&mut self) {
         #[cfg(feature = "etcd")]
         if let Some(d) = &self.dist {
-            // Closed everywhere on this machine: store what changed, give the token up.
+            // Closed everywhere on this machine: store what changed; keep the token for the
+            // next use here (`SharedFs::kept`), or give it up (the file is gone, or its
+            // changes could not be stored: the next holder reads the record afresh).
             let fs = d.fs.upgrade();
+            let mut keep = false;
             if let Some(fs) = &fs {
                 if self.unlinked.load(Relaxed) {
                     fs.delete_objects(&self.shared, self.ino);
-                } else if let Err(e) = fs.commit(&self.shared, self) {
-                    eprintln!("ubc: s3 inode {}: changes not stored at close: {e}", self.ino);
+                } else {
+                    match fs.commit(&self.shared, self) {
+                        Ok(()) => keep = true,
+                        Err(e) => eprintln!("ubc: s3 inode {}: changes not stored at close: {e}", self.ino),
+                    }
                 }
             }
-            d.token.leave();
+            match &fs {
+                Some(fs) if keep => fs.keep_token(d.token.clone()),
+                _ => d.token.leave(),
+            }
             if let Some(fs) = fs {
                 fs.forget(self.ino, self as *const S3File);
             }

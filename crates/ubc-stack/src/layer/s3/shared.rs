@@ -42,7 +42,19 @@ pub(crate) struct SharedFs {
     files: Mutex<HashMap<u64, Weak<S3File>>>,
     /// Signalled when a dropped file has left `files`.
     forgotten: parking_lot::Condvar,
+    /// Tokens of files closed everywhere on this machine, kept (their keys stay in etcd)
+    /// for the next open, `stat` or write here: the most recently closed `KEPT_TOKENS`.
+    /// Each is still served to other machines that ask (with nothing to store: the file's
+    /// changes were stored at its close); one pushed out, or of a file removed here, is
+    /// given up. Frangipani's and GPFS's clients cache tokens the same way.
+    kept: Mutex<std::collections::VecDeque<Arc<crate::dist::Token>>>,
 }
+
+/// Tokens of closed files a machine keeps (`SharedFs::kept`). Before, each last close gave
+/// the token up (an etcd write) and the next open took it again (one or two): a file
+/// created, closed, then opened and written cost six writes to etcd, three of them for
+/// the token.
+const KEPT_TOKENS: usize = 256;
 
 /// An etcd error as an I/O error.
 pub(crate) fn etcd_io(e: etcd_client::Error) -> io::Error {
@@ -51,7 +63,14 @@ pub(crate) fn etcd_io(e: etcd_client::Error) -> io::Error {
 
 impl SharedFs {
     pub(crate) fn new(meta: EtcdMeta, machine: Machine, prefix: String) -> SharedFs {
-        SharedFs { meta, machine, prefix, files: Mutex::new(HashMap::new()), forgotten: parking_lot::Condvar::new() }
+        SharedFs {
+            meta,
+            machine,
+            prefix,
+            files: Mutex::new(HashMap::new()),
+            forgotten: parking_lot::Condvar::new(),
+            kept: Mutex::new(std::collections::VecDeque::new()),
+        }
     }
 
     fn record_key(&self, ino: u64) -> String {
@@ -86,6 +105,30 @@ impl SharedFs {
         }
         drop(files);
         self.forgotten.notify_all();
+    }
+
+    /// Keep the token of a file closed everywhere on this machine (its changes stored);
+    /// the oldest kept past `KEPT_TOKENS` is given up.
+    pub(crate) fn keep_token(&self, t: Arc<crate::dist::Token>) {
+        let mut k = self.kept.lock();
+        k.retain(|x| !Arc::ptr_eq(x, &t));
+        k.push_back(t);
+        let old = (k.len() > KEPT_TOKENS).then(|| k.pop_front()).flatten();
+        drop(k);
+        if let Some(old) = old {
+            old.leave();
+        }
+    }
+
+    /// Give up the kept token of file `ino`, if any (the file is gone).
+    fn unkeep_token(&self, ino: u64) {
+        let mut k = self.kept.lock();
+        let i = k.iter().position(|t| t.ino() == ino);
+        let t = i.and_then(|i| k.remove(i));
+        drop(k);
+        if let Some(t) = t {
+            t.leave();
+        }
     }
 
     /// This machine's file `ino`, if it has one.
@@ -288,6 +331,7 @@ impl SharedFs {
         if node.kind != Kind::File {
             return;
         }
+        self.unkeep_token(node.ino);
         match self.open_file(node.ino) {
             Some(f) => f.unlinked.store(true, Relaxed),
             None => self.delete_objects(shared, node.ino),
