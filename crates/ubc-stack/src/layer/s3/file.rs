@@ -317,13 +317,7 @@ impl S3File {
         // The chunk as it was a few patches ago, if its bytes are here (fetched, or kept
         // after an upload): only the patches since are fetched — another machine's small
         // write costs this one a GET of those bytes, not of the chunk.
-        let known = (0..c.patches.len()).rev().find_map(|k| {
-            let v = if k == 0 { c.version } else { c.patches[k - 1].version };
-            match ahead.chunks.get(&(idx, v)).and_then(|f| f.peek()) {
-                Some(Ok(b)) if v != 0 => Some((k, b.clone())),
-                _ => None,
-            }
-        });
+        let known = Self::known_before(ahead, idx, c);
         // What the patches are laid over: those bytes, else the base object (fetched), else
         // zeros (no base).
         let base = match known {
@@ -390,6 +384,18 @@ impl S3File {
         .shared();
         self.remember(ahead, key, f.clone());
         f
+    }
+
+    /// Chunk `idx` (`c`) as it was a few patches ago, if its bytes are here (fetched, or
+    /// kept after an upload): how many of its patches they include, and the bytes.
+    fn known_before(ahead: &Ahead, idx: u64, c: &Chunk) -> Option<(usize, bytes::Bytes)> {
+        (0..c.patches.len()).rev().find_map(|k| {
+            let v = if k == 0 { c.version } else { c.patches[k - 1].version };
+            match ahead.chunks.get(&(idx, v)).and_then(|f| f.peek()) {
+                Some(Ok(b)) if v != 0 => Some((k, b.clone())),
+                _ => None,
+            }
+        })
     }
 
     /// Keep `f` for chunk version `key`: bounded, the oldest are forgotten (a fetch still
@@ -787,7 +793,11 @@ impl S3File {
             let sequential = !behind && run_bytes >= SEQUENTIAL_RUN;
             let mut parts = Vec::with_capacity(remote.len());
             for (idx, c, r) in &remote {
-                let fetching = ahead.chunks.get(&(*idx, c.newest())).is_some_and(|f| !matches!(f.peek(), Some(Err(_))));
+                // Being fetched whole, or known as it was a few patches ago (only the patches
+                // since are fetched: another machine's small write costs a GET of its bytes):
+                // whole, whatever the fill.
+                let fetching = ahead.chunks.get(&(*idx, c.newest())).is_some_and(|f| !matches!(f.peek(), Some(Err(_))))
+                    || Self::known_before(&ahead, *idx, c).is_some();
                 if !(sequential || fetching) {
                     parts.push(self.fetch_range(*idx, c, r.clone()));
                     continue;
