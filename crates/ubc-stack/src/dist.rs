@@ -1012,11 +1012,6 @@ impl Drop for Pinned {
 }
 
 impl Token {
-    /// The file's inode number.
-    pub(crate) fn ino(&self) -> u64 {
-        self.ino
-    }
-
     fn caches(&self) -> Vec<Arc<dyn RemoteCache>> {
         let mut c = self.caches.lock();
         c.retain(|w| w.strong_count() > 0);

@@ -852,8 +852,9 @@ fn a_lock_waiting_for_another_machine_asks_etcd_only_when_locks_change() {
 /// clients cache tokens): opening it again, writing and closing it take no token from etcd —
 /// before, each last close gave the token up and the next open took it again (a file
 /// created, closed, opened and written cost six etcd writes, three for the token). Another
-/// machine still gets it when it asks, and reads what was written. And `stat` right after
-/// a close shows what was written, with the pages not yet written back.
+/// machine still gets it when it asks, and reads what was written; a file removed here gives
+/// its kept token up. And `stat` right after a close shows what was written, with the pages
+/// not yet written back.
 #[test]
 fn a_closed_file_keeps_its_token_for_the_next_open_and_gives_it_to_whoever_asks() {
     let Some(env) = SharedEnv::get("a_closed_file_keeps_its_token") else { return };
@@ -887,9 +888,18 @@ fn a_closed_file_keeps_its_token_for_the_next_open_and_gives_it_to_whoever_asks(
     same(&read_all(&fb), &model, "B reads what A wrote before closing");
     assert!(la.dist_stats().unwrap().revoked >= 1);
     drop(fb);
-    // Removed here with its token kept: gone for both machines.
-    a.top().remove("f").unwrap();
-    assert!(b.top().getattr("f").is_err(), "B still sees the removed file");
+    // A file removed here gives its kept token up: no key of it is left in etcd.
+    let g = a.top().open_with("g", rw()).unwrap();
+    g.write_at(b"gone soon", 0).unwrap();
+    drop(g);
+    let ino = a.top().getattr("g").unwrap().ino;
+    a.cache().evict_all().unwrap();
+    let (rt, admin) = etcd_admin(&env.etcd);
+    let of_g = |keys: Vec<(String, i64)>| keys.iter().filter(|(k, _)| k.contains(&format!("/t/{ino:016x}/"))).count();
+    assert_eq!(of_g(token_keys(&rt, &admin, &env.bucket, &prefix)), 1, "g's token not kept after its close");
+    a.top().remove("g").unwrap();
+    assert_eq!(of_g(token_keys(&rt, &admin, &env.bucket, &prefix)), 0, "a removed file's kept token stayed in etcd");
+    assert!(b.top().getattr("g").is_err(), "B still sees the removed file");
 }
 
 /// A file another machine removed, which this machine only read, is nothing for this

@@ -45,8 +45,10 @@ pub(crate) struct SharedFs {
     /// Tokens of files closed everywhere on this machine, kept (their keys stay in etcd)
     /// for the next open, `stat` or write here: the most recently closed `KEPT_TOKENS`.
     /// Each is still served to other machines that ask (with nothing to store: the file's
-    /// changes were stored at its close); one pushed out, or of a file removed here, is
-    /// given up. Frangipani's and GPFS's clients cache tokens the same way.
+    /// changes were stored at its close); one pushed out is given up. A file removed here is
+    /// opened by the removal (the stack drops its cached data), which takes its token over
+    /// and gives it up when that last handle goes (`S3File::unlinked`). Frangipani's and
+    /// GPFS's clients cache tokens the same way.
     kept: Mutex<std::collections::VecDeque<Arc<crate::dist::Token>>>,
 }
 
@@ -117,17 +119,6 @@ impl SharedFs {
         drop(k);
         if let Some(old) = old {
             old.leave();
-        }
-    }
-
-    /// Give up the kept token of file `ino`, if any (the file is gone).
-    fn unkeep_token(&self, ino: u64) {
-        let mut k = self.kept.lock();
-        let i = k.iter().position(|t| t.ino() == ino);
-        let t = i.and_then(|i| k.remove(i));
-        drop(k);
-        if let Some(t) = t {
-            t.leave();
         }
     }
 
@@ -331,7 +322,6 @@ impl SharedFs {
         if node.kind != Kind::File {
             return;
         }
-        self.unkeep_token(node.ino);
         match self.open_file(node.ino) {
             Some(f) => f.unlinked.store(true, Relaxed),
             None => self.delete_objects(shared, node.ino),
