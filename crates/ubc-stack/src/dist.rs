@@ -793,6 +793,26 @@ impl MachineInner {
     }
 }
 
+/// Follow the watch `ws` until it ends (cancelled, closed, an error) or the machine closes
+/// (looked at every second), handing `on` each answer that carries events.
+async fn follow(
+    ws: &mut etcd_client::WatchStream,
+    closing: &AtomicBool,
+    mut on: impl FnMut(&etcd_client::WatchResponse),
+) -> Result<(), etcd_client::Error> {
+    while !closing.load(SeqCst) {
+        match tokio::time::timeout(Duration::from_secs(1), ws.message()).await {
+            Err(_) => {}
+            Ok(Ok(Some(resp))) if resp.canceled() => return Ok(()),
+            Ok(Ok(Some(resp))) if !resp.events().is_empty() => on(&resp),
+            Ok(Ok(Some(_))) => {}
+            Ok(Ok(None)) => return Ok(()),
+            Ok(Err(e)) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 /// Watch every file's lock keys (`K l/`): each change bumps `LocksHeard::changes` and wakes
 /// the lock waits. Made again after a moment when it ends (etcd restarted, a network error);
 /// meanwhile nothing is taken as unchanged.
@@ -823,24 +843,7 @@ fn watch_locks(w: Weak<MachineInner>) {
             let mut ws =
                 c.watch(prefix.as_str(), Some(WatchOptions::new().with_prefix().with_start_revision(rev + 1))).await?;
             heard(&m, true);
-            loop {
-                if closing.load(SeqCst) {
-                    return Ok(());
-                }
-                match tokio::time::timeout(Duration::from_secs(1), ws.message()).await {
-                    Err(_) => continue,
-                    Ok(Ok(Some(resp))) => {
-                        if resp.canceled() {
-                            return Ok(());
-                        }
-                        if !resp.events().is_empty() {
-                            heard(&m, true);
-                        }
-                    }
-                    Ok(Ok(None)) => return Ok(()),
-                    Ok(Err(e)) => return Err(e),
-                }
-            }
+            follow(&mut ws, closing, |_| heard(&m, true)).await
         });
         heard(&m, false);
         let _ = r;
@@ -887,31 +890,16 @@ fn watch_requests(w: Weak<MachineInner>) {
             }
             let mut ws =
                 c.watch(prefix.as_str(), Some(WatchOptions::new().with_prefix().with_start_revision(rev + 1))).await?;
-            loop {
-                if closing.load(SeqCst) {
-                    return Ok(());
-                }
-                match tokio::time::timeout(Duration::from_secs(1), ws.message()).await {
-                    Err(_) => continue,
-                    Ok(Ok(Some(resp))) => {
-                        if resp.canceled() {
-                            return Ok(());
-                        }
-                        for ev in resp.events() {
-                            if ev.event_type() != EventType::Put {
-                                continue;
-                            }
-                            if let Some(kv) = ev.kv()
-                                && let Some(x) = kv.key_str().ok().and_then(|k| parse(k, kv.value()))
-                            {
-                                let _ = tx.send(x);
-                            }
-                        }
+            follow(&mut ws, closing, |resp| {
+                for ev in resp.events().iter().filter(|ev| ev.event_type() == EventType::Put) {
+                    if let Some(kv) = ev.kv()
+                        && let Some(x) = kv.key_str().ok().and_then(|k| parse(k, kv.value()))
+                    {
+                        let _ = tx.send(x);
                     }
-                    Ok(Ok(None)) => return Ok(()),
-                    Ok(Err(e)) => return Err(e),
                 }
-            }
+            })
+            .await
         });
         drop(tx);
         let _ = server.join();
