@@ -4,12 +4,12 @@
 //! in memory — the whole chunk, or only the written extents — and uploaded at the next
 //! commit (or when the file's staged bytes pass `STAGE_MAX`): a whole chunk as a new base,
 //! a few extents as a patch, and a chunk whose patches grew past `MAX_PATCHES` or
-//! `chunk / PATCH_SHARE` as a new base again (compaction). A read fetches
-//! the bytes a fill asks for: a random miss (the cache fills `RANDOM_FILL` around it) GETs
-//! that range of the base and of the patches laid over it, a sequential reader — a run
-//! of fills each at or just after the last, `SEQUENTIAL_RUN` bytes in all — whole chunks and the next few
-//! ahead of it, in parallel (mountpoint-s3's prefetcher also starts small and streams once
-//! reads are sequential).
+//! `chunk / PATCH_SHARE` as a new base again (compaction). A read fetches the bytes a fill
+//! asks for: a random miss (the cache fills `RANDOM_FILL` around it) GETs that range of the
+//! base and of the patches laid over it (`compose`); a sequential reader — a run of fills
+//! each at or just after the last, `SEQUENTIAL_RUN` bytes in all — gets whole chunks and the
+//! next few ahead of it, in parallel (mountpoint-s3's prefetcher also starts small and
+//! streams once reads are sequential).
 
 use super::format::{Chunk, Extent, Patch};
 use super::{Inner, Shared};
@@ -59,9 +59,9 @@ struct Ahead {
 const RANDOM_FILL: u64 = 64 << 10;
 
 /// A run of fills of this many bytes, each starting inside the one before or after a gap no
-/// larger than one of them, is a sequential reader's, and is served whole chunks, fetched ahead of it; a shorter one is
-/// served the bytes it asks for (an unaligned read of two pages fills them one by one: not
-/// a stream). The cache's own read-ahead sends a stream's fills in windows that soon pass
+/// larger than one of them, is a sequential reader's, and is served whole chunks, fetched
+/// ahead of it; a shorter one is served the bytes it asks for (an unaligned read across two
+/// blocks fills them one by one: not a stream). The cache's own read-ahead sends a stream's fills in windows that soon pass
 /// this, from several threads, so a little out of order: a fill behind the last one is
 /// never taken for a new stream (it would fetch again, ahead, what was fetched already).
 const SEQUENTIAL_RUN: u64 = 4 * RANDOM_FILL;
@@ -318,70 +318,8 @@ impl S3File {
         // after an upload): only the patches since are fetched — another machine's small
         // write costs this one a GET of those bytes, not of the chunk.
         let known = Self::known_before(ahead, idx, c);
-        // What the patches are laid over: those bytes, else the base object (fetched), else
-        // zeros (no base).
-        let base = match known {
-            None if c.version != 0 => Some((self.shared.chunk_path(self.ino, idx, c.version), c.base_len)),
-            _ => None,
-        };
-        let (skip, known) = known.unwrap_or_default();
-        let patches: Vec<(object_store::path::Path, Patch)> =
-            c.patches[skip..].iter().map(|p| (self.shared.chunk_path(self.ino, idx, p.version), p.clone())).collect();
-        let (len, ino) = (c.len as usize, self.ino);
-        let store = self.shared.store.clone();
-        // The counters, not the layer: see `Shared::gets`.
-        let gets = self.shared.gets.clone();
-        let task = self.shared.rt.spawn(async move {
-            let get = |path: object_store::path::Path, n: u64| {
-                let (store, gets) = (store.clone(), gets.clone());
-                async move {
-                    let r = store.get_range(&path, 0..n).await;
-                    if let Ok(b) = &r {
-                        gets.count(b.len());
-                    }
-                    r.map_err(super::io_err)
-                }
-            };
-            let base = async {
-                match base {
-                    Some((path, n)) => get(path, n as u64).await,
-                    None => Ok(known),
-                }
-            };
-            let pgets = futures::future::join_all(patches.iter().map(|(path, p)| get(path.clone(), p.bytes())));
-            let (base, pbytes) = futures::join!(base, pgets);
-            let base = base?;
-            if patches.is_empty() {
-                return Ok(base);
-            }
-            // Lay the patches over the base, in order.
-            let mut out = vec![0u8; len];
-            let n = base.len().min(len);
-            out[..n].copy_from_slice(&base[..n]);
-            for ((_, p), b) in patches.iter().zip(pbytes) {
-                let b = b?;
-                if b.len() as u64 != p.bytes() {
-                    let m = format!("a patch of inode {ino}'s chunk {idx} is {} bytes, not {}", b.len(), p.bytes());
-                    return Err(io::Error::new(io::ErrorKind::InvalidData, m));
-                }
-                let mut at = 0;
-                for e in &p.extents {
-                    let (s, l) = (e.offset as usize, e.len as usize);
-                    out[s..s + l].copy_from_slice(&b[at..at + l]);
-                    at += l;
-                }
-            }
-            Ok(bytes::Bytes::from(out))
-        });
-        let f: Fetch = async move {
-            match task.await {
-                Ok(Ok(b)) => Ok(b),
-                Ok(Err(e)) => Err(Arc::new(e)),
-                Err(e) => Err(Arc::new(io::Error::other(e))),
-            }
-        }
-        .boxed()
-        .shared();
+        let bytes = self.compose(idx, c, known, 0..c.len as u64);
+        let f: Fetch = bytes.map(|r| r.map_err(Arc::new)).boxed().shared();
         self.remember(ahead, key, f.clone());
         f
     }
@@ -417,25 +355,32 @@ impl S3File {
         self.shared.rt.block_on(fetch).map_err(unshared)
     }
 
-    /// The fetch of bytes `r` of stored chunk `idx` (`c`), started now on the runtime: a
-    /// ranged GET of the base and, of each patch whose extents meet `r`, one ranged GET of
-    /// the part of its object that holds them; laid over each other in order. Not kept:
-    /// the cache keeps what it filled. Returns exactly `r.len()` bytes.
-    /// => `r` lies inside the chunk's `len`.
-    fn fetch_range(
+    /// The fetch of bytes `r` of stored chunk `idx` (`c`), started now on the runtime: the
+    /// chunk's patches laid in order over the base — over `known` instead if given (the
+    /// chunk's bytes with its first `skip` patches, which are then not fetched), else over
+    /// a ranged GET of the base object (zeros where there is none) — each patch whose
+    /// extents meet `r` one ranged GET of the part of its object that holds them. Returns
+    /// exactly `r.len()` bytes. => `r` lies inside the chunk's `len`.
+    fn compose(
         &self,
         idx: u64,
         c: &Chunk,
+        known: Option<(usize, bytes::Bytes)>,
         r: std::ops::Range<u64>,
     ) -> BoxFuture<'static, io::Result<bytes::Bytes>> {
         use futures::FutureExt;
         let (s, e) = (r.start, r.end);
-        let base = (c.version != 0 && s < c.base_len as u64)
+        // What the patches are laid over: the known bytes, else the base object's.
+        let (skip, known) = match known {
+            Some((skip, b)) => (skip, Some(b.slice(s.min(b.len() as u64) as usize..e.min(b.len() as u64) as usize))),
+            None => (0, None),
+        };
+        let base = (known.is_none() && c.version != 0 && s < c.base_len as u64)
             .then(|| (self.shared.chunk_path(self.ino, idx, c.version), s..e.min(c.base_len as u64)));
         // Per patch meeting `r`: its object's span holding those extents' bytes, and for
         // each extent the part laid (offset in the span, offset in `r`, length).
         let mut patches = Vec::new();
-        for p in &c.patches {
+        for p in &c.patches[skip..] {
             let (mut at, mut lays) = (0u64, Vec::new());
             for x in &p.extents {
                 let (xs, xe) = (x.offset as u64, x.offset as u64 + x.len as u64);
@@ -470,7 +415,7 @@ impl S3File {
             let base = async {
                 match base {
                     Some((path, r)) => get(path, r).await.map(Some),
-                    None => Ok(None),
+                    None => Ok(known),
                 }
             };
             let pgets =
@@ -799,7 +744,7 @@ impl S3File {
                 let fetching = ahead.chunks.get(&(*idx, c.newest())).is_some_and(|f| !matches!(f.peek(), Some(Err(_))))
                     || Self::known_before(&ahead, *idx, c).is_some();
                 if !(sequential || fetching) {
-                    parts.push(self.fetch_range(*idx, c, r.clone()));
+                    parts.push(self.compose(*idx, c, None, r.clone()));
                     continue;
                 }
                 let whole = self.fetch_whole(&mut ahead, *idx, c);
