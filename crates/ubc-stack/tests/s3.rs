@@ -554,11 +554,13 @@ fn chunks_fetched_ahead_never_show_bytes_written_since() {
     }
 }
 
-/// A TCP proxy whose requests can be slowed down (`delay_ms`) or held (`stall`) at will.
+/// A TCP proxy whose requests can be slowed down (`delay_ms`) or held (`stall`; only
+/// `DELETE`s: `stall_deletes`) at will.
 struct Throttle {
     port: u16,
     delay_ms: Arc<AtomicU64>,
     stall: Arc<std::sync::atomic::AtomicBool>,
+    stall_deletes: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Throttle {
@@ -568,19 +570,26 @@ impl Throttle {
         let port = listener.local_addr().unwrap().port();
         let delay_ms = Arc::new(AtomicU64::new(0));
         let stall = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (d, st) = (delay_ms.clone(), stall.clone());
+        let stall_deletes = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (d, st, sd) = (delay_ms.clone(), stall.clone(), stall_deletes.clone());
         std::thread::spawn(move || {
             for client in listener.incoming().flatten() {
                 let Ok(server) = std::net::TcpStream::connect(("127.0.0.1", upstream_port)) else { continue };
                 let (mut c_in, mut s_out) = (client.try_clone().unwrap(), server.try_clone().unwrap());
-                let (d, st) = (d.clone(), st.clone());
+                let (d, st, sd) = (d.clone(), st.clone(), sd.clone());
                 std::thread::spawn(move || {
                     let mut buf = vec![0u8; 64 << 10];
                     while let Ok(n) = c_in.read(&mut buf) {
                         if n == 0 {
                             break;
                         }
-                        while st.load(Relaxed) {
+                        // A read that starts a request starts with its method (requests on
+                        // one connection follow each other: the client waits for answers).
+                        // (object_store deletes with `DELETE` or a batch `POST /?delete`.)
+                        let line = buf[..n].split(|&b| b == b'\n').next().unwrap_or_default();
+                        let delete = line.starts_with(b"DELETE ")
+                            || (line.starts_with(b"POST ") && line.windows(7).any(|w| w == b"?delete"));
+                        while st.load(Relaxed) || (delete && sd.load(Relaxed)) {
                             std::thread::sleep(std::time::Duration::from_millis(10));
                         }
                         std::thread::sleep(std::time::Duration::from_millis(d.load(Relaxed)));
@@ -597,7 +606,7 @@ impl Throttle {
                 });
             }
         });
-        Throttle { port, delay_ms, stall }
+        Throttle { port, delay_ms, stall, stall_deletes }
     }
 }
 
@@ -646,6 +655,64 @@ fn a_slow_or_stalled_server_delays_or_fails_a_sync_and_loses_nothing() {
     let direct = format!("s3:ubc-slow/p?endpoint=http://127.0.0.1:{}&chunk=64K", srv.port);
     let s = Stack::open(&direct, cache(1 << 20)).unwrap();
     same(&read_file(&s, "f"), &model, "after the slow and stalled syncs");
+}
+
+/// Deleting what nothing names any more is garbage collection: a server that holds the
+/// deletions must not hold a sync, or the layer's drop (a daemon's shutdown), for longer than
+/// `SETTLE_WAIT` (5 s) — not for the requests' own timeouts (20 s an attempt, retried for
+/// 60 s here). What is left is garbage: no file names it.
+#[test]
+fn deletions_a_server_holds_delay_a_sync_or_a_drop_only_briefly() {
+    let Some(_) = server("deletions_a_server_holds") else { return };
+    let Ok(bin) = std::env::var("UBC_TEST_S3FS") else {
+        assert!(std::env::var("UBC_TEST_S3_REQUIRED").as_deref() != Ok("1"), "UBC_TEST_S3FS (the server binary) unset");
+        return;
+    };
+    let root = tempfile::tempdir().unwrap();
+    std::fs::create_dir(root.path().join("ubc-held")).unwrap();
+    let srv = OwnServer::start(&bin, root.path(), None);
+    let proxy = Throttle::start(srv.port);
+    let o = S3Options::parse(&format!(
+        "ubc-held/p?endpoint=http://127.0.0.1:{}&chunk=64K&timeout=20&retry_timeout=60",
+        proxy.port
+    ))
+    .unwrap();
+    let (layer, s) = open_layer(&o, 4 << 20);
+    for i in 0..20 {
+        write_file(&s, &format!("f{i}"), &data(40 + i, 100_000));
+    }
+    write_file(&s, "kept", &data(60, 150_000));
+    s.sync_all().unwrap();
+    proxy.stall_deletes.store(true, Relaxed);
+    for i in 0..20 {
+        s.top().remove(&format!("f{i}")).unwrap();
+    }
+    drop(s); // the removed files' last handles (the cache's): their objects are to go
+    let deleted = layer.stats().deletes;
+    let t = std::time::Instant::now();
+    layer.commit().unwrap();
+    let sync = t.elapsed();
+    // Whoever else held the layer (the stack's threads) lets go: the drop below is its last.
+    let mut layer = Some(layer);
+    let t = std::time::Instant::now();
+    while Arc::strong_count(layer.as_ref().unwrap()) > 1 {
+        assert!(t.elapsed() < std::time::Duration::from_secs(30), "the layer is still held");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert_eq!(layer.as_ref().unwrap().stats().deletes, deleted, "the deletions were not held");
+    let t = std::time::Instant::now();
+    drop(layer.take());
+    let dropped = t.elapsed();
+    eprintln!("sync {sync:?}, drop {dropped:?} with every deletion held");
+    // At least the wait (the deletions were started and held), not much more.
+    assert!(sync >= std::time::Duration::from_secs(4), "the sync did not wait for the deletions: {sync:?}");
+    assert!(sync < std::time::Duration::from_secs(15), "a sync waited {sync:?} for deletions");
+    assert!(dropped < std::time::Duration::from_secs(15), "the drop waited {dropped:?} for deletions");
+    proxy.stall_deletes.store(false, Relaxed);
+    let direct = format!("s3:ubc-held/p?endpoint=http://127.0.0.1:{}&chunk=64K", srv.port);
+    let s = Stack::open(&direct, cache(4 << 20)).unwrap();
+    assert!(s.top().getattr("f0").is_err(), "a removed file is back");
+    same(&read_file(&s, "kept"), &data(60, 150_000), "the file kept");
 }
 
 #[test]

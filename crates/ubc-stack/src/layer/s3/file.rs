@@ -14,6 +14,7 @@
 use super::format::{Chunk, Extent, Patch};
 use super::{Inner, Shared};
 use object_store::ObjectStoreExt;
+use object_store::path::Path as ObjPath;
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::io;
@@ -809,7 +810,15 @@ impl Drop for S3File {
             return;
         }
         if self.unlinked.load(Relaxed) {
-            self.shared.gone.lock().push(self.ino);
+            // One file system's writer (the tree mode): every object of this file is named
+            // in its state (versions it replaced are in the garbage already), so none need
+            // be listed — a listing per removed file is a request each, and on a store that
+            // lists by walking the bucket (s3s-fs) a walk each.
+            let st = self.state.lock();
+            let objects: Vec<ObjPath> =
+                st.chunks.iter().flat_map(|(&idx, c)| self.shared.chunk_objects(self.ino, idx, c)).collect();
+            drop(st);
+            self.shared.gone.lock().extend(objects);
         }
     }
 }

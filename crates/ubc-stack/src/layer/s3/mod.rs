@@ -62,6 +62,10 @@ use std::time::Duration;
 /// How long the background committer waits between looks.
 const COMMIT_EVERY: Duration = Duration::from_secs(5);
 
+/// How long a sync, or the layer's drop, waits for the deletions of objects nothing names
+/// any more ([`Shared::settle`]).
+const SETTLE_WAIT: Duration = Duration::from_secs(5);
+
 /// Where and how: parsed from the spec.
 #[derive(Clone, Debug)]
 pub struct S3Options {
@@ -164,6 +168,7 @@ pub struct S3Stats {
     pub get_bytes: u64,
     pub puts: u64,
     pub put_bytes: u64,
+    /// Objects deleted (requested: in batches of up to 1,000 a request).
     pub deletes: u64,
     pub commits: u64,
     /// Objects uploaded in parts (chunks of at least 8 MiB), among `puts`.
@@ -197,8 +202,9 @@ pub(crate) struct Shared {
     /// Chunk objects no committed tree will name once the next commit is done: deleted
     /// after it.
     pub(crate) garbage: Mutex<Vec<ObjPath>>,
-    /// Inodes unlinked and closed: every object of theirs goes after the next commit.
-    pub(crate) gone: Mutex<Vec<u64>>,
+    /// The objects of files unlinked and closed (the tree mode): they go after the next
+    /// commit, which no longer names them.
+    pub(crate) gone: Mutex<Vec<ObjPath>>,
     /// GETs and their bytes: shared with the fetch tasks on the runtime, which must not
     /// hold the layer (a task holding the last reference would drop the runtime inside
     /// itself, which tokio refuses with a panic).
@@ -266,12 +272,14 @@ impl Shared {
         self.rt.block_on(delete_each(self.store.clone(), paths, self.deletes.clone()));
     }
 
-    /// Delete `paths`, and every object of the files `inos`, in the background: nothing
-    /// names them any more (a commit replaced or dropped them), so nothing need wait — not
-    /// a file's `sync`, not the close of a removed file (a listing and a round trip per
-    /// object were in both: a SQLite transaction, which syncs twice and removes its
-    /// journal, took ~250 ms). [`Shared::settle`] waits for what was started; a failure
-    /// leaves garbage for the sweep.
+    /// Delete `paths`, and every object of the files `inos` (a shared file system, where
+    /// other machines may have uploaded versions this one never heard of: listed), in the
+    /// background: nothing names them any more (a commit replaced or dropped them), so
+    /// nothing need wait — not a file's `sync`, not the close of a removed file (a listing
+    /// and a round trip per object were in both: a SQLite transaction, which syncs twice and
+    /// removes its journal, took ~250 ms). [`Shared::settle`] waits for what was started, for
+    /// a while; a failure, or a deletion still under way when the layer is dropped, leaves
+    /// garbage for the sweep.
     pub(crate) fn delete_later(&self, paths: Vec<ObjPath>, inos: Vec<u64>) {
         if paths.is_empty() && inos.is_empty() {
             return;
@@ -293,17 +301,33 @@ impl Shared {
         d.push(task);
     }
 
-    /// Wait for the deletions [`Shared::delete_later`] started so far (a whole sync, the
-    /// layer's drop). => not called on a thread of the runtime.
-    pub(crate) fn settle(&self) {
+    /// Wait up to `limit` for the deletions [`Shared::delete_later`] started so far (a whole
+    /// sync, the layer's drop); those still under way then go on in the background. Returns
+    /// how many are. Bounded because they are garbage collection, not durability: a store
+    /// slow to list or delete (s3s-fs walks the whole bucket for every listing) must not
+    /// hold a sync or a daemon's shutdown (it held one for its 60 s deadline after an
+    /// `rm -rf` of ~300 files). => not called on a thread of the runtime.
+    pub(crate) fn settle(&self, limit: Duration) -> usize {
         let tasks = std::mem::take(&mut *self.deleting.lock());
-        if !tasks.is_empty() {
-            self.rt.block_on(async move {
-                for t in tasks {
-                    let _ = t.await;
-                }
-            });
+        if tasks.is_empty() {
+            return 0;
         }
+        let left = self.rt.block_on(async move {
+            let deadline = tokio::time::Instant::now() + limit;
+            let mut left = Vec::new();
+            for mut t in tasks {
+                if left.is_empty() && tokio::time::timeout_at(deadline, &mut t).await.is_ok() {
+                    continue;
+                }
+                if !t.is_finished() {
+                    left.push(t);
+                }
+            }
+            left
+        });
+        let n = left.len();
+        self.deleting.lock().extend(left);
+        n
     }
 
     /// Every object under `sub` of the layer's root.
@@ -321,18 +345,12 @@ impl Shared {
     }
 }
 
-/// Delete `paths` from `store`, 16 at a time, counting them in `deletes`; a failure leaves
-/// garbage (for the sweep), not an error.
+/// Delete `paths` from `store` — S3's batch deletion, up to 1,000 objects a request
+/// (object_store's `delete_stream`; one request per object was one round trip each) —
+/// counting them in `deletes`; a failure leaves garbage (for the sweep), not an error.
 async fn delete_each(store: Arc<dyn ObjectStore>, paths: Vec<ObjPath>, deletes: Arc<AtomicU64>) {
     let n = paths.len() as u64;
-    futures::stream::iter(paths)
-        .for_each_concurrent(16, |p| {
-            let store = store.clone();
-            async move {
-                let _ = store.delete(&p).await;
-            }
-        })
-        .await;
+    store.delete_stream(futures::stream::iter(paths.into_iter().map(Ok)).boxed()).for_each(|_| async {}).await;
     deletes.fetch_add(n, Relaxed);
 }
 
@@ -429,10 +447,11 @@ impl Inner {
         // The tree before this one is kept (a reader that listed before this commit reads
         // it); older ones go.
         let mut stale = garbage;
+        stale.extend(gone);
         if *seq >= 3 {
             stale.push(self.shared.tree_path(*seq - 2));
         }
-        self.shared.delete_later(stale, gone);
+        self.shared.delete_later(stale, Vec::new());
         Ok(())
     }
 
@@ -718,7 +737,7 @@ impl S3 {
     /// Commit now (what `sync_dir` and a file's `sync` do).
     pub fn commit(&self) -> Result<()> {
         let r = self.inner.commit().map_err(|e| Error::io(&self.spec, e));
-        self.inner.shared.settle();
+        self.inner.shared.settle(SETTLE_WAIT);
         r
     }
 
@@ -765,7 +784,13 @@ impl Drop for S3 {
         if self.inner.tree.changed.load(Relaxed) || self.inner.is_shared() {
             let _ = self.inner.commit();
         }
-        self.inner.shared.settle();
+        let left = self.inner.shared.settle(SETTLE_WAIT);
+        if left > 0 {
+            eprintln!(
+                "ubc: {}: {left} batches of deletions of replaced or removed objects not finished in {SETTLE_WAIT:?}; the objects stay for the next sweep",
+                self.spec
+            );
+        }
     }
 }
 
