@@ -182,6 +182,19 @@ pub struct DistStats {
     /// Advisory locks asked of etcd (a lock refused before, asked again with no lock key
     /// changed since, is refused without asking).
     pub lock_asks: u64,
+    /// Requests the namespace sent to etcd (names, records, directories; not tokens or
+    /// locks): a `stat` of a name read here before is one.
+    pub meta_requests: u64,
+}
+
+/// Who holds a file's write token ([`Machine::writer`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Writer {
+    Nobody,
+    /// This machine: its own state of the file is newer than the record.
+    Here,
+    /// Another machine: the record may lack what it wrote.
+    Elsewhere,
 }
 
 /// One machine's membership: its lease, its tokens, the watch on requests to it.
@@ -323,6 +336,27 @@ impl Machine {
         x
     }
 
+    /// The prefix of `ino`'s token keys (one per holder), to be read with its record.
+    pub(crate) fn token_prefix(&self, ino: u64) -> String {
+        self.inner.tprefix(ino)
+    }
+
+    /// Who holds the write token, by the token keys `keys` read under
+    /// [`Machine::token_prefix`] (at the revision the file's record was read at).
+    pub(crate) fn writer(&self, keys: &[KeyValue]) -> Writer {
+        let mine = self.inner.tkey(0, self.inner.id);
+        let mine = &mine[mine.rfind('/').unwrap_or(0)..];
+        let mut w = Writer::Nobody;
+        for kv in keys.iter().filter(|kv| mode_of(kv.value()) == Some(Mode::Write)) {
+            if kv.key().ends_with(mine.as_bytes()) {
+                w = Writer::Here;
+            } else {
+                return Writer::Elsewhere;
+            }
+        }
+        w
+    }
+
     /// A transaction condition that holds only while this machine holds `ino`'s write
     /// token in etcd (a commit's fence).
     pub(crate) fn write_fence(&self, ino: u64) -> Compare {
@@ -366,6 +400,7 @@ impl Machine {
             fenced: m.fenced.load(Relaxed),
             turns_waited_out: m.turns_waited_out.load(Relaxed),
             lock_asks: m.lock_asks.load(Relaxed),
+            meta_requests: 0,
         }
     }
 }

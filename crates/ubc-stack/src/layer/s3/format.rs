@@ -34,9 +34,16 @@ pub(crate) const MAGIC: &[u8; 8] = b"UBCS3T02";
 const MAGIC_V1: &[u8; 8] = b"UBCS3T01";
 /// Magic of one node stored alone ([`StoredNode::encode`]).
 #[cfg_attr(not(feature = "etcd"), allow(dead_code))] // records are etcd's (the tree has its own header)
-pub(crate) const NODE_MAGIC: &[u8; 8] = b"UBCS3N02";
+pub(crate) const NODE_MAGIC: &[u8; 8] = b"UBCS3N03";
+/// The second format's record: a directory's `size` is 0, not its subdirectories' count.
+#[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+const NODE_MAGIC_V2: &[u8; 8] = b"UBCS3N02";
 #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
 const NODE_MAGIC_V1: &[u8; 8] = b"UBCS3N01";
+/// A directory record's `size` when the number of its subdirectories is not known (a
+/// record of the formats before `UBCS3N03`): its link count is counted from its entries.
+#[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+pub(crate) const SUBDIRS_UNKNOWN: u64 = u64::MAX;
 
 /// One stored chunk of a file: its version (part of its object's name) and how many bytes
 /// the object holds (the rest of the chunk, up to the file's size, reads as zeros).
@@ -270,7 +277,8 @@ impl StoredNode {
     }
 
     /// This node alone, as a standalone record (etcd's per-inode record): magic
-    /// `UBCS3N01`, the node as in a tree but without its path, CRC-32 of all before.
+    /// `UBCS3N03`, the node as in a tree but without its path (a directory's `size` is
+    /// the number of its subdirectories, or `SUBDIRS_UNKNOWN`), CRC-32 of all before.
     #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
     pub(crate) fn encode(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(96 + self.chunks.len() * 20);
@@ -287,18 +295,23 @@ impl StoredNode {
         let what = "s3 node record";
         let bad = |m: &str| io::Error::new(io::ErrorKind::InvalidData, format!("{what}: {m}"));
         // magic, the smallest node (no target, no chunks), crc
-        if b.len() < 8 + 67 + 4 || (&b[..8] != NODE_MAGIC && &b[..8] != NODE_MAGIC_V1) {
+        let magic = &b[..8.min(b.len())];
+        if b.len() < 8 + 67 + 4 || (magic != NODE_MAGIC && magic != NODE_MAGIC_V2 && magic != NODE_MAGIC_V1) {
             return Err(bad("not a ubc s3 node record (bad magic or too short)"));
         }
-        let v1 = &b[..8] == NODE_MAGIC_V1;
+        let v1 = magic == NODE_MAGIC_V1;
+        let counted = magic == NODE_MAGIC;
         let (body, crc) = b.split_at(b.len() - 4);
         if crc32fast::hash(body) != u32::from_le_bytes(crc.try_into().expect("4 bytes")) {
             return Err(bad("checksum mismatch"));
         }
         let mut r = Reader { b: body, at: 8, what };
-        let n = StoredNode::read_body(&mut r, v1)?;
+        let mut n = StoredNode::read_body(&mut r, v1)?;
         if r.at != body.len() {
             return Err(bad("trailing bytes"));
+        }
+        if n.kind == Kind::Dir && !counted {
+            n.size = SUBDIRS_UNKNOWN;
         }
         Ok(n)
     }

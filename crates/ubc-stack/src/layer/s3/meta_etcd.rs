@@ -48,8 +48,10 @@
 //!
 //! # Limits
 //!
-//! * `readdir` (and a directory's `nlink`, counted from it) reads the whole subtree under
-//!   the directory, O(subtree) — the keys are by path; the root's readdir reads every name.
+//! * `readdir` reads the whole subtree under the directory, O(subtree) — the keys are by
+//!   path; the root's readdir reads every name. A directory's `nlink` is not counted so:
+//!   its record keeps the number of its subdirectories (`size`, from `UBCS3N03` on; an
+//!   older record's directory is counted from its entries).
 //! * A directory rename moves every name under it in one transaction: refused with
 //!   `NotSupported` beyond 9000 names under it (etcd started with `--max-txn-ops 10000`;
 //!   the default 128 refuses much smaller ones) or ~1.4 MB of keys (etcd's default
@@ -65,15 +67,16 @@
 // Used by the s3 layer's `etcd=` option, which is being wired in; until then only the
 // tests below call it.
 
-use super::format::{StoredNode, kind_code, kind_of};
+use super::format::{SUBDIRS_UNKNOWN, StoredNode, kind_code, kind_of};
 use crate::error::{Error, Result};
 use crate::layer::{Attr, DirEntry, Kind, Rename, SetAttr, parent};
 use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, DeleteOptions, GetOptions, KeyValue, KvClient, ResponseHeader, Txn,
     TxnOp, TxnOpResponse,
 };
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, SystemTime};
 use tokio::runtime::Handle;
 
@@ -106,6 +109,25 @@ pub(crate) struct EtcdMeta {
     dev: u64,
     /// Inode numbers this machine took from `next_ino` and has not given yet.
     inos: parking_lot::Mutex<std::ops::Range<u64>>,
+    /// The inode each name had when last read here (at most `HINTS` names): a guess that
+    /// lets a name, its record and its tokens be read in one round trip (`Snap::entry`).
+    /// Never trusted: the name is read with them, and a guess found wrong costs a second.
+    hints: parking_lot::Mutex<HashMap<String, u64>>,
+    /// Requests sent to etcd by the namespace (reads and transactions), for the tests and
+    /// `DistStats::meta_requests`.
+    requests: AtomicU64,
+}
+
+/// Names whose inode a machine remembers as a guess (`EtcdMeta::hints`); past it they are
+/// all forgotten at once (a guess is only a saving).
+const HINTS: usize = 1 << 16;
+
+/// A name, its inode's record and the keys under a prefix of that inode's (its tokens),
+/// read at one revision ([`EtcdMeta::entry`]).
+pub(crate) struct Entry {
+    pub(crate) attr: Attr,
+    pub(crate) node: StoredNode,
+    pub(crate) also: Vec<KeyValue>,
 }
 
 /// Inode numbers a machine takes from `next_ino` at once: a create then rarely pays a
@@ -156,10 +178,20 @@ fn is_under(p: &str, dir: &str) -> bool {
     p.len() > dir.len() && p.starts_with(dir) && p.as_bytes()[dir.len()] == b'/'
 }
 
-fn touched(mut n: StoredNode) -> StoredNode {
+/// Directory record `n` after a change of its entries: times now, and `subdirs` more
+/// subdirectories (fewer if negative) when it keeps their count.
+fn touched(mut n: StoredNode, subdirs: i64) -> StoredNode {
     let now = SystemTime::now();
     (n.mtime, n.ctime) = (now, now);
+    if n.kind == Kind::Dir && n.size != SUBDIRS_UNKNOWN {
+        n.size = n.size.saturating_add_signed(subdirs);
+    }
     n
+}
+
+/// 1 for a directory, else 0: what a name of `kind` adds to its parent's subdirectories.
+fn subdir(kind: Kind) -> i64 {
+    i64::from(kind == Kind::Dir)
 }
 
 fn contended(path: &str) -> Error {
@@ -215,6 +247,7 @@ impl Snap<'_> {
     /// Read `key`, remembering it for the compares.
     async fn get(&mut self, key: String) -> Result<Option<KeyValue>> {
         let opts = self.opts();
+        self.m.count_request();
         let r = self.kv.get(key.clone(), Some(opts)).await;
         let mut r = r.map_err(|e| self.err(e))?;
         self.pin(r.header());
@@ -242,6 +275,89 @@ impl Snap<'_> {
         }
     }
 
+    /// The name `path`, its inode's record and every key under `also(ino)` (when given),
+    /// all at the snapshot: one round trip when `guess` is the inode the name still names
+    /// (the root's is known), else two. `None`: no such name (or its record went with it).
+    async fn entry(
+        &mut self,
+        path: &str,
+        guess: Option<u64>,
+        also: Option<&dyn Fn(u64) -> String>,
+    ) -> Result<Option<(Name, StoredNode, Vec<KeyValue>)>> {
+        let root = path.is_empty();
+        let guess = if root { Some(ROOT_INO) } else { guess };
+        let name = match guess {
+            Some(g) => {
+                let name_key = self.m.name_key(path);
+                let mut ops = Vec::with_capacity(3);
+                if !root {
+                    ops.push(TxnOp::get(name_key.clone(), Some(self.opts())));
+                }
+                ops.extend(self.record_ops(g, also));
+                let mut got = self.read_txn(ops).await?.into_iter();
+                let name = if root {
+                    Name { ino: ROOT_INO, kind: Kind::Dir }
+                } else {
+                    let kv = got.next().unwrap_or_default().into_iter().next();
+                    self.seen.insert(name_key.into_bytes(), kv.as_ref().map_or(0, |k| k.mod_revision()));
+                    match kv {
+                        Some(kv) => decode_name(path, kv.value())?,
+                        None => return Ok(None),
+                    }
+                };
+                if name.ino == g {
+                    return self.found(name, got);
+                }
+                name
+            }
+            None => match self.name(path).await? {
+                Some(n) => n,
+                None => return Ok(None),
+            },
+        };
+        let ops = self.record_ops(name.ino, also);
+        let got = self.read_txn(ops).await?.into_iter();
+        self.found(name, got)
+    }
+
+    /// The reads of `ino`'s record and of the keys under `also(ino)`.
+    fn record_ops(&self, ino: u64, also: Option<&dyn Fn(u64) -> String>) -> Vec<TxnOp> {
+        let mut ops = vec![TxnOp::get(self.m.rec_key(ino), Some(self.opts()))];
+        if let Some(also) = also {
+            ops.push(TxnOp::get(also(ino), Some(self.opts().with_prefix())));
+        }
+        ops
+    }
+
+    /// Run the reads `ops` in one transaction at the snapshot: the keys each found.
+    async fn read_txn(&mut self, ops: Vec<TxnOp>) -> Result<Vec<Vec<KeyValue>>> {
+        self.m.count_request();
+        let r = self.kv.txn(Txn::new().and_then(ops)).await;
+        let r = r.map_err(|e| self.err(e))?;
+        self.pin(r.header());
+        Ok(r.op_responses()
+            .into_iter()
+            .map(|x| match x {
+                TxnOpResponse::Get(g) => g.kvs().to_vec(),
+                _ => Vec::new(),
+            })
+            .collect())
+    }
+
+    /// `name`'s entry from what [`Snap::record_ops`] read (`got`: the record, then the
+    /// keys under the other prefix, if read).
+    fn found(
+        &mut self,
+        name: Name,
+        mut got: impl Iterator<Item = Vec<KeyValue>>,
+    ) -> Result<Option<(Name, StoredNode, Vec<KeyValue>)>> {
+        let rec = got.next().unwrap_or_default().into_iter().next();
+        self.seen.insert(self.m.rec_key(name.ino).into_bytes(), rec.as_ref().map_or(0, |k| k.mod_revision()));
+        let Some(rec) = rec else { return Ok(None) };
+        let node = StoredNode::decode(rec.value()).map_err(|e| Error::io(&self.path, e))?;
+        Ok(Some((name, node, got.next().unwrap_or_default())))
+    }
+
     /// Remember the records of `inos` (their `mod_revision`s at the snapshot) for the
     /// compares, without decoding them.
     async fn track_records(&mut self, inos: &[u64]) -> Result<()> {
@@ -249,6 +365,7 @@ impl Snap<'_> {
             let keys: Vec<String> = batch.iter().map(|&i| self.m.rec_key(i)).collect();
             let ops: Vec<TxnOp> =
                 keys.iter().map(|k| TxnOp::get(k.clone(), Some(self.opts().with_keys_only()))).collect();
+            self.m.count_request();
             let r = self.kv.txn(Txn::new().and_then(ops)).await;
             let r = r.map_err(|e| self.err(e))?;
             self.pin(r.header());
@@ -273,6 +390,7 @@ impl Snap<'_> {
             if keys_only {
                 o = o.with_keys_only();
             }
+            self.m.count_request();
             let r = self.kv.get(start.clone(), Some(o)).await;
             let mut r = r.map_err(|e| self.err(e))?;
             self.pin(r.header());
@@ -293,6 +411,7 @@ impl Snap<'_> {
     /// How many keys start with `prefix`, at the snapshot.
     async fn count(&mut self, prefix: &str) -> Result<usize> {
         let o = self.opts().with_range(prefix_end(prefix.as_bytes())).with_count_only();
+        self.m.count_request();
         let r = self.kv.get(prefix, Some(o)).await;
         let r = r.map_err(|e| self.err(e))?;
         self.pin(r.header());
@@ -352,6 +471,7 @@ impl Snap<'_> {
     /// Commit `ops` if nothing read has changed; false: retry.
     async fn commit(&mut self, ops: Vec<TxnOp>) -> Result<bool> {
         let txn = Txn::new().when(self.compares()).and_then(ops);
+        self.m.count_request();
         let r = self.kv.txn(txn).await;
         Ok(r.map_err(|e| self.err(e))?.succeeded())
     }
@@ -380,7 +500,15 @@ impl EtcdMeta {
             .with_keep_alive(Duration::from_secs(10), Duration::from_secs(10));
         let client =
             rt.block_on(Client::connect(eps, Some(opts))).map_err(|e| Error::io(&what, io::Error::other(e)))?;
-        let m = EtcdMeta { client, rt, prefix, dev, inos: parking_lot::Mutex::new(0..0) };
+        let m = EtcdMeta {
+            client,
+            rt,
+            prefix,
+            dev,
+            inos: parking_lot::Mutex::new(0..0),
+            hints: parking_lot::Mutex::new(HashMap::new()),
+            requests: AtomicU64::new(0),
+        };
         let now = SystemTime::now();
         let (uid, gid) = owner();
         let root = StoredNode {
@@ -421,13 +549,14 @@ impl EtcdMeta {
         Snap { m: self, kv: self.kv(), path: path.to_string(), rev: 0, seen: BTreeMap::new() }
     }
 
-    /// The rewrite of `path`'s parent directory's record (times now), read in `s` (so
-    /// compared at the commit): every change of a directory's entries carries it.
-    async fn touch_parent(&self, s: &mut Snap<'_>, path: &str) -> Result<TxnOp> {
+    /// The rewrite of `path`'s parent directory's record (times now; `subdirs` more
+    /// subdirectories), read in `s` (so compared at the commit): every change of a
+    /// directory's entries carries it.
+    async fn touch_parent(&self, s: &mut Snap<'_>, path: &str, subdirs: i64) -> Result<TxnOp> {
         let pp = parent(path);
         let p = s.name(pp).await?.ok_or_else(|| Error::NotFound(pp.into()))?;
         let prec = s.record(p.ino).await?.ok_or_else(|| Error::NotFound(pp.into()))?;
-        Ok(TxnOp::put(self.rec_key(p.ino), touched(prec).encode(), None))
+        Ok(TxnOp::put(self.rec_key(p.ino), touched(prec, subdirs).encode(), None))
     }
 
     fn name_key(&self, path: &str) -> String {
@@ -502,6 +631,7 @@ impl EtcdMeta {
     pub(crate) fn record(&self, ino: u64) -> Result<Option<(StoredNode, i64)>> {
         let what = format!("inode {ino}");
         self.rt.block_on(async {
+            self.count_request();
             let r = self.kv().get(self.rec_key(ino), None).await.map_err(|e| Self::etcd_err(&what, e))?;
             match r.kvs().first() {
                 Some(x) => {
@@ -512,31 +642,67 @@ impl EtcdMeta {
         })
     }
 
+    #[cfg(test)]
     pub(crate) fn getattr(&self, path: &str) -> Result<Attr> {
-        self.rt.block_on(async {
+        self.entry(path, None).map(|e| e.attr)
+    }
+
+    /// `path`'s attributes, its record and the keys under `also(ino)` (a file's tokens,
+    /// for the caller to tell whether the record's size is current), at one revision; one
+    /// round trip for a name read here before and not changed since (a directory also
+    /// counts its entries for its `nlink`).
+    pub(crate) fn entry(&self, path: &str, also: Option<&dyn Fn(u64) -> String>) -> Result<Entry> {
+        let guess = self.hints.lock().get(path).copied();
+        let r = self.rt.block_on(async {
             let mut s = self.snap(path);
-            let n = s.name(path).await?.ok_or_else(|| Error::NotFound(path.into()))?;
-            let x = s.record(n.ino).await?.ok_or_else(|| Error::NotFound(path.into()))?;
+            let (n, x, also) = s.entry(path, guess, also).await?.ok_or_else(|| Error::NotFound(path.into()))?;
             let nlink = match x.kind {
+                Kind::Dir if x.size != SUBDIRS_UNKNOWN => 2 + x.size as u32,
+                // A directory of a record before UBCS3N03: its entries are counted.
                 Kind::Dir => 2 + s.children(path).await?.iter().filter(|e| e.kind == Kind::Dir).count() as u32,
                 _ => 1,
             };
-            Ok(Attr {
-                kind: x.kind,
-                ino: x.ino,
-                mode: x.mode,
-                size: x.size,
-                mtime: x.mtime,
-                atime: x.atime,
-                ctime: x.ctime,
-                uid: x.uid,
-                gid: x.gid,
-                nlink,
-                blocks: x.size.div_ceil(512),
-                rdev: x.rdev,
-                dev: self.dev,
-            })
-        })
+            Ok((n.ino, Entry { attr: self.attr_of(&x, nlink), node: x, also }))
+        });
+        let mut hints = self.hints.lock();
+        match &r {
+            Ok((ino, _)) if guess != Some(*ino) && !path.is_empty() => {
+                if hints.len() >= HINTS {
+                    hints.clear();
+                }
+                hints.insert(path.to_string(), *ino);
+            }
+            Err(Error::NotFound(_)) => drop(hints.remove(path)),
+            _ => {}
+        }
+        r.map(|(_, e)| e)
+    }
+
+    fn attr_of(&self, x: &StoredNode, nlink: u32) -> Attr {
+        Attr {
+            kind: x.kind,
+            ino: x.ino,
+            mode: x.mode,
+            size: if x.kind == Kind::Dir { 0 } else { x.size },
+            mtime: x.mtime,
+            atime: x.atime,
+            ctime: x.ctime,
+            uid: x.uid,
+            gid: x.gid,
+            nlink,
+            blocks: if x.kind == Kind::Dir { 0 } else { x.size.div_ceil(512) },
+            rdev: x.rdev,
+            dev: self.dev,
+        }
+    }
+
+    /// Requests sent to etcd so far by the namespace.
+    pub(crate) fn requests(&self) -> u64 {
+        self.requests.load(Relaxed)
+    }
+
+    fn count_request(&self) {
+        self.requests.fetch_add(1, Relaxed);
     }
 
     /// Change mode (`& 0o7777`), owner, mtime, atime; ctime = now. Not the size (the
@@ -603,7 +769,7 @@ impl EtcdMeta {
                 let ops = vec![
                     TxnOp::put(self.name_key(path), encode_name(Name { ino, kind }), None),
                     TxnOp::put(self.rec_key(ino), node.encode(), None),
-                    TxnOp::put(self.rec_key(p.ino), touched(prec).encode(), None),
+                    TxnOp::put(self.rec_key(p.ino), touched(prec, subdir(kind)).encode(), None),
                 ];
                 if s.commit(ops).await? {
                     return Ok(ino);
@@ -628,7 +794,7 @@ impl EtcdMeta {
                 let ops = vec![
                     TxnOp::delete(self.name_key(path), None),
                     TxnOp::delete(self.rec_key(n.ino), None),
-                    self.touch_parent(&mut s, path).await?,
+                    self.touch_parent(&mut s, path, 0).await?,
                 ];
                 if s.commit(ops).await? {
                     // A name without a record (damage) is removed too; its node is made up.
@@ -674,7 +840,7 @@ impl EtcdMeta {
                 let ops = vec![
                     TxnOp::delete(self.name_key(path), None),
                     TxnOp::delete(self.rec_key(n.ino), None),
-                    self.touch_parent(&mut s, path).await?,
+                    self.touch_parent(&mut s, path, -1).await?,
                 ];
                 if s.commit(ops).await? {
                     return Ok(());
@@ -820,9 +986,19 @@ impl EtcdMeta {
         if let Some(r) = &replaced {
             ops.push(TxnOp::delete(self.rec_key(r.ino), None));
         }
-        ops.push(TxnOp::put(self.rec_key(fpn.ino), touched(fprec).encode(), None));
-        if let Some(r) = tprec {
-            ops.push(TxnOp::put(self.rec_key(tpn.ino), touched(r).encode(), None));
+        // Subdirectories each parent loses and gains: `from`'s leaves its parent and
+        // lands in `to`'s, whose old entry — replaced, or sent back the other way by an
+        // exchange — leaves it.
+        let t_dirs = tn.map_or(0, |t| subdir(t.kind));
+        let (from_side, to_side) = (subdir(f.kind), t_dirs);
+        let fp_delta = -from_side + if exchange { to_side } else { 0 };
+        let tp_delta = from_side - to_side;
+        match tprec {
+            Some(r) => {
+                ops.push(TxnOp::put(self.rec_key(fpn.ino), touched(fprec, fp_delta).encode(), None));
+                ops.push(TxnOp::put(self.rec_key(tpn.ino), touched(r, tp_delta).encode(), None));
+            }
+            None => ops.push(TxnOp::put(self.rec_key(fpn.ino), touched(fprec, fp_delta + tp_delta).encode(), None)),
         }
         bytes += s.seen.keys().map(|k| k.len() + 16).sum::<usize>();
         if bytes > MAX_TXN_BYTES {
@@ -1148,6 +1324,44 @@ mod tests {
         for what in ["create", "mkdir", "remove", "rmdir", "rename", "rename-noreplace", "rename-exchange"] {
             assert!(counts.get(what).is_some_and(|c| c.0 > 0), "no successful {what}: {counts:?}");
         }
+    }
+
+    /// A directory keeps its subdirectories' count in its record, so a `stat` of it reads
+    /// one record, not every name under it; a directory whose record comes from before
+    /// the count (`UBCS3N02`) is counted from its entries, and stays right as it changes.
+    #[test]
+    fn a_directory_s_link_count_is_in_its_record_and_old_records_are_counted() {
+        let Some(env) = env("nlink") else { return };
+        let m = env.open();
+        for d in ["d", "d/a", "d/b", "d/a/x", "d/f"] {
+            let kind = if d == "d/f" { Kind::File } else { Kind::Dir };
+            m.add(d, kind, 0o755, 0, None).unwrap();
+        }
+        let nlink = |p: &str| m.getattr(p).unwrap().nlink;
+        assert_eq!((nlink(""), nlink("d"), nlink("d/a"), nlink("d/b")), (3, 4, 3, 2));
+        let (d, _) = m.lookup("d").unwrap();
+        let (rec, _) = m.record(d).unwrap().unwrap();
+        assert_eq!(rec.size, 2, "d's record counts its subdirectories");
+        assert_eq!(m.getattr("d").unwrap().size, 0, "and its size is still 0");
+        // The same record as the second format wrote it: no count.
+        let mut old = rec.encode();
+        old.truncate(old.len() - 4);
+        old[..8].copy_from_slice(b"UBCS3N02");
+        old[8 + 1 + 8 + 4 + 4 + 4 + 8 + 24 + 2..][..8].copy_from_slice(&0u64.to_le_bytes());
+        let crc = crc32fast::hash(&old);
+        old.extend_from_slice(&crc.to_le_bytes());
+        env.rt.block_on(m.kv().put(m.rec_key(d), old, None)).unwrap();
+        assert_eq!(m.record(d).unwrap().unwrap().0.size, SUBDIRS_UNKNOWN);
+        assert_eq!(nlink("d"), 4, "an old record's directory is counted");
+        m.add("d/c", Kind::Dir, 0o755, 0, None).unwrap();
+        m.rename("d/a", "e", Rename::Replace).unwrap();
+        m.rmdir("d/b").unwrap();
+        assert_eq!((nlink(""), nlink("d"), nlink("e")), (4, 3, 3));
+        m.rename("e", "d/c", Rename::Exchange).unwrap(); // two directories: no count moves
+        assert_eq!((nlink(""), nlink("d"), nlink("e"), nlink("d/c")), (4, 3, 2, 3));
+        m.rename("d/f", "e", Rename::Exchange).unwrap(); // a file for a directory
+        assert_eq!((nlink(""), nlink("d"), nlink("d/f")), (3, 4, 2));
+        check_whole(&env, &m);
     }
 
     #[test]

@@ -719,7 +719,7 @@ impl S3 {
     /// file system of one machine).
     #[cfg(feature = "etcd")]
     pub fn dist_stats(&self) -> Option<crate::DistStats> {
-        self.inner.dist.as_ref().map(|fs| fs.machine.stats())
+        self.inner.dist.as_ref().map(|fs| crate::DistStats { meta_requests: fs.meta.requests(), ..fs.machine.stats() })
     }
 
     /// Delete the chunk objects a crash left behind now, and say how many: in the tree mode

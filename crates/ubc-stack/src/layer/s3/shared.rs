@@ -16,7 +16,7 @@ use super::file::S3File;
 use super::format::StoredNode;
 use super::meta_etcd::EtcdMeta;
 use crate::coherence::{Mode, Remote};
-use crate::dist::Machine;
+use crate::dist::{Machine, Writer};
 use crate::error::{Error, Result};
 use etcd_client::{Compare, CompareOp, GetOptions, Txn, TxnOp, TxnOpResponse};
 use object_store::path::Path as ObjPath;
@@ -42,6 +42,9 @@ pub(crate) struct SharedFs {
     files: Mutex<HashMap<u64, Weak<S3File>>>,
     /// Signalled when a dropped file has left `files`.
     forgotten: parking_lot::Condvar,
+    /// Bumped when a dropped file has left `files` (after storing its changes): a record
+    /// read before a bump may predate such a store, and does not make a file (`file`).
+    forgets: std::sync::atomic::AtomicU64,
     /// Tokens of files closed everywhere on this machine, kept (their keys stay in etcd)
     /// for the next open, `stat` or write here: the most recently closed `KEPT_TOKENS`.
     /// Each is still served to other machines that ask (with nothing to store: the file's
@@ -71,6 +74,7 @@ impl SharedFs {
             prefix,
             files: Mutex::new(HashMap::new()),
             forgotten: parking_lot::Condvar::new(),
+            forgets: std::sync::atomic::AtomicU64::new(0),
             kept: Mutex::new(std::collections::VecDeque::new()),
         }
     }
@@ -79,9 +83,17 @@ impl SharedFs {
         format!("{}i/{ino:016x}", self.prefix)
     }
 
-    /// The file `ino` of this machine, made (with its stored record, read without a token:
-    /// the first pin reloads it) if there is none.
-    pub(crate) fn file(self: &Arc<Self>, shared: &Arc<Shared>, ino: u64) -> io::Result<Arc<S3File>> {
+    /// The file `ino` of this machine, made if there is none — from `read` (a record read
+    /// before, when `forgets` was `read.0`) if no file of this machine stored its changes
+    /// and left since, else from the record read now; without a token either way: the
+    /// first pin reloads it unless this machine kept the token. => `read`'s record is
+    /// `ino`'s.
+    fn file(
+        self: &Arc<Self>,
+        shared: &Arc<Shared>,
+        ino: u64,
+        read: Option<(u64, &StoredNode)>,
+    ) -> io::Result<Arc<S3File>> {
         let mut files = self.files.lock();
         while let Some(w) = files.get(&ino) {
             match w.upgrade() {
@@ -90,9 +102,12 @@ impl SharedFs {
                 None => self.forgotten.wait(&mut files),
             }
         }
-        let (size, chunks) = match self.meta.record(ino).map_err(io::Error::other)? {
-            Some((n, _)) => (n.size, n.chunks),
-            None => return Err(io::Error::new(io::ErrorKind::NotFound, format!("inode {ino}: no record"))),
+        let (size, chunks) = match read {
+            Some((forgets, n)) if forgets == self.forgets.load(Relaxed) => (n.size, n.chunks.clone()),
+            _ => match self.meta.record(ino).map_err(io::Error::other)? {
+                Some((n, _)) => (n.size, n.chunks),
+                None => return Err(io::Error::new(io::ErrorKind::NotFound, format!("inode {ino}: no record"))),
+            },
         };
         let f = S3File::shared_file(shared.clone(), Arc::downgrade(self), ino, size, chunks);
         files.insert(ino, Arc::downgrade(&f));
@@ -104,6 +119,7 @@ impl SharedFs {
         let mut files = self.files.lock();
         if files.get(&ino).is_some_and(|w| std::ptr::eq(w.as_ptr(), ptr)) {
             files.remove(&ino);
+            self.forgets.fetch_add(1, Relaxed);
         }
         drop(files);
         self.forgotten.notify_all();
@@ -275,16 +291,19 @@ impl SharedFs {
 
 /// The layer's operations on a shared file system (`mod.rs` dispatches here).
 impl SharedFs {
-    fn file_at(self: &Arc<Self>, shared: &Arc<Shared>, path: &str, ino: u64) -> Result<Arc<S3File>> {
-        self.file(shared, ino).map_err(|e| Error::io(path, e))
-    }
-
-    /// Attributes; a regular file's size is read under its read token (a writer elsewhere
-    /// stores its changes first), or is this machine's own while it holds the write token.
+    /// Attributes. A regular file's size is the record's when no machine holds its write
+    /// token (read with the record, at one revision: the record then has every write that
+    /// returned — a holder stores before it gives the token up); while another machine
+    /// holds it, it is read under this machine's read token (that machine stores its
+    /// changes first); while this machine holds it, it is this machine's own. So a `stat`
+    /// of a file nobody writes is one etcd read and takes no token.
     pub(crate) fn getattr(self: &Arc<Self>, shared: &Arc<Shared>, path: &str) -> Result<Attr> {
-        let mut a = self.meta.getattr(path)?;
-        if a.kind == Kind::File {
-            let f = self.file_at(shared, path, a.ino)?;
+        let forgets = self.forgets.load(Relaxed);
+        let tokens = |ino| self.machine.token_prefix(ino);
+        let e = self.meta.entry(path, Some(&tokens))?;
+        let mut a = e.attr;
+        if a.kind == Kind::File && self.machine.writer(&e.also) != Writer::Nobody {
+            let f = self.file(shared, a.ino, Some((forgets, &e.node))).map_err(|e| Error::io(path, e))?;
             let token = f.token().expect("a shared file has a token");
             let _pin = Remote::pin(token, Mode::Read).map_err(|e| Error::io(path, e))?;
             a.size = f.stored_state().0;
@@ -294,11 +313,12 @@ impl SharedFs {
     }
 
     pub(crate) fn open(self: &Arc<Self>, shared: &Arc<Shared>, path: &str) -> Result<Opened> {
-        let (ino, kind) = self.meta.lookup(path)?;
-        if kind != Kind::File {
+        let forgets = self.forgets.load(Relaxed);
+        let e = self.meta.entry(path, None)?;
+        if e.attr.kind != Kind::File {
             return Err(Error::IsDir(path.into()));
         }
-        let file = self.file_at(shared, path, ino)?;
+        let file = self.file(shared, e.attr.ino, Some((forgets, &e.node))).map_err(|e| Error::io(path, e))?;
         let remote: Arc<dyn Remote> = file.token().expect("a shared file has a token");
         Ok(Opened::Shared { pager: file, remote })
     }
