@@ -21,7 +21,9 @@
 //! * `K q/<holder>/<ino>/<requester>` = `r` | `w`: a request that `<holder>` give way, put
 //!   by the requester under its own lease; each machine watches `K q/<itself>/`.
 //!
-//! To acquire, a machine reads `K t/<ino>/` at revision `R`; if no other holder conflicts it
+//! A machine creating a file puts its write token's key in the create's own transaction
+//! (the inode is new: nobody else can hold or want it). Otherwise, to acquire, a machine
+//! reads `K t/<ino>/` at revision `R`; if no other holder conflicts it
 //! puts its key in a transaction that succeeds only if no key of the file was changed after
 //! `R` (a range compare: two machines cannot both win); else it puts a request to each
 //! conflicting holder and waits on a watch of `K t/<ino>/` until they change, then tries
@@ -182,6 +184,9 @@ pub struct DistStats {
     /// Advisory locks asked of etcd (a lock refused before, asked again with no lock key
     /// changed since, is refused without asking).
     pub lock_asks: u64,
+    /// Files created here with their write token put in the create's own transaction
+    /// (not counted in `acquired`).
+    pub created: u64,
     /// Requests the namespace sent to etcd (names, records, directories; not tokens or
     /// locks): a `stat` of a name read here before is one.
     pub meta_requests: u64,
@@ -224,6 +229,7 @@ struct MachineInner {
     locks_heard: Mutex<LocksHeard>,
     locks_cv: Condvar,
     lock_asks: AtomicU64,
+    created: AtomicU64,
 }
 
 /// The lock watch's state ([`watch_locks`]). A refusal read from etcd stays true until a
@@ -297,6 +303,7 @@ impl Machine {
             locks_heard: Mutex::new(LocksHeard::default()),
             locks_cv: Condvar::new(),
             lock_asks: AtomicU64::new(0),
+            created: AtomicU64::new(0),
         });
         let lease = inner.grant()?;
         inner.lease.store(lease, SeqCst);
@@ -334,6 +341,24 @@ impl Machine {
         t.insert(ino, Arc::downgrade(&x));
         t.retain(|_, w| w.strong_count() > 0);
         x
+    }
+
+    /// The lease this machine's keys are put under now (waiting, bounded, while it is
+    /// being taken again), for [`Machine::created_token`].
+    pub(crate) fn lease(&self) -> io::Result<i64> {
+        self.inner.lease(Instant::now() + ACQUIRE_TIMEOUT)
+    }
+
+    /// The put of this machine's write token of file `ino` under `lease`, for the
+    /// transaction that creates the file: a new inode, whose token no machine can hold or
+    /// be asking for, so no claim is needed (the create's compares make it one of a kind).
+    /// After it commits, [`Token::created`] says so to the file's token here.
+    pub(crate) fn created_token(&self, ino: u64, lease: i64) -> TxnOp {
+        TxnOp::put(
+            self.inner.tkey(ino, self.inner.id),
+            mode_byte(Mode::Write),
+            Some(PutOptions::new().with_lease(lease)),
+        )
     }
 
     /// The prefix of `ino`'s token keys (one per holder), to be read with its record.
@@ -400,6 +425,7 @@ impl Machine {
             fenced: m.fenced.load(Relaxed),
             turns_waited_out: m.turns_waited_out.load(Relaxed),
             lock_asks: m.lock_asks.load(Relaxed),
+            created: m.created.load(Relaxed),
             meta_requests: 0,
         }
     }
@@ -1086,6 +1112,20 @@ impl Token {
 
     /// Pin in `mode`, acquiring from etcd first if needed. => the caller holds no lock of
     /// the stack or the cache.
+    /// The file was created with this machine's write token in the same transaction
+    /// ([`Machine::created_token`], under `lease`): the token is held — unless that lease
+    /// is gone already (the key went with it; the first pin acquires as usual). A lease
+    /// lost after this check finds the token among this machine's and loses it (the lease
+    /// is cleared before `lose_all` runs).
+    pub(crate) fn created(&self, lease: i64) {
+        let Some(m) = self.machine.upgrade() else { return };
+        let mut st = self.st.lock();
+        if st.held.is_none() && !st.acquiring && !st.revoking && m.lease.load(SeqCst) == lease {
+            st.held = Some(Mode::Write);
+            m.created.fetch_add(1, Relaxed);
+        }
+    }
+
     pub(crate) fn pin_arc(self: &Arc<Self>, mode: Mode) -> io::Result<()> {
         let mut st = self.st.lock();
         loop {

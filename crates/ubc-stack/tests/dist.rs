@@ -1083,3 +1083,31 @@ fn a_stat_of_a_file_nobody_writes_is_one_etcd_read_and_takes_no_token() {
     assert!(lb.dist_stats().unwrap().acquired > before.acquired, "the writer's file was stat'ed without its token");
     drop(f);
 }
+
+/// A file created here holds its write token from the create's own etcd transaction: its
+/// first write takes no token (one transaction and one fsync of etcd's log less per file
+/// created), and another machine still gets the token when it asks, and reads the bytes.
+#[test]
+fn a_created_file_holds_its_write_token_from_the_create_s_own_transaction() {
+    let Some(env) = SharedEnv::get("a_created_file_holds_its_write_token") else { return };
+    let prefix = fresh_prefix("created");
+    let (la, a) = own_machine(&env.spec(&prefix, &env.etcd, ""));
+    let (_, b) = own_machine(&env.spec(&prefix, &env.etcd, ""));
+    let before = la.dist_stats().unwrap();
+    for i in 0..10u64 {
+        let f = a.top().open_with(&format!("f{i}"), rw()).unwrap();
+        f.write_at(&data(i, 5000), 0).unwrap();
+    }
+    let after = la.dist_stats().unwrap();
+    assert_eq!(after.created - before.created, 10, "{before:?} → {after:?}");
+    assert_eq!(after.acquired, before.acquired, "a created file's first write took its token: {after:?}");
+    let (rt, admin) = etcd_admin(&env.etcd);
+    let tokens = token_keys(&rt, &admin, &env.bucket, &prefix);
+    assert_eq!(tokens.len(), 10, "one token key per file created: {tokens:?}");
+    assert!(tokens.iter().all(|(_, lease)| *lease != 0), "a created file's token is not under the lease: {tokens:?}");
+    for i in 0..10u64 {
+        let fb = b.top().open(&format!("f{i}")).unwrap();
+        same(&read_all(&fb), &data(i, 5000), &format!("B reads f{i}"));
+    }
+    assert!(la.dist_stats().unwrap().revoked >= 10);
+}

@@ -731,6 +731,20 @@ impl EtcdMeta {
     /// Add `path` of `kind` (a symbolic link with `target`, a device with `rdev`); returns
     /// its new inode number. Owned by this process's user and group, times now, size 0.
     pub(crate) fn add(&self, path: &str, kind: Kind, mode: u32, rdev: u64, target: Option<String>) -> Result<u64> {
+        self.add_with(path, kind, mode, rdev, target, None)
+    }
+
+    /// [`EtcdMeta::add`], with `extra(ino)` — an operation on the new inode's keys (its
+    /// creator's token) — in the same transaction.
+    pub(crate) fn add_with(
+        &self,
+        path: &str,
+        kind: Kind,
+        mode: u32,
+        rdev: u64,
+        target: Option<String>,
+        extra: Option<&dyn Fn(u64) -> TxnOp>,
+    ) -> Result<u64> {
         let target = (kind == Kind::Symlink).then(|| target.unwrap_or_default());
         self.rt.block_on(async {
             let mut ino = None;
@@ -766,11 +780,12 @@ impl EtcdMeta {
                     size: 0,
                     chunks: BTreeMap::new(),
                 };
-                let ops = vec![
+                let mut ops = vec![
                     TxnOp::put(self.name_key(path), encode_name(Name { ino, kind }), None),
                     TxnOp::put(self.rec_key(ino), node.encode(), None),
                     TxnOp::put(self.rec_key(p.ino), touched(prec, subdir(kind)).encode(), None),
                 ];
+                ops.extend(extra.map(|x| x(ino)));
                 if s.commit(ops).await? {
                     return Ok(ino);
                 }

@@ -824,7 +824,7 @@ impl Layer for S3 {
         self.inner.tree.readdir(path)
     }
     fn create(&self, path: &str, mode: u32) -> Result<()> {
-        shared_or!(self, fs => fs.meta.add(path, Kind::File, mode, 0, None).map(drop));
+        shared_or!(self, fs => fs.create(&self.inner.shared, path, mode));
         self.add(path, Kind::File, mode)
     }
     fn mkdir(&self, path: &str, mode: u32) -> Result<()> {

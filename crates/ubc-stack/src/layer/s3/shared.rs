@@ -312,6 +312,24 @@ impl SharedFs {
         Ok(a)
     }
 
+    /// Create the regular file `path`, with this machine's write token put in the same
+    /// etcd transaction as its name and record (a separate acquisition was one more
+    /// transaction, and an fsync of etcd's log, per file created). The file is made here
+    /// and closed at once: its token is kept for the open that follows.
+    pub(crate) fn create(self: &Arc<Self>, shared: &Arc<Shared>, path: &str, mode: u32) -> Result<()> {
+        let lease = self.machine.lease().map_err(|e| Error::io(path, e))?;
+        let token = |ino| self.machine.created_token(ino, lease);
+        let ino = self.meta.add_with(path, Kind::File, mode, 0, None, Some(&token))?;
+        let mut files = self.files.lock();
+        if files.get(&ino).and_then(Weak::upgrade).is_none() {
+            let f = S3File::shared_file(shared.clone(), Arc::downgrade(self), ino, 0, Default::default());
+            files.insert(ino, Arc::downgrade(&f));
+            drop(files);
+            f.token().expect("a shared file has a token").created(lease);
+        }
+        Ok(())
+    }
+
     pub(crate) fn open(self: &Arc<Self>, shared: &Arc<Shared>, path: &str) -> Result<Opened> {
         let forgets = self.forgets.load(Relaxed);
         let e = self.meta.entry(path, None)?;
