@@ -225,6 +225,8 @@ struct Snap<'m> {
     /// The revision read at (0 until the first read).
     rev: i64,
     seen: BTreeMap<Vec<u8>, i64>,
+    /// Keys read ahead at the snapshot ([`Snap::prefetch`]), until asked for.
+    ahead: HashMap<String, Option<KeyValue>>,
 }
 
 impl Snap<'_> {
@@ -244,8 +246,42 @@ impl Snap<'_> {
         }
     }
 
+    /// Read the names `paths` and the records of the inodes they had when last read here
+    /// (`EtcdMeta::hints`; the root's is known) in one round trip, at the snapshot, for the
+    /// [`Snap::name`] and [`Snap::record`] calls of the operation that follow — which
+    /// otherwise make one round trip each, in turn: a create, a removal or a rename read
+    /// four to six keys so. A guess found wrong only costs the read it would have saved.
+    async fn prefetch(&mut self, paths: &[&str]) -> Result<()> {
+        let mut keys: Vec<String> = Vec::with_capacity(paths.len() * 2);
+        for &p in paths {
+            let guess = if p.is_empty() { Some(ROOT_INO) } else { self.m.hints.lock().get(p).copied() };
+            if !p.is_empty() {
+                keys.push(self.m.name_key(p));
+            }
+            if let Some(g) = guess {
+                keys.push(self.m.rec_key(g));
+            }
+        }
+        keys.sort_unstable();
+        keys.dedup();
+        keys.retain(|k| !self.seen.contains_key(k.as_bytes()) && !self.ahead.contains_key(k));
+        if keys.is_empty() {
+            return Ok(());
+        }
+        let ops = keys.iter().map(|k| TxnOp::get(k.clone(), Some(self.opts()))).collect();
+        let got = self.read_txn(ops).await?;
+        for (k, kvs) in keys.into_iter().zip(got) {
+            self.ahead.insert(k, kvs.into_iter().next());
+        }
+        Ok(())
+    }
+
     /// Read `key`, remembering it for the compares.
     async fn get(&mut self, key: String) -> Result<Option<KeyValue>> {
+        if let Some(kv) = self.ahead.remove(&key) {
+            self.seen.insert(key.into_bytes(), kv.as_ref().map_or(0, |k| k.mod_revision()));
+            return Ok(kv);
+        }
         let opts = self.opts();
         self.m.count_request();
         let r = self.kv.get(key.clone(), Some(opts)).await;
@@ -262,8 +298,15 @@ impl Snap<'_> {
             return Ok(Some(Name { ino: ROOT_INO, kind: Kind::Dir }));
         }
         match self.get(self.m.name_key(path)).await? {
-            Some(kv) => decode_name(path, kv.value()).map(Some),
-            None => Ok(None),
+            Some(kv) => {
+                let n = decode_name(path, kv.value())?;
+                self.m.hint(path, Some(n.ino));
+                Ok(Some(n))
+            }
+            None => {
+                self.m.hint(path, None);
+                Ok(None)
+            }
         }
     }
 
@@ -546,7 +589,7 @@ impl EtcdMeta {
     }
 
     fn snap(&self, path: &str) -> Snap<'_> {
-        Snap { m: self, kv: self.kv(), path: path.to_string(), rev: 0, seen: BTreeMap::new() }
+        Snap { m: self, kv: self.kv(), path: path.to_string(), rev: 0, seen: BTreeMap::new(), ahead: HashMap::new() }
     }
 
     /// The rewrite of `path`'s parent directory's record (times now; `subdirs` more
@@ -620,6 +663,7 @@ impl EtcdMeta {
     }
 
     /// The inode and kind `path` names.
+    #[cfg(test)]
     pub(crate) fn lookup(&self, path: &str) -> Result<(u64, Kind)> {
         self.rt.block_on(async {
             let mut s = self.snap(path);
@@ -664,18 +708,30 @@ impl EtcdMeta {
             };
             Ok((n.ino, Entry { attr: self.attr_of(&x, nlink), node: x, also }))
         });
-        let mut hints = self.hints.lock();
         match &r {
-            Ok((ino, _)) if guess != Some(*ino) && !path.is_empty() => {
-                if hints.len() >= HINTS {
-                    hints.clear();
-                }
-                hints.insert(path.to_string(), *ino);
-            }
-            Err(Error::NotFound(_)) => drop(hints.remove(path)),
+            Ok((ino, _)) if guess != Some(*ino) => self.hint(path, Some(*ino)),
+            Err(Error::NotFound(_)) => self.hint(path, None),
             _ => {}
         }
         r.map(|(_, e)| e)
+    }
+
+    /// Remember that `path` names `ino` (`None`: nothing), as last read.
+    fn hint(&self, path: &str, ino: Option<u64>) {
+        if path.is_empty() {
+            return;
+        }
+        let mut hints = self.hints.lock();
+        match ino {
+            Some(ino) if hints.get(path) != Some(&ino) => {
+                if hints.len() >= HINTS {
+                    hints.clear();
+                }
+                hints.insert(path.to_string(), ino);
+            }
+            Some(_) => {}
+            None => drop(hints.remove(path)),
+        }
     }
 
     fn attr_of(&self, x: &StoredNode, nlink: u32) -> Attr {
@@ -708,10 +764,19 @@ impl EtcdMeta {
     /// Change mode (`& 0o7777`), owner, mtime, atime; ctime = now. Not the size (the
     /// caller changes it through the open file): `set.size` is ignored.
     pub(crate) fn setattr(&self, path: &str, set: &SetAttr) -> Result<()> {
-        let (ino, _) = self.lookup(path)?;
-        self.update(ino, path, |x| {
-            set.apply(&mut x.mode, &mut x.uid, &mut x.gid, &mut x.mtime, &mut x.atime);
-            x.ctime = SystemTime::now();
+        self.rt.block_on(async {
+            for _ in attempts() {
+                let mut s = self.snap(path);
+                s.prefetch(&[path]).await?;
+                let n = s.name(path).await?.ok_or_else(|| Error::NotFound(path.into()))?;
+                let mut x = s.record(n.ino).await?.ok_or_else(|| Error::NotFound(path.into()))?;
+                set.apply(&mut x.mode, &mut x.uid, &mut x.gid, &mut x.mtime, &mut x.atime);
+                x.ctime = SystemTime::now();
+                if s.commit(vec![TxnOp::put(self.rec_key(n.ino), x.encode(), None)]).await? {
+                    return Ok(());
+                }
+            }
+            Err(contended(path))
         })
     }
 
@@ -750,6 +815,7 @@ impl EtcdMeta {
             let mut ino = None;
             for _ in attempts() {
                 let mut s = self.snap(path);
+                s.prefetch(&[path, parent(path)]).await?;
                 if s.name(path).await?.is_some() {
                     return Err(Error::Exists(path.into()));
                 }
@@ -800,6 +866,7 @@ impl EtcdMeta {
         self.rt.block_on(async {
             for _ in attempts() {
                 let mut s = self.snap(path);
+                s.prefetch(&[path, parent(path)]).await?;
                 let n = match s.name(path).await? {
                     Some(n) if n.kind == Kind::Dir => return Err(Error::IsDir(path.into())),
                     Some(n) => n,
@@ -841,6 +908,7 @@ impl EtcdMeta {
         self.rt.block_on(async {
             for _ in attempts() {
                 let mut s = self.snap(path);
+                s.prefetch(&[path, parent(path)]).await?;
                 let n = match s.name(path).await? {
                     Some(n) if n.kind != Kind::Dir => return Err(Error::NotDir(path.into())),
                     None => return Err(Error::NotFound(path.into())),
@@ -882,6 +950,7 @@ impl EtcdMeta {
     /// One attempt of [`EtcdMeta::rename`]: `None` if a compare failed.
     async fn rename_attempt(&self, from: &str, to: &str, how: Rename) -> Result<Option<Option<StoredNode>>> {
         let mut s = self.snap(from);
+        s.prefetch(&[from, to, parent(from), parent(to)]).await?;
         let tn = s.name(to).await?;
         if how == Rename::NoReplace && tn.is_some() {
             return Err(Error::Exists(to.into()));
@@ -1028,6 +1097,7 @@ impl EtcdMeta {
     pub(crate) fn readlink(&self, path: &str) -> Result<String> {
         self.rt.block_on(async {
             let mut s = self.snap(path);
+            s.prefetch(&[path]).await?;
             let n = s.name(path).await?.ok_or_else(|| Error::NotFound(path.into()))?;
             let x = s.record(n.ino).await?.ok_or_else(|| Error::NotFound(path.into()))?;
             x.target.ok_or_else(|| Error::Invalid(format!("{path}: not a symbolic link")))
@@ -1042,6 +1112,7 @@ impl EtcdMeta {
         self.update(ino, &format!("inode {ino}"), f)
     }
 
+    #[cfg(test)]
     fn update(&self, ino: u64, path: &str, mut f: impl FnMut(&mut StoredNode)) -> Result<()> {
         self.rt.block_on(async {
             for _ in attempts() {
