@@ -1110,8 +1110,6 @@ impl Token {
         Ok(RemotePin::new(Box::new(Pinned(self.clone()))))
     }
 
-    /// Pin in `mode`, acquiring from etcd first if needed. => the caller holds no lock of
-    /// the stack or the cache.
     /// The file was created with this machine's write token in the same transaction
     /// ([`Machine::created_token`], under `lease`): the token is held — unless that lease
     /// is gone already (the key went with it; the first pin acquires as usual). A lease
@@ -1126,6 +1124,8 @@ impl Token {
         }
     }
 
+    /// Pin in `mode`, acquiring from etcd first if needed. => the caller holds no lock of
+    /// the stack or the cache.
     pub(crate) fn pin_arc(self: &Arc<Self>, mode: Mode) -> io::Result<()> {
         let mut st = self.st.lock();
         loop {
