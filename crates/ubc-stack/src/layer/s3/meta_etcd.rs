@@ -20,6 +20,9 @@
 //!   size, chunk list, symlink target). The root's record (inode 1) is made by
 //!   [`EtcdMeta::open`] if absent (created only if its `create_revision` is 0, so two
 //!   machines opening at once do not clash).
+//! * `{prefix}e/{dir:016x}/{name}` — entry `name` of directory inode `dir`: the same 9
+//!   bytes as its name key. Written with every change of the directory's entries, when the
+//!   directory's record counts its subdirectories (not `SUBDIRS_UNKNOWN`).
 //! * `{prefix}next_ino` — u64 LE, the next inode number no machine has taken (absent: 2),
 //!   taken by a compare-and-swap transaction in batches of `INO_BATCH` (64).
 //!
@@ -48,10 +51,11 @@
 //!
 //! # Limits
 //!
-//! * `readdir` reads the whole subtree under the directory, O(subtree) — the keys are by
-//!   path; the root's readdir reads every name. A directory's `nlink` is not counted so:
-//!   its record keeps the number of its subdirectories (`size`, from `UBCS3N03` on; an
-//!   older record's directory is counted from its entries).
+//! * Names are keyed by path, so the names under a directory are its whole subtree. A
+//!   directory's listing and link count are not read from them: each directory has an
+//!   index of its entries (`e/{ino}/{name}`, kept in the transaction that changes them)
+//!   and its record counts its subdirectories (`size`), from `UBCS3N03` on — a directory
+//!   of an older record is listed and counted from the subtree, O(subtree).
 //! * A directory rename moves every name under it in one transaction: refused with
 //!   `NotSupported` beyond 9000 names under it (etcd started with `--max-txn-ops 10000`;
 //!   the default 128 refuses much smaller ones) or ~1.4 MB of keys (etcd's default
@@ -187,6 +191,17 @@ fn touched(mut n: StoredNode, subdirs: i64) -> StoredNode {
         n.size = n.size.saturating_add_signed(subdirs);
     }
     n
+}
+
+/// Whether directory record `n` keeps its entries' index (`e/{ino}/`) and its
+/// subdirectories' count: every directory but those of records before `UBCS3N03`.
+fn indexed(n: &StoredNode) -> bool {
+    n.kind == Kind::Dir && n.size != SUBDIRS_UNKNOWN
+}
+
+/// The last component of `path`.
+fn base(path: &str) -> &str {
+    path.rsplit('/').next().unwrap_or(path)
 }
 
 /// 1 for a directory, else 0: what a name of `kind` adds to its parent's subdirectories.
@@ -484,7 +499,20 @@ impl Snap<'_> {
         Ok(out)
     }
 
-    /// The entries of directory `path` (its direct children).
+    /// The entries of directory `dir` by its index (`e/{dir}/`), at the snapshot.
+    async fn entries(&mut self, dir: u64) -> Result<Vec<DirEntry>> {
+        let p = self.m.entry_key(dir, "");
+        let mut out = Vec::new();
+        for kv in self.range(&p, None, false).await? {
+            let key = kv.key_str().map_err(|e| self.err(e))?;
+            let name = key[p.len()..].to_string();
+            let n = decode_name(&name, kv.value())?;
+            out.push(DirEntry { name, kind: n.kind, ino: n.ino });
+        }
+        Ok(out)
+    }
+
+    /// The entries of directory `path` (its direct children), from the names under it.
     async fn children(&mut self, path: &str) -> Result<Vec<DirEntry>> {
         let mut out = Vec::new();
         for (rest, v) in self.subtree(path).await? {
@@ -592,14 +620,20 @@ impl EtcdMeta {
         Snap { m: self, kv: self.kv(), path: path.to_string(), rev: 0, seen: BTreeMap::new(), ahead: HashMap::new() }
     }
 
-    /// The rewrite of `path`'s parent directory's record (times now; `subdirs` more
-    /// subdirectories), read in `s` (so compared at the commit): every change of a
-    /// directory's entries carries it.
-    async fn touch_parent(&self, s: &mut Snap<'_>, path: &str, subdirs: i64) -> Result<TxnOp> {
+    /// The removal of `path` from its parent directory: the rewrite of the parent's record
+    /// (times now; `subdirs` more subdirectories), read in `s` (so compared at the commit) —
+    /// every change of a directory's entries carries it — and the deletion of its entry
+    /// from the parent's index.
+    async fn unlink_from_parent(&self, s: &mut Snap<'_>, path: &str, subdirs: i64) -> Result<Vec<TxnOp>> {
         let pp = parent(path);
         let p = s.name(pp).await?.ok_or_else(|| Error::NotFound(pp.into()))?;
         let prec = s.record(p.ino).await?.ok_or_else(|| Error::NotFound(pp.into()))?;
-        Ok(TxnOp::put(self.rec_key(p.ino), touched(prec, subdirs).encode(), None))
+        let mut ops = Vec::with_capacity(2);
+        if indexed(&prec) {
+            ops.push(TxnOp::delete(self.entry_key(p.ino, base(path)), None));
+        }
+        ops.push(TxnOp::put(self.rec_key(p.ino), touched(prec, subdirs).encode(), None));
+        Ok(ops)
     }
 
     fn name_key(&self, path: &str) -> String {
@@ -613,6 +647,11 @@ impl EtcdMeta {
 
     fn rec_key(&self, ino: u64) -> String {
         format!("{}i/{ino:016x}", self.prefix)
+    }
+
+    /// The key of `name`'s entry in the index of directory `dir`.
+    fn entry_key(&self, dir: u64, name: &str) -> String {
+        format!("{}e/{dir:016x}/{name}", self.prefix)
     }
 
     fn next_key(&self) -> String {
@@ -780,16 +819,21 @@ impl EtcdMeta {
         })
     }
 
-    /// The entries of directory `path` (reads everything under it: O(subtree)).
+    /// The entries of directory `path`: its index, O(entries) — or, for a directory of a
+    /// record before `UBCS3N03`, everything under it, O(subtree).
     pub(crate) fn readdir(&self, path: &str) -> Result<Vec<DirEntry>> {
         self.rt.block_on(async {
             let mut s = self.snap(path);
-            match s.name(path).await? {
-                Some(n) if n.kind == Kind::Dir => {}
+            s.prefetch(&[path]).await?;
+            let n = match s.name(path).await? {
+                Some(n) if n.kind == Kind::Dir => n,
                 Some(_) => return Err(Error::NotDir(path.into())),
                 None => return Err(Error::NotFound(path.into())),
+            };
+            match s.record(n.ino).await? {
+                Some(rec) if indexed(&rec) => s.entries(n.ino).await,
+                _ => s.children(path).await,
             }
-            s.children(path).await
         })
     }
 
@@ -849,8 +893,11 @@ impl EtcdMeta {
                 let mut ops = vec![
                     TxnOp::put(self.name_key(path), encode_name(Name { ino, kind }), None),
                     TxnOp::put(self.rec_key(ino), node.encode(), None),
-                    TxnOp::put(self.rec_key(p.ino), touched(prec, subdir(kind)).encode(), None),
                 ];
+                if indexed(&prec) {
+                    ops.push(TxnOp::put(self.entry_key(p.ino, base(path)), encode_name(Name { ino, kind }), None));
+                }
+                ops.push(TxnOp::put(self.rec_key(p.ino), touched(prec, subdir(kind)).encode(), None));
                 ops.extend(extra.map(|x| x(ino)));
                 if s.commit(ops).await? {
                     return Ok(ino);
@@ -873,11 +920,8 @@ impl EtcdMeta {
                     None => return Err(Error::NotFound(path.into())),
                 };
                 let rec = s.record(n.ino).await?;
-                let ops = vec![
-                    TxnOp::delete(self.name_key(path), None),
-                    TxnOp::delete(self.rec_key(n.ino), None),
-                    self.touch_parent(&mut s, path, 0).await?,
-                ];
+                let mut ops = vec![TxnOp::delete(self.name_key(path), None), TxnOp::delete(self.rec_key(n.ino), None)];
+                ops.extend(self.unlink_from_parent(&mut s, path, 0).await?);
                 if s.commit(ops).await? {
                     // A name without a record (damage) is removed too; its node is made up.
                     return Ok(rec.unwrap_or_else(|| {
@@ -920,11 +964,8 @@ impl EtcdMeta {
                 if s.has_children(path).await? {
                     return Err(Error::NotEmpty(path.into()));
                 }
-                let ops = vec![
-                    TxnOp::delete(self.name_key(path), None),
-                    TxnOp::delete(self.rec_key(n.ino), None),
-                    self.touch_parent(&mut s, path, -1).await?,
-                ];
+                let mut ops = vec![TxnOp::delete(self.name_key(path), None), TxnOp::delete(self.rec_key(n.ino), None)];
+                ops.extend(self.unlink_from_parent(&mut s, path, -1).await?);
                 if s.commit(ops).await? {
                     return Ok(());
                 }
@@ -1073,6 +1114,19 @@ impl EtcdMeta {
         // Subdirectories each parent loses and gains: `from`'s leaves its parent and
         // lands in `to`'s, whose old entry — replaced, or sent back the other way by an
         // exchange — leaves it.
+        // The parents' indexes: `from`'s entry goes (or becomes `to`'s old one, exchanged),
+        // `to`'s becomes `from`'s.
+        let (fp_indexed, tp_indexed) = (indexed(&fprec), tprec.as_ref().map_or(indexed(&fprec), indexed));
+        if fp_indexed {
+            let k = self.entry_key(fpn.ino, base(from));
+            ops.push(match tn {
+                Some(t) if exchange => TxnOp::put(k, encode_name(t), None),
+                _ => TxnOp::delete(k, None),
+            });
+        }
+        if tp_indexed {
+            ops.push(TxnOp::put(self.entry_key(tpn.ino, base(to)), encode_name(f), None));
+        }
         let t_dirs = tn.map_or(0, |t| subdir(t.kind));
         let (from_side, to_side) = (subdir(f.kind), t_dirs);
         let fp_delta = -from_side + if exchange { to_side } else { 0 };
@@ -1285,6 +1339,30 @@ mod tests {
         assert_eq!(named.len(), names.len(), "an inode with two names");
         named.insert(ROOT_INO);
         assert_eq!(named, recs, "records without names or names without records");
+        // Each indexed directory's index holds exactly its entries.
+        let ino_of = |p: &str| if p.is_empty() { ROOT_INO } else { names[p].ino };
+        let want: BTreeMap<(u64, String), Name> = names
+            .iter()
+            .filter(|(p, _)| indexed(&m.record(ino_of(parent(p))).unwrap().unwrap().0))
+            .map(|(p, n)| ((ino_of(parent(p)), base(p).to_string()), *n))
+            .collect();
+        let ep = format!("{}e/", m.prefix);
+        let got: BTreeMap<(u64, String), Name> = env
+            .rt
+            .block_on(async {
+                let mut s = m.snap("");
+                s.range(&ep, None, false).await.unwrap()
+            })
+            .iter()
+            .map(|kv| {
+                let k = &kv.key_str().unwrap()[ep.len()..];
+                let (dir, name) = k.split_once('/').unwrap();
+                ((u64::from_str_radix(dir, 16).unwrap(), name.to_string()), decode_name(k, kv.value()).unwrap())
+            })
+            .collect();
+        let got: BTreeMap<(u64, String), Name> =
+            got.into_iter().filter(|((dir, _), _)| m.record(*dir).unwrap().is_none_or(|(r, _)| indexed(&r))).collect();
+        assert_eq!(got, want, "the directories' indexes");
         names
     }
 
@@ -1491,17 +1569,21 @@ mod tests {
     fn renames_of_big_directories() {
         let Some(env) = env("big") else { return };
         let m = env.open();
-        m.add("big", Kind::Dir, 0o755, 0, None).unwrap();
+        let big = m.add("big", Kind::Dir, 0o755, 0, None).unwrap();
         m.add("mid", Kind::Dir, 0o755, 0, None).unwrap();
         let sub = m.add("mid/sub", Kind::Dir, 0o755, 0, None).unwrap();
-        // Names put directly (no records: a rename reads only the directories' records).
-        let put = |dir: &str, n: usize, ino0: u64| {
+        // Names and their index entries put directly (no records: a rename reads only the
+        // directories' records).
+        let put = |dir: &str, dir_ino: u64, n: usize, ino0: u64| {
             env.rt.block_on(async {
                 let mut kv = m.kv();
                 let ops: Vec<TxnOp> = (0..n)
-                    .map(|i| {
+                    .flat_map(|i| {
                         let v = encode_name(Name { ino: ino0 + i as u64, kind: Kind::File });
-                        TxnOp::put(m.name_key(&format!("{dir}/f{i:05}")), v, None)
+                        [
+                            TxnOp::put(m.name_key(&format!("{dir}/f{i:05}")), v.clone(), None),
+                            TxnOp::put(m.entry_key(dir_ino, &format!("f{i:05}")), v, None),
+                        ]
                     })
                     .collect();
                 for c in ops.chunks(1000) {
@@ -1509,8 +1591,8 @@ mod tests {
                 }
             })
         };
-        put("big", MAX_MOVE + 1, 1 << 40);
-        put("mid/sub", 2500, 1 << 41);
+        put("big", big, MAX_MOVE + 1, 1 << 40);
+        put("mid/sub", sub, 2500, 1 << 41);
         let e = m.rename("big", "big2", Rename::Replace).unwrap_err();
         assert!(matches!(e, Error::NotSupported(_)), "{e:?}");
         assert!(m.lookup("big").is_ok());
@@ -1522,6 +1604,12 @@ mod tests {
         assert_eq!(d[17].name, "f00017");
         assert_eq!(d[17].ino, (1 << 41) + 17);
         assert!(!env.rt.block_on(m.snap("").has_children("mid")).unwrap());
+        // The root's listing reads its own index — its record, then its two entries — not
+        // the 12,500 names under it (a page of 1,000 keys a request).
+        let before = m.requests();
+        let root: Vec<String> = m.readdir("").unwrap().into_iter().map(|e| e.name).collect();
+        assert_eq!(root, ["big", "moved"]);
+        assert_eq!(m.requests() - before, 2, "requests to list the root");
     }
 
     /// Run `f(machine, thread)` on 2 machines × 4 threads at once.
