@@ -242,6 +242,8 @@ struct Snap<'m> {
     seen: BTreeMap<Vec<u8>, i64>,
     /// Keys read ahead at the snapshot ([`Snap::prefetch`]), until asked for.
     ahead: HashMap<String, Option<KeyValue>>,
+    /// The same for every key under a prefix.
+    ahead_under: HashMap<String, Vec<KeyValue>>,
 }
 
 impl Snap<'_> {
@@ -262,12 +264,13 @@ impl Snap<'_> {
     }
 
     /// Read the names `paths` and the records of the inodes they had when last read here
-    /// (`EtcdMeta::hints`; the root's is known) in one round trip, at the snapshot, for the
-    /// [`Snap::name`] and [`Snap::record`] calls of the operation that follow — which
-    /// otherwise make one round trip each, in turn: a create, a removal or a rename read
-    /// four to six keys so. A guess found wrong only costs the read it would have saved.
-    async fn prefetch(&mut self, paths: &[&str]) -> Result<()> {
-        let mut keys: Vec<String> = Vec::with_capacity(paths.len() * 2);
+    /// (`EtcdMeta::hints`; the root's is known) — with the keys under `also(ino)` of each —
+    /// in one round trip, at the snapshot, for the [`Snap::name`], [`Snap::record`] and
+    /// [`Snap::range_ahead`] calls of the operation that follow, which otherwise make one
+    /// round trip each, in turn (a create read four keys so, a rename six). A guess found
+    /// wrong only costs the read it would have saved.
+    async fn prefetch(&mut self, paths: &[&str], also: Option<&dyn Fn(u64) -> String>) -> Result<()> {
+        let (mut keys, mut prefixes) = (Vec::with_capacity(paths.len() * 2), Vec::new());
         for &p in paths {
             let guess = if p.is_empty() { Some(ROOT_INO) } else { self.m.hints.lock().get(p).copied() };
             if !p.is_empty() {
@@ -275,20 +278,50 @@ impl Snap<'_> {
             }
             if let Some(g) = guess {
                 keys.push(self.m.rec_key(g));
+                prefixes.extend(also.map(|a| a(g)));
             }
         }
+        self.read_ahead(keys, prefixes).await
+    }
+
+    /// Read the keys `keys` and every key under each of `prefixes` in one transaction at
+    /// the snapshot (those read already skipped), for later reads to take.
+    async fn read_ahead(&mut self, mut keys: Vec<String>, mut prefixes: Vec<String>) -> Result<()> {
         keys.sort_unstable();
         keys.dedup();
         keys.retain(|k| !self.seen.contains_key(k.as_bytes()) && !self.ahead.contains_key(k));
-        if keys.is_empty() {
+        prefixes.retain(|p| !self.ahead_under.contains_key(p));
+        if keys.is_empty() && prefixes.is_empty() {
             return Ok(());
         }
-        let ops = keys.iter().map(|k| TxnOp::get(k.clone(), Some(self.opts()))).collect();
-        let got = self.read_txn(ops).await?;
-        for (k, kvs) in keys.into_iter().zip(got) {
-            self.ahead.insert(k, kvs.into_iter().next());
+        let ops: Vec<TxnOp> = keys
+            .iter()
+            .map(|k| TxnOp::get(k.clone(), Some(self.opts())))
+            .chain(prefixes.iter().map(|p| TxnOp::get(p.clone(), Some(self.opts().with_prefix()))))
+            .collect();
+        self.m.count_request();
+        let r = self.kv.txn(Txn::new().and_then(ops)).await;
+        let r = r.map_err(|e| self.err(e))?;
+        self.pin(r.header());
+        let mut got = r.op_responses().into_iter().map(|x| match x {
+            TxnOpResponse::Get(g) => g.kvs().to_vec(),
+            _ => Vec::new(),
+        });
+        for k in keys {
+            self.ahead.insert(k, got.next().unwrap_or_default().into_iter().next());
+        }
+        for p in prefixes {
+            self.ahead_under.insert(p, got.next().unwrap_or_default());
         }
         Ok(())
+    }
+
+    /// Every key under `prefix` at the snapshot: read ahead, or read now.
+    async fn range_ahead(&mut self, prefix: &str) -> Result<Vec<KeyValue>> {
+        match self.ahead_under.remove(prefix) {
+            Some(kvs) => Ok(kvs),
+            None => self.range(prefix, None, false).await,
+        }
     }
 
     /// Read `key`, remembering it for the compares.
@@ -331,89 +364,6 @@ impl Snap<'_> {
             Some(kv) => StoredNode::decode(kv.value()).map(Some).map_err(|e| Error::io(&self.path, e)),
             None => Ok(None),
         }
-    }
-
-    /// The name `path`, its inode's record and every key under `also(ino)` (when given),
-    /// all at the snapshot: one round trip when `guess` is the inode the name still names
-    /// (the root's is known), else two. `None`: no such name (or its record went with it).
-    async fn entry(
-        &mut self,
-        path: &str,
-        guess: Option<u64>,
-        also: Option<&dyn Fn(u64) -> String>,
-    ) -> Result<Option<(Name, StoredNode, Vec<KeyValue>)>> {
-        let root = path.is_empty();
-        let guess = if root { Some(ROOT_INO) } else { guess };
-        let name = match guess {
-            Some(g) => {
-                let name_key = self.m.name_key(path);
-                let mut ops = Vec::with_capacity(3);
-                if !root {
-                    ops.push(TxnOp::get(name_key.clone(), Some(self.opts())));
-                }
-                ops.extend(self.record_ops(g, also));
-                let mut got = self.read_txn(ops).await?.into_iter();
-                let name = if root {
-                    Name { ino: ROOT_INO, kind: Kind::Dir }
-                } else {
-                    let kv = got.next().unwrap_or_default().into_iter().next();
-                    self.seen.insert(name_key.into_bytes(), kv.as_ref().map_or(0, |k| k.mod_revision()));
-                    match kv {
-                        Some(kv) => decode_name(path, kv.value())?,
-                        None => return Ok(None),
-                    }
-                };
-                if name.ino == g {
-                    return self.found(name, got);
-                }
-                name
-            }
-            None => match self.name(path).await? {
-                Some(n) => n,
-                None => return Ok(None),
-            },
-        };
-        let ops = self.record_ops(name.ino, also);
-        let got = self.read_txn(ops).await?.into_iter();
-        self.found(name, got)
-    }
-
-    /// The reads of `ino`'s record and of the keys under `also(ino)`.
-    fn record_ops(&self, ino: u64, also: Option<&dyn Fn(u64) -> String>) -> Vec<TxnOp> {
-        let mut ops = vec![TxnOp::get(self.m.rec_key(ino), Some(self.opts()))];
-        if let Some(also) = also {
-            ops.push(TxnOp::get(also(ino), Some(self.opts().with_prefix())));
-        }
-        ops
-    }
-
-    /// Run the reads `ops` in one transaction at the snapshot: the keys each found.
-    async fn read_txn(&mut self, ops: Vec<TxnOp>) -> Result<Vec<Vec<KeyValue>>> {
-        self.m.count_request();
-        let r = self.kv.txn(Txn::new().and_then(ops)).await;
-        let r = r.map_err(|e| self.err(e))?;
-        self.pin(r.header());
-        Ok(r.op_responses()
-            .into_iter()
-            .map(|x| match x {
-                TxnOpResponse::Get(g) => g.kvs().to_vec(),
-                _ => Vec::new(),
-            })
-            .collect())
-    }
-
-    /// `name`'s entry from what [`Snap::record_ops`] read (`got`: the record, then the
-    /// keys under the other prefix, if read).
-    fn found(
-        &mut self,
-        name: Name,
-        mut got: impl Iterator<Item = Vec<KeyValue>>,
-    ) -> Result<Option<(Name, StoredNode, Vec<KeyValue>)>> {
-        let rec = got.next().unwrap_or_default().into_iter().next();
-        self.seen.insert(self.m.rec_key(name.ino).into_bytes(), rec.as_ref().map_or(0, |k| k.mod_revision()));
-        let Some(rec) = rec else { return Ok(None) };
-        let node = StoredNode::decode(rec.value()).map_err(|e| Error::io(&self.path, e))?;
-        Ok(Some((name, node, got.next().unwrap_or_default())))
     }
 
     /// Remember the records of `inos` (their `mod_revision`s at the snapshot) for the
@@ -617,7 +567,15 @@ impl EtcdMeta {
     }
 
     fn snap(&self, path: &str) -> Snap<'_> {
-        Snap { m: self, kv: self.kv(), path: path.to_string(), rev: 0, seen: BTreeMap::new(), ahead: HashMap::new() }
+        Snap {
+            m: self,
+            kv: self.kv(),
+            path: path.to_string(),
+            rev: 0,
+            seen: BTreeMap::new(),
+            ahead: HashMap::new(),
+            ahead_under: HashMap::new(),
+        }
     }
 
     /// The removal of `path` from its parent directory: the rewrite of the parent's record
@@ -735,24 +693,26 @@ impl EtcdMeta {
     /// round trip for a name read here before and not changed since (a directory also
     /// counts its entries for its `nlink`).
     pub(crate) fn entry(&self, path: &str, also: Option<&dyn Fn(u64) -> String>) -> Result<Entry> {
-        let guess = self.hints.lock().get(path).copied();
-        let r = self.rt.block_on(async {
+        self.rt.block_on(async {
             let mut s = self.snap(path);
-            let (n, x, also) = s.entry(path, guess, also).await?.ok_or_else(|| Error::NotFound(path.into()))?;
+            s.prefetch(&[path], also).await?;
+            let n = s.name(path).await?.ok_or_else(|| Error::NotFound(path.into()))?;
+            // The guess was wrong or missing: the record (and the keys under `also`) now.
+            let under = also.map(|a| a(n.ino));
+            s.read_ahead(vec![self.rec_key(n.ino)], under.iter().cloned().collect()).await?;
+            let x = s.record(n.ino).await?.ok_or_else(|| Error::NotFound(path.into()))?;
+            let also = match &under {
+                Some(p) => s.range_ahead(p).await?,
+                None => Vec::new(),
+            };
             let nlink = match x.kind {
                 Kind::Dir if x.size != SUBDIRS_UNKNOWN => 2 + x.size as u32,
                 // A directory of a record before UBCS3N03: its entries are counted.
                 Kind::Dir => 2 + s.children(path).await?.iter().filter(|e| e.kind == Kind::Dir).count() as u32,
                 _ => 1,
             };
-            Ok((n.ino, Entry { attr: self.attr_of(&x, nlink), node: x, also }))
-        });
-        match &r {
-            Ok((ino, _)) if guess != Some(*ino) => self.hint(path, Some(*ino)),
-            Err(Error::NotFound(_)) => self.hint(path, None),
-            _ => {}
-        }
-        r.map(|(_, e)| e)
+            Ok(Entry { attr: self.attr_of(&x, nlink), node: x, also })
+        })
     }
 
     /// Remember that `path` names `ino` (`None`: nothing), as last read.
@@ -806,7 +766,7 @@ impl EtcdMeta {
         self.rt.block_on(async {
             for _ in attempts() {
                 let mut s = self.snap(path);
-                s.prefetch(&[path]).await?;
+                s.prefetch(&[path], None).await?;
                 let n = s.name(path).await?.ok_or_else(|| Error::NotFound(path.into()))?;
                 let mut x = s.record(n.ino).await?.ok_or_else(|| Error::NotFound(path.into()))?;
                 set.apply(&mut x.mode, &mut x.uid, &mut x.gid, &mut x.mtime, &mut x.atime);
@@ -824,7 +784,7 @@ impl EtcdMeta {
     pub(crate) fn readdir(&self, path: &str) -> Result<Vec<DirEntry>> {
         self.rt.block_on(async {
             let mut s = self.snap(path);
-            s.prefetch(&[path]).await?;
+            s.prefetch(&[path], None).await?;
             let n = match s.name(path).await? {
                 Some(n) if n.kind == Kind::Dir => n,
                 Some(_) => return Err(Error::NotDir(path.into())),
@@ -859,7 +819,7 @@ impl EtcdMeta {
             let mut ino = None;
             for _ in attempts() {
                 let mut s = self.snap(path);
-                s.prefetch(&[path, parent(path)]).await?;
+                s.prefetch(&[path, parent(path)], None).await?;
                 if s.name(path).await?.is_some() {
                     return Err(Error::Exists(path.into()));
                 }
@@ -913,7 +873,7 @@ impl EtcdMeta {
         self.rt.block_on(async {
             for _ in attempts() {
                 let mut s = self.snap(path);
-                s.prefetch(&[path, parent(path)]).await?;
+                s.prefetch(&[path, parent(path)], None).await?;
                 let n = match s.name(path).await? {
                     Some(n) if n.kind == Kind::Dir => return Err(Error::IsDir(path.into())),
                     Some(n) => n,
@@ -952,7 +912,7 @@ impl EtcdMeta {
         self.rt.block_on(async {
             for _ in attempts() {
                 let mut s = self.snap(path);
-                s.prefetch(&[path, parent(path)]).await?;
+                s.prefetch(&[path, parent(path)], None).await?;
                 let n = match s.name(path).await? {
                     Some(n) if n.kind != Kind::Dir => return Err(Error::NotDir(path.into())),
                     None => return Err(Error::NotFound(path.into())),
@@ -991,7 +951,7 @@ impl EtcdMeta {
     /// One attempt of [`EtcdMeta::rename`]: `None` if a compare failed.
     async fn rename_attempt(&self, from: &str, to: &str, how: Rename) -> Result<Option<Option<StoredNode>>> {
         let mut s = self.snap(from);
-        s.prefetch(&[from, to, parent(from), parent(to)]).await?;
+        s.prefetch(&[from, to, parent(from), parent(to)], None).await?;
         let tn = s.name(to).await?;
         if how == Rename::NoReplace && tn.is_some() {
             return Err(Error::Exists(to.into()));
@@ -1151,7 +1111,7 @@ impl EtcdMeta {
     pub(crate) fn readlink(&self, path: &str) -> Result<String> {
         self.rt.block_on(async {
             let mut s = self.snap(path);
-            s.prefetch(&[path]).await?;
+            s.prefetch(&[path], None).await?;
             let n = s.name(path).await?.ok_or_else(|| Error::NotFound(path.into()))?;
             let x = s.record(n.ino).await?.ok_or_else(|| Error::NotFound(path.into()))?;
             x.target.ok_or_else(|| Error::Invalid(format!("{path}: not a symbolic link")))
