@@ -818,7 +818,7 @@ impl Drop for S3File {
             let objects: Vec<ObjPath> =
                 st.chunks.iter().flat_map(|(&idx, c)| self.shared.chunk_objects(self.ino, idx, c)).collect();
             drop(st);
-            self.shared.gone.lock().extend(objects);
+            self.shared.garbage.lock().extend(objects);
         }
     }
 }

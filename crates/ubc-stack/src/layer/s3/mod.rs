@@ -199,12 +199,9 @@ pub(crate) struct Shared {
     /// `endpoint/bucket/prefix`, naming the store in identities and messages.
     pub(crate) id: String,
     next_version: AtomicU64,
-    /// Chunk objects no committed tree will name once the next commit is done: deleted
-    /// after it.
+    /// Chunk objects no committed tree will name once the next commit is done — versions
+    /// replaced, and every object of files unlinked and closed: deleted after it.
     pub(crate) garbage: Mutex<Vec<ObjPath>>,
-    /// The objects of files unlinked and closed (the tree mode): they go after the next
-    /// commit, which no longer names them.
-    pub(crate) gone: Mutex<Vec<ObjPath>>,
     /// GETs and their bytes: shared with the fetch tasks on the runtime, which must not
     /// hold the layer (a task holding the last reference would drop the runtime inside
     /// itself, which tokio refuses with a panic).
@@ -389,12 +386,11 @@ impl Inner {
             f.flush()?;
         }
         self.tree.changed.store(false, Relaxed);
-        let (bytes, garbage, gone) = {
+        let (bytes, garbage) = {
             let nodes = self.tree.nodes.lock();
             // Taken under the tree's lock, before the files' states are read: a version
             // listed here was replaced in its file's state before it was listed.
             let garbage = std::mem::take(&mut *self.shared.garbage.lock());
-            let gone = std::mem::take(&mut *self.shared.gone.lock());
             let stored = nodes
                 .iter()
                 .map(|(p, n)| {
@@ -428,7 +424,7 @@ impl Inner {
                 chunk_size: self.shared.chunk as u32,
                 nodes: stored,
             };
-            (t.encode(), garbage, gone)
+            (t.encode(), garbage)
         };
         let store = self.shared.store.clone();
         let path = self.shared.tree_path(*seq + 1);
@@ -437,7 +433,6 @@ impl Inner {
         if let Err(e) = r {
             // Not committed: what was to go stays listed for the next commit.
             self.shared.garbage.lock().extend(garbage);
-            self.shared.gone.lock().extend(gone);
             self.tree.changed.store(true, Relaxed);
             return Err(io_err(e));
         }
@@ -447,7 +442,6 @@ impl Inner {
         // The tree before this one is kept (a reader that listed before this commit reads
         // it); older ones go.
         let mut stale = garbage;
-        stale.extend(gone);
         if *seq >= 3 {
             stale.push(self.shared.tree_path(*seq - 2));
         }
@@ -588,7 +582,6 @@ impl S3 {
             // two processes — never upload to the same object name.
             next_version: AtomicU64::new(epoch() << 32),
             garbage: Mutex::new(Vec::new()),
-            gone: Mutex::new(Vec::new()),
             gets: Arc::new(GetCounts::default()),
             puts: AtomicU64::new(0),
             put_bytes: AtomicU64::new(0),
