@@ -369,8 +369,7 @@ impl Machine {
     /// Who holds the write token, by the token keys `keys` read under
     /// [`Machine::token_prefix`] (at the revision the file's record was read at).
     pub(crate) fn writer(&self, keys: &[KeyValue]) -> Writer {
-        let mine = self.inner.tkey(0, self.inner.id);
-        let mine = &mine[mine.rfind('/').unwrap_or(0)..];
+        let mine = format!("/{:016x}", self.inner.id);
         let mut w = Writer::Nobody;
         for kv in keys.iter().filter(|kv| mode_of(kv.value()) == Some(Mode::Write)) {
             if kv.key().ends_with(mine.as_bytes()) {

@@ -320,13 +320,10 @@ impl SharedFs {
         let lease = self.machine.lease().map_err(|e| Error::io(path, e))?;
         let token = |ino| self.machine.created_token(ino, lease);
         let ino = self.meta.add_with(path, Kind::File, mode, 0, None, Some(&token))?;
-        let mut files = self.files.lock();
-        if files.get(&ino).and_then(Weak::upgrade).is_none() {
-            let f = S3File::shared_file(shared.clone(), Arc::downgrade(self), ino, 0, Default::default());
-            files.insert(ino, Arc::downgrade(&f));
-            drop(files);
-            f.token().expect("a shared file has a token").created(lease);
-        }
+        // A new inode: no file of this machine has it yet.
+        let f = S3File::shared_file(shared.clone(), Arc::downgrade(self), ino, 0, Default::default());
+        self.files.lock().insert(ino, Arc::downgrade(&f));
+        f.token().expect("a shared file has a token").created(lease);
         Ok(())
     }
 
