@@ -610,17 +610,24 @@ impl Throttle {
     }
 }
 
-#[test]
-fn a_slow_or_stalled_server_delays_or_fails_a_sync_and_loses_nothing() {
-    let Some(_) = server("a_slow_or_stalled_server") else { return };
+/// A server of the test's own over a fresh directory with bucket `bucket`, behind a
+/// [`Throttle`]; `None` (the test skips) without the server binary, unless it is required.
+fn own_server_behind_a_proxy(test: &str, bucket: &str) -> Option<(tempfile::TempDir, OwnServer, Throttle)> {
+    server(test)?;
     let Ok(bin) = std::env::var("UBC_TEST_S3FS") else {
         assert!(std::env::var("UBC_TEST_S3_REQUIRED").as_deref() != Ok("1"), "UBC_TEST_S3FS (the server binary) unset");
-        return;
+        return None;
     };
     let root = tempfile::tempdir().unwrap();
-    std::fs::create_dir(root.path().join("ubc-slow")).unwrap();
+    std::fs::create_dir(root.path().join(bucket)).unwrap();
     let srv = OwnServer::start(&bin, root.path(), None);
     let proxy = Throttle::start(srv.port);
+    Some((root, srv, proxy))
+}
+
+#[test]
+fn a_slow_or_stalled_server_delays_or_fails_a_sync_and_loses_nothing() {
+    let Some((_root, srv, proxy)) = own_server_behind_a_proxy("a_slow_or_stalled_server", "ubc-slow") else { return };
     let via = format!("s3:ubc-slow/p?endpoint=http://127.0.0.1:{}&chunk=64K&timeout=1&retry_timeout=3", proxy.port);
     let s = Stack::open(&via, cache(1 << 20)).unwrap();
     let mut model = data(31, 400_000);
@@ -663,15 +670,7 @@ fn a_slow_or_stalled_server_delays_or_fails_a_sync_and_loses_nothing() {
 /// 60 s here). What is left is garbage: no file names it.
 #[test]
 fn deletions_a_server_holds_delay_a_sync_or_a_drop_only_briefly() {
-    let Some(_) = server("deletions_a_server_holds") else { return };
-    let Ok(bin) = std::env::var("UBC_TEST_S3FS") else {
-        assert!(std::env::var("UBC_TEST_S3_REQUIRED").as_deref() != Ok("1"), "UBC_TEST_S3FS (the server binary) unset");
-        return;
-    };
-    let root = tempfile::tempdir().unwrap();
-    std::fs::create_dir(root.path().join("ubc-held")).unwrap();
-    let srv = OwnServer::start(&bin, root.path(), None);
-    let proxy = Throttle::start(srv.port);
+    let Some((_root, srv, proxy)) = own_server_behind_a_proxy("deletions_a_server_holds", "ubc-held") else { return };
     let o = S3Options::parse(&format!(
         "ubc-held/p?endpoint=http://127.0.0.1:{}&chunk=64K&timeout=20&retry_timeout=60",
         proxy.port
