@@ -114,7 +114,7 @@ pub(crate) struct EtcdMeta {
     /// Inode numbers this machine took from `next_ino` and has not given yet.
     inos: parking_lot::Mutex<std::ops::Range<u64>>,
     /// The inode each name had when last read here (at most `HINTS` names): a guess that
-    /// lets a name, its record and its tokens be read in one round trip (`Snap::entry`).
+    /// lets a name, its record and its tokens be read in one round trip (`Snap::prefetch`).
     /// Never trusted: the name is read with them, and a guess found wrong costs a second.
     hints: parking_lot::Mutex<HashMap<String, u64>>,
     /// Requests sent to etcd by the namespace (reads and transactions), for the tests and
